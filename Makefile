@@ -1,0 +1,50 @@
+# The commands README, CI and people run. `make demo` and `make test` are the two set-up
+# commands: each builds what it needs first.
+
+SHELL := /bin/bash
+CARGO ?= cargo
+FAKE_DIR := target/fake-cuda
+FAKE_LIB := $(FAKE_DIR)/libcuda.so.1
+
+.PHONY: all build fake-cuda demo test test-rust lint fmt gpu-dist clean
+
+all: lint test
+
+build:
+	$(CARGO) build --release --workspace
+
+# The fake CUDA driver (host memory behind the driver API) for tests and GPU-less demos.
+fake-cuda:
+	$(CARGO) build --release -p fake-cuda
+	mkdir -p $(FAKE_DIR) && cp target/release/libcuda.so $(FAKE_LIB)
+
+# A staged pause/resume cycle: on the GPU when there is one, else on the fake driver.
+demo: build fake-cuda
+	target/release/memsaver demo
+
+# Everything CI runs. Each run gets its own fake-driver state directory, so concurrent runs
+# and other users of the fake driver do not see each other's memory.
+test: fake-cuda test-rust
+
+test-rust:
+	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
+	trap 'rm -rf "$$state"' EXIT; \
+	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) MEMSAVER_FAKE_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) \
+	FAKE_CUDA_DIR=$$state $(CARGO) test --release --workspace
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+# Binaries for a lent GPU machine (no Rust toolchain there): carry .dist in the device call.
+gpu-dist: build fake-cuda
+	mkdir -p .dist
+	cp target/release/memsaver target/release/libmemsaver.so .dist/
+	cp -r tests/gpu .dist/
+
+clean:
+	$(CARGO) clean
+	rm -rf .dist

@@ -1,0 +1,247 @@
+//! The allocator: allocation, free, stats. Pause and resume live in `engine.rs`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::backup::HostBuffer;
+use crate::device::Device;
+use crate::driver::{Driver, Handle};
+use crate::error::{Error, Result};
+use crate::stats::Stats;
+use crate::table::{Allocation, Phase, Table};
+use crate::types::{Policy, State};
+
+/// One tag-based VMM allocator. A process normally has exactly one, [`crate::global`]; tests
+/// may build more over the same driver.
+pub struct Allocator {
+    pub(crate) driver: Arc<Driver>,
+    /// Guards the map of opened devices only; a device is opened once and never closed.
+    devices: Mutex<HashMap<i32, Arc<Device>>>,
+    /// Guards the allocation table and the tag registry. Held for bookkeeping only, never
+    /// across a driver call, so allocations proceed while a pause copies or unmaps.
+    pub(crate) table: Mutex<Table>,
+    /// Serialises pause and resume: one transition at a time per allocator. malloc and free
+    /// never take it.
+    pub(crate) transition: Mutex<()>,
+}
+
+impl Allocator {
+    pub fn new(driver: Arc<Driver>) -> Self {
+        Self {
+            driver,
+            devices: Mutex::new(HashMap::new()),
+            table: Mutex::new(Table::default()),
+            transition: Mutex::new(()),
+        }
+    }
+
+    pub fn driver(&self) -> &Arc<Driver> {
+        &self.driver
+    }
+
+    pub(crate) fn device(&self, ordinal: i32) -> Result<Arc<Device>> {
+        let mut devices = self.devices.lock();
+        if let Some(d) = devices.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(Device::open(&self.driver, ordinal).map_err(|e| {
+            if e.code == crate::driver::sys::CUDA_ERROR_INVALID_DEVICE {
+                Error::InvalidArgument(format!(
+                    "device {ordinal} does not exist ({} device(s) visible)",
+                    self.driver.device_count().unwrap_or(0)
+                ))
+            } else {
+                e.into()
+            }
+        })?);
+        devices.insert(ordinal, d.clone());
+        Ok(d)
+    }
+
+    /// The VMM granularity of `device`: allocation sizes are rounded up to it.
+    pub fn granularity(&self, device: i32) -> Result<usize> {
+        Ok(self.device(device)?.granularity)
+    }
+
+    /// Registers `tag` without allocating, so it can be paused, resumed and listed.
+    pub fn register_tag(&self, tag: &str) -> Result<()> {
+        validate_tag(tag)?;
+        self.table.lock().intern(tag);
+        Ok(())
+    }
+
+    /// Allocates `size` bytes (rounded up to the granularity) on `device`, tagged `tag`.
+    /// Returns the device address, which stays the same for the allocation's whole life.
+    pub fn malloc(&self, size: usize, device: i32, tag: &str, policy: Policy) -> Result<u64> {
+        validate_tag(tag)?;
+        if size == 0 {
+            return Err(Error::InvalidArgument("cannot allocate 0 bytes".into()));
+        }
+        let tag = {
+            let mut t = self.table.lock();
+            let tag = t.intern(tag);
+            if t.tags[&tag].paused {
+                return Err(Error::TagPaused { tag: tag.to_string() });
+            }
+            tag
+        };
+        let dev = self.device(device)?;
+        let size = dev.round_up(size);
+        let d = &self.driver;
+        let (ptr, handle) = d.with_context(dev.ctx, || {
+            let ptr = d.reserve(size, dev.granularity)?;
+            let handle = match d.create(dev.ordinal, size, false) {
+                Ok(h) => h,
+                Err(e) => {
+                    // SAFETY: reserved just above, nothing mapped.
+                    let _ = unsafe { d.address_free(ptr, size) };
+                    return Err(e);
+                }
+            };
+            // SAFETY: `ptr..ptr+size` was reserved above and is unmapped.
+            if let Err(e) = unsafe { d.map(ptr, size, handle, dev.ordinal) } {
+                let _ = d.release(handle);
+                // SAFETY: as above; the failed map left nothing mapped.
+                let _ = unsafe { d.address_free(ptr, size) };
+                return Err(e);
+            }
+            Ok((ptr, handle))
+        })
+        .map_err(|e| {
+            if e.is_out_of_memory() {
+                Error::OutOfMemory { tag: tag.to_string(), device, bytes: size as u64, source: e }
+            } else {
+                e.into()
+            }
+        })?;
+
+        let alloc = Allocation {
+            tag: tag.clone(),
+            device: dev.clone(),
+            size,
+            policy,
+            phase: Phase::Resident(handle),
+            backup: None,
+            generation: 0,
+            free_pending: false,
+        };
+        let mut t = self.table.lock();
+        if t.tags[&tag].paused {
+            // The tag was paused while we were mapping: undo rather than hand out memory that
+            // the pause did not see.
+            drop(t);
+            self.release(alloc, ptr);
+            return Err(Error::TagPaused { tag: tag.to_string() });
+        }
+        t.allocations.insert(ptr, alloc);
+        tracing::debug!(tag = %tag, ptr = format_args!("{ptr:#x}"), bytes = size, device, %policy, "malloc");
+        Ok(ptr)
+    }
+
+    /// Frees an allocation in any state, releasing its physical memory, its address range and
+    /// its backup. If a pause or resume is working on it, it is freed when that finishes.
+    pub fn free(&self, ptr: u64) -> Result<()> {
+        let alloc = {
+            let mut t = self.table.lock();
+            let Some(a) = t.allocations.get_mut(&ptr) else {
+                return Err(Error::UnknownPointer { ptr });
+            };
+            if matches!(a.phase, Phase::Pausing | Phase::Resuming) {
+                a.free_pending = true;
+                return Ok(());
+            }
+            t.allocations.remove(&ptr).expect("present: looked up under the same lock")
+        };
+        tracing::debug!(tag = %alloc.tag, ptr = format_args!("{ptr:#x}"), bytes = alloc.size, "free");
+        self.release(alloc, ptr);
+        Ok(())
+    }
+
+    /// Releases everything an allocation removed from the table holds. Failures are logged:
+    /// the allocation is gone from the caller's point of view either way.
+    pub(crate) fn release(&self, alloc: Allocation, ptr: u64) {
+        let d = &self.driver;
+        let dev = &alloc.device;
+        let r = d.with_context(dev.ctx, || {
+            if let Phase::Resident(h) = alloc.phase {
+                // Like cudaFree: wait until no queued work can touch the memory.
+                d.synchronize()?;
+                // SAFETY: mapped while resident; the device is idle.
+                unsafe { d.unmap(ptr, alloc.size) }?;
+                d.release(h)?;
+            }
+            // SAFETY: the range is ours and now unmapped; the caller dropped it from the table.
+            unsafe { d.address_free(ptr, alloc.size) }
+        });
+        if let Err(e) = r {
+            tracing::error!(tag = %alloc.tag, ptr = format_args!("{ptr:#x}"), error = %e, "free failed; memory may leak");
+        }
+        drop(alloc.backup);
+    }
+
+    /// The state of the allocation at `ptr`, if memsaver made it.
+    pub fn state(&self, ptr: u64) -> Option<State> {
+        self.table.lock().allocations.get(&ptr).map(|a| a.phase.state())
+    }
+
+    /// The allocation containing `ptr` (any address inside it): (base, size, tag).
+    pub fn lookup(&self, ptr: u64) -> Option<(u64, usize, String)> {
+        let t = self.table.lock();
+        t.allocations
+            .iter()
+            .find(|(base, a)| ptr >= **base && ptr < **base + a.size as u64)
+            .map(|(base, a)| (*base, a.size, a.tag.to_string()))
+    }
+
+    /// Every tag used so far, in name order.
+    pub fn tags(&self) -> Vec<String> {
+        self.table.lock().known_tags()
+    }
+
+    pub fn stats(&self) -> Stats {
+        Stats::collect(&self.table.lock())
+    }
+
+    /// Free and total bytes of `device` as the driver reports them.
+    pub fn device_memory(&self, device: i32) -> Result<(usize, usize)> {
+        let dev = self.device(device)?;
+        Ok(self.driver.with_context(dev.ctx, || self.driver.mem_info())?)
+    }
+
+    pub(crate) fn new_backup(&self, len: usize) -> Result<HostBuffer> {
+        Ok(HostBuffer::new(&self.driver, len)?)
+    }
+
+    pub(crate) fn release_handle_logged(&self, h: Handle, ptr: u64) {
+        if let Err(e) = self.driver.release(h) {
+            tracing::error!(ptr = format_args!("{ptr:#x}"), error = %e, "cuMemRelease failed; physical memory may leak");
+        }
+    }
+}
+
+impl Drop for Allocator {
+    fn drop(&mut self) {
+        let allocations: Vec<_> = self.table.get_mut().allocations.drain().collect();
+        for (ptr, a) in allocations {
+            self.release(a, ptr);
+        }
+        for (_, dev) in self.devices.get_mut().drain() {
+            let _ = self.driver.with_context(dev.ctx, || self.driver.stream_destroy(dev.stream));
+        }
+    }
+}
+
+pub(crate) fn validate_tag(tag: &str) -> Result<()> {
+    let ok = !tag.is_empty()
+        && tag.len() <= 64
+        && tag.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "invalid tag {tag:?}: use 1 to 64 characters from letters, digits, '_', '-' and '.'"
+        )))
+    }
+}

@@ -1,0 +1,498 @@
+//! The driver-primitive layer: the only code in memsaver that calls the CUDA driver.
+//!
+//! # Contract
+//!
+//! * The driver library is opened at run time with `dlopen` (default `libcuda.so.1`, or the path
+//!   in `MEMSAVER_CUDA_LIB`), so everything builds and runs on machines without CUDA. The fake
+//!   driver in `tests/fake-cuda` is swapped in by pointing the loader at it: there is no
+//!   test-only branch in the allocator.
+//! * A missing library or symbol is a [`LoadError`] value, never a panic.
+//! * Every call returns `Result<_, DriverError>`; a `DriverError` names the entry point and the
+//!   driver's status code (`cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY`).
+//! * Functions that take raw device or host addresses are `unsafe`: the caller guarantees the
+//!   ranges are valid for the operation. Handles, streams and events are plain values; their
+//!   owners (the allocator's tables) release them.
+//! * Nothing here takes a lock or keeps state besides the immutable table of entry points, so
+//!   every function may be called from any thread at any time.
+//!
+//! Calls that need a current context (copies, streams, events, `cuMemGetInfo`) are made inside
+//! [`Driver::with_context`].
+
+pub mod sys;
+
+use std::ffi::{CStr, CString, c_int, c_void};
+use std::fmt;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+
+use sys::*;
+
+/// A failed driver call: which entry point, and the status code it returned.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct DriverError {
+    pub call: &'static str,
+    pub code: CUresult,
+}
+
+impl DriverError {
+    pub fn is_out_of_memory(&self) -> bool {
+        self.code == CUDA_ERROR_OUT_OF_MEMORY
+    }
+}
+
+/// The symbolic name of a status code, as `cuGetErrorName` would give it, without needing a
+/// loaded driver (errors must be printable after the driver failed to load).
+pub fn error_name(code: CUresult) -> &'static str {
+    match code {
+        CUDA_SUCCESS => "CUDA_SUCCESS",
+        CUDA_ERROR_INVALID_VALUE => "CUDA_ERROR_INVALID_VALUE",
+        CUDA_ERROR_OUT_OF_MEMORY => "CUDA_ERROR_OUT_OF_MEMORY",
+        CUDA_ERROR_NOT_INITIALIZED => "CUDA_ERROR_NOT_INITIALIZED",
+        CUDA_ERROR_NO_DEVICE => "CUDA_ERROR_NO_DEVICE",
+        CUDA_ERROR_INVALID_DEVICE => "CUDA_ERROR_INVALID_DEVICE",
+        CUDA_ERROR_INVALID_CONTEXT => "CUDA_ERROR_INVALID_CONTEXT",
+        CUDA_ERROR_ALREADY_MAPPED => "CUDA_ERROR_ALREADY_MAPPED",
+        CUDA_ERROR_NOT_MAPPED => "CUDA_ERROR_NOT_MAPPED",
+        CUDA_ERROR_INVALID_HANDLE => "CUDA_ERROR_INVALID_HANDLE",
+        CUDA_ERROR_NOT_FOUND => "CUDA_ERROR_NOT_FOUND",
+        CUDA_ERROR_NOT_READY => "CUDA_ERROR_NOT_READY",
+        CUDA_ERROR_NOT_PERMITTED => "CUDA_ERROR_NOT_PERMITTED",
+        CUDA_ERROR_NOT_SUPPORTED => "CUDA_ERROR_NOT_SUPPORTED",
+        CUDA_ERROR_UNKNOWN => "CUDA_ERROR_UNKNOWN",
+        _ => "CUDA_ERROR (see cuda.h)",
+    }
+}
+
+impl fmt::Display for DriverError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {} ({})", self.call, error_name(self.code), self.code)
+    }
+}
+
+impl fmt::Debug for DriverError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl std::error::Error for DriverError {}
+
+/// The driver could not be opened or initialised.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    #[error(
+        "cannot open the CUDA driver library '{path}': {reason}; install the NVIDIA driver, or set \
+         MEMSAVER_CUDA_LIB to the path of libcuda.so.1 (or of the fake driver for tests)"
+    )]
+    Library { path: String, reason: String },
+    #[error(
+        "the CUDA driver '{path}' has no symbol '{symbol}'; memsaver needs a CUDA 12.0 or newer driver"
+    )]
+    Symbol { path: String, symbol: &'static str },
+    #[error("cuInit failed: {0}; is a GPU visible to this process (CUDA_VISIBLE_DEVICES)?")]
+    Init(DriverError),
+}
+
+fn check(call: &'static str, code: CUresult) -> Result<(), DriverError> {
+    if code == CUDA_SUCCESS { Ok(()) } else { Err(DriverError { call, code }) }
+}
+
+macro_rules! entry_points {
+    ($($name:ident),* $(,)?) => {
+        /// The resolved entry points, one field per C function, named as in `cuda.h`.
+        #[allow(non_snake_case)]
+        struct EntryPoints { $($name: fns::$name,)* }
+
+        impl EntryPoints {
+            /// # Safety
+            /// `lib` must be a live handle returned by `dlopen`.
+            unsafe fn resolve(lib: *mut c_void, path: &str) -> Result<Self, LoadError> {
+                Ok(Self { $($name: {
+                    let name = concat!(stringify!($name), "\0");
+                    // SAFETY: `lib` is a live dlopen handle and `name` is NUL-terminated.
+                    let p = unsafe { libc::dlsym(lib, name.as_ptr().cast()) };
+                    if p.is_null() {
+                        return Err(LoadError::Symbol { path: path.to_owned(), symbol: stringify!($name) });
+                    }
+                    // SAFETY: the symbol is the driver function of that name, whose C signature
+                    // is the one `fns::$name` spells out (sys.rs mirrors cuda.h).
+                    unsafe { std::mem::transmute::<*mut c_void, fns::$name>(p) }
+                },)* })
+            }
+        }
+    };
+}
+
+entry_points!(
+    cuInit,
+    cuDriverGetVersion,
+    cuDeviceGetCount,
+    cuDeviceGet,
+    cuDevicePrimaryCtxRetain,
+    cuCtxPushCurrent_v2,
+    cuCtxPopCurrent_v2,
+    cuCtxSynchronize,
+    cuMemGetInfo_v2,
+    cuMemGetAllocationGranularity,
+    cuMemCreate,
+    cuMemRelease,
+    cuMemAddressReserve,
+    cuMemAddressFree,
+    cuMemMap,
+    cuMemUnmap,
+    cuMemSetAccess,
+    cuMemExportToShareableHandle,
+    cuMemImportFromShareableHandle,
+    cuStreamCreate,
+    cuStreamSynchronize,
+    cuStreamDestroy_v2,
+    cuEventCreate,
+    cuEventRecord,
+    cuEventSynchronize,
+    cuEventDestroy_v2,
+    cuMemcpyDtoHAsync_v2,
+    cuMemcpyHtoDAsync_v2,
+    cuMemsetD8_v2,
+    cuMemHostAlloc,
+    cuMemFreeHost,
+);
+
+/// A physical allocation handle (`CUmemGenericAllocationHandle`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Handle(pub CUmemGenericAllocationHandle);
+
+/// A primary context, retained for the life of the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Context(CUcontext);
+// SAFETY: a CUcontext is a process-wide driver object; the driver allows any thread to make it
+// current.
+unsafe impl Send for Context {}
+// SAFETY: as above; the pointer is only passed back to the driver.
+unsafe impl Sync for Context {}
+
+/// A stream (`CUstream`). Destroy with [`Driver::stream_destroy`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stream(CUstream);
+// SAFETY: streams may be used from any thread; the driver serialises work on them.
+unsafe impl Send for Stream {}
+// SAFETY: as above.
+unsafe impl Sync for Stream {}
+
+/// An event (`CUevent`). Destroy with [`Driver::event_destroy`].
+#[derive(Debug)]
+pub struct Event(CUevent);
+// SAFETY: events may be recorded and waited on from any thread.
+unsafe impl Send for Event {}
+
+/// The opened CUDA driver.
+pub struct Driver {
+    path: String,
+    /// Kept only to show the library is never closed: memory mapped through it outlives any
+    /// value, and unloading libcuda while the process has contexts is never safe.
+    #[allow(dead_code)]
+    lib: *mut c_void,
+    f: EntryPoints,
+    version: c_int,
+}
+
+// SAFETY: `lib` is only used to keep the library loaded; the entry points are plain function
+// pointers into a thread-safe C library.
+unsafe impl Send for Driver {}
+// SAFETY: as above; `Driver` holds no interior mutability.
+unsafe impl Sync for Driver {}
+
+impl fmt::Debug for Driver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Driver").field("path", &self.path).field("version", &self.version).finish()
+    }
+}
+
+impl Driver {
+    /// Opens the driver library at `path` (a file name searched the usual way, or a path),
+    /// resolves every entry point memsaver uses and calls `cuInit(0)`.
+    pub fn load(path: &str) -> Result<Self, LoadError> {
+        let c_path = CString::new(path).map_err(|_| LoadError::Library {
+            path: path.to_owned(),
+            reason: "the path contains a NUL byte".into(),
+        })?;
+        // SAFETY: `c_path` is NUL-terminated. RTLD_LOCAL keeps the driver's symbols out of the
+        // global namespace, so a preloaded interposer of ours never sees them by accident.
+        let lib = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if lib.is_null() {
+            return Err(LoadError::Library { path: path.to_owned(), reason: dlerror_string() });
+        }
+        // SAFETY: `lib` is the live handle just returned.
+        let f = unsafe { EntryPoints::resolve(lib, path) }?;
+        // SAFETY: cuInit takes no pointers.
+        check("cuInit", unsafe { (f.cuInit)(0) }).map_err(LoadError::Init)?;
+        let mut version = 0;
+        // SAFETY: `version` is a valid out-pointer.
+        check("cuDriverGetVersion", unsafe { (f.cuDriverGetVersion)(&mut version) })
+            .map_err(LoadError::Init)?;
+        Ok(Self { path: path.to_owned(), lib, f, version })
+    }
+
+    /// The path the driver was opened from.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The driver's CUDA version, e.g. 12080 for 12.8.
+    pub fn version(&self) -> i32 {
+        self.version
+    }
+
+    pub fn device_count(&self) -> Result<i32, DriverError> {
+        let mut n = 0;
+        // SAFETY: `n` is a valid out-pointer.
+        check("cuDeviceGetCount", unsafe { (self.f.cuDeviceGetCount)(&mut n) })?;
+        Ok(n)
+    }
+
+    /// Retains the primary context of device `ordinal`. The retain is never released: the
+    /// context lives as long as the process, like the CUDA runtime's.
+    pub fn primary_context(&self, ordinal: i32) -> Result<Context, DriverError> {
+        let mut dev: CUdevice = 0;
+        // SAFETY: `dev` is a valid out-pointer.
+        check("cuDeviceGet", unsafe { (self.f.cuDeviceGet)(&mut dev, ordinal) })?;
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: `ctx` is a valid out-pointer.
+        check("cuDevicePrimaryCtxRetain", unsafe { (self.f.cuDevicePrimaryCtxRetain)(&mut ctx, dev) })?;
+        Ok(Context(ctx))
+    }
+
+    /// Runs `f` with `ctx` current on this thread, restoring the caller's context afterwards.
+    pub fn with_context<T>(
+        &self,
+        ctx: Context,
+        f: impl FnOnce() -> Result<T, DriverError>,
+    ) -> Result<T, DriverError> {
+        // SAFETY: `ctx` is a retained primary context.
+        check("cuCtxPushCurrent", unsafe { (self.f.cuCtxPushCurrent_v2)(ctx.0) })?;
+        let out = f();
+        let mut popped: CUcontext = std::ptr::null_mut();
+        // SAFETY: `popped` is a valid out-pointer; we pushed exactly one context above.
+        let pop = check("cuCtxPopCurrent", unsafe { (self.f.cuCtxPopCurrent_v2)(&mut popped) });
+        let out = out?;
+        pop?;
+        Ok(out)
+    }
+
+    /// Waits until all work queued in the current context has finished.
+    pub fn synchronize(&self) -> Result<(), DriverError> {
+        // SAFETY: no arguments.
+        check("cuCtxSynchronize", unsafe { (self.f.cuCtxSynchronize)() })
+    }
+
+    /// (free, total) bytes of the current context's device.
+    pub fn mem_info(&self) -> Result<(usize, usize), DriverError> {
+        let (mut free, mut total) = (0, 0);
+        // SAFETY: both are valid out-pointers.
+        check("cuMemGetInfo", unsafe { (self.f.cuMemGetInfo_v2)(&mut free, &mut total) })?;
+        Ok((free, total))
+    }
+
+    fn device_prop(ordinal: i32, exportable: bool) -> CUmemAllocationProp {
+        CUmemAllocationProp {
+            type_: CU_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes: if exportable {
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            } else {
+                CU_MEM_HANDLE_TYPE_NONE
+            },
+            location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal },
+            ..Default::default()
+        }
+    }
+
+    /// The VMM granularity of device memory on `ordinal` (2 MiB on Hopper).
+    pub fn granularity(&self, ordinal: i32) -> Result<usize, DriverError> {
+        let prop = Self::device_prop(ordinal, false);
+        let mut g = 0;
+        // SAFETY: `g` and `prop` are valid for the call.
+        check("cuMemGetAllocationGranularity", unsafe {
+            (self.f.cuMemGetAllocationGranularity)(&mut g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        })?;
+        Ok(g)
+    }
+
+    /// Creates `size` bytes of physical memory on device `ordinal`; `exportable` asks for a
+    /// POSIX-fd shareable handle type.
+    pub fn create(&self, ordinal: i32, size: usize, exportable: bool) -> Result<Handle, DriverError> {
+        let prop = Self::device_prop(ordinal, exportable);
+        let mut h = 0;
+        // SAFETY: `h` and `prop` are valid for the call.
+        check("cuMemCreate", unsafe { (self.f.cuMemCreate)(&mut h, size, &prop, 0) })?;
+        Ok(Handle(h))
+    }
+
+    pub fn release(&self, h: Handle) -> Result<(), DriverError> {
+        // SAFETY: no pointers involved; an invalid handle is reported by the driver.
+        check("cuMemRelease", unsafe { (self.f.cuMemRelease)(h.0) })
+    }
+
+    /// Reserves `size` bytes of virtual address space aligned to `align`.
+    pub fn reserve(&self, size: usize, align: usize) -> Result<CUdeviceptr, DriverError> {
+        let mut p = 0;
+        // SAFETY: `p` is a valid out-pointer.
+        check("cuMemAddressReserve", unsafe { (self.f.cuMemAddressReserve)(&mut p, size, align, 0, 0) })?;
+        Ok(p)
+    }
+
+    /// # Safety
+    /// 1. `[ptr, ptr+size)` is a range returned by [`Driver::reserve`] with nothing mapped in it.
+    /// 2. No one uses addresses in it afterwards.
+    pub unsafe fn address_free(&self, ptr: CUdeviceptr, size: usize) -> Result<(), DriverError> {
+        // SAFETY: guaranteed by the caller.
+        check("cuMemAddressFree", unsafe { (self.f.cuMemAddressFree)(ptr, size) })
+    }
+
+    /// Maps `h` at `ptr` and grants device `ordinal` read-write access.
+    ///
+    /// # Safety
+    /// `[ptr, ptr+size)` lies in a reserved range and is not mapped.
+    pub unsafe fn map(&self, ptr: CUdeviceptr, size: usize, h: Handle, ordinal: i32) -> Result<(), DriverError> {
+        // SAFETY: guaranteed by the caller.
+        check("cuMemMap", unsafe { (self.f.cuMemMap)(ptr, size, 0, h.0, 0) })?;
+        let desc = CUmemAccessDesc {
+            location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal },
+            flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the range was just mapped; `desc` is valid for the call.
+        let access = check("cuMemSetAccess", unsafe { (self.f.cuMemSetAccess)(ptr, size, &desc, 1) });
+        if access.is_err() {
+            // SAFETY: we mapped this range above and nobody has seen it yet.
+            let _ = unsafe { (self.f.cuMemUnmap)(ptr, size) };
+        }
+        access
+    }
+
+    /// # Safety
+    /// 1. `[ptr, ptr+size)` is mapped.
+    /// 2. No work queued on the device still reads or writes it.
+    pub unsafe fn unmap(&self, ptr: CUdeviceptr, size: usize) -> Result<(), DriverError> {
+        // SAFETY: guaranteed by the caller.
+        check("cuMemUnmap", unsafe { (self.f.cuMemUnmap)(ptr, size) })
+    }
+
+    /// Exports `h` as a new POSIX file descriptor, owned by the caller.
+    pub fn export_fd(&self, h: Handle) -> Result<OwnedFd, DriverError> {
+        let mut fd: c_int = -1;
+        // SAFETY: for POSIX fds the driver writes one `int` to the out-pointer.
+        check("cuMemExportToShareableHandle", unsafe {
+            (self.f.cuMemExportToShareableHandle)(
+                (&mut fd as *mut c_int).cast(),
+                h.0,
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        // SAFETY: the driver just opened `fd` for us and nothing else owns it.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Imports a POSIX fd exported by [`Driver::export_fd`] (in any process). The caller keeps
+    /// ownership of `fd`.
+    pub fn import_fd(&self, fd: RawFd) -> Result<Handle, DriverError> {
+        let mut h = 0;
+        // SAFETY: for POSIX fds the driver reads the fd from the pointer value itself.
+        check("cuMemImportFromShareableHandle", unsafe {
+            (self.f.cuMemImportFromShareableHandle)(
+                &mut h,
+                fd as isize as *mut c_void,
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        })?;
+        Ok(Handle(h))
+    }
+
+    /// Creates a non-blocking stream in the current context.
+    pub fn stream_create(&self) -> Result<Stream, DriverError> {
+        let mut s: CUstream = std::ptr::null_mut();
+        // SAFETY: `s` is a valid out-pointer.
+        check("cuStreamCreate", unsafe { (self.f.cuStreamCreate)(&mut s, CU_STREAM_NON_BLOCKING) })?;
+        Ok(Stream(s))
+    }
+
+    pub fn stream_synchronize(&self, s: Stream) -> Result<(), DriverError> {
+        // SAFETY: `s` was created by `stream_create` and not destroyed.
+        check("cuStreamSynchronize", unsafe { (self.f.cuStreamSynchronize)(s.0) })
+    }
+
+    pub fn stream_destroy(&self, s: Stream) -> Result<(), DriverError> {
+        // SAFETY: `s` was created by `stream_create`; it is consumed here.
+        check("cuStreamDestroy", unsafe { (self.f.cuStreamDestroy_v2)(s.0) })
+    }
+
+    /// Records a new timing-free event on `s`.
+    pub fn event_record(&self, s: Stream) -> Result<Event, DriverError> {
+        let mut e: CUevent = std::ptr::null_mut();
+        // SAFETY: `e` is a valid out-pointer.
+        check("cuEventCreate", unsafe { (self.f.cuEventCreate)(&mut e, CU_EVENT_DISABLE_TIMING) })?;
+        // SAFETY: `e` and `s` are live.
+        if let Err(err) = check("cuEventRecord", unsafe { (self.f.cuEventRecord)(e, s.0) }) {
+            // SAFETY: `e` was created above and is not used again.
+            unsafe { (self.f.cuEventDestroy_v2)(e) };
+            return Err(err);
+        }
+        Ok(Event(e))
+    }
+
+    /// Waits for `e`, then destroys it.
+    pub fn event_wait(&self, e: Event) -> Result<(), DriverError> {
+        // SAFETY: `e` is live until destroyed below.
+        let r = check("cuEventSynchronize", unsafe { (self.f.cuEventSynchronize)(e.0) });
+        // SAFETY: `e` is consumed here.
+        let d = check("cuEventDestroy", unsafe { (self.f.cuEventDestroy_v2)(e.0) });
+        r.and(d)
+    }
+
+    /// # Safety
+    /// 1. `src..src+n` is mapped device memory and `dst..dst+n` is pinned host memory.
+    /// 2. Both stay valid until the copy completes on `s`.
+    pub unsafe fn copy_dtoh_async(&self, dst: *mut u8, src: CUdeviceptr, n: usize, s: Stream) -> Result<(), DriverError> {
+        // SAFETY: guaranteed by the caller.
+        check("cuMemcpyDtoHAsync", unsafe { (self.f.cuMemcpyDtoHAsync_v2)(dst.cast(), src, n, s.0) })
+    }
+
+    /// # Safety
+    /// 1. `dst..dst+n` is mapped device memory and `src..src+n` is pinned host memory.
+    /// 2. Both stay valid until the copy completes on `s`.
+    pub unsafe fn copy_htod_async(&self, dst: CUdeviceptr, src: *const u8, n: usize, s: Stream) -> Result<(), DriverError> {
+        // SAFETY: guaranteed by the caller.
+        check("cuMemcpyHtoDAsync", unsafe { (self.f.cuMemcpyHtoDAsync_v2)(dst, src.cast(), n, s.0) })
+    }
+
+    /// # Safety
+    /// `dst..dst+n` is mapped device memory.
+    pub unsafe fn memset_d8(&self, dst: CUdeviceptr, value: u8, n: usize) -> Result<(), DriverError> {
+        // SAFETY: guaranteed by the caller.
+        check("cuMemsetD8", unsafe { (self.f.cuMemsetD8_v2)(dst, value, n) })
+    }
+
+    /// Allocates `n` bytes of pinned (page-locked) host memory.
+    pub fn host_alloc(&self, n: usize) -> Result<*mut u8, DriverError> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `p` is a valid out-pointer.
+        check("cuMemHostAlloc", unsafe { (self.f.cuMemHostAlloc)(&mut p, n, CU_MEMHOSTALLOC_PORTABLE) })?;
+        Ok(p.cast())
+    }
+
+    /// # Safety
+    /// `p` came from [`Driver::host_alloc`], is not used afterwards, and no copy into or out of
+    /// it is pending.
+    pub unsafe fn host_free(&self, p: *mut u8) -> Result<(), DriverError> {
+        // SAFETY: guaranteed by the caller.
+        check("cuMemFreeHost", unsafe { (self.f.cuMemFreeHost)(p.cast()) })
+    }
+}
+
+fn dlerror_string() -> String {
+    // SAFETY: dlerror returns NULL or a NUL-terminated string owned by libc.
+    let e = unsafe { libc::dlerror() };
+    if e.is_null() {
+        "unknown dlopen error".into()
+    } else {
+        // SAFETY: non-null and NUL-terminated, per dlerror's contract.
+        unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+    }
+}

@@ -1,0 +1,386 @@
+//! Pause and resume: the state transitions of allocations, in three phases.
+//!
+//! 1. **Claim** (table lock): resolve the tags, move every affected allocation to `Pausing` or
+//!    `Resuming` and take its handle and backup out of the table into a [`Job`].
+//! 2. **Work** (no table lock): the driver calls. Copies are queued asynchronously on each
+//!    device's stream for all jobs first, and unmapping (pause) or mapping (resume) proceeds
+//!    while they run, so copy and VMM work overlap.
+//! 3. **Settle** (table lock): each job ends `Resident` if it holds a handle and `Paused` if
+//!    not, so a failure leaves every allocation in one of the two stable states. Frees requested
+//!    during the transition are carried out now.
+//!
+//! Pausing a paused allocation and resuming a resident one are no-ops: only `Resident`
+//! allocations are claimed by a pause and only `Paused` ones by a resume.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::allocator::Allocator;
+use crate::backup::HostBuffer;
+use crate::device::Device;
+use crate::driver::{DriverError, Event, Handle};
+use crate::error::{Error, Result};
+use crate::table::{Phase, Table};
+use crate::types::Policy;
+
+/// What one pause or resume did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Tags the call applied to.
+    pub tags: Vec<String>,
+    /// Allocations that changed state.
+    pub allocations: usize,
+    /// Device bytes released (pause) or mapped again (resume).
+    pub bytes: u64,
+    /// Of those, bytes copied to or from pinned host backups.
+    pub copied_bytes: u64,
+    pub elapsed: Duration,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Op {
+    Pause,
+    Resume,
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::Pause => "pause",
+            Op::Resume => "resume",
+        }
+    }
+}
+
+struct Job {
+    ptr: u64,
+    size: usize,
+    tag: Arc<str>,
+    device: Arc<Device>,
+    policy: Policy,
+    /// Some while physical memory is mapped: decides the state the job settles in.
+    handle: Option<Handle>,
+    backup: Option<HostBuffer>,
+    /// The copy queued for this job, waited on before the next step.
+    copy_done: Option<Event>,
+    error: Option<Error>,
+}
+
+impl Job {
+    fn copies(&self) -> bool {
+        self.policy == Policy::Cpu
+    }
+}
+
+impl Allocator {
+    /// Pauses every allocation of `tags` (all tags when empty): backs up `cpu`-policy contents
+    /// to pinned host memory, then unmaps and releases the physical memory. Addresses stay
+    /// reserved. New allocations with these tags are refused until they are resumed.
+    pub fn pause(&self, tags: &[&str]) -> Result<Report> {
+        self.transition(Op::Pause, tags)
+    }
+
+    /// Resumes every paused allocation of `tags` (all tags when empty) at its old address,
+    /// restoring backed-up contents. On running out of device memory it stops and returns
+    /// [`Error::ResumeOutOfMemory`]; what was resumed stays resident, the rest stays paused with
+    /// its backup, and calling resume again after freeing memory finishes the job.
+    pub fn resume(&self, tags: &[&str]) -> Result<Report> {
+        self.transition(Op::Resume, tags)
+    }
+
+    fn transition(&self, op: Op, tags: &[&str]) -> Result<Report> {
+        let _one_at_a_time = self.transition.lock();
+        let start = Instant::now();
+        let (tags, mut jobs) = self.claim(op, tags)?;
+        jobs.sort_by_key(|j| (j.device.ordinal, j.copies(), j.ptr));
+        match op {
+            Op::Pause => self.pause_jobs(&mut jobs),
+            Op::Resume => self.resume_jobs(&mut jobs),
+        }
+        let report = Report {
+            tags: tags.iter().map(|t| t.to_string()).collect(),
+            allocations: jobs.iter().filter(|j| j.error.is_none()).count(),
+            bytes: jobs.iter().filter(|j| j.error.is_none()).map(|j| j.size as u64).sum(),
+            copied_bytes: jobs
+                .iter()
+                .filter(|j| j.error.is_none() && j.copies() && j.backup.is_some())
+                .map(|j| j.size as u64)
+                .sum(),
+            elapsed: Duration::ZERO,
+        };
+        let result = self.settle(op, &tags, jobs);
+        let report = Report { elapsed: start.elapsed(), ..report };
+        tracing::info!(
+            op = op.name(),
+            tags = ?report.tags,
+            allocations = report.allocations,
+            bytes = report.bytes,
+            copied = report.copied_bytes,
+            ms = report.elapsed.as_secs_f64() * 1e3,
+            ok = result.is_ok(),
+        );
+        result.map(|()| report)
+    }
+
+    fn claim(&self, op: Op, names: &[&str]) -> Result<(Vec<Arc<str>>, Vec<Job>)> {
+        let mut t = self.table.lock();
+        let tags = resolve(&t, names)?;
+        if op == Op::Pause {
+            for tag in &tags {
+                t.tags.get_mut(tag).expect("resolved").paused = true;
+            }
+        }
+        let mut jobs = Vec::new();
+        for (&ptr, a) in t.allocations.iter_mut() {
+            if !tags.contains(&a.tag) {
+                continue;
+            }
+            let handle = match (op, &a.phase) {
+                (Op::Pause, Phase::Resident(h)) => {
+                    let h = *h;
+                    a.phase = Phase::Pausing;
+                    Some(h)
+                }
+                (Op::Resume, Phase::Paused) => {
+                    a.phase = Phase::Resuming;
+                    None
+                }
+                _ => continue,
+            };
+            jobs.push(Job {
+                ptr,
+                size: a.size,
+                tag: a.tag.clone(),
+                device: a.device.clone(),
+                policy: a.policy,
+                handle,
+                backup: a.backup.take(),
+                copy_done: None,
+                error: None,
+            });
+        }
+        Ok((tags, jobs))
+    }
+
+    fn pause_jobs(&self, jobs: &mut [Job]) {
+        let d = &self.driver;
+        // Nothing may still be running on memory we are about to copy or unmap.
+        let mut synced: Vec<i32> = Vec::new();
+        for j in jobs.iter_mut() {
+            if !synced.contains(&j.device.ordinal) {
+                synced.push(j.device.ordinal);
+                if let Err(e) = d.with_context(j.device.ctx, || d.synchronize()) {
+                    fail_device(jobs, synced[synced.len() - 1], e);
+                    break;
+                }
+            }
+        }
+        // Queue every backup copy; they run while the discard jobs are unmapped below.
+        for j in jobs.iter_mut().filter(|j| j.error.is_none() && j.copies()) {
+            if j.backup.is_none() {
+                match self.new_backup(j.size) {
+                    Ok(b) => j.backup = Some(b),
+                    Err(e) => {
+                        j.error = Some(e);
+                        continue;
+                    }
+                }
+            }
+            let dst = j.backup.as_mut().expect("set above").as_mut_ptr();
+            let r = d.with_context(j.device.ctx, || {
+                // SAFETY: the allocation is mapped (we hold its handle) and the backup is
+                // `size` bytes of pinned memory that lives in the job until the copy is waited on.
+                unsafe { d.copy_dtoh_async(dst, j.ptr, j.size, j.device.stream) }?;
+                d.event_record(j.device.stream)
+            });
+            match r {
+                Ok(e) => j.copy_done = Some(e),
+                Err(e) => j.error = Some(e.into()),
+            }
+        }
+        // Unmap and release, discard jobs first (sorted so), each copy job after its copy.
+        for j in jobs.iter_mut().filter(|j| j.error.is_none()) {
+            let h = j.handle.expect("pause jobs hold the handle");
+            let r = d.with_context(j.device.ctx, || {
+                if let Some(e) = j.copy_done.take() {
+                    d.event_wait(e)?;
+                }
+                // SAFETY: mapped; the device was synchronised and our copy has completed.
+                unsafe { d.unmap(j.ptr, j.size) }
+            });
+            match r {
+                Ok(()) => {
+                    self.release_handle_logged(h, j.ptr);
+                    j.handle = None;
+                }
+                Err(e) => j.error = Some(e.into()),
+            }
+        }
+    }
+
+    fn resume_jobs(&self, jobs: &mut [Job]) {
+        let d = &self.driver;
+        let mut out_of_memory: Vec<i32> = Vec::new();
+        for j in jobs.iter_mut() {
+            let dev = j.device.clone();
+            if out_of_memory.contains(&dev.ordinal) {
+                j.error = Some(oom(&j.device));
+                continue;
+            }
+            let src = j.backup.as_ref().filter(|_| j.copies()).map(HostBuffer::as_ptr);
+            let r = d.with_context(dev.ctx, || {
+                let h = d.create(dev.ordinal, j.size, false)?;
+                // SAFETY: the range is reserved by this allocation and unmapped while paused.
+                if let Err(e) = unsafe { d.map(j.ptr, j.size, h, dev.ordinal) } {
+                    let _ = d.release(h);
+                    return Err(e);
+                }
+                if let Some(src) = src {
+                    // SAFETY: just mapped; the backup stays in the job until the stream is
+                    // synchronised below.
+                    if let Err(e) = unsafe { d.copy_htod_async(j.ptr, src, j.size, dev.stream) } {
+                        // SAFETY: mapped above; no copy was queued.
+                        let _ = unsafe { d.unmap(j.ptr, j.size) };
+                        let _ = d.release(h);
+                        return Err(e);
+                    }
+                }
+                Ok(h)
+            });
+            match r {
+                Ok(h) => j.handle = Some(h),
+                Err(e) if e.is_out_of_memory() => {
+                    out_of_memory.push(dev.ordinal);
+                    j.error = Some(oom(&dev));
+                }
+                Err(e) => j.error = Some(e.into()),
+            }
+        }
+        // Wait for the restores; a device whose copies failed rolls its jobs back to paused.
+        let mut devices: Vec<Arc<Device>> = Vec::new();
+        for j in jobs.iter() {
+            if j.handle.is_some() && !devices.iter().any(|x| x.ordinal == j.device.ordinal) {
+                devices.push(j.device.clone());
+            }
+        }
+        for dev in devices {
+            if let Err(e) = d.with_context(dev.ctx, || d.stream_synchronize(dev.stream)) {
+                for j in jobs.iter_mut().filter(|j| j.device.ordinal == dev.ordinal) {
+                    if let Some(h) = j.handle.take() {
+                        // SAFETY: mapped by this resume; the failed stream has no pending work.
+                        let _ = d.with_context(dev.ctx, || unsafe { d.unmap(j.ptr, j.size) });
+                        self.release_handle_logged(h, j.ptr);
+                        j.error = Some(e.into());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes the jobs' outcomes back to the table and turns failures into one error.
+    fn settle(&self, op: Op, tags: &[Arc<str>], jobs: Vec<Job>) -> Result<()> {
+        let mut to_free = Vec::new();
+        let mut errors = Vec::new();
+        let mut oom_device = None;
+        let (mut done, mut still_paused, mut bytes_still_paused) = (0, 0, 0u64);
+        let mut tags_still_paused: Vec<Arc<str>> = Vec::new();
+        {
+            let mut t = self.table.lock();
+            for j in jobs {
+                let a = t.allocations.get_mut(&j.ptr).expect("claimed allocations stay in the table");
+                a.phase = match j.handle {
+                    Some(h) => Phase::Resident(h),
+                    None => Phase::Paused,
+                };
+                a.backup = j.backup;
+                match j.error {
+                    None => {
+                        done += 1;
+                        if op == Op::Resume {
+                            a.generation += 1;
+                        }
+                    }
+                    Some(e) => {
+                        if op == Op::Resume {
+                            still_paused += 1;
+                            bytes_still_paused += j.size as u64;
+                            if !tags_still_paused.contains(&j.tag) {
+                                tags_still_paused.push(j.tag.clone());
+                            }
+                            if matches!(e, Error::OutOfMemory { .. }) && oom_device.is_none() {
+                                oom_device = Some(j.device.ordinal);
+                            }
+                        }
+                        tracing::warn!(op = op.name(), tag = %j.tag, ptr = format_args!("{:#x}", j.ptr), error = %e, "allocation kept its state");
+                        errors.push(e);
+                    }
+                }
+                if a.free_pending {
+                    to_free.push((j.ptr, t.allocations.remove(&j.ptr).expect("present")));
+                }
+            }
+            if op == Op::Resume {
+                for tag in tags {
+                    if !tags_still_paused.contains(tag) {
+                        t.tags.get_mut(tag).expect("resolved").paused = false;
+                    }
+                }
+            }
+        }
+        for (ptr, a) in to_free {
+            self.release(a, ptr);
+        }
+        if let Some(device) = oom_device {
+            return Err(Error::ResumeOutOfMemory {
+                device,
+                tags: tags_still_paused.iter().map(|t| t.to_string()).collect(),
+                resumed: done,
+                still_paused,
+                bytes_still_paused,
+            });
+        }
+        if !errors.is_empty() {
+            return Err(Error::Incomplete {
+                op: op.name(),
+                tags: tags.iter().map(|t| t.to_string()).collect(),
+                failed: errors.len(),
+                first: Box::new(errors.swap_remove(0)),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn oom(dev: &Device) -> Error {
+    Error::OutOfMemory {
+        tag: String::new(),
+        device: dev.ordinal,
+        bytes: 0,
+        source: DriverError { call: "cuMemCreate", code: crate::driver::sys::CUDA_ERROR_OUT_OF_MEMORY },
+    }
+}
+
+fn fail_device(jobs: &mut [Job], ordinal: i32, e: DriverError) {
+    for j in jobs.iter_mut().filter(|j| j.device.ordinal == ordinal) {
+        j.error = Some(e.into());
+    }
+}
+
+/// The interned tags named by `names`, or every known tag when `names` is empty.
+fn resolve(t: &Table, names: &[&str]) -> Result<Vec<Arc<str>>> {
+    if names.is_empty() {
+        return Ok(t.tags.keys().cloned().collect());
+    }
+    let mut out: Vec<Arc<str>> = Vec::with_capacity(names.len());
+    for name in names {
+        match t.tags.get_key_value(*name) {
+            Some((k, _)) => {
+                if !out.contains(k) {
+                    out.push(k.clone());
+                }
+            }
+            None => return Err(Error::UnknownTag { tag: (*name).to_owned(), known: t.known_tags() }),
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,58 @@
+//! The allocator's error type. Every message says what went wrong and what to do about it.
+
+use crate::driver::{DriverError, LoadError};
+use crate::types::human_bytes;
+
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Load(#[from] LoadError),
+
+    #[error("CUDA driver call failed: {0}")]
+    Driver(#[from] DriverError),
+
+    #[error("unknown tag '{tag}'; known tags: {}", list_or_none(.known))]
+    UnknownTag { tag: String, known: Vec<String> },
+
+    #[error("tag '{tag}' is paused; resume it before allocating more memory with this tag")]
+    TagPaused { tag: String },
+
+    #[error("pointer {ptr:#x} was not allocated by memsaver (or was already freed)")]
+    UnknownPointer { ptr: u64 },
+
+    #[error(
+        "out of device memory allocating {} for tag '{tag}' on device {device} ({source}); free \
+         memory or pause other tags first",
+        human_bytes(*.bytes)
+    )]
+    OutOfMemory { tag: String, device: i32, bytes: u64, source: DriverError },
+
+    #[error(
+        "resume ran out of device memory on device {device}: {resumed} allocation(s) resumed, \
+         {still_paused} ({}) still paused in tag(s) {}; free device memory and call resume again",
+        human_bytes(*.bytes_still_paused),
+        .tags.join(", ")
+    )]
+    ResumeOutOfMemory {
+        device: i32,
+        tags: Vec<String>,
+        resumed: usize,
+        still_paused: usize,
+        bytes_still_paused: u64,
+    },
+
+    #[error(
+        "{op} of tag(s) {} left {failed} allocation(s) in their previous state: {first}",
+        .tags.join(", ")
+    )]
+    Incomplete { op: &'static str, tags: Vec<String>, failed: usize, first: Box<Error> },
+
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+fn list_or_none(v: &[String]) -> String {
+    if v.is_empty() { "(none yet: allocate with a tag first)".into() } else { v.join(", ") }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

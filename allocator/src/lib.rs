@@ -1,0 +1,47 @@
+//! memsaver's allocator core: one tag-based CUDA virtual-memory allocator per process.
+//!
+//! Every pausable byte is an allocation with a tag. [`Allocator::pause`] releases the physical
+//! memory of every allocation of the given tags and keeps their virtual ranges reserved;
+//! [`Allocator::resume`] maps fresh physical memory at the same addresses and restores the
+//! contents where the allocation's [`Policy`] says to. See [`types`] for the vocabulary and
+//! `docs/architecture.md` for the design.
+//!
+//! Modules, one topic each:
+//! * [`driver`]: the only code that calls the CUDA driver (loaded at run time).
+//! * `allocator`: malloc, free, stats; `engine`: pause and resume; `table`: the allocation
+//!   table; `device`: per-device context and copy stream; `backup`: pinned host buffers.
+//! * [`options`]: every `MEMSAVER_*` option in one table.
+
+pub mod driver;
+pub mod options;
+pub mod stats;
+pub mod types;
+
+mod allocator;
+mod backup;
+mod device;
+mod engine;
+mod error;
+mod table;
+
+use std::sync::{Arc, OnceLock};
+
+pub use allocator::Allocator;
+pub use engine::Report;
+pub use error::{Error, Result};
+pub use options::Options;
+pub use stats::{DeviceUsage, Stats, TagStats, Usage};
+pub use types::{Policy, State, human_bytes};
+
+/// The process-wide allocator, created on first use from [`Options::from_env`]. A driver that
+/// fails to load is reported by every call, never by a panic.
+pub fn global() -> Result<&'static Allocator> {
+    static GLOBAL: OnceLock<std::result::Result<Allocator, driver::LoadError>> = OnceLock::new();
+    GLOBAL
+        .get_or_init(|| {
+            let opts = Options::from_env();
+            driver::Driver::load(&opts.cuda_lib).map(|d| Allocator::new(Arc::new(d)))
+        })
+        .as_ref()
+        .map_err(|e| Error::Load(e.clone()))
+}

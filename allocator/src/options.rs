@@ -1,0 +1,56 @@
+//! Every option of memsaver, in one table. Options are read from `MEMSAVER_*` environment
+//! variables once, when the process-wide allocator starts. `docs/options.md` is generated from
+//! [`OPTIONS`] by `memsaver options --markdown`.
+
+/// One option: its environment variable, default and a one-line description.
+pub struct OptionDoc {
+    pub env: &'static str,
+    pub default: &'static str,
+    pub doc: &'static str,
+}
+
+pub const OPTIONS: &[OptionDoc] = &[
+    OptionDoc {
+        env: "MEMSAVER_CUDA_LIB",
+        default: "libcuda.so.1",
+        doc: "CUDA driver library to load; point it at target/fake-cuda/libcuda.so.1 to run on the fake driver",
+    },
+    OptionDoc {
+        env: "MEMSAVER_LOG",
+        default: "warn",
+        doc: "log filter for tracing (error, warn, info, debug, trace, or a directive like memsaver_allocator=debug); logs go to stderr",
+    },
+];
+
+/// The options in force, as read from the environment.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub cuda_lib: String,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { cuda_lib: OPTIONS[0].default.into() }
+    }
+}
+
+impl Options {
+    pub fn from_env() -> Self {
+        let mut o = Self::default();
+        if let Ok(v) = std::env::var("MEMSAVER_CUDA_LIB")
+            && !v.is_empty()
+        {
+            o.cuda_lib = v;
+        }
+        o
+    }
+
+    /// The option table as a Markdown table.
+    pub fn markdown() -> String {
+        let mut s = String::from("| variable | default | meaning |\n| --- | --- | --- |\n");
+        for o in OPTIONS {
+            s.push_str(&format!("| `{}` | `{}` | {} |\n", o.env, o.default, o.doc));
+        }
+        s
+    }
+}

@@ -1,0 +1,90 @@
+//! Memory figures per tag and device, and for the whole process.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::table::Table;
+
+/// Byte counts for a set of allocations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    pub allocations: u64,
+    /// Virtual address space reserved (never released by a pause).
+    pub reserved_bytes: u64,
+    /// Physical device memory currently held.
+    pub resident_bytes: u64,
+    /// Pinned host memory held by backups.
+    pub backup_bytes: u64,
+}
+
+impl Usage {
+    fn add(&mut self, reserved: usize, resident: usize, backup: usize) {
+        self.allocations += 1;
+        self.reserved_bytes += reserved as u64;
+        self.resident_bytes += resident as u64;
+        self.backup_bytes += backup as u64;
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DeviceUsage {
+    pub device: i32,
+    #[serde(flatten)]
+    pub usage: Usage,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TagStats {
+    pub tag: String,
+    pub paused: bool,
+    /// The sum over devices.
+    #[serde(flatten)]
+    pub usage: Usage,
+    pub devices: Vec<DeviceUsage>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Stats {
+    /// Every tag ever used, in name order, with or without allocations.
+    pub tags: Vec<TagStats>,
+    pub total: Usage,
+}
+
+impl Stats {
+    pub fn tag(&self, tag: &str) -> Option<&TagStats> {
+        self.tags.iter().find(|t| t.tag == tag)
+    }
+
+    pub(crate) fn collect(table: &Table) -> Self {
+        let mut per: BTreeMap<&str, BTreeMap<i32, Usage>> =
+            table.tags.keys().map(|k| (&**k, BTreeMap::new())).collect();
+        let mut total = Usage::default();
+        for a in table.allocations.values() {
+            let (reserved, resident, backup) = (a.size, a.resident_bytes(), a.backup_bytes());
+            total.add(reserved, resident, backup);
+            per.entry(&a.tag).or_default().entry(a.device.ordinal).or_default().add(
+                reserved, resident, backup,
+            );
+        }
+        let tags = per
+            .into_iter()
+            .map(|(tag, devices)| {
+                let mut usage = Usage::default();
+                for d in devices.values() {
+                    usage.allocations += d.allocations;
+                    usage.reserved_bytes += d.reserved_bytes;
+                    usage.resident_bytes += d.resident_bytes;
+                    usage.backup_bytes += d.backup_bytes;
+                }
+                TagStats {
+                    tag: tag.to_owned(),
+                    paused: table.tags.get(tag).is_some_and(|t| t.paused),
+                    usage,
+                    devices: devices.into_iter().map(|(device, usage)| DeviceUsage { device, usage }).collect(),
+                }
+            })
+            .collect();
+        Stats { tags, total }
+    }
+}

@@ -1,0 +1,129 @@
+//! The vocabulary of memsaver, and the small value types built on it.
+//!
+//! # Glossary
+//!
+//! * **tag**: a name (`weights`, `kv_cache`, `cuda_graph`, `nccl`, ...) given to allocations so
+//!   they can be paused and resumed together.
+//! * **region**: a scope (thread-local, entered by the caller) during which new allocations get
+//!   a tag and a policy.
+//! * **policy**: what happens to an allocation's contents across a pause: [`Policy::Discard`]
+//!   (dropped; resumed pages hold garbage) or [`Policy::Cpu`] (copied to pinned host memory on
+//!   pause and back on resume).
+//! * **allocation**: one reserved virtual range with one physical handle mapped into it while
+//!   resident. Its address never changes, whatever its state.
+//! * **handle**: the driver's physical-memory object (`CUmemGenericAllocationHandle`).
+//! * **mapping**: a handle mapped into a virtual range with access granted to the device.
+//! * **export / import**: turning a handle into a POSIX fd another process can import as its own
+//!   handle to the same physical memory. The exporter of an allocation is its **owner**, a
+//!   process that imported it is an **importer**.
+//! * **generation**: how many times an allocation has been resumed; it names which physical
+//!   incarnation a cross-process reference points at.
+//! * **pause**: unmap and release an allocation's physical memory, keeping its virtual range
+//!   reserved (after backing up its contents if its policy says so).
+//! * **resume**: create fresh physical memory, map it at the same address, and restore the
+//!   backup if there is one.
+//! * **backup**: the pinned host buffer holding a [`Policy::Cpu`] allocation's contents while it
+//!   is paused. It is kept across cycles and reused, so pausing never allocates pinned memory
+//!   after the first time.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::Serialize;
+
+/// What a pause does with an allocation's contents.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Policy {
+    /// Contents are dropped on pause; after resume the memory holds arbitrary bytes.
+    #[default]
+    Discard,
+    /// Contents are copied to pinned host memory on pause and restored on resume.
+    Cpu,
+}
+
+impl Policy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Discard => "discard",
+            Policy::Cpu => "cpu",
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Policy {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "discard" | "none" => Ok(Policy::Discard),
+            "cpu" => Ok(Policy::Cpu),
+            other => Err(crate::Error::InvalidArgument(format!(
+                "unknown backup policy '{other}'; expected 'discard' or 'cpu'"
+            ))),
+        }
+    }
+}
+
+/// Where an allocation is in its life. Transitions (all others are refused):
+///
+/// ```text
+///            malloc
+///              |
+///              v         pause            
+///         +----------+ ---------> +---------+ --ok--> +--------+
+///         | Resident |            | Pausing |         | Paused |
+///         +----------+ <--error-- +---------+         +--------+
+///              ^                                        |    ^
+///              |              +----------+   resume     |    |
+///              +------ok----- | Resuming | <------------+    |
+///                             +----------+ ------error-------+
+/// ```
+///
+/// `free` is accepted in every state; in `Pausing`/`Resuming` it is recorded and carried out by
+/// the pause or resume in flight when it finishes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum State {
+    Resident,
+    Pausing,
+    Paused,
+    Resuming,
+}
+
+/// Formats a byte count for people: `1.50 GiB`, `2.00 MiB`, `512 B`.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 { format!("{bytes} B") } else { format!("{v:.2} {}", UNITS[unit]) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_parses_and_rejects() {
+        assert_eq!("cpu".parse::<Policy>().unwrap(), Policy::Cpu);
+        assert_eq!("discard".parse::<Policy>().unwrap(), Policy::Discard);
+        let err = "disk".parse::<Policy>().unwrap_err().to_string();
+        assert!(err.contains("'disk'") && err.contains("'cpu'"), "{err}");
+    }
+
+    #[test]
+    fn human_bytes_scales() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(2 << 20), "2.00 MiB");
+        assert_eq!(human_bytes(3 << 29), "1.50 GiB");
+    }
+}

@@ -1,0 +1,75 @@
+//! Shared set-up for the allocator's tests: they run on the fake CUDA driver
+//! (`tests/fake-cuda`), loaded through the same `Driver::load` path as the real one.
+#![allow(dead_code)]
+
+use std::ffi::CString;
+use std::sync::{Arc, OnceLock};
+
+use memsaver_allocator::Allocator;
+use memsaver_allocator::driver::Driver;
+use parking_lot::{Mutex, MutexGuard};
+
+pub const MIB: usize = 1 << 20;
+
+pub fn fake_lib() -> String {
+    std::env::var("MEMSAVER_CUDA_LIB").unwrap_or_else(|_| {
+        format!("{}/../target/fake-cuda/libcuda.so.1", env!("CARGO_MANIFEST_DIR"))
+    })
+}
+
+pub fn driver() -> Arc<Driver> {
+    static D: OnceLock<Arc<Driver>> = OnceLock::new();
+    D.get_or_init(|| {
+        Arc::new(Driver::load(&fake_lib()).unwrap_or_else(|e| {
+            panic!("{e}\nrun the tests with `make test`, which builds the fake driver first")
+        }))
+    })
+    .clone()
+}
+
+pub fn allocator() -> Allocator {
+    Allocator::new(driver())
+}
+
+/// Tests that read device-wide free memory hold this, so allocations of tests running in
+/// parallel threads do not disturb their figures.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static M: Mutex<()> = Mutex::new(());
+    M.lock()
+}
+
+/// Calls one of the fake driver's fault-injection functions (`fakecuda_fail_create_at`, ...).
+pub fn inject(function: &str, n: u32) {
+    let path = CString::new(fake_lib()).unwrap();
+    let name = CString::new(function).unwrap();
+    // SAFETY: the library is already loaded by `driver()`; RTLD_NOLOAD only returns its handle.
+    unsafe {
+        driver();
+        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!h.is_null(), "fake driver not loaded");
+        let f = libc::dlsym(h, name.as_ptr());
+        assert!(!f.is_null(), "the fake driver has no {function}");
+        let f: extern "C" fn(u32) = std::mem::transmute(f);
+        f(n);
+    }
+}
+
+/// On the fake driver device memory is host memory at the same address, so tests can read
+/// and write it directly.
+pub fn fill(ptr: u64, len: usize, seed: u8) {
+    // SAFETY: `ptr..ptr+len` is a resident allocation mapped read-write by the fake driver.
+    let s = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+    for (i, b) in s.iter_mut().enumerate() {
+        *b = seed.wrapping_add((i / 4096) as u8).wrapping_mul(31) ^ (i as u8);
+    }
+}
+
+pub fn check(ptr: u64, len: usize, seed: u8) -> bool {
+    // SAFETY: as in `fill`.
+    let s = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+    s.iter().enumerate().all(|(i, b)| *b == seed.wrapping_add((i / 4096) as u8).wrapping_mul(31) ^ (i as u8))
+}
+
+pub fn free_bytes(a: &Allocator, device: i32) -> usize {
+    a.device_memory(device).unwrap().0
+}

@@ -1,0 +1,99 @@
+//! Running out of memory and failing driver calls during resume: errors, consistent state,
+//! and recovery when retried. Uses the fake driver's fault injection and its memory limit.
+
+mod common;
+
+use common::*;
+use memsaver_allocator::{Error, Policy, State};
+
+#[test]
+fn resume_out_of_memory_reports_and_recovers() {
+    let _s = serial();
+    let a = allocator();
+    let ptrs: Vec<u64> = (0..3).map(|_| a.malloc(2 * MIB, 0, "weights", Policy::Cpu).unwrap()).collect();
+    for (i, p) in ptrs.iter().enumerate() {
+        fill(*p, 2 * MIB, i as u8);
+    }
+    a.pause(&["weights"]).unwrap();
+
+    inject("fakecuda_fail_create_at", 2); // the second cuMemCreate of the resume fails
+    let e = a.resume(&["weights"]).unwrap_err();
+    inject("fakecuda_reset_faults", 0);
+    let Error::ResumeOutOfMemory { device, resumed, still_paused, bytes_still_paused, ref tags } = e else {
+        panic!("expected ResumeOutOfMemory, got {e}");
+    };
+    assert_eq!((device, resumed, still_paused, bytes_still_paused), (0, 1, 2, 4 * MIB as u64));
+    assert_eq!(tags, &["weights".to_string()]);
+    assert!(e.to_string().contains("call resume again"), "{e}");
+
+    let states: Vec<_> = ptrs.iter().map(|p| a.state(*p).unwrap()).collect();
+    assert_eq!(states.iter().filter(|s| **s == State::Resident).count(), 1);
+    assert_eq!(states.iter().filter(|s| **s == State::Paused).count(), 2);
+    let w = a.stats().tag("weights").unwrap().clone();
+    assert!(w.paused, "the tag stays paused while part of it is");
+    assert_eq!(w.usage.resident_bytes, 2 * MIB as u64);
+
+    let r = a.resume(&["weights"]).unwrap();
+    assert_eq!(r.allocations, 2, "the retry resumes only what was left");
+    for (i, p) in ptrs.iter().enumerate() {
+        assert_eq!(a.state(*p), Some(State::Resident));
+        assert!(check(*p, 2 * MIB, i as u8), "allocation {i} restored");
+    }
+    for p in ptrs {
+        a.free(p).unwrap();
+    }
+}
+
+#[test]
+fn resume_beyond_device_memory_fails_then_succeeds_after_free() {
+    let _s = serial();
+    let a = allocator();
+    let p = a.malloc(16 * MIB, 0, "weights", Policy::Cpu).unwrap();
+    fill(p, 16 * MIB, 42);
+    a.pause(&["weights"]).unwrap();
+    // Take everything the paused tag gave back (and more), as another process would.
+    let g = a.granularity(0).unwrap();
+    let free = free_bytes(&a, 0) / g * g;
+    let hog = a.malloc(free - 8 * MIB, 0, "hog", Policy::Discard).unwrap();
+
+    let e = a.resume(&["weights"]).unwrap_err();
+    assert!(matches!(e, Error::ResumeOutOfMemory { still_paused: 1, .. }), "{e}");
+    assert_eq!(a.state(p), Some(State::Paused));
+    assert_eq!(a.stats().tag("weights").unwrap().usage.backup_bytes, 16 * MIB as u64, "backup kept");
+
+    a.free(hog).unwrap();
+    a.resume(&["weights"]).unwrap();
+    assert!(check(p, 16 * MIB, 42));
+    a.free(p).unwrap();
+}
+
+#[test]
+fn failing_map_leaves_the_allocation_paused() {
+    let _s = serial();
+    let a = allocator();
+    let p = a.malloc(2 * MIB, 0, "graph", Policy::Cpu).unwrap();
+    fill(p, 2 * MIB, 5);
+    a.pause(&["graph"]).unwrap();
+    let before = free_bytes(&a, 0);
+    inject("fakecuda_fail_map_at", 1);
+    let e = a.resume(&["graph"]).unwrap_err();
+    inject("fakecuda_reset_faults", 0);
+    assert!(matches!(e, Error::Incomplete { op: "resume", failed: 1, .. }), "{e}");
+    assert!(e.to_string().contains("cuMemMap"), "{e}");
+    assert_eq!(a.state(p), Some(State::Paused));
+    assert_eq!(free_bytes(&a, 0), before, "the handle created for the failed map was released");
+    a.resume(&["graph"]).unwrap();
+    assert!(check(p, 2 * MIB, 5));
+    a.free(p).unwrap();
+}
+
+#[test]
+fn out_of_memory_on_malloc_is_an_error() {
+    let _s = serial();
+    let a = allocator();
+    let (_, total) = a.device_memory(0).unwrap();
+    let e = a.malloc(total + 2 * MIB, 0, "huge", Policy::Discard).unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
+    assert!(e.to_string().contains("out of device memory"), "{e}");
+    assert_eq!(a.stats().total.allocations, 0);
+}

@@ -1,0 +1,244 @@
+//! `libmemsaver.so`: the C ABI of memsaver, for `LD_PRELOAD` and for `dlopen` by the Python
+//! package, over the process-wide allocator ([`memsaver_allocator::global`]).
+//!
+//! Conventions of every exported function (declared in `include/memsaver.h`):
+//! * returns a [`Status`] code, `MEMSAVER_OK` (0) on success;
+//! * on failure, stores a message for the calling thread, read with [`memsaver_last_error`];
+//! * never unwinds into C: a panic is caught and reported as `MEMSAVER_ERR_INTERNAL`;
+//! * tag lists are comma-separated (`"weights,kv_cache"`); NULL or `""` means every tag.
+
+pub mod region;
+
+use std::cell::RefCell;
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use memsaver_allocator::{Error, Policy, global};
+
+/// Status codes of the C ABI. Stable: add new codes, never renumber.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    Ok = 0,
+    InvalidArgument = 1,
+    UnknownTag = 2,
+    TagPaused = 3,
+    UnknownPointer = 4,
+    OutOfMemory = 5,
+    ResumeOutOfMemory = 6,
+    Driver = 7,
+    DriverNotLoaded = 8,
+    Incomplete = 9,
+    BufferTooSmall = 10,
+    Internal = 99,
+}
+
+impl Status {
+    pub fn of(e: &Error) -> Self {
+        match e {
+            Error::Load(_) => Status::DriverNotLoaded,
+            Error::Driver(_) => Status::Driver,
+            Error::UnknownTag { .. } => Status::UnknownTag,
+            Error::TagPaused { .. } => Status::TagPaused,
+            Error::UnknownPointer { .. } => Status::UnknownPointer,
+            Error::OutOfMemory { .. } => Status::OutOfMemory,
+            Error::ResumeOutOfMemory { .. } => Status::ResumeOutOfMemory,
+            Error::Incomplete { .. } => Status::Incomplete,
+            Error::InvalidArgument(_) => Status::InvalidArgument,
+        }
+    }
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(msg: &str) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+/// Runs `f`, turning errors and panics into a status code and a stored message.
+fn ffi(f: impl FnOnce() -> Result<(), Error>) -> c_int {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => Status::Ok as c_int,
+        Ok(Err(e)) => {
+            set_last_error(&e.to_string());
+            Status::of(&e) as c_int
+        }
+        Err(_) => {
+            set_last_error("internal error in memsaver (a bug: please report it with MEMSAVER_LOG=debug output)");
+            Status::Internal as c_int
+        }
+    }
+}
+
+/// Reads a C string argument; NULL gives `None`.
+///
+/// # Safety
+/// `p` is NULL or points to a NUL-terminated string.
+unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>, Error> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-null and NUL-terminated per the caller's contract.
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map(Some)
+        .map_err(|_| Error::InvalidArgument(format!("{what} is not valid UTF-8")))
+}
+
+/// # Safety
+/// As [`opt_str`].
+unsafe fn req_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error> {
+    // SAFETY: forwarded contract.
+    unsafe { opt_str(p, what) }?.ok_or_else(|| Error::InvalidArgument(format!("{what} is NULL")))
+}
+
+fn split_tags(s: Option<&str>) -> Vec<&str> {
+    s.map(|s| s.split(',').map(str::trim).filter(|t| !t.is_empty()).collect()).unwrap_or_default()
+}
+
+/// The message of the last failed call on this thread (empty if none). The pointer stays
+/// valid until the next memsaver call on this thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn memsaver_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// Allocates `size` bytes on `device` with an explicit tag and policy (`"discard"` or `"cpu"`;
+/// NULL means discard) and writes the device address to `*ptr`.
+///
+/// # Safety
+/// `ptr` is a valid out-pointer; `tag` and `policy` are NULL or NUL-terminated strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_malloc(
+    ptr: *mut *mut c_void,
+    size: usize,
+    device: c_int,
+    tag: *const c_char,
+    policy: *const c_char,
+) -> c_int {
+    ffi(|| {
+        if ptr.is_null() {
+            return Err(Error::InvalidArgument("ptr is NULL".into()));
+        }
+        // SAFETY: per this function's contract.
+        let tag = unsafe { req_str(tag, "tag") }?;
+        // SAFETY: per this function's contract.
+        let policy = match unsafe { opt_str(policy, "policy") }? {
+            Some(p) => p.parse()?,
+            None => Policy::Discard,
+        };
+        let p = global()?.malloc(size, device, tag, policy)?;
+        // SAFETY: `ptr` is a valid out-pointer (checked non-null above).
+        unsafe { *ptr = p as *mut c_void };
+        Ok(())
+    })
+}
+
+/// Frees memory returned by `memsaver_malloc`, in any state (paused included).
+#[unsafe(no_mangle)]
+pub extern "C" fn memsaver_free(ptr: *mut c_void) -> c_int {
+    ffi(|| global()?.free(ptr as u64))
+}
+
+/// Pauses the given tags (comma-separated; NULL or "" for all).
+///
+/// # Safety
+/// `tags` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_pause(tags: *const c_char) -> c_int {
+    ffi(|| {
+        // SAFETY: per this function's contract.
+        let tags = unsafe { opt_str(tags, "tags") }?;
+        global()?.pause(&split_tags(tags)).map(drop)
+    })
+}
+
+/// Resumes the given tags (comma-separated; NULL or "" for all).
+///
+/// # Safety
+/// `tags` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_resume(tags: *const c_char) -> c_int {
+    ffi(|| {
+        // SAFETY: per this function's contract.
+        let tags = unsafe { opt_str(tags, "tags") }?;
+        global()?.resume(&split_tags(tags)).map(drop)
+    })
+}
+
+/// Registers a tag without allocating, so that it can be paused and listed.
+///
+/// # Safety
+/// `tag` is a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_register_tag(tag: *const c_char) -> c_int {
+    ffi(|| {
+        // SAFETY: per this function's contract.
+        let tag = unsafe { req_str(tag, "tag") }?;
+        global()?.register_tag(tag)
+    })
+}
+
+/// Writes the stats as JSON (NUL-terminated) into `buf` of `len` bytes and the length needed,
+/// terminator included, into `*needed` (may be NULL). Returns `MEMSAVER_ERR_BUFFER_TOO_SMALL`
+/// if `len` is less than that; call again with a larger buffer.
+///
+/// # Safety
+/// `buf` is valid for `len` bytes of writes (or NULL with `len == 0`); `needed` is NULL or a
+/// valid out-pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_stats_json(buf: *mut c_char, len: usize, needed: *mut usize) -> c_int {
+    let mut too_small = false;
+    let code = ffi(|| {
+        let json = serde_json::to_string(&global()?.stats())
+            .map_err(|e| Error::InvalidArgument(format!("cannot encode stats: {e}")))?;
+        let n = json.len() + 1;
+        if !needed.is_null() {
+            // SAFETY: non-null out-pointer per the contract.
+            unsafe { *needed = n };
+        }
+        if buf.is_null() || len < n {
+            too_small = true;
+            return Ok(());
+        }
+        // SAFETY: `buf` has room for `n <= len` bytes per the contract.
+        unsafe {
+            std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), json.len());
+            *buf.add(json.len()) = 0;
+        }
+        Ok(())
+    });
+    if code == Status::Ok as c_int && too_small {
+        set_last_error("the stats buffer is too small; call again with the size written to *needed");
+        return Status::BufferTooSmall as c_int;
+    }
+    code
+}
+
+/// Enters a region on the calling thread: allocations made through the hooks on this thread
+/// get `tag` and `policy` until the matching `memsaver_region_exit`. Regions nest.
+///
+/// # Safety
+/// `tag` is a NUL-terminated string; `policy` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_region_enter(tag: *const c_char, policy: *const c_char) -> c_int {
+    ffi(|| {
+        // SAFETY: per this function's contract.
+        let tag = unsafe { req_str(tag, "tag") }?;
+        // SAFETY: per this function's contract.
+        let policy = match unsafe { opt_str(policy, "policy") }? {
+            Some(p) => p.parse()?,
+            None => Policy::Discard,
+        };
+        region::enter(tag, policy)
+    })
+}
+
+/// Leaves the innermost region of the calling thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn memsaver_region_exit() -> c_int {
+    ffi(region::exit)
+}

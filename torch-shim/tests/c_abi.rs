@@ -1,0 +1,95 @@
+//! The C ABI of libmemsaver.so over the process-wide allocator (fake driver, via
+//! MEMSAVER_CUDA_LIB as set by `make test`).
+
+use std::ffi::{CStr, CString, c_void};
+
+use memsaver::*;
+
+fn c(s: &str) -> CString {
+    CString::new(s).unwrap()
+}
+
+fn last_error() -> String {
+    // SAFETY: memsaver_last_error returns a NUL-terminated thread-local string.
+    unsafe { CStr::from_ptr(memsaver_last_error()) }.to_string_lossy().into_owned()
+}
+
+fn stats() -> serde_json::Value {
+    let mut needed = 0usize;
+    // SAFETY: NULL buffer with len 0 asks for the size.
+    let rc = unsafe { memsaver_stats_json(std::ptr::null_mut(), 0, &mut needed) };
+    assert_eq!(rc, Status::BufferTooSmall as i32);
+    let mut buf = vec![0u8; needed];
+    // SAFETY: `buf` has `needed` bytes.
+    let rc = unsafe { memsaver_stats_json(buf.as_mut_ptr().cast(), buf.len(), &mut needed) };
+    assert_eq!(rc, 0, "{}", last_error());
+    serde_json::from_slice(&buf[..needed - 1]).unwrap()
+}
+
+fn tag<'a>(s: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    s["tags"].as_array().unwrap().iter().find(|t| t["tag"] == name).unwrap()
+}
+
+#[test]
+fn pause_resume_and_stats_through_the_c_abi() {
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and C strings.
+    let rc = unsafe { memsaver_malloc(&mut p, 3 << 20, 0, c("abi_weights").as_ptr(), c("cpu").as_ptr()) };
+    assert_eq!(rc, 0, "{}", last_error());
+    // SAFETY: on the fake driver device memory is host memory mapped read-write.
+    unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0xAB, 3 << 20) };
+
+    // SAFETY: C string argument.
+    assert_eq!(unsafe { memsaver_pause(c("abi_weights").as_ptr()) }, 0, "{}", last_error());
+    let s = stats();
+    assert_eq!(tag(&s, "abi_weights")["paused"], true);
+    assert_eq!(tag(&s, "abi_weights")["resident_bytes"], 0);
+    assert_eq!(tag(&s, "abi_weights")["backup_bytes"], 4 << 20);
+
+    // SAFETY: C string argument.
+    assert_eq!(unsafe { memsaver_resume(c(" abi_weights , ").as_ptr()) }, 0, "{}", last_error());
+    // SAFETY: resident again, same address.
+    assert!(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), 3 << 20) }.iter().all(|b| *b == 0xAB));
+    assert_eq!(memsaver_free(p), 0);
+}
+
+#[test]
+fn errors_return_codes_and_messages() {
+    // SAFETY: C string argument.
+    let rc = unsafe { memsaver_pause(c("no_such_tag").as_ptr()) };
+    assert_eq!(rc, Status::UnknownTag as i32);
+    assert!(last_error().contains("unknown tag 'no_such_tag'"), "{}", last_error());
+
+    assert_eq!(memsaver_free(0x1234 as *mut c_void), Status::UnknownPointer as i32);
+    assert!(last_error().contains("not allocated by memsaver"));
+
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and C strings.
+    let rc = unsafe { memsaver_malloc(&mut p, 1 << 20, 0, c("x").as_ptr(), c("disk").as_ptr()) };
+    assert_eq!(rc, Status::InvalidArgument as i32);
+    assert!(last_error().contains("unknown backup policy 'disk'"));
+    // SAFETY: NULL tag is rejected, not dereferenced.
+    let rc = unsafe { memsaver_malloc(&mut p, 1 << 20, 0, std::ptr::null(), std::ptr::null()) };
+    assert_eq!(rc, Status::InvalidArgument as i32);
+    assert!(last_error().contains("tag is NULL"));
+
+    assert_eq!(memsaver_region_exit(), Status::InvalidArgument as i32);
+    assert!(last_error().contains("without a matching"));
+}
+
+#[test]
+fn regions_nest_per_thread() {
+    // SAFETY: C string arguments.
+    unsafe {
+        assert_eq!(memsaver_region_enter(c("outer").as_ptr(), c("cpu").as_ptr()), 0);
+        assert_eq!(memsaver_region_enter(c("inner").as_ptr(), std::ptr::null()), 0);
+    }
+    assert_eq!(region::current(), Some(("inner".into(), memsaver_allocator::Policy::Discard)));
+    std::thread::spawn(|| assert_eq!(region::current(), None)).join().unwrap();
+    assert_eq!(memsaver_region_exit(), 0);
+    assert_eq!(region::current(), Some(("outer".into(), memsaver_allocator::Policy::Cpu)));
+    assert_eq!(memsaver_region_exit(), 0);
+    assert_eq!(region::current(), None);
+    // Entering a region registers its tag.
+    assert!(tag(&stats(), "outer")["allocations"] == 0);
+}
