@@ -83,39 +83,47 @@ impl Allocator {
             let mut t = self.table.lock();
             let tag = t.intern(tag);
             if t.tags[&tag].paused {
-                return Err(Error::TagPaused { tag: tag.to_string() });
+                return Err(Error::TagPaused {
+                    tag: tag.to_string(),
+                });
             }
             tag
         };
         let dev = self.device(device)?;
         let size = dev.round_up(size);
         let d = &self.driver;
-        let (ptr, handle) = d.with_context(dev.ctx, || {
-            let ptr = d.reserve(size, dev.granularity)?;
-            let handle = match d.create(dev.ordinal, size, false) {
-                Ok(h) => h,
-                Err(e) => {
-                    // SAFETY: reserved just above, nothing mapped.
+        let (ptr, handle) = d
+            .with_context(dev.ctx, || {
+                let ptr = d.reserve(size, dev.granularity)?;
+                let handle = match d.create(dev.ordinal, size, false) {
+                    Ok(h) => h,
+                    Err(e) => {
+                        // SAFETY: reserved just above, nothing mapped.
+                        let _ = unsafe { d.address_free(ptr, size) };
+                        return Err(e);
+                    }
+                };
+                // SAFETY: `ptr..ptr+size` was reserved above and is unmapped.
+                if let Err(e) = unsafe { d.map(ptr, size, handle, dev.ordinal) } {
+                    let _ = d.release(handle);
+                    // SAFETY: as above; the failed map left nothing mapped.
                     let _ = unsafe { d.address_free(ptr, size) };
                     return Err(e);
                 }
-            };
-            // SAFETY: `ptr..ptr+size` was reserved above and is unmapped.
-            if let Err(e) = unsafe { d.map(ptr, size, handle, dev.ordinal) } {
-                let _ = d.release(handle);
-                // SAFETY: as above; the failed map left nothing mapped.
-                let _ = unsafe { d.address_free(ptr, size) };
-                return Err(e);
-            }
-            Ok((ptr, handle))
-        })
-        .map_err(|e| {
-            if e.is_out_of_memory() {
-                Error::OutOfMemory { tag: tag.to_string(), device, bytes: size as u64, source: e }
-            } else {
-                e.into()
-            }
-        })?;
+                Ok((ptr, handle))
+            })
+            .map_err(|e| {
+                if e.is_out_of_memory() {
+                    Error::OutOfMemory {
+                        tag: tag.to_string(),
+                        device,
+                        bytes: size as u64,
+                        source: e,
+                    }
+                } else {
+                    e.into()
+                }
+            })?;
 
         let alloc = Allocation {
             tag: tag.clone(),
@@ -133,7 +141,9 @@ impl Allocator {
             // the pause did not see.
             drop(t);
             self.release(alloc, ptr);
-            return Err(Error::TagPaused { tag: tag.to_string() });
+            return Err(Error::TagPaused {
+                tag: tag.to_string(),
+            });
         }
         t.allocations.insert(ptr, alloc);
         tracing::debug!(tag = %tag, ptr = format_args!("{ptr:#x}"), bytes = size, device, %policy, "malloc");
@@ -152,7 +162,9 @@ impl Allocator {
                 a.free_pending = true;
                 return Ok(());
             }
-            t.allocations.remove(&ptr).expect("present: looked up under the same lock")
+            t.allocations
+                .remove(&ptr)
+                .expect("present: looked up under the same lock")
         };
         tracing::debug!(tag = %alloc.tag, ptr = format_args!("{ptr:#x}"), bytes = alloc.size, "free");
         self.release(alloc, ptr);
@@ -183,7 +195,11 @@ impl Allocator {
 
     /// The state of the allocation at `ptr`, if memsaver made it.
     pub fn state(&self, ptr: u64) -> Option<State> {
-        self.table.lock().allocations.get(&ptr).map(|a| a.phase.state())
+        self.table
+            .lock()
+            .allocations
+            .get(&ptr)
+            .map(|a| a.phase.state())
     }
 
     /// The allocation containing `ptr` (any address inside it): (base, size, tag).
@@ -207,7 +223,9 @@ impl Allocator {
     /// Free and total bytes of `device` as the driver reports them.
     pub fn device_memory(&self, device: i32) -> Result<(usize, usize)> {
         let dev = self.device(device)?;
-        Ok(self.driver.with_context(dev.ctx, || self.driver.mem_info())?)
+        Ok(self
+            .driver
+            .with_context(dev.ctx, || self.driver.mem_info())?)
     }
 
     pub(crate) fn new_backup(&self, len: usize) -> Result<HostBuffer> {
@@ -228,7 +246,9 @@ impl Drop for Allocator {
             self.release(a, ptr);
         }
         for (_, dev) in self.devices.get_mut().drain() {
-            let _ = self.driver.with_context(dev.ctx, || self.driver.stream_destroy(dev.stream));
+            let _ = self
+                .driver
+                .with_context(dev.ctx, || self.driver.stream_destroy(dev.stream));
         }
     }
 }
@@ -236,7 +256,9 @@ impl Drop for Allocator {
 pub(crate) fn validate_tag(tag: &str) -> Result<()> {
     let ok = !tag.is_empty()
         && tag.len() <= 64
-        && tag.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+        && tag
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
     if ok {
         Ok(())
     } else {

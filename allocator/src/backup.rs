@@ -21,7 +21,11 @@ unsafe impl Send for HostBuffer {}
 impl HostBuffer {
     pub(crate) fn new(driver: &Arc<Driver>, len: usize) -> Result<Self, DriverError> {
         let ptr = driver.host_alloc(len)?;
-        Ok(Self { ptr, len, driver: driver.clone() })
+        Ok(Self {
+            ptr,
+            len,
+            driver: driver.clone(),
+        })
     }
 
     pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {

@@ -15,12 +15,20 @@ impl Device {
     pub(crate) fn open(driver: &Driver, ordinal: i32) -> Result<Self, DriverError> {
         let count = driver.device_count()?;
         if ordinal < 0 || ordinal >= count {
-            return Err(DriverError { call: "cuDeviceGet", code: crate::driver::sys::CUDA_ERROR_INVALID_DEVICE });
+            return Err(DriverError {
+                call: "cuDeviceGet",
+                code: crate::driver::sys::CUDA_ERROR_INVALID_DEVICE,
+            });
         }
         let ctx = driver.primary_context(ordinal)?;
         let granularity = driver.granularity(ordinal)?;
         let stream = driver.with_context(ctx, || driver.stream_create())?;
-        Ok(Self { ordinal, ctx, granularity, stream })
+        Ok(Self {
+            ordinal,
+            ctx,
+            granularity,
+            stream,
+        })
     }
 
     pub(crate) fn round_up(&self, size: usize) -> usize {

@@ -100,7 +100,11 @@ impl Allocator {
         let report = Report {
             tags: tags.iter().map(|t| t.to_string()).collect(),
             allocations: jobs.iter().filter(|j| j.error.is_none()).count(),
-            bytes: jobs.iter().filter(|j| j.error.is_none()).map(|j| j.size as u64).sum(),
+            bytes: jobs
+                .iter()
+                .filter(|j| j.error.is_none())
+                .map(|j| j.size as u64)
+                .sum(),
             copied_bytes: jobs
                 .iter()
                 .filter(|j| j.error.is_none() && j.copies() && j.backup.is_some())
@@ -109,7 +113,10 @@ impl Allocator {
             elapsed: Duration::ZERO,
         };
         let result = self.settle(op, &tags, jobs);
-        let report = Report { elapsed: start.elapsed(), ..report };
+        let report = Report {
+            elapsed: start.elapsed(),
+            ..report
+        };
         tracing::info!(
             op = op.name(),
             tags = ?report.tags,
@@ -165,13 +172,10 @@ impl Allocator {
     fn pause_jobs(&self, jobs: &mut [Job]) {
         let d = &self.driver;
         // Nothing may still be running on memory we are about to copy or unmap.
-        let mut synced: Vec<i32> = Vec::new();
-        for j in jobs.iter_mut() {
-            if !synced.contains(&j.device.ordinal) {
-                synced.push(j.device.ordinal);
-                if let Err(e) = d.with_context(j.device.ctx, || d.synchronize()) {
-                    fail_device(jobs, synced[synced.len() - 1], e);
-                    break;
+        for dev in devices_of(jobs) {
+            if let Err(e) = d.with_context(dev.ctx, || d.synchronize()) {
+                for j in jobs.iter_mut().filter(|j| j.device.ordinal == dev.ordinal) {
+                    j.error = Some(e.into());
                 }
             }
         }
@@ -227,7 +231,11 @@ impl Allocator {
                 j.error = Some(oom(&j.device));
                 continue;
             }
-            let src = j.backup.as_ref().filter(|_| j.copies()).map(HostBuffer::as_ptr);
+            let src = j
+                .backup
+                .as_ref()
+                .filter(|_| j.copies())
+                .map(HostBuffer::as_ptr);
             let r = d.with_context(dev.ctx, || {
                 let h = d.create(dev.ordinal, j.size, false)?;
                 // SAFETY: the range is reserved by this allocation and unmapped while paused.
@@ -257,12 +265,7 @@ impl Allocator {
             }
         }
         // Wait for the restores; a device whose copies failed rolls its jobs back to paused.
-        let mut devices: Vec<Arc<Device>> = Vec::new();
-        for j in jobs.iter() {
-            if j.handle.is_some() && !devices.iter().any(|x| x.ordinal == j.device.ordinal) {
-                devices.push(j.device.clone());
-            }
-        }
+        let devices = devices_of(jobs);
         for dev in devices {
             if let Err(e) = d.with_context(dev.ctx, || d.stream_synchronize(dev.stream)) {
                 for j in jobs.iter_mut().filter(|j| j.device.ordinal == dev.ordinal) {
@@ -287,7 +290,10 @@ impl Allocator {
         {
             let mut t = self.table.lock();
             for j in jobs {
-                let a = t.allocations.get_mut(&j.ptr).expect("claimed allocations stay in the table");
+                let a = t
+                    .allocations
+                    .get_mut(&j.ptr)
+                    .expect("claimed allocations stay in the table");
                 a.phase = match j.handle {
                     Some(h) => Phase::Resident(h),
                     None => Phase::Paused,
@@ -356,14 +362,22 @@ fn oom(dev: &Device) -> Error {
         tag: String::new(),
         device: dev.ordinal,
         bytes: 0,
-        source: DriverError { call: "cuMemCreate", code: crate::driver::sys::CUDA_ERROR_OUT_OF_MEMORY },
+        source: DriverError {
+            call: "cuMemCreate",
+            code: crate::driver::sys::CUDA_ERROR_OUT_OF_MEMORY,
+        },
     }
 }
 
-fn fail_device(jobs: &mut [Job], ordinal: i32, e: DriverError) {
-    for j in jobs.iter_mut().filter(|j| j.device.ordinal == ordinal) {
-        j.error = Some(e.into());
+/// The distinct devices of `jobs`, in order.
+fn devices_of(jobs: &[Job]) -> Vec<Arc<Device>> {
+    let mut out: Vec<Arc<Device>> = Vec::new();
+    for j in jobs {
+        if !out.iter().any(|d| d.ordinal == j.device.ordinal) {
+            out.push(j.device.clone());
+        }
     }
+    out
 }
 
 /// The interned tags named by `names`, or every known tag when `names` is empty.
@@ -379,7 +393,12 @@ fn resolve(t: &Table, names: &[&str]) -> Result<Vec<Arc<str>>> {
                     out.push(k.clone());
                 }
             }
-            None => return Err(Error::UnknownTag { tag: (*name).to_owned(), known: t.known_tags() }),
+            None => {
+                return Err(Error::UnknownTag {
+                    tag: (*name).to_owned(),
+                    known: t.known_tags(),
+                });
+            }
         }
     }
     Ok(out)

@@ -25,7 +25,12 @@ pub enum Error {
          memory or pause other tags first",
         human_bytes(*.bytes)
     )]
-    OutOfMemory { tag: String, device: i32, bytes: u64, source: DriverError },
+    OutOfMemory {
+        tag: String,
+        device: i32,
+        bytes: u64,
+        source: DriverError,
+    },
 
     #[error(
         "resume ran out of device memory on device {device}: {resumed} allocation(s) resumed, \
@@ -45,14 +50,23 @@ pub enum Error {
         "{op} of tag(s) {} left {failed} allocation(s) in their previous state: {first}",
         .tags.join(", ")
     )]
-    Incomplete { op: &'static str, tags: Vec<String>, failed: usize, first: Box<Error> },
+    Incomplete {
+        op: &'static str,
+        tags: Vec<String>,
+        failed: usize,
+        first: Box<Error>,
+    },
 
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 }
 
 fn list_or_none(v: &[String]) -> String {
-    if v.is_empty() { "(none yet: allocate with a tag first)".into() } else { v.join(", ") }
+    if v.is_empty() {
+        "(none yet: allocate with a tag first)".into()
+    } else {
+        v.join(", ")
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

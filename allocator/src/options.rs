@@ -30,7 +30,9 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Self { cuda_lib: OPTIONS[0].default.into() }
+        Self {
+            cuda_lib: OPTIONS[0].default.into(),
+        }
     }
 }
 

@@ -63,9 +63,11 @@ impl Stats {
         for a in table.allocations.values() {
             let (reserved, resident, backup) = (a.size, a.resident_bytes(), a.backup_bytes());
             total.add(reserved, resident, backup);
-            per.entry(&a.tag).or_default().entry(a.device.ordinal).or_default().add(
-                reserved, resident, backup,
-            );
+            per.entry(&a.tag)
+                .or_default()
+                .entry(a.device.ordinal)
+                .or_default()
+                .add(reserved, resident, backup);
         }
         let tags = per
             .into_iter()
@@ -81,7 +83,10 @@ impl Stats {
                     tag: tag.to_owned(),
                     paused: table.tags.get(tag).is_some_and(|t| t.paused),
                     usage,
-                    devices: devices.into_iter().map(|(device, usage)| DeviceUsage { device, usage }).collect(),
+                    devices: devices
+                        .into_iter()
+                        .map(|(device, usage)| DeviceUsage { device, usage })
+                        .collect(),
                 }
             })
             .collect();

@@ -8,9 +8,10 @@ use memsaver_allocator::{Error, Policy, State};
 
 #[test]
 fn resume_out_of_memory_reports_and_recovers() {
-    let _s = serial();
     let a = allocator();
-    let ptrs: Vec<u64> = (0..3).map(|_| a.malloc(2 * MIB, 0, "weights", Policy::Cpu).unwrap()).collect();
+    let ptrs: Vec<u64> = (0..3)
+        .map(|_| a.malloc(2 * MIB, 0, "weights", Policy::Cpu).unwrap())
+        .collect();
     for (i, p) in ptrs.iter().enumerate() {
         fill(*p, 2 * MIB, i as u8);
     }
@@ -19,10 +20,20 @@ fn resume_out_of_memory_reports_and_recovers() {
     inject("fakecuda_fail_create_at", 2); // the second cuMemCreate of the resume fails
     let e = a.resume(&["weights"]).unwrap_err();
     inject("fakecuda_reset_faults", 0);
-    let Error::ResumeOutOfMemory { device, resumed, still_paused, bytes_still_paused, ref tags } = e else {
+    let Error::ResumeOutOfMemory {
+        device,
+        resumed,
+        still_paused,
+        bytes_still_paused,
+        ref tags,
+    } = e
+    else {
         panic!("expected ResumeOutOfMemory, got {e}");
     };
-    assert_eq!((device, resumed, still_paused, bytes_still_paused), (0, 1, 2, 4 * MIB as u64));
+    assert_eq!(
+        (device, resumed, still_paused, bytes_still_paused),
+        (0, 1, 2, 4 * MIB as u64)
+    );
     assert_eq!(tags, &["weights".to_string()]);
     assert!(e.to_string().contains("call resume again"), "{e}");
 
@@ -46,7 +57,6 @@ fn resume_out_of_memory_reports_and_recovers() {
 
 #[test]
 fn resume_beyond_device_memory_fails_then_succeeds_after_free() {
-    let _s = serial();
     let a = allocator();
     let p = a.malloc(16 * MIB, 0, "weights", Policy::Cpu).unwrap();
     fill(p, 16 * MIB, 42);
@@ -57,9 +67,22 @@ fn resume_beyond_device_memory_fails_then_succeeds_after_free() {
     let hog = a.malloc(free - 8 * MIB, 0, "hog", Policy::Discard).unwrap();
 
     let e = a.resume(&["weights"]).unwrap_err();
-    assert!(matches!(e, Error::ResumeOutOfMemory { still_paused: 1, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::ResumeOutOfMemory {
+                still_paused: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert_eq!(a.state(p), Some(State::Paused));
-    assert_eq!(a.stats().tag("weights").unwrap().usage.backup_bytes, 16 * MIB as u64, "backup kept");
+    assert_eq!(
+        a.stats().tag("weights").unwrap().usage.backup_bytes,
+        16 * MIB as u64,
+        "backup kept"
+    );
 
     a.free(hog).unwrap();
     a.resume(&["weights"]).unwrap();
@@ -69,7 +92,6 @@ fn resume_beyond_device_memory_fails_then_succeeds_after_free() {
 
 #[test]
 fn failing_map_leaves_the_allocation_paused() {
-    let _s = serial();
     let a = allocator();
     let p = a.malloc(2 * MIB, 0, "graph", Policy::Cpu).unwrap();
     fill(p, 2 * MIB, 5);
@@ -78,10 +100,27 @@ fn failing_map_leaves_the_allocation_paused() {
     inject("fakecuda_fail_map_at", 1);
     let e = a.resume(&["graph"]).unwrap_err();
     inject("fakecuda_reset_faults", 0);
-    assert!(matches!(e, Error::Incomplete { op: "resume", failed: 1, .. }), "{e}");
-    assert!(e.to_string().contains("cuMemMap"), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::Incomplete {
+                op: "resume",
+                failed: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("cuMemMap: CUDA_ERROR_UNKNOWN"),
+        "{e}"
+    );
     assert_eq!(a.state(p), Some(State::Paused));
-    assert_eq!(free_bytes(&a, 0), before, "the handle created for the failed map was released");
+    assert_eq!(
+        free_bytes(&a, 0),
+        before,
+        "the handle created for the failed map was released"
+    );
     a.resume(&["graph"]).unwrap();
     assert!(check(p, 2 * MIB, 5));
     a.free(p).unwrap();
@@ -89,10 +128,11 @@ fn failing_map_leaves_the_allocation_paused() {
 
 #[test]
 fn out_of_memory_on_malloc_is_an_error() {
-    let _s = serial();
     let a = allocator();
     let (_, total) = a.device_memory(0).unwrap();
-    let e = a.malloc(total + 2 * MIB, 0, "huge", Policy::Discard).unwrap_err();
+    let e = a
+        .malloc(total + 2 * MIB, 0, "huge", Policy::Discard)
+        .unwrap_err();
     assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
     assert!(e.to_string().contains("out of device memory"), "{e}");
     assert_eq!(a.stats().total.allocations, 0);

@@ -25,7 +25,6 @@ fn malloc_rounds_to_granularity_and_is_resident() {
 
 #[test]
 fn cpu_policy_survives_pause_and_resume_at_the_same_address() {
-    let _s = serial();
     let a = allocator();
     let len = 6 * MIB;
     let p = a.malloc(len, 0, "weights", Policy::Cpu).unwrap();
@@ -33,12 +32,26 @@ fn cpu_policy_survives_pause_and_resume_at_the_same_address() {
     let before = free_bytes(&a, 0);
 
     let r = a.pause(&["weights"]).unwrap();
-    assert_eq!((r.allocations, r.bytes, r.copied_bytes), (1, len as u64, len as u64));
+    assert_eq!(
+        (r.allocations, r.bytes, r.copied_bytes),
+        (1, len as u64, len as u64)
+    );
     assert_eq!(a.state(p), Some(State::Paused));
-    assert_eq!(free_bytes(&a, 0) - before, len, "pause gave the physical memory back");
+    assert_eq!(
+        free_bytes(&a, 0) - before,
+        len,
+        "pause gave the physical memory back"
+    );
     let w = a.stats().tag("weights").unwrap().clone();
     assert!(w.paused);
-    assert_eq!((w.usage.resident_bytes, w.usage.backup_bytes, w.usage.reserved_bytes), (0, len as u64, len as u64));
+    assert_eq!(
+        (
+            w.usage.resident_bytes,
+            w.usage.backup_bytes,
+            w.usage.reserved_bytes
+        ),
+        (0, len as u64, len as u64)
+    );
 
     let r = a.resume(&["weights"]).unwrap();
     assert_eq!(r.allocations, 1);
@@ -51,7 +64,6 @@ fn cpu_policy_survives_pause_and_resume_at_the_same_address() {
 
 #[test]
 fn discard_policy_frees_without_backup() {
-    let _s = serial();
     let a = allocator();
     let p = a.malloc(8 * MIB, 0, "kv_cache", Policy::Discard).unwrap();
     let before = free_bytes(&a, 0);
@@ -72,10 +84,18 @@ fn pause_and_resume_are_idempotent() {
     let p = a.malloc(2 * MIB, 0, "graph", Policy::Cpu).unwrap();
     fill(p, 2 * MIB, 3);
     assert_eq!(a.pause(&["graph"]).unwrap().allocations, 1);
-    assert_eq!(a.pause(&["graph"]).unwrap().allocations, 0, "second pause is a no-op");
+    assert_eq!(
+        a.pause(&["graph"]).unwrap().allocations,
+        0,
+        "second pause is a no-op"
+    );
     assert_eq!(a.state(p), Some(State::Paused));
     assert_eq!(a.resume(&["graph"]).unwrap().allocations, 1);
-    assert_eq!(a.resume(&["graph"]).unwrap().allocations, 0, "second resume is a no-op");
+    assert_eq!(
+        a.resume(&["graph"]).unwrap().allocations,
+        0,
+        "second resume is a no-op"
+    );
     assert!(check(p, 2 * MIB, 3));
     a.free(p).unwrap();
 }
@@ -87,11 +107,17 @@ fn backups_are_reused_across_cycles() {
     for seed in 0..4u8 {
         fill(p, 4 * MIB, seed);
         a.pause(&["reuse"]).unwrap();
-        assert_eq!(a.stats().tag("reuse").unwrap().usage.backup_bytes, 4 * MIB as u64);
+        assert_eq!(
+            a.stats().tag("reuse").unwrap().usage.backup_bytes,
+            4 * MIB as u64
+        );
         a.resume(&["reuse"]).unwrap();
         assert!(check(p, 4 * MIB, seed), "cycle {seed}");
         // The backup stays attached (and is overwritten by the next pause).
-        assert_eq!(a.stats().tag("reuse").unwrap().usage.backup_bytes, 4 * MIB as u64);
+        assert_eq!(
+            a.stats().tag("reuse").unwrap().usage.backup_bytes,
+            4 * MIB as u64
+        );
     }
     a.free(p).unwrap();
     assert_eq!(a.stats().total.backup_bytes, 0);
@@ -99,7 +125,6 @@ fn backups_are_reused_across_cycles() {
 
 #[test]
 fn free_while_paused_releases_everything() {
-    let _s = serial();
     let a = allocator();
     let before = free_bytes(&a, 0);
     let p = a.malloc(4 * MIB, 0, "weights", Policy::Cpu).unwrap();
@@ -107,10 +132,20 @@ fn free_while_paused_releases_everything() {
     assert_eq!(a.stats().total.backup_bytes, 4 * MIB as u64);
     a.free(p).unwrap();
     let s = a.stats();
-    assert_eq!((s.total.allocations, s.total.backup_bytes, s.total.reserved_bytes), (0, 0, 0));
+    assert_eq!(
+        (
+            s.total.allocations,
+            s.total.backup_bytes,
+            s.total.reserved_bytes
+        ),
+        (0, 0, 0)
+    );
     assert_eq!(free_bytes(&a, 0), before);
     // The tag stays paused (and known) until resumed.
-    assert!(matches!(a.malloc(MIB, 0, "weights", Policy::Cpu), Err(Error::TagPaused { .. })));
+    assert!(matches!(
+        a.malloc(MIB, 0, "weights", Policy::Cpu),
+        Err(Error::TagPaused { .. })
+    ));
     a.resume(&["weights"]).unwrap();
     let q = a.malloc(MIB, 0, "weights", Policy::Cpu).unwrap();
     a.free(q).unwrap();
@@ -125,14 +160,25 @@ fn pause_selects_tags_and_all() {
     a.pause(&["kv_cache", "cuda_graph"]).unwrap();
     assert_eq!(
         [a.state(w), a.state(k), a.state(g)],
-        [Some(State::Resident), Some(State::Paused), Some(State::Paused)]
+        [
+            Some(State::Resident),
+            Some(State::Paused),
+            Some(State::Paused)
+        ]
     );
     a.pause(&[]).unwrap();
     assert_eq!(a.state(w), Some(State::Paused));
     a.resume(&["weights"]).unwrap();
-    assert_eq!([a.state(w), a.state(k)], [Some(State::Resident), Some(State::Paused)]);
+    assert_eq!(
+        [a.state(w), a.state(k)],
+        [Some(State::Resident), Some(State::Paused)]
+    );
     a.resume(&[]).unwrap();
-    assert!([w, k, g].iter().all(|p| a.state(*p) == Some(State::Resident)));
+    assert!(
+        [w, k, g]
+            .iter()
+            .all(|p| a.state(*p) == Some(State::Resident))
+    );
     for p in [w, k, g] {
         a.free(p).unwrap();
     }
@@ -146,13 +192,36 @@ fn bad_input_gives_clear_errors_and_changes_nothing() {
     assert!(matches!(e, Error::UnknownTag { .. }));
     let msg = e.to_string();
     assert!(msg.contains("'kv'") && msg.contains("weights"), "{msg}");
-    assert_eq!(a.state(p), Some(State::Resident), "an invalid call pauses nothing");
-    assert!(a.resume(&["nope"]).unwrap_err().to_string().contains("unknown tag 'nope'"));
+    assert_eq!(
+        a.state(p),
+        Some(State::Resident),
+        "an invalid call pauses nothing"
+    );
+    assert!(
+        a.resume(&["nope"])
+            .unwrap_err()
+            .to_string()
+            .contains("unknown tag 'nope'")
+    );
 
-    assert!(matches!(a.free(0xdead_0000), Err(Error::UnknownPointer { .. })));
-    assert!(matches!(a.malloc(0, 0, "weights", Policy::Cpu), Err(Error::InvalidArgument(_))));
-    assert!(a.malloc(MIB, 0, "bad tag!", Policy::Cpu).unwrap_err().to_string().contains("invalid tag"));
-    let e = a.malloc(MIB, 99, "weights", Policy::Cpu).unwrap_err().to_string();
+    assert!(matches!(
+        a.free(0xdead_0000),
+        Err(Error::UnknownPointer { .. })
+    ));
+    assert!(matches!(
+        a.malloc(0, 0, "weights", Policy::Cpu),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(
+        a.malloc(MIB, 0, "bad tag!", Policy::Cpu)
+            .unwrap_err()
+            .to_string()
+            .contains("invalid tag")
+    );
+    let e = a
+        .malloc(MIB, 99, "weights", Policy::Cpu)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("device 99 does not exist"), "{e}");
 
     a.pause(&["weights"]).unwrap();
@@ -195,5 +264,8 @@ fn allocations_on_several_devices() {
 fn missing_driver_is_an_error_not_a_panic() {
     let e = memsaver_allocator::driver::Driver::load("/nonexistent/libcuda.so.1").unwrap_err();
     let msg = e.to_string();
-    assert!(msg.contains("MEMSAVER_CUDA_LIB") && msg.contains("/nonexistent"), "{msg}");
+    assert!(
+        msg.contains("MEMSAVER_CUDA_LIB") && msg.contains("/nonexistent"),
+        "{msg}"
+    );
 }

@@ -17,7 +17,9 @@ fn many_threads_allocate_and_free() {
             s.spawn(move || {
                 let tag = format!("t{}", t % 3);
                 for i in 0..40 {
-                    let p = a.malloc(MIB + i * 4096, t as i32 % 2, &tag, Policy::Cpu).unwrap();
+                    let p = a
+                        .malloc(MIB + i * 4096, t as i32 % 2, &tag, Policy::Cpu)
+                        .unwrap();
                     fill(p, MIB, t);
                     assert!(check(p, MIB, t));
                     a.free(p).unwrap();
@@ -31,7 +33,9 @@ fn many_threads_allocate_and_free() {
 #[test]
 fn other_tags_allocate_while_one_is_paused_and_resumed() {
     let a = allocator();
-    let big: Vec<u64> = (0..8).map(|_| a.malloc(4 * MIB, 0, "weights", Policy::Cpu).unwrap()).collect();
+    let big: Vec<u64> = (0..8)
+        .map(|_| a.malloc(4 * MIB, 0, "weights", Policy::Cpu).unwrap())
+        .collect();
     for (i, p) in big.iter().enumerate() {
         fill(*p, 4 * MIB, i as u8);
     }
@@ -43,9 +47,14 @@ fn other_tags_allocate_while_one_is_paused_and_resumed() {
                 s.spawn(move || {
                     let mut n = 0;
                     while !stop.load(Ordering::Relaxed) || n < 20 {
-                        let p = a.malloc(2 * MIB, 0, "activations", Policy::Discard).unwrap();
+                        let p = a
+                            .malloc(2 * MIB, 0, "activations", Policy::Discard)
+                            .unwrap();
                         fill(p, 2 * MIB, t);
-                        assert!(check(p, 2 * MIB, t), "memory of another tag is never disturbed");
+                        assert!(
+                            check(p, 2 * MIB, t),
+                            "memory of another tag is never disturbed"
+                        );
                         a.free(p).unwrap();
                         n += 1;
                     }
@@ -76,7 +85,9 @@ fn free_during_a_pause_is_completed_by_the_pause() {
     // freed twice.
     let a = allocator();
     for round in 0..20 {
-        let ptrs: Vec<u64> = (0..16).map(|_| a.malloc(2 * MIB, 0, "racy", Policy::Cpu).unwrap()).collect();
+        let ptrs: Vec<u64> = (0..16)
+            .map(|_| a.malloc(2 * MIB, 0, "racy", Policy::Cpu).unwrap())
+            .collect();
         std::thread::scope(|s| {
             let a = &a;
             s.spawn(move || {
@@ -87,7 +98,15 @@ fn free_during_a_pause_is_completed_by_the_pause() {
             }
         });
         a.resume(&["racy"]).unwrap();
-        assert_eq!(a.stats().tag("racy").unwrap().usage.allocations, 0, "round {round}");
-        assert_eq!(a.stats().tag("racy").unwrap().usage.backup_bytes, 0, "round {round}");
+        assert_eq!(
+            a.stats().tag("racy").unwrap().usage.allocations,
+            0,
+            "round {round}"
+        );
+        assert_eq!(
+            a.stats().tag("racy").unwrap().usage.backup_bytes,
+            0,
+            "round {round}"
+        );
     }
 }

@@ -67,7 +67,9 @@ fn ffi(f: impl FnOnce() -> Result<(), Error>) -> c_int {
             Status::of(&e) as c_int
         }
         Err(_) => {
-            set_last_error("internal error in memsaver (a bug: please report it with MEMSAVER_LOG=debug output)");
+            set_last_error(
+                "internal error in memsaver (a bug: please report it with MEMSAVER_LOG=debug output)",
+            );
             Status::Internal as c_int
         }
     }
@@ -96,7 +98,13 @@ unsafe fn req_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error> {
 }
 
 fn split_tags(s: Option<&str>) -> Vec<&str> {
-    s.map(|s| s.split(',').map(str::trim).filter(|t| !t.is_empty()).collect()).unwrap_or_default()
+    s.map(|s| {
+        s.split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .collect()
+    })
+    .unwrap_or_default()
 }
 
 /// The message of the last failed call on this thread (empty if none). The pointer stays
@@ -190,7 +198,11 @@ pub unsafe extern "C" fn memsaver_register_tag(tag: *const c_char) -> c_int {
 /// `buf` is valid for `len` bytes of writes (or NULL with `len == 0`); `needed` is NULL or a
 /// valid out-pointer.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn memsaver_stats_json(buf: *mut c_char, len: usize, needed: *mut usize) -> c_int {
+pub unsafe extern "C" fn memsaver_stats_json(
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> c_int {
     let mut too_small = false;
     let code = ffi(|| {
         let json = serde_json::to_string(&global()?.stats())
@@ -212,7 +224,9 @@ pub unsafe extern "C" fn memsaver_stats_json(buf: *mut c_char, len: usize, neede
         Ok(())
     });
     if code == Status::Ok as c_int && too_small {
-        set_last_error("the stats buffer is too small; call again with the size written to *needed");
+        set_last_error(
+            "the stats buffer is too small; call again with the size written to *needed",
+        );
         return Status::BufferTooSmall as c_int;
     }
     code

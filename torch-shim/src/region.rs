@@ -16,9 +16,14 @@ pub fn enter(tag: &str, policy: Policy) -> Result<(), Error> {
 }
 
 pub fn exit() -> Result<(), Error> {
-    STACK.with(|s| s.borrow_mut().pop()).map(drop).ok_or_else(|| {
-        Error::InvalidArgument("memsaver_region_exit without a matching memsaver_region_enter".into())
-    })
+    STACK
+        .with(|s| s.borrow_mut().pop())
+        .map(drop)
+        .ok_or_else(|| {
+            Error::InvalidArgument(
+                "memsaver_region_exit without a matching memsaver_region_enter".into(),
+            )
+        })
 }
 
 /// The innermost region of the calling thread, if any.

@@ -11,7 +11,9 @@ fn c(s: &str) -> CString {
 
 fn last_error() -> String {
     // SAFETY: memsaver_last_error returns a NUL-terminated thread-local string.
-    unsafe { CStr::from_ptr(memsaver_last_error()) }.to_string_lossy().into_owned()
+    unsafe { CStr::from_ptr(memsaver_last_error()) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 fn stats() -> serde_json::Value {
@@ -27,29 +29,45 @@ fn stats() -> serde_json::Value {
 }
 
 fn tag<'a>(s: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
-    s["tags"].as_array().unwrap().iter().find(|t| t["tag"] == name).unwrap()
+    s["tags"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tag"] == name)
+        .unwrap()
 }
 
 #[test]
 fn pause_resume_and_stats_through_the_c_abi() {
     let mut p: *mut c_void = std::ptr::null_mut();
     // SAFETY: valid out-pointer and C strings.
-    let rc = unsafe { memsaver_malloc(&mut p, 3 << 20, 0, c("abi_weights").as_ptr(), c("cpu").as_ptr()) };
+    let rc = unsafe {
+        memsaver_malloc(
+            &mut p,
+            3 << 20,
+            0,
+            c("abi_weights").as_ptr(),
+            c("cpu").as_ptr(),
+        )
+    };
     assert_eq!(rc, 0, "{}", last_error());
     // SAFETY: on the fake driver device memory is host memory mapped read-write.
     unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0xAB, 3 << 20) };
 
     // SAFETY: C string argument.
-    assert_eq!(unsafe { memsaver_pause(c("abi_weights").as_ptr()) }, 0, "{}", last_error());
+    let rc = unsafe { memsaver_pause(c("abi_weights").as_ptr()) };
+    assert_eq!(rc, 0, "{}", last_error());
     let s = stats();
     assert_eq!(tag(&s, "abi_weights")["paused"], true);
     assert_eq!(tag(&s, "abi_weights")["resident_bytes"], 0);
     assert_eq!(tag(&s, "abi_weights")["backup_bytes"], 4 << 20);
 
     // SAFETY: C string argument.
-    assert_eq!(unsafe { memsaver_resume(c(" abi_weights , ").as_ptr()) }, 0, "{}", last_error());
-    // SAFETY: resident again, same address.
-    assert!(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), 3 << 20) }.iter().all(|b| *b == 0xAB));
+    let rc = unsafe { memsaver_resume(c(" abi_weights , ").as_ptr()) };
+    assert_eq!(rc, 0, "{}", last_error());
+    // SAFETY: resident again, at the same address.
+    let bytes = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), 3 << 20) };
+    assert!(bytes.iter().all(|b| *b == 0xAB));
     assert_eq!(memsaver_free(p), 0);
 }
 
@@ -58,9 +76,16 @@ fn errors_return_codes_and_messages() {
     // SAFETY: C string argument.
     let rc = unsafe { memsaver_pause(c("no_such_tag").as_ptr()) };
     assert_eq!(rc, Status::UnknownTag as i32);
-    assert!(last_error().contains("unknown tag 'no_such_tag'"), "{}", last_error());
+    assert!(
+        last_error().contains("unknown tag 'no_such_tag'"),
+        "{}",
+        last_error()
+    );
 
-    assert_eq!(memsaver_free(0x1234 as *mut c_void), Status::UnknownPointer as i32);
+    assert_eq!(
+        memsaver_free(0x1234 as *mut c_void),
+        Status::UnknownPointer as i32
+    );
     assert!(last_error().contains("not allocated by memsaver"));
 
     let mut p: *mut c_void = std::ptr::null_mut();
@@ -81,13 +106,27 @@ fn errors_return_codes_and_messages() {
 fn regions_nest_per_thread() {
     // SAFETY: C string arguments.
     unsafe {
-        assert_eq!(memsaver_region_enter(c("outer").as_ptr(), c("cpu").as_ptr()), 0);
-        assert_eq!(memsaver_region_enter(c("inner").as_ptr(), std::ptr::null()), 0);
+        assert_eq!(
+            memsaver_region_enter(c("outer").as_ptr(), c("cpu").as_ptr()),
+            0
+        );
+        assert_eq!(
+            memsaver_region_enter(c("inner").as_ptr(), std::ptr::null()),
+            0
+        );
     }
-    assert_eq!(region::current(), Some(("inner".into(), memsaver_allocator::Policy::Discard)));
-    std::thread::spawn(|| assert_eq!(region::current(), None)).join().unwrap();
+    assert_eq!(
+        region::current(),
+        Some(("inner".into(), memsaver_allocator::Policy::Discard))
+    );
+    std::thread::spawn(|| assert_eq!(region::current(), None))
+        .join()
+        .unwrap();
     assert_eq!(memsaver_region_exit(), 0);
-    assert_eq!(region::current(), Some(("outer".into(), memsaver_allocator::Policy::Cpu)));
+    assert_eq!(
+        region::current(),
+        Some(("outer".into(), memsaver_allocator::Policy::Cpu))
+    );
     assert_eq!(memsaver_region_exit(), 0);
     assert_eq!(region::current(), None);
     // Entering a region registers its tag.

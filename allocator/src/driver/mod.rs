@@ -64,7 +64,13 @@ pub fn error_name(code: CUresult) -> &'static str {
 
 impl fmt::Display for DriverError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {} ({})", self.call, error_name(self.code), self.code)
+        write!(
+            f,
+            "{}: {} ({})",
+            self.call,
+            error_name(self.code),
+            self.code
+        )
     }
 }
 
@@ -93,7 +99,11 @@ pub enum LoadError {
 }
 
 fn check(call: &'static str, code: CUresult) -> Result<(), DriverError> {
-    if code == CUDA_SUCCESS { Ok(()) } else { Err(DriverError { call, code }) }
+    if code == CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(DriverError { call, code })
+    }
 }
 
 macro_rules! entry_points {
@@ -202,7 +212,10 @@ unsafe impl Sync for Driver {}
 
 impl fmt::Debug for Driver {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Driver").field("path", &self.path).field("version", &self.version).finish()
+        f.debug_struct("Driver")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .finish()
     }
 }
 
@@ -218,7 +231,10 @@ impl Driver {
         // global namespace, so a preloaded interposer of ours never sees them by accident.
         let lib = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
         if lib.is_null() {
-            return Err(LoadError::Library { path: path.to_owned(), reason: dlerror_string() });
+            return Err(LoadError::Library {
+                path: path.to_owned(),
+                reason: dlerror_string(),
+            });
         }
         // SAFETY: `lib` is the live handle just returned.
         let f = unsafe { EntryPoints::resolve(lib, path) }?;
@@ -226,9 +242,16 @@ impl Driver {
         check("cuInit", unsafe { (f.cuInit)(0) }).map_err(LoadError::Init)?;
         let mut version = 0;
         // SAFETY: `version` is a valid out-pointer.
-        check("cuDriverGetVersion", unsafe { (f.cuDriverGetVersion)(&mut version) })
-            .map_err(LoadError::Init)?;
-        Ok(Self { path: path.to_owned(), lib, f, version })
+        check("cuDriverGetVersion", unsafe {
+            (f.cuDriverGetVersion)(&mut version)
+        })
+        .map_err(LoadError::Init)?;
+        Ok(Self {
+            path: path.to_owned(),
+            lib,
+            f,
+            version,
+        })
     }
 
     /// The path the driver was opened from.
@@ -244,7 +267,9 @@ impl Driver {
     pub fn device_count(&self) -> Result<i32, DriverError> {
         let mut n = 0;
         // SAFETY: `n` is a valid out-pointer.
-        check("cuDeviceGetCount", unsafe { (self.f.cuDeviceGetCount)(&mut n) })?;
+        check("cuDeviceGetCount", unsafe {
+            (self.f.cuDeviceGetCount)(&mut n)
+        })?;
         Ok(n)
     }
 
@@ -253,10 +278,14 @@ impl Driver {
     pub fn primary_context(&self, ordinal: i32) -> Result<Context, DriverError> {
         let mut dev: CUdevice = 0;
         // SAFETY: `dev` is a valid out-pointer.
-        check("cuDeviceGet", unsafe { (self.f.cuDeviceGet)(&mut dev, ordinal) })?;
+        check("cuDeviceGet", unsafe {
+            (self.f.cuDeviceGet)(&mut dev, ordinal)
+        })?;
         let mut ctx: CUcontext = std::ptr::null_mut();
         // SAFETY: `ctx` is a valid out-pointer.
-        check("cuDevicePrimaryCtxRetain", unsafe { (self.f.cuDevicePrimaryCtxRetain)(&mut ctx, dev) })?;
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            (self.f.cuDevicePrimaryCtxRetain)(&mut ctx, dev)
+        })?;
         Ok(Context(ctx))
     }
 
@@ -267,11 +296,15 @@ impl Driver {
         f: impl FnOnce() -> Result<T, DriverError>,
     ) -> Result<T, DriverError> {
         // SAFETY: `ctx` is a retained primary context.
-        check("cuCtxPushCurrent", unsafe { (self.f.cuCtxPushCurrent_v2)(ctx.0) })?;
+        check("cuCtxPushCurrent", unsafe {
+            (self.f.cuCtxPushCurrent_v2)(ctx.0)
+        })?;
         let out = f();
         let mut popped: CUcontext = std::ptr::null_mut();
         // SAFETY: `popped` is a valid out-pointer; we pushed exactly one context above.
-        let pop = check("cuCtxPopCurrent", unsafe { (self.f.cuCtxPopCurrent_v2)(&mut popped) });
+        let pop = check("cuCtxPopCurrent", unsafe {
+            (self.f.cuCtxPopCurrent_v2)(&mut popped)
+        });
         let out = out?;
         pop?;
         Ok(out)
@@ -287,7 +320,9 @@ impl Driver {
     pub fn mem_info(&self) -> Result<(usize, usize), DriverError> {
         let (mut free, mut total) = (0, 0);
         // SAFETY: both are valid out-pointers.
-        check("cuMemGetInfo", unsafe { (self.f.cuMemGetInfo_v2)(&mut free, &mut total) })?;
+        check("cuMemGetInfo", unsafe {
+            (self.f.cuMemGetInfo_v2)(&mut free, &mut total)
+        })?;
         Ok((free, total))
     }
 
@@ -299,7 +334,10 @@ impl Driver {
             } else {
                 CU_MEM_HANDLE_TYPE_NONE
             },
-            location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal },
+            location: CUmemLocation {
+                type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                id: ordinal,
+            },
             ..Default::default()
         }
     }
@@ -317,11 +355,18 @@ impl Driver {
 
     /// Creates `size` bytes of physical memory on device `ordinal`; `exportable` asks for a
     /// POSIX-fd shareable handle type.
-    pub fn create(&self, ordinal: i32, size: usize, exportable: bool) -> Result<Handle, DriverError> {
+    pub fn create(
+        &self,
+        ordinal: i32,
+        size: usize,
+        exportable: bool,
+    ) -> Result<Handle, DriverError> {
         let prop = Self::device_prop(ordinal, exportable);
         let mut h = 0;
         // SAFETY: `h` and `prop` are valid for the call.
-        check("cuMemCreate", unsafe { (self.f.cuMemCreate)(&mut h, size, &prop, 0) })?;
+        check("cuMemCreate", unsafe {
+            (self.f.cuMemCreate)(&mut h, size, &prop, 0)
+        })?;
         Ok(Handle(h))
     }
 
@@ -334,7 +379,9 @@ impl Driver {
     pub fn reserve(&self, size: usize, align: usize) -> Result<CUdeviceptr, DriverError> {
         let mut p = 0;
         // SAFETY: `p` is a valid out-pointer.
-        check("cuMemAddressReserve", unsafe { (self.f.cuMemAddressReserve)(&mut p, size, align, 0, 0) })?;
+        check("cuMemAddressReserve", unsafe {
+            (self.f.cuMemAddressReserve)(&mut p, size, align, 0, 0)
+        })?;
         Ok(p)
     }
 
@@ -343,22 +390,37 @@ impl Driver {
     /// 2. No one uses addresses in it afterwards.
     pub unsafe fn address_free(&self, ptr: CUdeviceptr, size: usize) -> Result<(), DriverError> {
         // SAFETY: guaranteed by the caller.
-        check("cuMemAddressFree", unsafe { (self.f.cuMemAddressFree)(ptr, size) })
+        check("cuMemAddressFree", unsafe {
+            (self.f.cuMemAddressFree)(ptr, size)
+        })
     }
 
     /// Maps `h` at `ptr` and grants device `ordinal` read-write access.
     ///
     /// # Safety
     /// `[ptr, ptr+size)` lies in a reserved range and is not mapped.
-    pub unsafe fn map(&self, ptr: CUdeviceptr, size: usize, h: Handle, ordinal: i32) -> Result<(), DriverError> {
+    pub unsafe fn map(
+        &self,
+        ptr: CUdeviceptr,
+        size: usize,
+        h: Handle,
+        ordinal: i32,
+    ) -> Result<(), DriverError> {
         // SAFETY: guaranteed by the caller.
-        check("cuMemMap", unsafe { (self.f.cuMemMap)(ptr, size, 0, h.0, 0) })?;
+        check("cuMemMap", unsafe {
+            (self.f.cuMemMap)(ptr, size, 0, h.0, 0)
+        })?;
         let desc = CUmemAccessDesc {
-            location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal },
+            location: CUmemLocation {
+                type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                id: ordinal,
+            },
             flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: the range was just mapped; `desc` is valid for the call.
-        let access = check("cuMemSetAccess", unsafe { (self.f.cuMemSetAccess)(ptr, size, &desc, 1) });
+        let access = check("cuMemSetAccess", unsafe {
+            (self.f.cuMemSetAccess)(ptr, size, &desc, 1)
+        });
         if access.is_err() {
             // SAFETY: we mapped this range above and nobody has seen it yet.
             let _ = unsafe { (self.f.cuMemUnmap)(ptr, size) };
@@ -409,25 +471,33 @@ impl Driver {
     pub fn stream_create(&self) -> Result<Stream, DriverError> {
         let mut s: CUstream = std::ptr::null_mut();
         // SAFETY: `s` is a valid out-pointer.
-        check("cuStreamCreate", unsafe { (self.f.cuStreamCreate)(&mut s, CU_STREAM_NON_BLOCKING) })?;
+        check("cuStreamCreate", unsafe {
+            (self.f.cuStreamCreate)(&mut s, CU_STREAM_NON_BLOCKING)
+        })?;
         Ok(Stream(s))
     }
 
     pub fn stream_synchronize(&self, s: Stream) -> Result<(), DriverError> {
         // SAFETY: `s` was created by `stream_create` and not destroyed.
-        check("cuStreamSynchronize", unsafe { (self.f.cuStreamSynchronize)(s.0) })
+        check("cuStreamSynchronize", unsafe {
+            (self.f.cuStreamSynchronize)(s.0)
+        })
     }
 
     pub fn stream_destroy(&self, s: Stream) -> Result<(), DriverError> {
         // SAFETY: `s` was created by `stream_create`; it is consumed here.
-        check("cuStreamDestroy", unsafe { (self.f.cuStreamDestroy_v2)(s.0) })
+        check("cuStreamDestroy", unsafe {
+            (self.f.cuStreamDestroy_v2)(s.0)
+        })
     }
 
     /// Records a new timing-free event on `s`.
     pub fn event_record(&self, s: Stream) -> Result<Event, DriverError> {
         let mut e: CUevent = std::ptr::null_mut();
         // SAFETY: `e` is a valid out-pointer.
-        check("cuEventCreate", unsafe { (self.f.cuEventCreate)(&mut e, CU_EVENT_DISABLE_TIMING) })?;
+        check("cuEventCreate", unsafe {
+            (self.f.cuEventCreate)(&mut e, CU_EVENT_DISABLE_TIMING)
+        })?;
         // SAFETY: `e` and `s` are live.
         if let Err(err) = check("cuEventRecord", unsafe { (self.f.cuEventRecord)(e, s.0) }) {
             // SAFETY: `e` was created above and is not used again.
@@ -440,7 +510,9 @@ impl Driver {
     /// Waits for `e`, then destroys it.
     pub fn event_wait(&self, e: Event) -> Result<(), DriverError> {
         // SAFETY: `e` is live until destroyed below.
-        let r = check("cuEventSynchronize", unsafe { (self.f.cuEventSynchronize)(e.0) });
+        let r = check("cuEventSynchronize", unsafe {
+            (self.f.cuEventSynchronize)(e.0)
+        });
         // SAFETY: `e` is consumed here.
         let d = check("cuEventDestroy", unsafe { (self.f.cuEventDestroy_v2)(e.0) });
         r.and(d)
@@ -449,31 +521,56 @@ impl Driver {
     /// # Safety
     /// 1. `src..src+n` is mapped device memory and `dst..dst+n` is pinned host memory.
     /// 2. Both stay valid until the copy completes on `s`.
-    pub unsafe fn copy_dtoh_async(&self, dst: *mut u8, src: CUdeviceptr, n: usize, s: Stream) -> Result<(), DriverError> {
+    pub unsafe fn copy_dtoh_async(
+        &self,
+        dst: *mut u8,
+        src: CUdeviceptr,
+        n: usize,
+        s: Stream,
+    ) -> Result<(), DriverError> {
         // SAFETY: guaranteed by the caller.
-        check("cuMemcpyDtoHAsync", unsafe { (self.f.cuMemcpyDtoHAsync_v2)(dst.cast(), src, n, s.0) })
+        check("cuMemcpyDtoHAsync", unsafe {
+            (self.f.cuMemcpyDtoHAsync_v2)(dst.cast(), src, n, s.0)
+        })
     }
 
     /// # Safety
     /// 1. `dst..dst+n` is mapped device memory and `src..src+n` is pinned host memory.
     /// 2. Both stay valid until the copy completes on `s`.
-    pub unsafe fn copy_htod_async(&self, dst: CUdeviceptr, src: *const u8, n: usize, s: Stream) -> Result<(), DriverError> {
+    pub unsafe fn copy_htod_async(
+        &self,
+        dst: CUdeviceptr,
+        src: *const u8,
+        n: usize,
+        s: Stream,
+    ) -> Result<(), DriverError> {
         // SAFETY: guaranteed by the caller.
-        check("cuMemcpyHtoDAsync", unsafe { (self.f.cuMemcpyHtoDAsync_v2)(dst, src.cast(), n, s.0) })
+        check("cuMemcpyHtoDAsync", unsafe {
+            (self.f.cuMemcpyHtoDAsync_v2)(dst, src.cast(), n, s.0)
+        })
     }
 
     /// # Safety
     /// `dst..dst+n` is mapped device memory.
-    pub unsafe fn memset_d8(&self, dst: CUdeviceptr, value: u8, n: usize) -> Result<(), DriverError> {
+    pub unsafe fn memset_d8(
+        &self,
+        dst: CUdeviceptr,
+        value: u8,
+        n: usize,
+    ) -> Result<(), DriverError> {
         // SAFETY: guaranteed by the caller.
-        check("cuMemsetD8", unsafe { (self.f.cuMemsetD8_v2)(dst, value, n) })
+        check("cuMemsetD8", unsafe {
+            (self.f.cuMemsetD8_v2)(dst, value, n)
+        })
     }
 
     /// Allocates `n` bytes of pinned (page-locked) host memory.
     pub fn host_alloc(&self, n: usize) -> Result<*mut u8, DriverError> {
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: `p` is a valid out-pointer.
-        check("cuMemHostAlloc", unsafe { (self.f.cuMemHostAlloc)(&mut p, n, CU_MEMHOSTALLOC_PORTABLE) })?;
+        check("cuMemHostAlloc", unsafe {
+            (self.f.cuMemHostAlloc)(&mut p, n, CU_MEMHOSTALLOC_PORTABLE)
+        })?;
         Ok(p.cast())
     }
 

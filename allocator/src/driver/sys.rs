@@ -121,7 +121,8 @@ pub mod fns {
     pub type cuCtxPushCurrent_v2 = unsafe extern "C" fn(ctx: CUcontext) -> CUresult;
     pub type cuCtxPopCurrent_v2 = unsafe extern "C" fn(ctx: *mut CUcontext) -> CUresult;
     pub type cuCtxSynchronize = unsafe extern "C" fn() -> CUresult;
-    pub type cuMemGetInfo_v2 = unsafe extern "C" fn(free: *mut usize, total: *mut usize) -> CUresult;
+    pub type cuMemGetInfo_v2 =
+        unsafe extern "C" fn(free: *mut usize, total: *mut usize) -> CUresult;
     pub type cuMemGetAllocationGranularity = unsafe extern "C" fn(
         granularity: *mut usize,
         prop: *const CUmemAllocationProp,
@@ -167,8 +168,10 @@ pub mod fns {
         os_handle: *mut c_void,
         handle_type: c_uint,
     ) -> CUresult;
-    pub type cuMemRetainAllocationHandle =
-        unsafe extern "C" fn(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) -> CUresult;
+    pub type cuMemRetainAllocationHandle = unsafe extern "C" fn(
+        handle: *mut CUmemGenericAllocationHandle,
+        addr: *mut c_void,
+    ) -> CUresult;
     pub type cuMemGetAllocationPropertiesFromHandle = unsafe extern "C" fn(
         prop: *mut CUmemAllocationProp,
         handle: CUmemGenericAllocationHandle,
@@ -178,7 +181,8 @@ pub mod fns {
         size: *mut usize,
         ptr: CUdeviceptr,
     ) -> CUresult;
-    pub type cuStreamCreate = unsafe extern "C" fn(stream: *mut CUstream, flags: c_uint) -> CUresult;
+    pub type cuStreamCreate =
+        unsafe extern "C" fn(stream: *mut CUstream, flags: c_uint) -> CUresult;
     pub type cuStreamSynchronize = unsafe extern "C" fn(stream: CUstream) -> CUresult;
     pub type cuStreamDestroy_v2 = unsafe extern "C" fn(stream: CUstream) -> CUresult;
     pub type cuEventCreate = unsafe extern "C" fn(event: *mut CUevent, flags: c_uint) -> CUresult;

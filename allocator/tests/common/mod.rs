@@ -13,7 +13,10 @@ pub const MIB: usize = 1 << 20;
 
 pub fn fake_lib() -> String {
     std::env::var("MEMSAVER_CUDA_LIB").unwrap_or_else(|_| {
-        format!("{}/../target/fake-cuda/libcuda.so.1", env!("CARGO_MANIFEST_DIR"))
+        format!(
+            "{}/../target/fake-cuda/libcuda.so.1",
+            env!("CARGO_MANIFEST_DIR")
+        )
     })
 }
 
@@ -27,15 +30,29 @@ pub fn driver() -> Arc<Driver> {
     .clone()
 }
 
-pub fn allocator() -> Allocator {
-    Allocator::new(driver())
+/// A fresh allocator over the fake driver, for one test. Tests of one file run one at a time
+/// (the value holds a lock), because they read device-wide free memory and fault-injection
+/// counters that other tests' allocations would disturb.
+pub struct TestAllocator {
+    // Declared first so the allocator is dropped (its memory freed) before the lock is released.
+    alloc: Allocator,
+    _serial: MutexGuard<'static, ()>,
 }
 
-/// Tests that read device-wide free memory hold this, so allocations of tests running in
-/// parallel threads do not disturb their figures.
-pub fn serial() -> MutexGuard<'static, ()> {
-    static M: Mutex<()> = Mutex::new(());
-    M.lock()
+impl std::ops::Deref for TestAllocator {
+    type Target = Allocator;
+    fn deref(&self) -> &Allocator {
+        &self.alloc
+    }
+}
+
+pub fn allocator() -> TestAllocator {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    let _serial = SERIAL.lock();
+    TestAllocator {
+        alloc: Allocator::new(driver()),
+        _serial,
+    }
 }
 
 /// Calls one of the fake driver's fault-injection functions (`fakecuda_fail_create_at`, ...).
@@ -67,7 +84,9 @@ pub fn fill(ptr: u64, len: usize, seed: u8) {
 pub fn check(ptr: u64, len: usize, seed: u8) -> bool {
     // SAFETY: as in `fill`.
     let s = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
-    s.iter().enumerate().all(|(i, b)| *b == seed.wrapping_add((i / 4096) as u8).wrapping_mul(31) ^ (i as u8))
+    s.iter()
+        .enumerate()
+        .all(|(i, b)| *b == seed.wrapping_add((i / 4096) as u8).wrapping_mul(31) ^ (i as u8))
 }
 
 pub fn free_bytes(a: &Allocator, device: i32) -> usize {

@@ -44,8 +44,9 @@ impl Config {
         };
         let mem_bytes = match var("FAKE_CUDA_MEM_BYTES") {
             None => 8 << 30,
-            Some(s) => parse_bytes(&s)
-                .ok_or_else(|| format!("FAKE_CUDA_MEM_BYTES={s:?}: want e.g. 8589934592, 512MiB, 8GiB"))?,
+            Some(s) => parse_bytes(&s).ok_or_else(|| {
+                format!("FAKE_CUDA_MEM_BYTES={s:?}: want e.g. 8589934592, 512MiB, 8GiB")
+            })?,
         };
         let dir = match var("FAKE_CUDA_DIR") {
             Some(d) if !d.is_empty() => PathBuf::from(d),
@@ -75,7 +76,11 @@ fn default_dir() -> PathBuf {
     // SAFETY: getuid has no preconditions and cannot fail.
     let uid = unsafe { libc::getuid() };
     let shm = std::path::Path::new("/dev/shm");
-    let base = if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() };
+    let base = if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    };
     base.join(format!("fake-cuda-{uid}"))
 }
 
@@ -86,7 +91,9 @@ fn parse_nth(value: Option<String>, name: &str) -> Result<Option<u64>, String> {
         Some(s) => match s.parse::<u64>() {
             Ok(0) => Ok(None),
             Ok(n) => Ok(Some(n)),
-            Err(_) => Err(format!("{name}={s:?}: want a call number (1 = the first call)")),
+            Err(_) => Err(format!(
+                "{name}={s:?}: want a call number (1 = the first call)"
+            )),
         },
     }
 }

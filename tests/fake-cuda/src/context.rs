@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use memsaver_allocator::driver::sys::{
     CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_HANDLE,
-    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NO_DEVICE, CUDA_ERROR_NOT_INITIALIZED,
-    CUDA_ERROR_UNKNOWN, CUcontext, CUdevice, CUevent, CUresult, CUstream,
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NO_DEVICE, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_UNKNOWN,
+    CUcontext, CUdevice, CUevent, CUresult, CUstream,
 };
 use parking_lot::Mutex;
 
@@ -42,7 +42,10 @@ pub fn init(flags: u32) -> Result<(), CUresult> {
         return Err(CUDA_ERROR_NO_DEVICE);
     }
     physical::prepare(cfg).map_err(|err| {
-        report_once(&format!("fake-cuda: cannot prepare {}: {err}", cfg.dir.display()));
+        report_once(&format!(
+            "fake-cuda: cannot prepare {}: {err}",
+            cfg.dir.display()
+        ));
         CUDA_ERROR_UNKNOWN
     })?;
     INITIALISED.store(true, Ordering::Release);
@@ -77,7 +80,10 @@ pub fn device(cfg: &Config, ordinal: CUdevice) -> Result<CUdevice, CUresult> {
 
 pub fn primary_context(dev: CUdevice) -> CUcontext {
     // Only the address is used; the byte is never written through it.
-    PRIMARY_CTX[dev as usize..].as_ptr().cast::<c_void>().cast_mut()
+    PRIMARY_CTX[dev as usize..]
+        .as_ptr()
+        .cast::<c_void>()
+        .cast_mut()
 }
 
 /// The device of a context token; `CUDA_ERROR_INVALID_CONTEXT` for anything else.
@@ -95,7 +101,9 @@ pub fn push_current(dev: CUdevice) {
 }
 
 pub fn pop_current() -> Result<CUdevice, CUresult> {
-    CTX_STACK.with_borrow_mut(|s| s.pop()).ok_or(CUDA_ERROR_INVALID_CONTEXT)
+    CTX_STACK
+        .with_borrow_mut(|s| s.pop())
+        .ok_or(CUDA_ERROR_INVALID_CONTEXT)
 }
 
 /// `cuCtxSetCurrent`: replaces the top of the stack; `None` unbinds (pops) it.
@@ -131,7 +139,10 @@ pub static EVENTS: Tokens = Tokens::new(0xe7e7_0000_0000);
 
 impl Tokens {
     const fn new(base: usize) -> Self {
-        Self { live: Mutex::new(BTreeSet::new()), base }
+        Self {
+            live: Mutex::new(BTreeSet::new()),
+            base,
+        }
     }
 
     pub fn create(&self) -> *mut c_void {

@@ -27,7 +27,13 @@ pub static MAP: Fault = Fault::new();
 
 impl Fault {
     const fn new() -> Self {
-        Self { inner: Mutex::new(FaultInner { calls: 0, fail_at: None, env_applied: false }) }
+        Self {
+            inner: Mutex::new(FaultInner {
+                calls: 0,
+                fail_at: None,
+                env_applied: false,
+            }),
+        }
     }
 
     /// Counts one call; true when this call must fail. `env_nth` is the knob's value, applied

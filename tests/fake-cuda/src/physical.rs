@@ -171,7 +171,11 @@ pub fn create(cfg: &Config, place: Place, size: u64) -> Result<PhysFile, CUresul
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
     }
-    let name = format!("{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+    let name = format!(
+        "{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    );
     let tmp = dir.join(format!(".tmp-{name}"));
     let path = dir.join(&name);
     let result = (|| -> io::Result<PhysFile> {
@@ -186,7 +190,13 @@ pub fn create(cfg: &Config, place: Place, size: u64) -> Result<PhysFile, CUresul
         flock(&file, libc::LOCK_SH | libc::LOCK_NB)?;
         std::fs::rename(&tmp, &path)?;
         let meta = file.metadata()?;
-        Ok(PhysFile { file: Some(file), size, place, path, id: (meta.dev(), meta.ino()) })
+        Ok(PhysFile {
+            file: Some(file),
+            size,
+            place,
+            path,
+            id: (meta.dev(), meta.ino()),
+        })
     })();
     result.map_err(|err| {
         let _ = std::fs::remove_file(&tmp);
@@ -213,7 +223,13 @@ pub fn import(fd: RawFd) -> Result<PhysFile, CUresult> {
     let path = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
         .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
     let place = place_of(&path).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    Ok(PhysFile { size: meta.len(), place, path, id: (meta.dev(), meta.ino()), file: Some(file) })
+    Ok(PhysFile {
+        size: meta.len(),
+        place,
+        path,
+        id: (meta.dev(), meta.ino()),
+        file: Some(file),
+    })
 }
 
 /// Which device an allocation file belongs to, from its path: `.../dev<N>/<pid>-<seq>` or

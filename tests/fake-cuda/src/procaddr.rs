@@ -23,11 +23,14 @@ pub fn resolve(
     cuda_version: c_int,
     exported: impl Fn(&str) -> Option<*mut c_void>,
 ) -> Option<*mut c_void> {
-    let versioned = symbol.rsplit_once("_v").is_some_and(|(_, n)| n.parse::<u32>().is_ok());
-    if !versioned && cuda_version >= v2_since(symbol) {
-        if let Some(p) = exported(&format!("{symbol}_v2")) {
-            return Some(p);
-        }
+    let versioned = symbol
+        .rsplit_once("_v")
+        .is_some_and(|(_, n)| n.parse::<u32>().is_ok());
+    if !versioned
+        && cuda_version >= v2_since(symbol)
+        && let Some(p) = exported(&format!("{symbol}_v2"))
+    {
+        return Some(p);
     }
     exported(symbol)
 }
@@ -37,17 +40,38 @@ mod tests {
     use super::*;
 
     fn table(name: &str) -> Option<*mut c_void> {
-        let known = ["cuMemGetInfo", "cuMemGetInfo_v2", "cuGetProcAddress", "cuGetProcAddress_v2", "cuInit"];
-        known.iter().position(|k| *k == name).map(|i| std::ptr::without_provenance_mut(i + 1))
+        let known = [
+            "cuMemGetInfo",
+            "cuMemGetInfo_v2",
+            "cuGetProcAddress",
+            "cuGetProcAddress_v2",
+            "cuInit",
+        ];
+        known
+            .iter()
+            .position(|k| *k == name)
+            .map(|i| std::ptr::without_provenance_mut(i + 1))
     }
 
     #[test]
     fn base_names_get_v2() {
-        assert_eq!(resolve("cuMemGetInfo", 12080, table), table("cuMemGetInfo_v2"));
-        assert_eq!(resolve("cuMemGetInfo_v2", 12080, table), table("cuMemGetInfo_v2"));
+        assert_eq!(
+            resolve("cuMemGetInfo", 12080, table),
+            table("cuMemGetInfo_v2")
+        );
+        assert_eq!(
+            resolve("cuMemGetInfo_v2", 12080, table),
+            table("cuMemGetInfo_v2")
+        );
         assert_eq!(resolve("cuInit", 12080, table), table("cuInit"));
-        assert_eq!(resolve("cuGetProcAddress", 12080, table), table("cuGetProcAddress_v2"));
-        assert_eq!(resolve("cuGetProcAddress", 11080, table), table("cuGetProcAddress"));
+        assert_eq!(
+            resolve("cuGetProcAddress", 12080, table),
+            table("cuGetProcAddress_v2")
+        );
+        assert_eq!(
+            resolve("cuGetProcAddress", 11080, table),
+            table("cuGetProcAddress")
+        );
         assert_eq!(resolve("cuNothing", 12080, table), None);
     }
 }

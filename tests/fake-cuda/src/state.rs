@@ -108,15 +108,25 @@ struct Mapping {
 
 impl State {
     const fn new() -> Self {
-        Self { handles: BTreeMap::new(), reservations: BTreeMap::new(), mappings: BTreeMap::new() }
+        Self {
+            handles: BTreeMap::new(),
+            reservations: BTreeMap::new(),
+            mappings: BTreeMap::new(),
+        }
     }
 
     fn handle(&self, h: CUmemGenericAllocationHandle) -> Result<&Arc<Allocation>, CUresult> {
-        self.handles.get(&h).map(|e| &e.alloc).ok_or(CUDA_ERROR_INVALID_VALUE)
+        self.handles
+            .get(&h)
+            .map(|e| &e.alloc)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)
     }
 
     fn add_handle(&mut self, alloc: Arc<Allocation>) {
-        self.handles.entry(alloc.handle).or_insert_with(|| HandleEntry { alloc, refs: 0 }).refs += 1;
+        self.handles
+            .entry(alloc.handle)
+            .or_insert_with(|| HandleEntry { alloc, refs: 0 })
+            .refs += 1;
     }
 
     /// The reservation that contains `[ptr, ptr + size)`.
@@ -132,7 +142,10 @@ impl State {
     }
 
     fn overlaps_mapping(&self, ptr: u64, size: u64) -> bool {
-        self.mappings.range(..ptr + size).next_back().is_some_and(|(&s, m)| s + m.size > ptr)
+        self.mappings
+            .range(..ptr + size)
+            .next_back()
+            .is_some_and(|(&s, m)| s + m.size > ptr)
     }
 
     /// The starts of the mappings that together cover `[ptr, ptr + size)` without a gap.
@@ -150,7 +163,7 @@ impl State {
 }
 
 fn aligned(x: u64) -> bool {
-    x % GRANULARITY == 0
+    x.is_multiple_of(GRANULARITY)
 }
 
 fn valid_range(ptr: u64, size: u64) -> Result<(), CUresult> {
@@ -172,7 +185,11 @@ fn place_of(cfg: &Config, location: CUmemLocation) -> Result<Place, CUresult> {
 }
 
 /// `cuMemGetAllocationGranularity`.
-pub fn granularity(cfg: &Config, prop: &CUmemAllocationProp, option: c_uint) -> Result<usize, CUresult> {
+pub fn granularity(
+    cfg: &Config,
+    prop: &CUmemAllocationProp,
+    option: c_uint,
+) -> Result<usize, CUresult> {
     if option > 1 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -210,7 +227,9 @@ pub fn create(
 
 fn insert_handle(phys: PhysFile, prop: Prop) -> CUmemGenericAllocationHandle {
     let handle = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
-    STATE.write().add_handle(Arc::new(Allocation { handle, phys, prop }));
+    STATE
+        .write()
+        .add_handle(Arc::new(Allocation { handle, phys, prop }));
     handle
 }
 
@@ -219,9 +238,16 @@ fn insert_handle(phys: PhysFile, prop: Prop) -> CUmemGenericAllocationHandle {
 pub fn release(handle: CUmemGenericAllocationHandle) -> Result<(), CUresult> {
     let dropped = {
         let mut st = STATE.write();
-        let entry = st.handles.get_mut(&handle).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let entry = st
+            .handles
+            .get_mut(&handle)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
         entry.refs -= 1;
-        if entry.refs == 0 { st.handles.remove(&handle) } else { None }
+        if entry.refs == 0 {
+            st.handles.remove(&handle)
+        } else {
+            None
+        }
     };
     // The fd may close here, and closing may reap the file: outside the table lock.
     drop(dropped);
@@ -234,9 +260,15 @@ pub fn live_handles() -> u64 {
 }
 
 /// `cuMemAddressReserve`.
-pub fn reserve(size: usize, alignment: usize, hint: CUdeviceptr, flags: u64) -> Result<CUdeviceptr, CUresult> {
+pub fn reserve(
+    size: usize,
+    alignment: usize,
+    hint: CUdeviceptr,
+    flags: u64,
+) -> Result<CUdeviceptr, CUresult> {
     let (size, alignment) = (size as u64, alignment as u64);
-    if flags != 0 || size == 0 || !aligned(size) || (alignment != 0 && !alignment.is_power_of_two()) {
+    if flags != 0 || size == 0 || !aligned(size) || (alignment != 0 && !alignment.is_power_of_two())
+    {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let align = alignment.max(GRANULARITY);
@@ -253,7 +285,7 @@ const RESERVE_FLAGS: c_int = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP
 
 /// Reserves exactly at `hint` if it is aligned and free (the hint is only a hint).
 fn try_reserve_at(hint: u64, size: u64, align: u64) -> Option<u64> {
-    if hint == 0 || hint % align != 0 {
+    if hint == 0 || !hint.is_multiple_of(align) {
         return None;
     }
     // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; the kernel picks or refuses.
@@ -283,7 +315,14 @@ fn reserve_anywhere(size: u64, align: u64) -> Result<u64, CUresult> {
     let total = size.checked_add(align).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
     // SAFETY: a new anonymous PROT_NONE mapping at a kernel-chosen address touches nothing else.
     let p = unsafe {
-        libc::mmap(std::ptr::null_mut(), total as usize, libc::PROT_NONE, RESERVE_FLAGS, -1, 0)
+        libc::mmap(
+            std::ptr::null_mut(),
+            total as usize,
+            libc::PROT_NONE,
+            RESERVE_FLAGS,
+            -1,
+            0,
+        )
     };
     if p == libc::MAP_FAILED {
         return Err(CUDA_ERROR_OUT_OF_MEMORY);
@@ -312,8 +351,15 @@ pub fn address_free(ptr: CUdeviceptr, size: usize) -> Result<(), CUresult> {
         if st.reservations.get(&ptr) != Some(&size) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let inside: Vec<u64> = st.mappings.range(ptr..ptr + size).map(|(&s, _)| s).collect();
-        let dropped: Vec<Mapping> = inside.iter().filter_map(|s| st.mappings.remove(s)).collect();
+        let inside: Vec<u64> = st
+            .mappings
+            .range(ptr..ptr + size)
+            .map(|(&s, _)| s)
+            .collect();
+        let dropped: Vec<Mapping> = inside
+            .iter()
+            .filter_map(|s| st.mappings.remove(s))
+            .collect();
         // SAFETY: the range is a reservation of this library (checked above), so unmapping it
         // (file mappings included) frees nothing that anyone else owns.
         if unsafe { libc::munmap(ptr as *mut c_void, size as usize) } != 0 {
@@ -336,7 +382,9 @@ pub fn map(
     flags: u64,
 ) -> Result<(), CUresult> {
     if faults::MAP.hit(cfg.fail_map_at) {
-        return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        // A generic driver failure, distinct from running out of memory (which the memory
+        // limit and the create fault already model).
+        return Err(CUDA_ERROR_UNKNOWN);
     }
     let size = size as u64;
     valid_range(ptr, size)?;
@@ -368,7 +416,14 @@ pub fn map(
         return Err(CUDA_ERROR_OUT_OF_MEMORY);
     }
     let granules = (size / GRANULARITY) as usize;
-    st.mappings.insert(ptr, Mapping { size, alloc, access: vec![CU_MEM_ACCESS_FLAGS_PROT_NONE; granules] });
+    st.mappings.insert(
+        ptr,
+        Mapping {
+            size,
+            alloc,
+            access: vec![CU_MEM_ACCESS_FLAGS_PROT_NONE; granules],
+        },
+    );
     Ok(())
 }
 
@@ -379,19 +434,34 @@ pub fn unmap(ptr: CUdeviceptr, size: usize) -> Result<(), CUresult> {
     let dropped = {
         let mut st = STATE.write();
         let starts = st.covering(ptr, size).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let last = starts.last().and_then(|s| st.mappings.get(s)).map(|m| m.size);
-        if starts.first() != Some(&ptr) || starts.last().zip(last).map(|(s, l)| s + l) != Some(ptr + size) {
+        let last = starts
+            .last()
+            .and_then(|s| st.mappings.get(s))
+            .map(|m| m.size);
+        if starts.first() != Some(&ptr)
+            || starts.last().zip(last).map(|(s, l)| s + l) != Some(ptr + size)
+        {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         // SAFETY: the range is exactly our mappings (checked above); MAP_FIXED swaps them for a
         // PROT_NONE placeholder, which keeps the range reserved and drops the file references.
         let p = unsafe {
-            libc::mmap(ptr as *mut c_void, size as usize, libc::PROT_NONE, RESERVE_FLAGS | libc::MAP_FIXED, -1, 0)
+            libc::mmap(
+                ptr as *mut c_void,
+                size as usize,
+                libc::PROT_NONE,
+                RESERVE_FLAGS | libc::MAP_FIXED,
+                -1,
+                0,
+            )
         };
         if p == libc::MAP_FAILED {
             return Err(CUDA_ERROR_UNKNOWN);
         }
-        starts.iter().filter_map(|s| st.mappings.remove(s)).collect::<Vec<_>>()
+        starts
+            .iter()
+            .filter_map(|s| st.mappings.remove(s))
+            .collect::<Vec<_>>()
     };
     drop(dropped);
     Ok(())
@@ -399,7 +469,12 @@ pub fn unmap(ptr: CUdeviceptr, size: usize) -> Result<(), CUresult> {
 
 /// `cuMemSetAccess`: the range must be fully mapped; the fake has one memory, so the widest
 /// access any descriptor grants applies.
-pub fn set_access(cfg: &Config, ptr: CUdeviceptr, size: usize, descs: &[CUmemAccessDesc]) -> Result<(), CUresult> {
+pub fn set_access(
+    cfg: &Config,
+    ptr: CUdeviceptr,
+    size: usize,
+    descs: &[CUmemAccessDesc],
+) -> Result<(), CUresult> {
     let size = size as u64;
     valid_range(ptr, size)?;
     if descs.is_empty() {
@@ -412,9 +487,9 @@ pub fn set_access(cfg: &Config, ptr: CUdeviceptr, size: usize, descs: &[CUmemAcc
         }
         context::device(cfg, d.location.id)?;
         match d.flags {
-            CU_MEM_ACCESS_FLAGS_PROT_NONE | CU_MEM_ACCESS_FLAGS_PROT_READ | CU_MEM_ACCESS_FLAGS_PROT_READWRITE => {
-                flags = flags.max(d.flags)
-            }
+            CU_MEM_ACCESS_FLAGS_PROT_NONE
+            | CU_MEM_ACCESS_FLAGS_PROT_READ
+            | CU_MEM_ACCESS_FLAGS_PROT_READWRITE => flags = flags.max(d.flags),
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
         }
     }
@@ -431,10 +506,14 @@ pub fn set_access(cfg: &Config, ptr: CUdeviceptr, size: usize, descs: &[CUmemAcc
         return Err(CUDA_ERROR_UNKNOWN);
     }
     for start in starts {
-        let m = st.mappings.get_mut(&start).expect("covering returned a mapping start");
+        let m = st
+            .mappings
+            .get_mut(&start)
+            .expect("covering returned a mapping start");
         let from = ptr.max(start);
         let to = (ptr + size).min(start + m.size);
-        let granules = ((from - start) / GRANULARITY) as usize..((to - start) / GRANULARITY) as usize;
+        let granules =
+            ((from - start) / GRANULARITY) as usize..((to - start) / GRANULARITY) as usize;
         m.access[granules].fill(flags);
     }
     Ok(())
@@ -464,7 +543,11 @@ pub fn properties(handle: CUmemGenericAllocationHandle) -> Result<CUmemAllocatio
 }
 
 /// `cuMemExportToShareableHandle` for POSIX fds: a new fd each call, owned by the caller.
-pub fn export(handle: CUmemGenericAllocationHandle, handle_type: c_uint, flags: u64) -> Result<RawFd, CUresult> {
+pub fn export(
+    handle: CUmemGenericAllocationHandle,
+    handle_type: c_uint,
+    flags: u64,
+) -> Result<RawFd, CUresult> {
     if handle_type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
         return Err(CUDA_ERROR_NOT_SUPPORTED);
     }
@@ -486,8 +569,14 @@ pub fn import(fd: RawFd, handle_type: c_uint) -> Result<CUmemGenericAllocationHa
     }
     let phys = physical::import(fd)?;
     let location = match phys.place() {
-        Place::Device(dev) => CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
-        Place::Host => CUmemLocation { type_: CU_MEM_LOCATION_TYPE_HOST_NUMA, id: 0 },
+        Place::Device(dev) => CUmemLocation {
+            type_: CU_MEM_LOCATION_TYPE_DEVICE,
+            id: dev,
+        },
+        Place::Host => CUmemLocation {
+            type_: CU_MEM_LOCATION_TYPE_HOST_NUMA,
+            id: 0,
+        },
     };
     let prop = Prop {
         type_: CU_MEM_ALLOCATION_TYPE_PINNED,
@@ -512,13 +601,20 @@ pub fn access(addr: CUdeviceptr, len: usize, write: bool) -> Result<Access, CUre
     let len = len as u64;
     let end = addr.checked_add(len).ok_or(CUDA_ERROR_INVALID_VALUE)?;
     if guard.reservation_containing(addr, len).is_some() {
-        let need = if write { CU_MEM_ACCESS_FLAGS_PROT_READWRITE } else { CU_MEM_ACCESS_FLAGS_PROT_READ };
+        let need = if write {
+            CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        } else {
+            CU_MEM_ACCESS_FLAGS_PROT_READ
+        };
         let starts = guard.covering(addr, len).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         for start in starts {
             let m = &guard.mappings[&start];
             let from = (addr.max(start) - start) / GRANULARITY;
             let to = (end.min(start + m.size) - start).div_ceil(GRANULARITY);
-            if m.access[from as usize..to as usize].iter().any(|&a| a & need != need) {
+            if m.access[from as usize..to as usize]
+                .iter()
+                .any(|&a| a & need != need)
+            {
                 return Err(CUDA_ERROR_INVALID_VALUE);
             }
         }

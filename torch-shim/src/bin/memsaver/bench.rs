@@ -38,7 +38,15 @@ fn median(v: &[Duration]) -> Duration {
 pub fn run(args: &[String]) -> Result<(), String> {
     let flags = Flags::new(
         args,
-        &["--cpu-gib", "--discard-gib", "--cycles", "--chunk-mib", "--device", "--no-verify", "--fake"],
+        &[
+            "--cpu-gib",
+            "--discard-gib",
+            "--cycles",
+            "--chunk-mib",
+            "--device",
+            "--no-verify",
+            "--fake",
+        ],
     )?;
     let cpu_gib: f64 = flags.get("--cpu-gib", 8.0)?;
     let discard_gib: f64 = flags.get("--discard-gib", 16.0)?;
@@ -62,7 +70,10 @@ pub fn run(args: &[String]) -> Result<(), String> {
 
     let gran = alloc.granularity(device).map_err(|e| e.to_string())?;
     let mut series = Vec::new();
-    for (tag, policy, gib) in [("bench_cpu", Policy::Cpu, cpu_gib), ("bench_discard", Policy::Discard, discard_gib)] {
+    for (tag, policy, gib) in [
+        ("bench_cpu", Policy::Cpu, cpu_gib),
+        ("bench_discard", Policy::Discard, discard_gib),
+    ] {
         let bytes = ((gib * (1u64 << 30) as f64) as usize).div_ceil(gran) * gran;
         if bytes == 0 {
             continue;
@@ -71,10 +82,22 @@ pub fn run(args: &[String]) -> Result<(), String> {
         let mut left = bytes;
         while left > 0 {
             let n = left.min(chunk);
-            ptrs.push((alloc.malloc(n, device, tag, policy).map_err(|e| e.to_string())?, n));
+            ptrs.push((
+                alloc
+                    .malloc(n, device, tag, policy)
+                    .map_err(|e| e.to_string())?,
+                n,
+            ));
             left -= n;
         }
-        series.push(Series { tag, policy, bytes, ptrs, pause: vec![], resume: vec![] });
+        series.push(Series {
+            tag,
+            policy,
+            bytes,
+            ptrs,
+            pause: vec![],
+            resume: vec![],
+        });
     }
     let mut staging = Staging::new(&driver, device, 256 * MIB)?;
     let seed = |ptr: u64| ptr ^ 0x5EED;
@@ -84,7 +107,10 @@ pub fn run(args: &[String]) -> Result<(), String> {
         }
     }
 
-    println!("{:>5} {:<14} {:>10} {:>10} {:>10} {:>10} {:>12}", "cycle", "tag", "pause ms", "GB/s", "resume ms", "GB/s", "freed");
+    println!(
+        "{:>5} {:<14} {:>10} {:>10} {:>10} {:>10} {:>12}",
+        "cycle", "tag", "pause ms", "GB/s", "resume ms", "GB/s", "freed"
+    );
     for cycle in 1..=cycles {
         for s in series.iter_mut() {
             let (before, _) = alloc.device_memory(device).map_err(|e| e.to_string())?;
@@ -111,7 +137,9 @@ pub fn run(args: &[String]) -> Result<(), String> {
             }
             if s.policy == Policy::Cpu && verify {
                 for &(ptr, n) in &s.ptrs {
-                    staging.verify(ptr, n, seed(ptr)).map_err(|e| format!("cycle {cycle}: {e}"))?;
+                    staging
+                        .verify(ptr, n, seed(ptr))
+                        .map_err(|e| format!("cycle {cycle}: {e}"))?;
                 }
             }
             s.pause.push(p.elapsed);
@@ -119,7 +147,9 @@ pub fn run(args: &[String]) -> Result<(), String> {
         }
     }
 
-    println!("\nsummary (median of cycles 2..{cycles}; first cycle in brackets, it allocates pinned backups):");
+    println!(
+        "\nsummary (median of cycles 2..{cycles}; first cycle in brackets, it allocates pinned backups):"
+    );
     for s in &series {
         let later = |v: &[Duration]| if v.len() > 1 { median(&v[1..]) } else { v[0] };
         let (p, r) = (later(&s.pause), later(&s.resume));
@@ -140,6 +170,13 @@ pub fn run(args: &[String]) -> Result<(), String> {
             alloc.free(p).map_err(|e| e.to_string())?;
         }
     }
-    println!("{}", if verify { "all checks passed (memory freed, contents bit-exact)" } else { "memory-freed checks passed (contents not verified)" });
+    println!(
+        "{}",
+        if verify {
+            "all checks passed (memory freed, contents bit-exact)"
+        } else {
+            "memory-freed checks passed (contents not verified)"
+        }
+    );
     Ok(())
 }

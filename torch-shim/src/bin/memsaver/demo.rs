@@ -28,7 +28,11 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let alloc = Allocator::new(driver.clone());
     let (free0, total) = alloc.device_memory(device).map_err(|e| e.to_string())?;
     // On a real GPU use gigabytes; on the fake driver (host memory) stay small.
-    let unit = if total > (32usize << 30) && !driver.path().contains("fake") { 16 * MIB } else { MIB };
+    let unit = if total > (32usize << 30) && !driver.path().contains("fake") {
+        16 * MIB
+    } else {
+        MIB
+    };
     println!(
         "memsaver demo on device {device} via {} (CUDA {}.{}): {} free of {}\n",
         driver.path(),
@@ -38,15 +42,32 @@ pub fn run(args: &[String]) -> Result<(), String> {
         human_bytes(total as u64)
     );
     let specs = [
-        TagSpec { tag: "weights", policy: Policy::Cpu, count: 4, bytes: 64 * unit },
-        TagSpec { tag: "kv_cache", policy: Policy::Discard, count: 2, bytes: 256 * unit },
-        TagSpec { tag: "cuda_graph", policy: Policy::Cpu, count: 2, bytes: 16 * unit },
+        TagSpec {
+            tag: "weights",
+            policy: Policy::Cpu,
+            count: 4,
+            bytes: 64 * unit,
+        },
+        TagSpec {
+            tag: "kv_cache",
+            policy: Policy::Discard,
+            count: 2,
+            bytes: 256 * unit,
+        },
+        TagSpec {
+            tag: "cuda_graph",
+            policy: Policy::Cpu,
+            count: 2,
+            bytes: 16 * unit,
+        },
     ];
     let mut staging = Staging::new(&driver, device, 64 * MIB)?;
     let mut kept = Vec::new();
     for (k, s) in specs.iter().enumerate() {
         for i in 0..s.count {
-            let ptr = alloc.malloc(s.bytes, device, s.tag, s.policy).map_err(|e| e.to_string())?;
+            let ptr = alloc
+                .malloc(s.bytes, device, s.tag, s.policy)
+                .map_err(|e| e.to_string())?;
             let seed = (k * 100 + i) as u64;
             staging.fill(ptr, s.bytes, seed)?;
             if s.policy == Policy::Cpu {
@@ -77,17 +98,32 @@ pub fn run(args: &[String]) -> Result<(), String> {
 
     type Step<'a> = (&'a str, bool, &'a [&'a str]);
     let stages: [Step; 4] = [
-        ("sleep 1: pause kv_cache+cuda_graph", true, &["kv_cache", "cuda_graph"]),
+        (
+            "sleep 1: pause kv_cache+cuda_graph",
+            true,
+            &["kv_cache", "cuda_graph"],
+        ),
         ("sleep 2: pause weights", true, &["weights"]),
         ("wake 1: resume weights", false, &["weights"]),
-        ("wake 2: resume kv_cache+cuda_graph", false, &["kv_cache", "cuda_graph"]),
+        (
+            "wake 2: resume kv_cache+cuda_graph",
+            false,
+            &["kv_cache", "cuda_graph"],
+        ),
     ];
     for (name, pause, tags) in stages {
-        let report = if pause { alloc.pause(tags) } else { alloc.resume(tags) }.map_err(|e| e.to_string())?;
+        let report = if pause {
+            alloc.pause(tags)
+        } else {
+            alloc.resume(tags)
+        }
+        .map_err(|e| e.to_string())?;
         row(name, Some(report.elapsed))?;
         if !pause {
             for (tag, ptr, bytes, seed) in kept.iter().filter(|k| tags.contains(&k.0)) {
-                staging.verify(*ptr, *bytes, *seed).map_err(|e| format!("tag '{tag}': {e}"))?;
+                staging
+                    .verify(*ptr, *bytes, *seed)
+                    .map_err(|e| format!("tag '{tag}': {e}"))?;
             }
         }
     }

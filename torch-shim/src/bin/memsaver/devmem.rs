@@ -15,22 +15,33 @@ pub struct Staging {
 
 fn word(seed: u64, index: u64) -> u64 {
     // splitmix64 of (seed, index): cheap, and every word of every allocation differs.
-    let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index.wrapping_add(0xD1B5_4A32_D192_ED03);
+    let mut z =
+        seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index.wrapping_add(0xD1B5_4A32_D192_ED03);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
 }
 
 fn threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get()).min(16)
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(16)
 }
 
 impl Staging {
     pub fn new(driver: &Arc<Driver>, device: i32, len: usize) -> Result<Self, String> {
         let ctx = driver.primary_context(device).map_err(|e| e.to_string())?;
-        let stream = driver.with_context(ctx, || driver.stream_create()).map_err(|e| e.to_string())?;
+        let stream = driver
+            .with_context(ctx, || driver.stream_create())
+            .map_err(|e| e.to_string())?;
         let buf = driver.host_alloc(len).map_err(|e| e.to_string())?;
-        Ok(Self { driver: driver.clone(), ctx, stream, buf, len })
+        Ok(Self {
+            driver: driver.clone(),
+            ctx,
+            stream,
+            buf,
+            len,
+        })
     }
 
     fn host(&mut self, n: usize) -> &mut [u64] {
@@ -40,7 +51,9 @@ impl Staging {
 
     fn chunks(&self, size: usize) -> impl Iterator<Item = (usize, usize)> + use<> {
         let len = self.len;
-        (0..size).step_by(len).map(move |off| (off, len.min(size - off)))
+        (0..size)
+            .step_by(len)
+            .map(move |off| (off, len.min(size - off)))
     }
 
     /// Writes the pattern for `seed` over `size` bytes at `ptr`.
@@ -79,7 +92,9 @@ impl Staging {
             let first = (off / 8) as u64;
             let words = self.host(n);
             let ok = par_chunks(words, |base, part| {
-                part.iter().enumerate().all(|(i, w)| *w == word(seed, first + base + i as u64))
+                part.iter()
+                    .enumerate()
+                    .all(|(i, w)| *w == word(seed, first + base + i as u64))
             });
             if !ok {
                 return Err(format!(
@@ -113,6 +128,8 @@ impl Drop for Staging {
     fn drop(&mut self) {
         // SAFETY: every copy touching `buf` was synchronised before returning.
         let _ = unsafe { self.driver.host_free(self.buf) };
-        let _ = self.driver.with_context(self.ctx, || self.driver.stream_destroy(self.stream));
+        let _ = self
+            .driver
+            .with_context(self.ctx, || self.driver.stream_destroy(self.stream));
     }
 }

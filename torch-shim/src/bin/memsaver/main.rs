@@ -69,7 +69,9 @@ fn init_logging() {
 pub fn open_driver(force_fake: bool) -> Result<Arc<Driver>, String> {
     let opts = Options::from_env();
     if std::env::var_os("MEMSAVER_CUDA_LIB").is_some() && !force_fake {
-        return Driver::load(&opts.cuda_lib).map(Arc::new).map_err(|e| e.to_string());
+        return Driver::load(&opts.cuda_lib)
+            .map(Arc::new)
+            .map_err(|e| e.to_string());
     }
     if !force_fake {
         match Driver::load(&opts.cuda_lib) {
@@ -85,8 +87,13 @@ pub fn open_driver(force_fake: bool) -> Result<Arc<Driver>, String> {
         Ok(p) => p,
         Err(_) => {
             let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-            let dir = exe.parent().and_then(|p| p.parent()).ok_or("cannot locate the fake driver")?;
-            dir.join("fake-cuda/libcuda.so.1").to_string_lossy().into_owned()
+            let dir = exe
+                .parent()
+                .and_then(|p| p.parent())
+                .ok_or("cannot locate the fake driver")?;
+            dir.join("fake-cuda/libcuda.so.1")
+                .to_string_lossy()
+                .into_owned()
         }
     };
     Driver::load(&fake)

@@ -1,0 +1,779 @@
+//! A fake CUDA driver: a `libcuda.so.1` stand-in that keeps "device memory" in host memory, for
+//! tests on machines without a GPU. It implements the driver API subset memsaver uses (VMM,
+//! contexts, streams, events, copies), from the very C types of
+//! `memsaver_allocator::driver::sys`, so it is swapped in by the loader and the code under test
+//! cannot tell.
+//!
+//! # Knobs (environment variables, read once, at the first call that needs them)
+//!
+//! | variable                   | default                                 | effect |
+//! | -------------------------- | --------------------------------------- | ------ |
+//! | `FAKE_CUDA_DEVICES`        | `2`                                     | number of devices (0 makes `cuInit` fail with `CUDA_ERROR_NO_DEVICE`) |
+//! | `FAKE_CUDA_MEM_BYTES`      | `8GiB`                                  | memory per device: bytes, or `512MiB`, `8GiB`, `1500MB`, ... |
+//! | `FAKE_CUDA_DIR`            | `/dev/shm/fake-cuda-<uid>` (else tmp)   | shared state: processes with the same directory share devices |
+//! | `FAKE_CUDA_FAIL_CREATE_AT` | unset                                   | the Nth `cuMemCreate` of the process fails with `CUDA_ERROR_OUT_OF_MEMORY`, once |
+//! | `FAKE_CUDA_FAIL_MAP_AT`    | unset                                   | the Nth `cuMemMap` of the process fails with `CUDA_ERROR_UNKNOWN`, once       |
+//!
+//! Run-time controls, exported as C functions: `fakecuda_fail_create_at(n)` and
+//! `fakecuda_fail_map_at(n)` (the nth call from now fails; 0 disarms; replaces the knob),
+//! `fakecuda_reset_faults()`, and `fakecuda_live_handles()` (handle values of this process not
+//! yet released).
+//!
+//! # Faithful
+//!
+//! * Memory accounting across processes: a physical allocation counts against its device while
+//!   any handle, mapping or exported fd in any process refers to it, and a process that dies
+//!   (even by `SIGKILL`) lets go of its share. `physical.rs` says how.
+//! * Export/import of real file descriptors (a new fd per export, passable with `SCM_RIGHTS`;
+//!   import `dup`s, so the caller closes its fd), and shared contents between processes.
+//! * VMM rules: 2 MiB granularity (misaligned sizes and addresses are `CUDA_ERROR_INVALID_VALUE`),
+//!   mapping only inside a reservation and never over a mapping (`CUDA_ERROR_ALREADY_MAPPED`),
+//!   `cuMemMap` offset must be 0, unmapping whole mappings only, the virtual range stays reserved
+//!   after `cuMemUnmap`, access only after `cuMemSetAccess`, release while mapped keeps memory
+//!   alive until unmapped, `cuMemRetainAllocationHandle` returns the mapping's handle value with
+//!   one more reference (NCCL then releases it twice), and fails with `CUDA_ERROR_INVALID_VALUE`
+//!   on an unmapped address, as `cuMemGetAddressRange` fails with `CUDA_ERROR_NOT_FOUND`.
+//! * `cuGetProcAddress(_v2)` resolves base names to the `_v2` variants by CUDA version.
+//!
+//! # Simplified
+//!
+//! * Everything is synchronous: async copies complete before they return; streams and events
+//!   are validated tokens. There are no kernels.
+//! * One memory for all devices: access flags for any device apply to the whole process.
+//! * A copy or memset touching memory that is not mapped with the needed access fails with
+//!   `CUDA_ERROR_INVALID_VALUE` instead of a sticky `CUDA_ERROR_ILLEGAL_ADDRESS`.
+//! * The legacy (non-`_v2`) names that real libcuda still exports with 32-bit types
+//!   (`cuMemGetInfo`, `cuMemsetD8`, `cuMemGetAddressRange`, `cuMemcpy{DtoH,HtoD}Async`) are
+//!   aliases of the `_v2` functions here.
+//! * `cuMemAddressFree` of a range that still has mappings drops them instead of failing.
+//! * `cuMemGetInfo` without a current context reports device 0.
+//! * Only POSIX-fd handles: fabric and Win32 handle types are `CUDA_ERROR_NOT_SUPPORTED`.
+//! * Memory is host memory (sparse tmpfs files): tests should allocate MiBs, not GiBs, unless
+//!   the machine has the RAM.
+//! * All fds the fake opens or exports are close-on-exec. A child that `fork`s without `exec`
+//!   inherits them (and the mappings), so it keeps the memory alive until it exits; the real
+//!   driver does not support using CUDA across `fork` at all.
+//! * A handle keeps its fd until its last reference is released *and* its last mapping in the
+//!   process is gone (the real driver frees at the same moment, so the accounting agrees).
+
+use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use memsaver_allocator::driver::sys::fns;
+use memsaver_allocator::driver::sys::{
+    CU_EVENT_DISABLE_TIMING, CU_STREAM_NON_BLOCKING, CUDA_ERROR_INVALID_CONTEXT,
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_UNKNOWN, CUDA_SUCCESS, CUcontext,
+    CUdevice, CUdeviceptr, CUevent, CUmemAccessDesc, CUmemAllocationProp,
+    CUmemGenericAllocationHandle, CUresult, CUstream,
+};
+
+mod config;
+mod context;
+mod errors;
+mod faults;
+mod physical;
+mod procaddr;
+mod state;
+
+/// What `cuDriverGetVersion` reports: CUDA 12.8.
+const DRIVER_VERSION: c_int = 12080;
+
+/// `CUdriverProcAddressQueryResult`.
+const CU_GET_PROC_ADDRESS_SUCCESS: c_int = 0;
+const CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND: c_int = 1;
+
+/// `cuEventCreate` flags: `BLOCKING_SYNC | DISABLE_TIMING | INTERPROCESS`.
+const EVENT_FLAGS: c_uint = 1 | CU_EVENT_DISABLE_TIMING | 4;
+
+/// Runs an export's body; a panic becomes `CUDA_ERROR_UNKNOWN` instead of unwinding into C.
+fn guard(body: impl FnOnce() -> Result<(), CUresult>) -> CUresult {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => CUDA_SUCCESS,
+        Ok(Err(code)) => code,
+        Err(_) => CUDA_ERROR_UNKNOWN,
+    }
+}
+
+/// A status code as a `Result`.
+fn check(code: CUresult) -> Result<(), CUresult> {
+    if code == CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(code)
+    }
+}
+
+/// Rejects a null pointer argument with `CUDA_ERROR_INVALID_VALUE`.
+fn non_null<T>(p: *mut T) -> Result<*mut T, CUresult> {
+    if p.is_null() {
+        Err(CUDA_ERROR_INVALID_VALUE)
+    } else {
+        Ok(p)
+    }
+}
+
+/// Reads an input struct; null is `CUDA_ERROR_INVALID_VALUE`.
+///
+/// # Safety
+///
+/// `p` must be null or valid for one read of `T`.
+unsafe fn read_in<T: Copy>(p: *const T) -> Result<T, CUresult> {
+    if p.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: non-null, and valid for reads per this function's contract.
+    Ok(unsafe { p.read() })
+}
+
+/// Defines the CUDA entry points. Each body returns `Result<(), CUresult>` and runs under
+/// [`guard`]. Also generates [`exported`], the name table `cuGetProcAddress` answers from.
+macro_rules! cuda_exports {
+    ($(
+        $(#[doc = $doc:literal])*
+        fn $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) $body:block
+    )*) => {
+        $(
+            $(#[doc = $doc])*
+            ///
+            /// # Safety
+            ///
+            /// Pointer arguments must be null or valid for the reads and writes that the CUDA
+            /// driver API documents for this function.
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
+                guard(move || $body)
+            }
+        )*
+
+        /// This library's CUDA entry point called `name`.
+        fn exported(name: &str) -> Option<*mut c_void> {
+            match name {
+                $( stringify!($name) => Some($name as *mut c_void), )*
+                _ => None,
+            }
+        }
+    };
+}
+
+cuda_exports! {
+    /// Reads the knobs and prepares the shared state directory.
+    fn cuInit(flags: c_uint) {
+        context::init(flags)
+    }
+
+    /// Reports CUDA 12.8.
+    fn cuDriverGetVersion(version: *mut c_int) {
+        let out = non_null(version)?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(DRIVER_VERSION) };
+        Ok(())
+    }
+
+    /// Name of an error code; unknown codes give null and `CUDA_ERROR_INVALID_VALUE`.
+    fn cuGetErrorName(e: CUresult, s: *mut *const c_char) {
+        let out = non_null(s)?;
+        let name = errors::name(e);
+        // SAFETY: non-null; the caller passes a valid out-pointer. The string is static.
+        unsafe { out.write(name.map_or(std::ptr::null(), CStr::as_ptr)) };
+        name.map(drop).ok_or(CUDA_ERROR_INVALID_VALUE)
+    }
+
+    /// Message of an error code; unknown codes give null and `CUDA_ERROR_INVALID_VALUE`.
+    fn cuGetErrorString(e: CUresult, s: *mut *const c_char) {
+        let out = non_null(s)?;
+        let message = errors::message(e);
+        // SAFETY: non-null; the caller passes a valid out-pointer. The string is static.
+        unsafe { out.write(message.map_or(std::ptr::null(), CStr::as_ptr)) };
+        message.map(drop).ok_or(CUDA_ERROR_INVALID_VALUE)
+    }
+
+    /// `FAKE_CUDA_DEVICES`.
+    fn cuDeviceGetCount(count: *mut c_int) {
+        let out = non_null(count)?;
+        let cfg = context::initialised()?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(cfg.devices) };
+        Ok(())
+    }
+
+    /// The device of an ordinal (they are the same number).
+    fn cuDeviceGet(dev: *mut CUdevice, ordinal: c_int) {
+        let out = non_null(dev)?;
+        let d = context::device(context::initialised()?, ordinal)?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(d) };
+        Ok(())
+    }
+
+    /// The device's primary context (one opaque token per device).
+    fn cuDevicePrimaryCtxRetain(ctx: *mut CUcontext, dev: CUdevice) {
+        let out = non_null(ctx)?;
+        let d = context::device(context::initialised()?, dev)?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(context::primary_context(d)) };
+        Ok(())
+    }
+
+    /// Validates the device; primary contexts are never destroyed.
+    fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) {
+        context::device(context::initialised()?, dev).map(drop)
+    }
+
+    /// Pushes a context on the calling thread's stack.
+    fn cuCtxPushCurrent_v2(ctx: CUcontext) {
+        let dev = context::context_device(context::initialised()?, ctx)?;
+        context::push_current(dev);
+        Ok(())
+    }
+
+    /// Pops the calling thread's current context (`ctx` may be null).
+    fn cuCtxPopCurrent_v2(ctx: *mut CUcontext) {
+        context::initialised()?;
+        let dev = context::pop_current()?;
+        if !ctx.is_null() {
+            // SAFETY: non-null; the caller passes a valid out-pointer.
+            unsafe { ctx.write(context::primary_context(dev)) };
+        }
+        Ok(())
+    }
+
+    /// Replaces the calling thread's current context; null unbinds it.
+    fn cuCtxSetCurrent(ctx: CUcontext) {
+        let cfg = context::initialised()?;
+        let dev = if ctx.is_null() { None } else { Some(context::context_device(cfg, ctx)?) };
+        context::set_current(dev);
+        Ok(())
+    }
+
+    /// The calling thread's current context, or null.
+    fn cuCtxGetCurrent(ctx: *mut CUcontext) {
+        let out = non_null(ctx)?;
+        context::initialised()?;
+        let current = context::current().map_or(std::ptr::null_mut(), context::primary_context);
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(current) };
+        Ok(())
+    }
+
+    /// The current context's device; `CUDA_ERROR_INVALID_CONTEXT` without one.
+    fn cuCtxGetDevice(dev: *mut CUdevice) {
+        let out = non_null(dev)?;
+        context::initialised()?;
+        let d = context::current().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(d) };
+        Ok(())
+    }
+
+    /// Waits for the current context's work: there is none pending, ever. Without a current
+    /// context, `CUDA_ERROR_INVALID_CONTEXT`, as on the real driver.
+    fn cuCtxSynchronize() {
+        context::initialised()?;
+        context::current().map(drop).ok_or(CUDA_ERROR_INVALID_CONTEXT)
+    }
+
+    /// Free and total memory of the current context's device (device 0 without a context);
+    /// "used" is what live allocations of all processes hold.
+    fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
+        let (free_out, total_out) = (non_null(free)?, non_null(total)?);
+        let cfg = context::initialised()?;
+        let live = physical::live_bytes(cfg, context::current().unwrap_or(0))?;
+        // SAFETY: both non-null; the caller passes valid out-pointers.
+        unsafe {
+            free_out.write(cfg.mem_bytes.saturating_sub(live) as usize);
+            total_out.write(cfg.mem_bytes as usize);
+        }
+        Ok(())
+    }
+
+    /// 2 MiB, minimum and recommended.
+    fn cuMemGetAllocationGranularity(
+        granularity: *mut usize,
+        prop: *const CUmemAllocationProp,
+        option: c_uint,
+    ) {
+        let out = non_null(granularity)?;
+        let cfg = context::initialised()?;
+        // SAFETY: the caller passes null or a valid property struct.
+        let prop = unsafe { read_in(prop) }?;
+        let g = state::granularity(cfg, &prop, option)?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(g) };
+        Ok(())
+    }
+
+    /// Creates physical memory on a device (counted) or on the host (not counted).
+    fn cuMemCreate(
+        handle: *mut CUmemGenericAllocationHandle,
+        size: usize,
+        prop: *const CUmemAllocationProp,
+        flags: c_ulonglong,
+    ) {
+        let out = non_null(handle)?;
+        let cfg = context::initialised()?;
+        // SAFETY: the caller passes null or a valid property struct.
+        let prop = unsafe { read_in(prop) }?;
+        let h = state::create(cfg, size, &prop, flags)?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(h) };
+        Ok(())
+    }
+
+    /// Drops one reference to a handle.
+    fn cuMemRelease(handle: CUmemGenericAllocationHandle) {
+        context::initialised()?;
+        state::release(handle)
+    }
+
+    /// Reserves a virtual range aligned to max(alignment, 2 MiB).
+    fn cuMemAddressReserve(
+        ptr: *mut CUdeviceptr,
+        size: usize,
+        alignment: usize,
+        addr: CUdeviceptr,
+        flags: c_ulonglong,
+    ) {
+        let out = non_null(ptr)?;
+        context::initialised()?;
+        let p = state::reserve(size, alignment, addr, flags)?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(p) };
+        Ok(())
+    }
+
+    /// Frees a whole reservation.
+    fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) {
+        context::initialised()?;
+        state::address_free(ptr, size)
+    }
+
+    /// Maps an allocation at a reserved range (no access until `cuMemSetAccess`).
+    fn cuMemMap(
+        ptr: CUdeviceptr,
+        size: usize,
+        offset: usize,
+        handle: CUmemGenericAllocationHandle,
+        flags: c_ulonglong,
+    ) {
+        state::map(context::initialised()?, ptr, size, offset, handle, flags)
+    }
+
+    /// Unmaps whole mappings; the range stays reserved.
+    fn cuMemUnmap(ptr: CUdeviceptr, size: usize) {
+        context::initialised()?;
+        state::unmap(ptr, size)
+    }
+
+    /// Sets the access of a fully mapped range.
+    fn cuMemSetAccess(ptr: CUdeviceptr, size: usize, desc: *const CUmemAccessDesc, count: usize) {
+        let cfg = context::initialised()?;
+        if desc.is_null() || count == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null; the caller passes `count` valid descriptors.
+        let descs = unsafe { std::slice::from_raw_parts(desc, count) };
+        state::set_access(cfg, ptr, size, descs)
+    }
+
+    /// Writes a new fd (an `int`) to `shareable`; the caller owns and closes it.
+    fn cuMemExportToShareableHandle(
+        shareable: *mut c_void,
+        handle: CUmemGenericAllocationHandle,
+        handle_type: c_uint,
+        flags: c_ulonglong,
+    ) {
+        let out = non_null(shareable.cast::<c_int>())?;
+        context::initialised()?;
+        let fd = state::export(handle, handle_type, flags)?;
+        // SAFETY: non-null; for POSIX fds the caller passes a pointer to an int.
+        unsafe { out.write(fd) };
+        Ok(())
+    }
+
+    /// Imports an exported fd, passed by value as `(void *)(intptr_t)fd`; the caller keeps it.
+    fn cuMemImportFromShareableHandle(
+        handle: *mut CUmemGenericAllocationHandle,
+        os_handle: *mut c_void,
+        handle_type: c_uint,
+    ) {
+        let out = non_null(handle)?;
+        context::initialised()?;
+        let fd = c_int::try_from(os_handle as isize).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+        let h = state::import(fd, handle_type)?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(h) };
+        Ok(())
+    }
+
+    /// The handle of the mapping at `addr`, with one more reference.
+    fn cuMemRetainAllocationHandle(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) {
+        let out = non_null(handle)?;
+        context::initialised()?;
+        let h = state::retain(addr as u64)?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(h) };
+        Ok(())
+    }
+
+    /// The properties given at creation (for imports: pinned, the owner's device, POSIX fd).
+    fn cuMemGetAllocationPropertiesFromHandle(
+        prop: *mut CUmemAllocationProp,
+        handle: CUmemGenericAllocationHandle,
+    ) {
+        let out = non_null(prop)?;
+        context::initialised()?;
+        let p = state::properties(handle)?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(p) };
+        Ok(())
+    }
+
+    /// Base and size of the mapping containing `ptr` (either out-pointer may be null).
+    fn cuMemGetAddressRange_v2(base: *mut CUdeviceptr, size: *mut usize, ptr: CUdeviceptr) {
+        context::initialised()?;
+        let (b, s) = state::address_range(ptr)?;
+        // SAFETY: each is written only when non-null; the caller passes valid out-pointers.
+        unsafe {
+            if !base.is_null() {
+                base.write(b);
+            }
+            if !size.is_null() {
+                size.write(s);
+            }
+        }
+        Ok(())
+    }
+
+    /// A stream token.
+    fn cuStreamCreate(stream: *mut CUstream, flags: c_uint) {
+        let out = non_null(stream)?;
+        context::initialised()?;
+        if flags & !CU_STREAM_NON_BLOCKING != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(context::STREAMS.create()) };
+        Ok(())
+    }
+
+    /// Validates the stream (all work is already complete).
+    fn cuStreamSynchronize(stream: CUstream) {
+        context::initialised()?;
+        context::check_stream(stream)
+    }
+
+    /// Destroys a stream token.
+    fn cuStreamDestroy_v2(stream: CUstream) {
+        context::initialised()?;
+        context::STREAMS.destroy(stream)
+    }
+
+    /// An event token.
+    fn cuEventCreate(event: *mut CUevent, flags: c_uint) {
+        let out = non_null(event)?;
+        context::initialised()?;
+        if flags & !EVENT_FLAGS != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(context::EVENTS.create()) };
+        Ok(())
+    }
+
+    /// Validates event and stream (the event is complete at once).
+    fn cuEventRecord(event: CUevent, stream: CUstream) {
+        context::initialised()?;
+        context::check_event(event)?;
+        context::check_stream(stream)
+    }
+
+    /// Validates the event (it is always complete).
+    fn cuEventSynchronize(event: CUevent) {
+        context::initialised()?;
+        context::check_event(event)
+    }
+
+    /// Destroys an event token.
+    fn cuEventDestroy_v2(event: CUevent) {
+        context::initialised()?;
+        context::EVENTS.destroy(event)
+    }
+
+    /// Device to host copy, complete on return.
+    fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, bytes: usize, stream: CUstream) {
+        context::initialised()?;
+        context::check_stream(stream)?;
+        // SAFETY: the caller passes a host destination valid for `bytes` writes.
+        unsafe { copy_dtoh(dst, src, bytes) }
+    }
+
+    /// Host to device copy, complete on return.
+    fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, bytes: usize, stream: CUstream) {
+        context::initialised()?;
+        context::check_stream(stream)?;
+        // SAFETY: the caller passes a host source valid for `bytes` reads.
+        unsafe { copy_htod(dst, src, bytes) }
+    }
+
+    /// Device to host copy.
+    fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, bytes: usize) {
+        context::initialised()?;
+        // SAFETY: the caller passes a host destination valid for `bytes` writes.
+        unsafe { copy_dtoh(dst, src, bytes) }
+    }
+
+    /// Host to device copy.
+    fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, bytes: usize) {
+        context::initialised()?;
+        // SAFETY: the caller passes a host source valid for `bytes` reads.
+        unsafe { copy_htod(dst, src, bytes) }
+    }
+
+    /// Sets `count` bytes of device memory to `value`.
+    fn cuMemsetD8_v2(dst: CUdeviceptr, value: u8, count: usize) {
+        context::initialised()?;
+        if count == 0 {
+            return Ok(());
+        }
+        let _held = state::access(dst, count, true)?;
+        // SAFETY: `access` checked that the range is mapped writable, and holds it mapped.
+        unsafe { std::ptr::write_bytes(dst as *mut u8, value, count) };
+        Ok(())
+    }
+
+    /// Page-aligned host memory (not device memory).
+    fn cuMemHostAlloc(pp: *mut *mut c_void, bytes: usize, flags: c_uint) {
+        let out = non_null(pp)?;
+        context::initialised()?;
+        if flags & !0x7 != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let p = state::host_alloc(bytes)?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(p) };
+        Ok(())
+    }
+
+    /// Frees memory from `cuMemHostAlloc`.
+    fn cuMemFreeHost(p: *mut c_void) {
+        context::initialised()?;
+        state::host_free(p)
+    }
+
+    /// This library's entry point for `symbol` (base names resolve to the newest variant the
+    /// caller's CUDA version knows). Works before `cuInit`.
+    fn cuGetProcAddress_v2(
+        symbol: *const c_char,
+        pfn: *mut *mut c_void,
+        cuda_version: c_int,
+        flags: c_ulonglong,
+        status: *mut c_int,
+    ) {
+        let _ = flags; // stream-semantics variants (_ptds/_ptsz) do not exist here
+        // SAFETY: the caller passes a NUL-terminated symbol name and valid out-pointers.
+        unsafe { get_proc_address(symbol, pfn, cuda_version, status) }
+    }
+
+    /// The CUDA 11.3 form of [`cuGetProcAddress_v2`], without the status out-parameter.
+    fn cuGetProcAddress(
+        symbol: *const c_char,
+        pfn: *mut *mut c_void,
+        cuda_version: c_int,
+        flags: c_ulonglong,
+    ) {
+        let _ = flags;
+        // SAFETY: the caller passes a NUL-terminated symbol name and a valid out-pointer.
+        unsafe { get_proc_address(symbol, pfn, cuda_version, std::ptr::null_mut()) }
+    }
+
+    /// Legacy name of [`cuMemGetInfo_v2`].
+    fn cuMemGetInfo(free: *mut usize, total: *mut usize) {
+        // SAFETY: same contract as the aliased function.
+        check(unsafe { cuMemGetInfo_v2(free, total) })
+    }
+
+    /// Legacy name of [`cuCtxPushCurrent_v2`].
+    fn cuCtxPushCurrent(ctx: CUcontext) {
+        // SAFETY: same contract as the aliased function.
+        check(unsafe { cuCtxPushCurrent_v2(ctx) })
+    }
+
+    /// Legacy name of [`cuCtxPopCurrent_v2`].
+    fn cuCtxPopCurrent(ctx: *mut CUcontext) {
+        // SAFETY: same contract as the aliased function.
+        check(unsafe { cuCtxPopCurrent_v2(ctx) })
+    }
+
+    /// Legacy name of [`cuEventDestroy_v2`].
+    fn cuEventDestroy(event: CUevent) {
+        // SAFETY: same contract as the aliased function.
+        check(unsafe { cuEventDestroy_v2(event) })
+    }
+
+    /// Legacy name of [`cuStreamDestroy_v2`].
+    fn cuStreamDestroy(stream: CUstream) {
+        // SAFETY: same contract as the aliased function.
+        check(unsafe { cuStreamDestroy_v2(stream) })
+    }
+
+    /// Legacy name of [`cuMemcpyDtoHAsync_v2`].
+    fn cuMemcpyDtoHAsync(dst: *mut c_void, src: CUdeviceptr, bytes: usize, stream: CUstream) {
+        // SAFETY: same contract as the aliased function.
+        check(unsafe { cuMemcpyDtoHAsync_v2(dst, src, bytes, stream) })
+    }
+
+    /// Legacy name of [`cuMemcpyHtoDAsync_v2`].
+    fn cuMemcpyHtoDAsync(dst: CUdeviceptr, src: *const c_void, bytes: usize, stream: CUstream) {
+        // SAFETY: same contract as the aliased function.
+        check(unsafe { cuMemcpyHtoDAsync_v2(dst, src, bytes, stream) })
+    }
+
+    /// Legacy name of [`cuMemsetD8_v2`].
+    fn cuMemsetD8(dst: CUdeviceptr, value: u8, count: usize) {
+        // SAFETY: same contract as the aliased function.
+        check(unsafe { cuMemsetD8_v2(dst, value, count) })
+    }
+
+    /// Legacy name of [`cuMemGetAddressRange_v2`].
+    fn cuMemGetAddressRange(base: *mut CUdeviceptr, size: *mut usize, ptr: CUdeviceptr) {
+        // SAFETY: same contract as the aliased function.
+        check(unsafe { cuMemGetAddressRange_v2(base, size, ptr) })
+    }
+}
+
+/// The signatures above are exactly those of `sys::fns`: a mismatch fails to compile.
+macro_rules! same_signature {
+    ($($export:ident: $ty:ident),* $(,)?) => { $( const _: fns::$ty = $export; )* };
+}
+
+same_signature! {
+    cuInit: cuInit, cuDriverGetVersion: cuDriverGetVersion, cuGetErrorName: cuGetErrorName,
+    cuGetErrorString: cuGetErrorString, cuDeviceGetCount: cuDeviceGetCount,
+    cuDeviceGet: cuDeviceGet, cuDevicePrimaryCtxRetain: cuDevicePrimaryCtxRetain,
+    cuCtxPushCurrent_v2: cuCtxPushCurrent_v2, cuCtxPopCurrent_v2: cuCtxPopCurrent_v2,
+    cuCtxSynchronize: cuCtxSynchronize,
+    cuMemGetInfo_v2: cuMemGetInfo_v2,
+    cuMemGetAllocationGranularity: cuMemGetAllocationGranularity, cuMemCreate: cuMemCreate,
+    cuMemRelease: cuMemRelease, cuMemAddressReserve: cuMemAddressReserve,
+    cuMemAddressFree: cuMemAddressFree, cuMemMap: cuMemMap, cuMemUnmap: cuMemUnmap,
+    cuMemSetAccess: cuMemSetAccess, cuMemExportToShareableHandle: cuMemExportToShareableHandle,
+    cuMemImportFromShareableHandle: cuMemImportFromShareableHandle,
+    cuMemRetainAllocationHandle: cuMemRetainAllocationHandle,
+    cuMemGetAllocationPropertiesFromHandle: cuMemGetAllocationPropertiesFromHandle,
+    cuMemGetAddressRange_v2: cuMemGetAddressRange_v2, cuStreamCreate: cuStreamCreate,
+    cuStreamSynchronize: cuStreamSynchronize, cuStreamDestroy_v2: cuStreamDestroy_v2,
+    cuEventCreate: cuEventCreate, cuEventRecord: cuEventRecord,
+    cuEventSynchronize: cuEventSynchronize, cuEventDestroy_v2: cuEventDestroy_v2,
+    cuMemcpyDtoHAsync_v2: cuMemcpyDtoHAsync_v2, cuMemcpyHtoDAsync_v2: cuMemcpyHtoDAsync_v2,
+    cuMemsetD8_v2: cuMemsetD8_v2, cuMemHostAlloc: cuMemHostAlloc, cuMemFreeHost: cuMemFreeHost,
+    cuGetProcAddress_v2: cuGetProcAddress_v2,
+    // Aliases: same types as the variant they stand for.
+    cuMemGetInfo: cuMemGetInfo_v2, cuCtxPushCurrent: cuCtxPushCurrent_v2,
+    cuCtxPopCurrent: cuCtxPopCurrent_v2, cuEventDestroy: cuEventDestroy_v2,
+    cuStreamDestroy: cuStreamDestroy_v2, cuMemcpyDtoHAsync: cuMemcpyDtoHAsync_v2,
+    cuMemcpyHtoDAsync: cuMemcpyHtoDAsync_v2, cuMemsetD8: cuMemsetD8_v2,
+    cuMemGetAddressRange: cuMemGetAddressRange_v2,
+}
+
+/// Copies device (or pinned host) memory to host memory.
+///
+/// # Safety
+///
+/// `dst` must be valid for `bytes` writes.
+unsafe fn copy_dtoh(dst: *mut c_void, src: CUdeviceptr, bytes: usize) -> Result<(), CUresult> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    let dst = non_null(dst)?;
+    let _held = state::access(src, bytes, false)?;
+    // SAFETY: `access` checked that the source is mapped readable and holds it mapped; the
+    // destination is valid per this function's contract. `copy` tolerates overlap.
+    unsafe { std::ptr::copy(src as *const u8, dst.cast::<u8>(), bytes) };
+    Ok(())
+}
+
+/// Copies host memory to device (or pinned host) memory.
+///
+/// # Safety
+///
+/// `src` must be valid for `bytes` reads.
+unsafe fn copy_htod(dst: CUdeviceptr, src: *const c_void, bytes: usize) -> Result<(), CUresult> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    if src.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let _held = state::access(dst, bytes, true)?;
+    // SAFETY: `access` checked that the destination is mapped writable and holds it mapped;
+    // the source is valid per this function's contract. `copy` tolerates overlap.
+    unsafe { std::ptr::copy(src.cast::<u8>(), dst as *mut u8, bytes) };
+    Ok(())
+}
+
+/// Shared body of `cuGetProcAddress` and `cuGetProcAddress_v2`.
+///
+/// # Safety
+///
+/// `symbol` must be null or NUL-terminated; `pfn` and `status` null or valid for a write.
+unsafe fn get_proc_address(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cuda_version: c_int,
+    status: *mut c_int,
+) -> Result<(), CUresult> {
+    if symbol.is_null() || pfn.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: non-null and NUL-terminated per this function's contract.
+    let name = unsafe { CStr::from_ptr(symbol) }.to_str().ok();
+    let found = name.and_then(|n| procaddr::resolve(n, cuda_version, exported));
+    // SAFETY: `pfn` is non-null and valid for a write; `status` is written only when non-null.
+    unsafe {
+        pfn.write(found.unwrap_or(std::ptr::null_mut()));
+        if !status.is_null() {
+            status.write(if found.is_some() {
+                CU_GET_PROC_ADDRESS_SUCCESS
+            } else {
+                CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND
+            });
+        }
+    }
+    found.map(drop).ok_or(CUDA_ERROR_NOT_FOUND)
+}
+
+/// Test control: the `n`th `cuMemCreate` from now fails with `CUDA_ERROR_OUT_OF_MEMORY`
+/// (0 disarms). Replaces `FAKE_CUDA_FAIL_CREATE_AT`.
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_fail_create_at(n: u32) -> CUresult {
+    guard(|| {
+        faults::CREATE.arm(n);
+        Ok(())
+    })
+}
+
+/// Test control: the `n`th `cuMemMap` from now fails with `CUDA_ERROR_UNKNOWN`
+/// (0 disarms). Replaces `FAKE_CUDA_FAIL_MAP_AT`.
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_fail_map_at(n: u32) -> CUresult {
+    guard(|| {
+        faults::MAP.arm(n);
+        Ok(())
+    })
+}
+
+/// Test control: disarms every fault trigger, the knobs' included.
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_reset_faults() -> CUresult {
+    guard(|| {
+        faults::CREATE.reset();
+        faults::MAP.reset();
+        Ok(())
+    })
+}
+
+/// Test probe: handle values of this process not yet released (`u64::MAX` on internal error).
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_live_handles() -> u64 {
+    catch_unwind(state::live_handles).unwrap_or(u64::MAX)
+}
