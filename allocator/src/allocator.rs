@@ -228,8 +228,8 @@ impl Allocator {
             .with_context(dev.ctx, || self.driver.mem_info())?)
     }
 
-    pub(crate) fn new_backup(&self, len: usize) -> Result<HostBuffer> {
-        Ok(HostBuffer::new(&self.driver, len)?)
+    pub(crate) fn new_backup(&self, dev: &Device, len: usize) -> Result<HostBuffer> {
+        Ok(HostBuffer::new(&self.driver, dev.ctx, len)?)
     }
 
     pub(crate) fn release_handle_logged(&self, h: Handle, ptr: u64) {

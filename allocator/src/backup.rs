@@ -7,24 +7,28 @@
 
 use std::sync::Arc;
 
-use crate::driver::{Driver, DriverError};
+use crate::driver::{Context, Driver, DriverError};
 
 pub(crate) struct HostBuffer {
     ptr: *mut u8,
     len: usize,
     driver: Arc<Driver>,
+    /// The context it was allocated in (pinned memory is allocated and freed in one).
+    ctx: Context,
 }
 
 // SAFETY: the buffer is plain pinned host memory owned by this value; no thread-affine state.
 unsafe impl Send for HostBuffer {}
 
 impl HostBuffer {
-    pub(crate) fn new(driver: &Arc<Driver>, len: usize) -> Result<Self, DriverError> {
-        let ptr = driver.host_alloc(len)?;
+    pub(crate) fn new(driver: &Arc<Driver>, ctx: Context, len: usize) -> Result<Self, DriverError> {
+        let ptr = driver.with_context(ctx, || driver.host_alloc(len))?;
+        let driver = driver.clone();
         Ok(Self {
             ptr,
             len,
-            driver: driver.clone(),
+            driver,
+            ctx,
         })
     }
 
@@ -43,9 +47,11 @@ impl HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
+        let d = &self.driver;
         // SAFETY: `ptr` came from host_alloc; the engine waits for every copy touching a backup
         // before the backup can be dropped, and this value is its only owner.
-        if let Err(e) = unsafe { self.driver.host_free(self.ptr) } {
+        let freed = d.with_context(self.ctx, || unsafe { d.host_free(self.ptr) });
+        if let Err(e) = freed {
             tracing::warn!(bytes = self.len, error = %e, "could not free a pinned backup buffer");
         }
     }

@@ -182,7 +182,7 @@ impl Allocator {
         // Queue every backup copy; they run while the discard jobs are unmapped below.
         for j in jobs.iter_mut().filter(|j| j.error.is_none() && j.copies()) {
             if j.backup.is_none() {
-                match self.new_backup(j.size) {
+                match self.new_backup(&j.device, j.size) {
                     Ok(b) => j.backup = Some(b),
                     Err(e) => {
                         j.error = Some(e);

@@ -119,6 +119,13 @@ pub fn set_current(dev: Option<CUdevice>) {
     });
 }
 
+/// The current context's device, or `CUDA_ERROR_INVALID_CONTEXT` when the calling thread has
+/// none: like the real driver, calls that work "in the current context" (copies, streams,
+/// events, pinned host memory, memory info) refuse to run without one.
+pub fn require_current() -> Result<CUdevice, CUresult> {
+    current().ok_or(CUDA_ERROR_INVALID_CONTEXT)
+}
+
 pub fn current() -> Option<CUdevice> {
     CTX_STACK.with_borrow(|s| s.last().copied())
 }

@@ -272,12 +272,12 @@ cuda_exports! {
         context::current().map(drop).ok_or(CUDA_ERROR_INVALID_CONTEXT)
     }
 
-    /// Free and total memory of the current context's device (device 0 without a context);
-    /// "used" is what live allocations of all processes hold.
+    /// Free and total memory of the current context's device; "used" is what live
+    /// allocations of all processes hold.
     fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
         let (free_out, total_out) = (non_null(free)?, non_null(total)?);
         let cfg = context::initialised()?;
-        let live = physical::live_bytes(cfg, context::current().unwrap_or(0))?;
+        let live = physical::live_bytes(cfg, context::require_current()?)?;
         // SAFETY: both non-null; the caller passes valid out-pointers.
         unsafe {
             free_out.write(cfg.mem_bytes.saturating_sub(live) as usize);
@@ -448,6 +448,7 @@ cuda_exports! {
     fn cuStreamCreate(stream: *mut CUstream, flags: c_uint) {
         let out = non_null(stream)?;
         context::initialised()?;
+        context::require_current()?;
         if flags & !CU_STREAM_NON_BLOCKING != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -472,6 +473,7 @@ cuda_exports! {
     fn cuEventCreate(event: *mut CUevent, flags: c_uint) {
         let out = non_null(event)?;
         context::initialised()?;
+        context::require_current()?;
         if flags & !EVENT_FLAGS != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -502,6 +504,7 @@ cuda_exports! {
     /// Device to host copy, complete on return.
     fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, bytes: usize, stream: CUstream) {
         context::initialised()?;
+        context::require_current()?;
         context::check_stream(stream)?;
         // SAFETY: the caller passes a host destination valid for `bytes` writes.
         unsafe { copy_dtoh(dst, src, bytes) }
@@ -510,6 +513,7 @@ cuda_exports! {
     /// Host to device copy, complete on return.
     fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, bytes: usize, stream: CUstream) {
         context::initialised()?;
+        context::require_current()?;
         context::check_stream(stream)?;
         // SAFETY: the caller passes a host source valid for `bytes` reads.
         unsafe { copy_htod(dst, src, bytes) }
@@ -518,6 +522,7 @@ cuda_exports! {
     /// Device to host copy.
     fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, bytes: usize) {
         context::initialised()?;
+        context::require_current()?;
         // SAFETY: the caller passes a host destination valid for `bytes` writes.
         unsafe { copy_dtoh(dst, src, bytes) }
     }
@@ -525,6 +530,7 @@ cuda_exports! {
     /// Host to device copy.
     fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, bytes: usize) {
         context::initialised()?;
+        context::require_current()?;
         // SAFETY: the caller passes a host source valid for `bytes` reads.
         unsafe { copy_htod(dst, src, bytes) }
     }
@@ -532,6 +538,7 @@ cuda_exports! {
     /// Sets `count` bytes of device memory to `value`.
     fn cuMemsetD8_v2(dst: CUdeviceptr, value: u8, count: usize) {
         context::initialised()?;
+        context::require_current()?;
         if count == 0 {
             return Ok(());
         }
@@ -545,6 +552,7 @@ cuda_exports! {
     fn cuMemHostAlloc(pp: *mut *mut c_void, bytes: usize, flags: c_uint) {
         let out = non_null(pp)?;
         context::initialised()?;
+        context::require_current()?;
         if flags & !0x7 != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -557,6 +565,7 @@ cuda_exports! {
     /// Frees memory from `cuMemHostAlloc`.
     fn cuMemFreeHost(p: *mut c_void) {
         context::initialised()?;
+        context::require_current()?;
         state::host_free(p)
     }
 

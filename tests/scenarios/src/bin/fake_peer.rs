@@ -112,6 +112,7 @@ driver!(
     cuInit,
     cuDevicePrimaryCtxRetain,
     cuCtxPushCurrent_v2,
+    cuCtxPopCurrent_v2,
     cuCtxSynchronize,
     cuMemGetInfo_v2,
     cuMemGetAllocationGranularity,
@@ -694,8 +695,12 @@ fn one_cycle(d: &Driver, dev: CUdevice, size: u64, seed: u8) -> Result<(), Strin
             Err(format!("{what}: {code}"))
         }
     };
-    // SAFETY: valid pointers to locals; `data` and `back` hold `len` bytes.
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: valid pointers to locals; `data` and `back` hold `len` bytes. Each worker thread
+    // makes the device's primary context current, as copies need one.
     unsafe {
+        check("retain", (d.cuDevicePrimaryCtxRetain)(&mut ctx, dev))?;
+        check("push", (d.cuCtxPushCurrent_v2)(ctx))?;
         check("create", (d.cuMemCreate)(&mut h, len, &prop, 0))?;
         check("reserve", (d.cuMemAddressReserve)(&mut p, len, 0, 0, 0))?;
         check("map", (d.cuMemMap)(p, len, 0, h, 0))?;
@@ -711,6 +716,7 @@ fn one_cycle(d: &Driver, dev: CUdevice, size: u64, seed: u8) -> Result<(), Strin
         check("unmap", (d.cuMemUnmap)(p, len))?;
         check("release", (d.cuMemRelease)(h))?;
         check("free", (d.cuMemAddressFree)(p, len))?;
+        check("pop", (d.cuCtxPopCurrent_v2)(&mut ctx))?;
     }
     if back != data {
         return Err("contents differ".into());

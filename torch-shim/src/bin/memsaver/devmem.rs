@@ -34,7 +34,9 @@ impl Staging {
         let stream = driver
             .with_context(ctx, || driver.stream_create())
             .map_err(|e| e.to_string())?;
-        let buf = driver.host_alloc(len).map_err(|e| e.to_string())?;
+        let buf = driver
+            .with_context(ctx, || driver.host_alloc(len))
+            .map_err(|e| e.to_string())?;
         Ok(Self {
             driver: driver.clone(),
             ctx,
