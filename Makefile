@@ -6,7 +6,10 @@ CARGO ?= cargo
 FAKE_DIR := target/fake-cuda
 FAKE_LIB := $(FAKE_DIR)/libcuda.so.1
 
-.PHONY: all build fake-cuda demo test test-rust lint fmt gpu-dist clean
+.PHONY: all build fake-cuda python demo test test-rust test-python lint fmt gpu-dist clean
+
+VENV := .venv
+PY := $(VENV)/bin/python
 
 all: lint test
 
@@ -18,19 +21,39 @@ fake-cuda:
 	$(CARGO) build --release -p fake-cuda
 	mkdir -p $(FAKE_DIR) && cp target/release/libcuda.so $(FAKE_LIB)
 
+# The Python package, built with maturin into a project-local virtual environment that also
+# holds the test tools (everything comes from PyPI; nothing is assumed installed).
+$(PY):
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "maturin>=1.5,<2" pytest
+
+python: $(PY)
+	$(CARGO) build --release -p memsaver-shim
+	cp target/release/libmemsaver.so python/memsaver/libmemsaver.so
+	rm -f target/wheels/memsaver-*.whl
+	$(VENV)/bin/maturin build --release -q -m python/Cargo.toml -i $(PY) -o target/wheels
+	$(PY) -m pip install -q --force-reinstall --no-deps target/wheels/memsaver-*.whl
+
 # A staged pause/resume cycle: on the GPU when there is one, else on the fake driver.
 demo: build fake-cuda
 	target/release/memsaver demo
 
 # Everything CI runs. Each run gets its own fake-driver state directory, so concurrent runs
 # and other users of the fake driver do not see each other's memory.
-test: fake-cuda test-rust
+test: fake-cuda test-rust test-python
 
 test-rust:
 	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
 	trap 'rm -rf "$$state"' EXIT; \
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) MEMSAVER_FAKE_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) \
 	FAKE_CUDA_DIR=$$state $(CARGO) test --release --workspace
+
+test-python: fake-cuda python
+	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
+	trap 'rm -rf "$$state"' EXIT; \
+	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state \
+	$(PY) -m pytest tests/python -q
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -47,4 +70,4 @@ gpu-dist: build fake-cuda
 
 clean:
 	$(CARGO) clean
-	rm -rf .dist
+	rm -rf .dist $(VENV) python/memsaver/libmemsaver.so

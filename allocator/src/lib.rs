@@ -33,10 +33,18 @@ pub use options::Options;
 pub use stats::{DeviceUsage, Stats, TagStats, Usage};
 pub use types::{Policy, State, human_bytes};
 
+static GLOBAL: OnceLock<std::result::Result<Allocator, driver::LoadError>> = OnceLock::new();
+
+/// The process-wide allocator if something has already started it; never loads the driver.
+/// Hooks on hot paths (every `cudaFree` of the process) use this to stay out of the way of
+/// processes that never allocate through memsaver.
+pub fn global_if_started() -> Option<&'static Allocator> {
+    GLOBAL.get().and_then(|r| r.as_ref().ok())
+}
+
 /// The process-wide allocator, created on first use from [`Options::from_env`]. A driver that
 /// fails to load is reported by every call, never by a panic.
 pub fn global() -> Result<&'static Allocator> {
-    static GLOBAL: OnceLock<std::result::Result<Allocator, driver::LoadError>> = OnceLock::new();
     GLOBAL
         .get_or_init(|| {
             let opts = Options::from_env();

@@ -7,6 +7,7 @@
 //! * never unwinds into C: a panic is caught and reported as `MEMSAVER_ERR_INTERNAL`;
 //! * tag lists are comma-separated (`"weights,kv_cache"`); NULL or `""` means every tag.
 
+pub mod hooks;
 pub mod region;
 
 use std::cell::RefCell;
@@ -53,7 +54,7 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
-fn set_last_error(msg: &str) {
+pub(crate) fn set_last_error(msg: &str) {
     let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
     LAST_ERROR.with(|e| *e.borrow_mut() = c);
 }
@@ -251,7 +252,18 @@ pub unsafe extern "C" fn memsaver_region_enter(tag: *const c_char, policy: *cons
     })
 }
 
-/// Leaves the innermost region of the calling thread.
+/// Opens a scope on the calling thread in which hooked allocations are not tagged (they go to
+/// the real allocator and are never paused), even inside a region. Close it with
+/// `memsaver_region_exit`.
+#[unsafe(no_mangle)]
+pub extern "C" fn memsaver_region_disable() -> c_int {
+    ffi(|| {
+        region::disable();
+        Ok(())
+    })
+}
+
+/// Leaves the innermost region (or disabled scope) of the calling thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn memsaver_region_exit() -> c_int {
     ffi(region::exit)

@@ -141,6 +141,7 @@ entry_points!(
     cuCtxPushCurrent_v2,
     cuCtxPopCurrent_v2,
     cuCtxSynchronize,
+    cuCtxGetDevice,
     cuMemGetInfo_v2,
     cuMemGetAllocationGranularity,
     cuMemCreate,
@@ -308,6 +309,14 @@ impl Driver {
         let out = out?;
         pop?;
         Ok(out)
+    }
+
+    /// The device of the calling thread's current context, or `None` without one.
+    pub fn current_device(&self) -> Option<i32> {
+        let mut dev: CUdevice = 0;
+        // SAFETY: `dev` is a valid out-pointer.
+        let r = unsafe { (self.f.cuCtxGetDevice)(&mut dev) };
+        (r == CUDA_SUCCESS).then_some(dev)
     }
 
     /// Waits until all work queued in the current context has finished.

@@ -121,6 +121,7 @@ pub mod fns {
     pub type cuCtxPushCurrent_v2 = unsafe extern "C" fn(ctx: CUcontext) -> CUresult;
     pub type cuCtxPopCurrent_v2 = unsafe extern "C" fn(ctx: *mut CUcontext) -> CUresult;
     pub type cuCtxSynchronize = unsafe extern "C" fn() -> CUresult;
+    pub type cuCtxGetDevice = unsafe extern "C" fn(dev: *mut CUdevice) -> CUresult;
     pub type cuMemGetInfo_v2 =
         unsafe extern "C" fn(free: *mut usize, total: *mut usize) -> CUresult;
     pub type cuMemGetAllocationGranularity = unsafe extern "C" fn(

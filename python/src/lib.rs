@@ -1,0 +1,151 @@
+//! `memsaver._memsaver`: the Python extension. Thin: it finds libmemsaver.so (the preloaded
+//! copy, or the one bundled in the wheel) and calls its C ABI, turning status codes into
+//! exceptions. The Python package (`python/memsaver`) builds the user API on top.
+
+mod error;
+mod library;
+
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+
+use pyo3::prelude::*;
+
+use library::Library;
+
+fn lib() -> PyResult<&'static Library> {
+    library::get().ok_or_else(|| {
+        error::MemsaverError::new_err("memsaver is not initialised: call memsaver._memsaver.load(path) first")
+    })
+}
+
+fn cstr(s: &str, what: &str) -> PyResult<CString> {
+    CString::new(s).map_err(|_| error::InvalidArgumentError::new_err(format!("{what} contains a NUL character")))
+}
+
+/// Turns a status code into `Ok` or the matching exception with the library's message.
+fn check(l: &Library, code: c_int) -> PyResult<()> {
+    if code == 0 {
+        return Ok(());
+    }
+    // SAFETY: memsaver_last_error returns a NUL-terminated thread-local string.
+    let msg = unsafe { CStr::from_ptr((l.memsaver_last_error)()) }.to_string_lossy().into_owned();
+    Err(error::from_status(code, msg))
+}
+
+/// Loads libmemsaver.so: the preloaded copy if the process has one, else `bundled`.
+/// Returns (mode, path) with mode "preload" or "inprocess".
+#[pyfunction]
+fn load(bundled: &str) -> PyResult<(&'static str, String)> {
+    let l = library::load(bundled).map_err(error::MemsaverError::new_err)?;
+    Ok((l.mode, l.path.clone()))
+}
+
+/// (mode, path) of the loaded library, or None before `load`.
+#[pyfunction]
+fn loaded() -> Option<(&'static str, String)> {
+    library::get().map(|l| (l.mode, l.path.clone()))
+}
+
+fn tag_list(tags: Vec<String>) -> PyResult<CString> {
+    cstr(&tags.join(","), "tag")
+}
+
+/// Pauses tags (all when the list is empty). Releases the GIL while it works.
+#[pyfunction]
+fn pause(py: Python<'_>, tags: Vec<String>) -> PyResult<()> {
+    let (l, t) = (lib()?, tag_list(tags)?);
+    // SAFETY: NUL-terminated string that outlives the call.
+    let code = py.detach(|| unsafe { (l.memsaver_pause)(t.as_ptr()) });
+    check(l, code)
+}
+
+/// Resumes tags (all when the list is empty). Releases the GIL while it works.
+#[pyfunction]
+fn resume(py: Python<'_>, tags: Vec<String>) -> PyResult<()> {
+    let (l, t) = (lib()?, tag_list(tags)?);
+    // SAFETY: NUL-terminated string that outlives the call.
+    let code = py.detach(|| unsafe { (l.memsaver_resume)(t.as_ptr()) });
+    check(l, code)
+}
+
+/// The stats as a JSON string.
+#[pyfunction]
+fn stats_json() -> PyResult<String> {
+    let l = lib()?;
+    let mut needed = 0usize;
+    let mut buf: Vec<u8> = Vec::new();
+    loop {
+        // SAFETY: `buf` has `buf.len()` writable bytes; `needed` is a valid out-pointer.
+        let code = unsafe { (l.memsaver_stats_json)(buf.as_mut_ptr().cast::<c_char>(), buf.len(), &mut needed) };
+        if code == 10 && needed > buf.len() {
+            buf.resize(needed, 0);
+            continue;
+        }
+        check(l, code)?;
+        buf.truncate(needed.saturating_sub(1));
+        return String::from_utf8(buf).map_err(|e| error::MemsaverError::new_err(e.to_string()));
+    }
+}
+
+#[pyfunction]
+fn register_tag(tag: &str) -> PyResult<()> {
+    let (l, t) = (lib()?, cstr(tag, "tag")?);
+    // SAFETY: NUL-terminated string.
+    check(l, unsafe { (l.memsaver_register_tag)(t.as_ptr()) })
+}
+
+/// Enters a region on the calling thread (`policy`: "discard" or "cpu").
+#[pyfunction]
+fn region_enter(tag: &str, policy: &str) -> PyResult<()> {
+    let (l, t, p) = (lib()?, cstr(tag, "tag")?, cstr(policy, "policy")?);
+    // SAFETY: NUL-terminated strings.
+    check(l, unsafe { (l.memsaver_region_enter)(t.as_ptr(), p.as_ptr()) })
+}
+
+/// Enters a scope in which allocations on this thread are not tagged.
+#[pyfunction]
+fn region_disable() -> PyResult<()> {
+    let l = lib()?;
+    // SAFETY: no arguments.
+    check(l, unsafe { (l.memsaver_region_disable)() })
+}
+
+#[pyfunction]
+fn region_exit() -> PyResult<()> {
+    let l = lib()?;
+    // SAFETY: no arguments.
+    check(l, unsafe { (l.memsaver_region_exit)() })
+}
+
+/// Allocates tagged device memory directly (no torch); returns the device address.
+#[pyfunction]
+fn malloc(size: usize, device: i32, tag: &str, policy: &str) -> PyResult<u64> {
+    let (l, t, p) = (lib()?, cstr(tag, "tag")?, cstr(policy, "policy")?);
+    let mut ptr: *mut c_void = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and NUL-terminated strings.
+    check(l, unsafe { (l.memsaver_malloc)(&mut ptr, size, device, t.as_ptr(), p.as_ptr()) })?;
+    Ok(ptr as u64)
+}
+
+#[pyfunction]
+fn free(ptr: u64) -> PyResult<()> {
+    let l = lib()?;
+    // SAFETY: the library checks the pointer against its own table.
+    check(l, unsafe { (l.memsaver_free)(ptr as *mut c_void) })
+}
+
+#[pymodule]
+fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    error::register(m)?;
+    m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(loaded, m)?)?;
+    m.add_function(wrap_pyfunction!(pause, m)?)?;
+    m.add_function(wrap_pyfunction!(resume, m)?)?;
+    m.add_function(wrap_pyfunction!(stats_json, m)?)?;
+    m.add_function(wrap_pyfunction!(register_tag, m)?)?;
+    m.add_function(wrap_pyfunction!(region_enter, m)?)?;
+    m.add_function(wrap_pyfunction!(region_disable, m)?)?;
+    m.add_function(wrap_pyfunction!(region_exit, m)?)?;
+    m.add_function(wrap_pyfunction!(malloc, m)?)?;
+    m.add_function(wrap_pyfunction!(free, m)?)?;
+    Ok(())
+}
