@@ -46,7 +46,14 @@ int memsaver_stats_json(char *buf, size_t len, size_t *needed);
 
 /* Thread-local regions: allocations made through the hooks inside get this tag and policy. */
 int memsaver_region_enter(const char *tag, const char *policy);
+int memsaver_region_disable(void); /* allocations inside are not tagged; close with region_exit */
 int memsaver_region_exit(void);
+
+/* Hooks. Under LD_PRELOAD this library defines cudaMalloc and cudaFree: inside a region the
+ * memory comes from memsaver, outside the call goes to libcudart untouched. For
+ * torch.cuda.memory.CUDAPluggableAllocator (no preload), inside regions only: */
+void *memsaver_torch_malloc(ptrdiff_t size, int device, void *stream);
+void memsaver_torch_free(void *ptr, ptrdiff_t size, int device, void *stream);
 
 #ifdef __cplusplus
 }

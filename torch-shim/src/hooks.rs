@@ -147,7 +147,11 @@ pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
 /// Allocation entry point for `CUDAPluggableAllocator`. Returns NULL (torch reports out of
 /// memory) with the reason in `memsaver_last_error` when outside a region or on failure.
 #[unsafe(no_mangle)]
-pub extern "C" fn memsaver_torch_malloc(size: isize, device: c_int, _stream: *mut c_void) -> *mut c_void {
+pub extern "C" fn memsaver_torch_malloc(
+    size: isize,
+    device: c_int,
+    _stream: *mut c_void,
+) -> *mut c_void {
     let r = catch_unwind(|| {
         let size = usize::try_from(size)
             .map_err(|_| Error::InvalidArgument(format!("negative allocation size {size}")))?;
@@ -172,7 +176,12 @@ pub extern "C" fn memsaver_torch_malloc(size: isize, device: c_int, _stream: *mu
 
 /// Free entry point for `CUDAPluggableAllocator`.
 #[unsafe(no_mangle)]
-pub extern "C" fn memsaver_torch_free(ptr: *mut c_void, _size: isize, _device: c_int, _stream: *mut c_void) {
+pub extern "C" fn memsaver_torch_free(
+    ptr: *mut c_void,
+    _size: isize,
+    _device: c_int,
+    _stream: *mut c_void,
+) {
     let r = catch_unwind(|| owned_free(ptr));
     match r {
         Ok(Some(Ok(()))) => {}

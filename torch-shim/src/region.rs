@@ -27,11 +27,14 @@ pub fn disable() {
 
 /// Closes the innermost region or disabled scope.
 pub fn exit() -> Result<(), Error> {
-    STACK.with(|s| s.borrow_mut().pop()).map(drop).ok_or_else(|| {
-        Error::InvalidArgument(
-            "memsaver_region_exit without a matching memsaver_region_enter".into(),
-        )
-    })
+    STACK
+        .with(|s| s.borrow_mut().pop())
+        .map(drop)
+        .ok_or_else(|| {
+            Error::InvalidArgument(
+                "memsaver_region_exit without a matching memsaver_region_enter".into(),
+            )
+        })
 }
 
 /// The tag and policy that apply to an allocation on this thread now, if any.

@@ -132,3 +132,77 @@ fn regions_nest_per_thread() {
     // Entering a region registers its tag.
     assert!(tag(&stats(), "outer")["allocations"] == 0);
 }
+
+#[test]
+fn cuda_malloc_hook_tags_allocations_inside_regions_only() {
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // Outside a region the call is forwarded to libcudart, which this test process lacks.
+    // SAFETY: valid out-pointer.
+    let rc = unsafe { hooks::cudaMalloc(&mut p, 2 << 20) };
+    assert_eq!(
+        rc, 3,
+        "forwarded (cudaErrorInitializationError without libcudart)"
+    );
+
+    // SAFETY: C string arguments; valid out-pointer.
+    unsafe {
+        assert_eq!(
+            memsaver_region_enter(c("hook_tag").as_ptr(), c("cpu").as_ptr()),
+            0
+        );
+        assert_eq!(hooks::cudaMalloc(&mut p, 5 << 20), 0, "{}", last_error());
+    }
+    assert!(!p.is_null());
+    let s = stats();
+    assert_eq!(tag(&s, "hook_tag")["allocations"], 1);
+    assert_eq!(tag(&s, "hook_tag")["reserved_bytes"], 6 << 20);
+
+    // A disabled scope inside the region forwards again.
+    assert_eq!(memsaver_region_disable(), 0);
+    let mut q: *mut c_void = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    assert_eq!(unsafe { hooks::cudaMalloc(&mut q, 2 << 20) }, 3);
+    assert_eq!(memsaver_region_exit(), 0);
+    assert_eq!(memsaver_region_exit(), 0);
+
+    // cudaFree of memsaver memory is handled by memsaver, also while paused.
+    // SAFETY: C string argument.
+    assert_eq!(unsafe { memsaver_pause(c("hook_tag").as_ptr()) }, 0);
+    // SAFETY: a pointer returned by the hook.
+    assert_eq!(unsafe { hooks::cudaFree(p) }, 0);
+    assert_eq!(tag(&stats(), "hook_tag")["allocations"], 0);
+    assert_eq!(tag(&stats(), "hook_tag")["backup_bytes"], 0);
+}
+
+#[test]
+fn pluggable_allocator_entry_points() {
+    let p = hooks::memsaver_torch_malloc(1 << 20, 0, std::ptr::null_mut());
+    assert!(
+        p.is_null(),
+        "outside a region the pluggable allocator refuses"
+    );
+    assert!(
+        last_error().contains("outside a memsaver region"),
+        "{}",
+        last_error()
+    );
+
+    // SAFETY: C string arguments.
+    unsafe {
+        assert_eq!(
+            memsaver_region_enter(c("pool_tag").as_ptr(), std::ptr::null()),
+            0
+        )
+    };
+    let p = hooks::memsaver_torch_malloc(3 << 20, 1, std::ptr::null_mut());
+    assert_eq!(memsaver_region_exit(), 0);
+    assert!(!p.is_null(), "{}", last_error());
+    let s = stats();
+    let t = tag(&s, "pool_tag");
+    assert_eq!(
+        t["devices"][0]["device"], 1,
+        "allocated on the device torch asked for"
+    );
+    hooks::memsaver_torch_free(p, 3 << 20, 1, std::ptr::null_mut());
+    assert_eq!(tag(&stats(), "pool_tag")["allocations"], 0);
+}
