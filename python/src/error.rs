@@ -4,20 +4,60 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
-create_exception!(_memsaver, MemsaverError, PyException, "Base class of memsaver's errors.");
-create_exception!(_memsaver, InvalidArgumentError, MemsaverError, "A bad argument (tag name, policy, size...).");
-create_exception!(_memsaver, UnknownTagError, MemsaverError, "A tag that was never used or registered.");
-create_exception!(_memsaver, TagPausedError, MemsaverError, "Allocation with a tag that is paused.");
-create_exception!(_memsaver, UnknownPointerError, MemsaverError, "A pointer memsaver did not allocate.");
-create_exception!(_memsaver, OutOfMemoryError, MemsaverError, "The device ran out of memory.");
+create_exception!(
+    _memsaver,
+    MemsaverError,
+    PyException,
+    "Base class of memsaver's errors."
+);
+create_exception!(
+    _memsaver,
+    InvalidArgumentError,
+    MemsaverError,
+    "A bad argument (tag name, policy, size...)."
+);
+create_exception!(
+    _memsaver,
+    UnknownTagError,
+    MemsaverError,
+    "A tag that was never used or registered."
+);
+create_exception!(
+    _memsaver,
+    TagPausedError,
+    MemsaverError,
+    "Allocation with a tag that is paused."
+);
+create_exception!(
+    _memsaver,
+    UnknownPointerError,
+    MemsaverError,
+    "A pointer memsaver did not allocate."
+);
+create_exception!(
+    _memsaver,
+    OutOfMemoryError,
+    MemsaverError,
+    "The device ran out of memory."
+);
 create_exception!(
     _memsaver,
     ResumeOutOfMemoryError,
     OutOfMemoryError,
     "Resume ran out of device memory; part is resumed, the rest stays paused. Free memory and resume again."
 );
-create_exception!(_memsaver, DriverError, MemsaverError, "A CUDA driver call failed.");
-create_exception!(_memsaver, DriverNotLoadedError, MemsaverError, "The CUDA driver could not be loaded.");
+create_exception!(
+    _memsaver,
+    DriverError,
+    MemsaverError,
+    "A CUDA driver call failed."
+);
+create_exception!(
+    _memsaver,
+    DriverNotLoadedError,
+    MemsaverError,
+    "The CUDA driver could not be loaded."
+);
 create_exception!(
     _memsaver,
     IncompleteError,
@@ -44,14 +84,23 @@ pub fn from_status(code: i32, message: String) -> PyErr {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("MemsaverError", py.get_type::<MemsaverError>())?;
-    m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
+    m.add(
+        "InvalidArgumentError",
+        py.get_type::<InvalidArgumentError>(),
+    )?;
     m.add("UnknownTagError", py.get_type::<UnknownTagError>())?;
     m.add("TagPausedError", py.get_type::<TagPausedError>())?;
     m.add("UnknownPointerError", py.get_type::<UnknownPointerError>())?;
     m.add("OutOfMemoryError", py.get_type::<OutOfMemoryError>())?;
-    m.add("ResumeOutOfMemoryError", py.get_type::<ResumeOutOfMemoryError>())?;
+    m.add(
+        "ResumeOutOfMemoryError",
+        py.get_type::<ResumeOutOfMemoryError>(),
+    )?;
     m.add("DriverError", py.get_type::<DriverError>())?;
-    m.add("DriverNotLoadedError", py.get_type::<DriverNotLoadedError>())?;
+    m.add(
+        "DriverNotLoadedError",
+        py.get_type::<DriverNotLoadedError>(),
+    )?;
     m.add("IncompleteError", py.get_type::<IncompleteError>())?;
     Ok(())
 }

@@ -13,12 +13,16 @@ use library::Library;
 
 fn lib() -> PyResult<&'static Library> {
     library::get().ok_or_else(|| {
-        error::MemsaverError::new_err("memsaver is not initialised: call memsaver._memsaver.load(path) first")
+        error::MemsaverError::new_err(
+            "memsaver is not initialised: call memsaver._memsaver.load(path) first",
+        )
     })
 }
 
 fn cstr(s: &str, what: &str) -> PyResult<CString> {
-    CString::new(s).map_err(|_| error::InvalidArgumentError::new_err(format!("{what} contains a NUL character")))
+    CString::new(s).map_err(|_| {
+        error::InvalidArgumentError::new_err(format!("{what} contains a NUL character"))
+    })
 }
 
 /// Turns a status code into `Ok` or the matching exception with the library's message.
@@ -27,7 +31,9 @@ fn check(l: &Library, code: c_int) -> PyResult<()> {
         return Ok(());
     }
     // SAFETY: memsaver_last_error returns a NUL-terminated thread-local string.
-    let msg = unsafe { CStr::from_ptr((l.memsaver_last_error)()) }.to_string_lossy().into_owned();
+    let msg = unsafe { CStr::from_ptr((l.memsaver_last_error)()) }
+        .to_string_lossy()
+        .into_owned();
     Err(error::from_status(code, msg))
 }
 
@@ -75,7 +81,9 @@ fn stats_json() -> PyResult<String> {
     let mut buf: Vec<u8> = Vec::new();
     loop {
         // SAFETY: `buf` has `buf.len()` writable bytes; `needed` is a valid out-pointer.
-        let code = unsafe { (l.memsaver_stats_json)(buf.as_mut_ptr().cast::<c_char>(), buf.len(), &mut needed) };
+        let code = unsafe {
+            (l.memsaver_stats_json)(buf.as_mut_ptr().cast::<c_char>(), buf.len(), &mut needed)
+        };
         if code == 10 && needed > buf.len() {
             buf.resize(needed, 0);
             continue;
@@ -98,7 +106,9 @@ fn register_tag(tag: &str) -> PyResult<()> {
 fn region_enter(tag: &str, policy: &str) -> PyResult<()> {
     let (l, t, p) = (lib()?, cstr(tag, "tag")?, cstr(policy, "policy")?);
     // SAFETY: NUL-terminated strings.
-    check(l, unsafe { (l.memsaver_region_enter)(t.as_ptr(), p.as_ptr()) })
+    check(l, unsafe {
+        (l.memsaver_region_enter)(t.as_ptr(), p.as_ptr())
+    })
 }
 
 /// Enters a scope in which allocations on this thread are not tagged.
@@ -122,7 +132,9 @@ fn malloc(size: usize, device: i32, tag: &str, policy: &str) -> PyResult<u64> {
     let (l, t, p) = (lib()?, cstr(tag, "tag")?, cstr(policy, "policy")?);
     let mut ptr: *mut c_void = std::ptr::null_mut();
     // SAFETY: valid out-pointer and NUL-terminated strings.
-    check(l, unsafe { (l.memsaver_malloc)(&mut ptr, size, device, t.as_ptr(), p.as_ptr()) })?;
+    check(l, unsafe {
+        (l.memsaver_malloc)(&mut ptr, size, device, t.as_ptr(), p.as_ptr())
+    })?;
     Ok(ptr as u64)
 }
 

@@ -80,7 +80,9 @@ fn preloaded() -> Option<(*mut c_void, String)> {
         return None;
     }
     // SAFETY: dladdr filled in a NUL-terminated file name.
-    let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
+    let path = unsafe { CStr::from_ptr(info.dli_fname) }
+        .to_string_lossy()
+        .into_owned();
     // SAFETY: the object is loaded; RTLD_NOLOAD only returns a handle to it.
     let h = unsafe { libc::dlopen(info.dli_fname, libc::RTLD_NOW | libc::RTLD_NOLOAD) };
     (!h.is_null()).then_some((h, path))
@@ -94,7 +96,8 @@ pub fn load(bundled: &str) -> Result<&'static Library, String> {
     let (h, path, mode) = match preloaded() {
         Some((h, path)) => (h, path, "preload"),
         None => {
-            let c = CString::new(bundled).map_err(|_| "library path contains a NUL byte".to_string())?;
+            let c = CString::new(bundled)
+                .map_err(|_| "library path contains a NUL byte".to_string())?;
             // SAFETY: NUL-terminated path. RTLD_LOCAL: its cudaMalloc/cudaFree must not
             // interpose anything in this mode.
             let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
