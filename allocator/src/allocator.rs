@@ -193,6 +193,11 @@ impl Allocator {
         drop(alloc.backup);
     }
 
+    /// Whether `tag` is paused (false for a tag never used).
+    pub fn is_paused(&self, tag: &str) -> bool {
+        self.table.lock().tags.get(tag).is_some_and(|t| t.paused)
+    }
+
     /// Whether `ptr` is the base address of an allocation of this allocator.
     pub fn owns(&self, ptr: u64) -> bool {
         self.table.lock().allocations.contains_key(&ptr)

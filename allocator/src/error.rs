@@ -14,7 +14,7 @@ pub enum Error {
     #[error("unknown tag '{tag}'; known tags: {}", list_or_none(.known))]
     UnknownTag { tag: String, known: Vec<String> },
 
-    #[error("tag '{tag}' is paused; resume it before allocating more memory with this tag")]
+    #[error("tag '{tag}' is paused; resume it before allocating with it or entering its region")]
     TagPaused { tag: String },
 
     #[error("pointer {ptr:#x} was not allocated by memsaver (or was already freed)")]

@@ -1,5 +1,6 @@
 //! Every option of memsaver, in one table. Options are read from `MEMSAVER_*` environment
-//! variables once, when the process-wide allocator starts. `docs/options.md` is generated from
+//! variables once, when the process-wide allocator (or, for the hook mode, the Python package)
+//! starts. `docs/options.md` is generated from
 //! [`OPTIONS`] by `memsaver options --markdown`.
 
 /// One option: its environment variable, default and a one-line description.
@@ -14,6 +15,11 @@ pub const OPTIONS: &[OptionDoc] = &[
         env: "MEMSAVER_CUDA_LIB",
         default: "libcuda.so.1",
         doc: "CUDA driver library to load; point it at target/fake-cuda/libcuda.so.1 to run on the fake driver",
+    },
+    OptionDoc {
+        env: "MEMSAVER_HOOK_MODE",
+        default: "auto",
+        doc: "Python package: auto (preload if libmemsaver.so is preloaded, else inprocess), preload (fail with instructions unless preloaded) or inprocess",
     },
     OptionDoc {
         env: "MEMSAVER_LOG",

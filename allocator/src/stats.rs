@@ -14,7 +14,9 @@ pub struct Usage {
     pub reserved_bytes: u64,
     /// Physical device memory currently held.
     pub resident_bytes: u64,
-    /// Pinned host memory held by backups.
+    /// Pinned host memory held by backups. A backup is kept after resume for the next pause
+    /// (allocating pinned memory is slow), so this stays at the tag's size once it has been
+    /// paused, until its allocations are freed.
     pub backup_bytes: u64,
 }
 

@@ -5,61 +5,61 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
 create_exception!(
-    _memsaver,
+    memsaver,
     MemsaverError,
     PyException,
     "Base class of memsaver's errors."
 );
 create_exception!(
-    _memsaver,
+    memsaver,
     InvalidArgumentError,
     MemsaverError,
     "A bad argument (tag name, policy, size...)."
 );
 create_exception!(
-    _memsaver,
+    memsaver,
     UnknownTagError,
     MemsaverError,
     "A tag that was never used or registered."
 );
 create_exception!(
-    _memsaver,
+    memsaver,
     TagPausedError,
     MemsaverError,
     "Allocation with a tag that is paused."
 );
 create_exception!(
-    _memsaver,
+    memsaver,
     UnknownPointerError,
     MemsaverError,
     "A pointer memsaver did not allocate."
 );
 create_exception!(
-    _memsaver,
+    memsaver,
     OutOfMemoryError,
     MemsaverError,
     "The device ran out of memory."
 );
 create_exception!(
-    _memsaver,
+    memsaver,
     ResumeOutOfMemoryError,
     OutOfMemoryError,
     "Resume ran out of device memory; part is resumed, the rest stays paused. Free memory and resume again."
 );
 create_exception!(
-    _memsaver,
+    memsaver,
     DriverError,
     MemsaverError,
     "A CUDA driver call failed."
 );
 create_exception!(
-    _memsaver,
+    memsaver,
     DriverNotLoadedError,
     MemsaverError,
     "The CUDA driver could not be loaded."
 );
 create_exception!(
-    _memsaver,
+    memsaver,
     IncompleteError,
     MemsaverError,
     "A pause or resume left some allocations in their previous state."

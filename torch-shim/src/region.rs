@@ -13,9 +13,16 @@ thread_local! {
     static STACK: RefCell<Vec<Option<(String, Policy)>>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Opens a region tagging allocations with `tag` and `policy`.
+/// Opens a region tagging allocations with `tag` and `policy`. A paused tag is refused: a
+/// caching allocator inside the region could hand out cached blocks of its unmapped memory.
 pub fn enter(tag: &str, policy: Policy) -> Result<(), Error> {
-    memsaver_allocator::global()?.register_tag(tag)?;
+    let a = memsaver_allocator::global()?;
+    a.register_tag(tag)?;
+    if a.is_paused(tag) {
+        return Err(Error::TagPaused {
+            tag: tag.to_owned(),
+        });
+    }
     STACK.with(|s| s.borrow_mut().push(Some((tag.to_owned(), policy))));
     Ok(())
 }

@@ -1,0 +1,211 @@
+"""memsaver: pause and resume tagged GPU memory at fixed virtual addresses.
+
+    import memsaver
+
+    with memsaver.region("weights", backup="cpu"):
+        model = build_model().cuda()       # contents kept in pinned host memory while paused
+    with memsaver.region("kv_cache"):
+        kv = torch.empty(...)              # "discard": contents are garbage after resume
+    memsaver.pause("kv_cache", "weights")  # device memory released, addresses kept
+    ...
+    memsaver.resume("weights", "kv_cache")
+
+Memory of a ``discard`` tag holds garbage after resume: use ``backup="cpu"`` for anything that
+must survive. The library is loaded on first use; ``import memsaver`` touches no driver.
+Errors are ``MemsaverError`` subclasses whose messages say what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from . import _core, _memsaver, _stats, _torch
+from ._core import require_preload
+from ._launch import configure_subprocess, preload_path, subprocess_env
+from ._memsaver import (
+    DriverError,
+    DriverNotLoadedError,
+    IncompleteError,
+    InvalidArgumentError,
+    MemsaverError,
+    OutOfMemoryError,
+    ResumeOutOfMemoryError,
+    TagPausedError,
+    UnknownPointerError,
+    UnknownTagError,
+)
+from ._stats import Stats, TagStats, Usage
+
+__all__ = [
+    # regions and pause/resume
+    "region",
+    "disable",
+    "cuda_graph",
+    "pause",
+    "resume",
+    "register_tag",
+    "stats",
+    "Stats",
+    "TagStats",
+    "Usage",
+    # hook mode and launching
+    "hook_mode",
+    "require_preload",
+    "preload_path",
+    "subprocess_env",
+    "configure_subprocess",
+    # errors
+    "MemsaverError",
+    "InvalidArgumentError",
+    "UnknownTagError",
+    "TagPausedError",
+    "UnknownPointerError",
+    "OutOfMemoryError",
+    "ResumeOutOfMemoryError",
+    "DriverError",
+    "DriverNotLoadedError",
+    "IncompleteError",
+]
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("memsaver")
+    except Exception:  # not installed as a distribution (e.g. a source checkout)
+        return "unknown"
+
+
+__version__ = _version()
+
+
+def hook_mode() -> str:
+    """How torch reaches memsaver in this process.
+
+    ``"preload"``: the process was started with ``LD_PRELOAD`` of libmemsaver.so, which
+    interposes ``cudaMalloc``/``cudaFree`` (and is what NCCL's memory needs).
+    ``"inprocess"``: libmemsaver.so was loaded by this package; torch allocates through a
+    ``CUDAPluggableAllocator`` pool per tag.
+    """
+    return _core.hook_mode()
+
+
+def _tag_names(fn: str, tags: tuple[Any, ...]) -> list[str]:
+    for t in tags:
+        if not isinstance(t, str):
+            raise TypeError(
+                f"memsaver.{fn}() takes tag names as separate str arguments, e.g. "
+                f"memsaver.{fn}('weights', 'kv_cache'); got {t!r}"
+            )
+    return list(tags)
+
+
+@contextlib.contextmanager
+def region(tag: str, backup: Literal["discard", "cpu"] = "discard") -> Iterator[None]:
+    """Tags the device memory allocated on this thread inside the block.
+
+    ``backup``: ``"discard"`` (contents are dropped on pause: garbage after resume) or
+    ``"cpu"`` (contents kept in pinned host memory while paused). Under PyTorch the block's
+    tensors come from a caching-allocator pool of their own (tag, backup, current device), so
+    a tag's memory is never reused for another tag's or untagged tensors. Allocate tensors for
+    another device inside ``torch.cuda.device(d)``. Regions nest; the innermost one applies.
+    """
+    _core.ensure_loaded()
+    torch = _torch.torch_module()
+    # A paused tag is refused here (TagPausedError): torch would reuse its unmapped blocks.
+    _memsaver.region_enter(tag, backup)
+    try:
+        if torch is None:
+            yield
+        else:
+            device = torch.cuda.current_device()
+            with _torch.scope(torch, _torch.tag_pool(torch, tag, backup, device), device):
+                yield
+    finally:
+        _memsaver.region_exit()
+
+
+@contextlib.contextmanager
+def disable() -> Iterator[None]:
+    """Allocations on this thread inside the block are not tagged (never paused), even inside
+    a region. Under PyTorch they come from torch's default pool, not from the tag's pool."""
+    _core.ensure_loaded()
+    _memsaver.region_disable()
+    try:
+        torch = _torch.torch_module()
+        if torch is None:
+            yield
+        else:
+            with _torch.scope(torch, None, -1):
+                yield
+    finally:
+        _memsaver.region_exit()
+
+
+@contextlib.contextmanager
+def cuda_graph(
+    graph: Any,
+    tag: str = "cuda_graph",
+    backup: Literal["discard", "cpu"] = "discard",
+    **kwargs: Any,
+) -> Iterator[None]:
+    """Like ``torch.cuda.graph(graph, **kwargs)``, with the memory of the capture tagged ``tag``
+    so that ``pause(tag)`` releases it and the graph replays correctly after ``resume(tag)``.
+
+    ``kwargs`` are those of ``torch.cuda.graph`` (``pool``, ``stream``,
+    ``capture_error_mode``). Graphs that share a ``pool`` share memory as with torch.
+    """
+    torch = _torch.torch_module()
+    if torch is None:
+        raise MemsaverError(
+            "memsaver.cuda_graph needs PyTorch with CUDA available (import torch first)"
+        )
+    _core.ensure_loaded()
+    user_pool = kwargs.pop("pool", None)
+    # The capture allocates from the graph's pool: suspend any enclosing region's pool, which
+    # torch would otherwise prefer.
+    with _torch.scope(torch, None, -1):
+        _memsaver.region_enter(tag, backup)
+        try:
+            pool = _torch.graph_pool(torch, user_pool, tag, backup, graph)
+            with torch.cuda.graph(graph, pool=pool, **kwargs):
+                yield
+        finally:
+            _memsaver.region_exit()
+
+
+def pause(*tags: str) -> None:
+    """Releases the device memory of ``tags`` (every tag when none is given), keeping their
+    virtual addresses. Pausing a paused tag does nothing. An unknown tag raises
+    ``UnknownTagError`` listing the known ones."""
+    names = _tag_names("pause", tags)
+    _core.ensure_loaded()
+    torch = _torch.cuda_initialized()
+    if torch is not None:
+        # Kernels queued on torch's streams may still use the memory.
+        torch.cuda.synchronize()
+    _memsaver.pause(names)
+
+
+def resume(*tags: str) -> None:
+    """Maps device memory again for ``tags`` (every tag when none is given) at the same
+    addresses, restoring ``backup="cpu"`` contents. Resuming an active tag does nothing. Out
+    of memory raises ``ResumeOutOfMemoryError``: what was resumed stays resumed; free memory
+    and call resume again."""
+    names = _tag_names("resume", tags)
+    _core.ensure_loaded()
+    _memsaver.resume(names)
+
+
+def register_tag(tag: str) -> None:
+    """Declares a tag without allocating, so that it can be paused and is listed in stats."""
+    _core.ensure_loaded()
+    _memsaver.register_tag(tag)
+
+
+def stats() -> Stats:
+    """Per-tag and total figures of this process (reserved, resident and backup bytes)."""
+    _core.ensure_loaded()
+    return _stats.parse(_memsaver.stats_json())

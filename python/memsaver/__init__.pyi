@@ -1,0 +1,92 @@
+"""memsaver: pause and resume tagged GPU memory at fixed virtual addresses."""
+
+from collections.abc import Mapping
+from contextlib import _GeneratorContextManager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ._memsaver import (
+    DriverError,
+    DriverNotLoadedError,
+    IncompleteError,
+    InvalidArgumentError,
+    MemsaverError,
+    OutOfMemoryError,
+    ResumeOutOfMemoryError,
+    TagPausedError,
+    UnknownPointerError,
+    UnknownTagError,
+)
+
+__version__: str
+__all__ = [
+    "region",
+    "disable",
+    "cuda_graph",
+    "pause",
+    "resume",
+    "register_tag",
+    "stats",
+    "Stats",
+    "TagStats",
+    "Usage",
+    "hook_mode",
+    "require_preload",
+    "preload_path",
+    "subprocess_env",
+    "configure_subprocess",
+    "MemsaverError",
+    "InvalidArgumentError",
+    "UnknownTagError",
+    "TagPausedError",
+    "UnknownPointerError",
+    "OutOfMemoryError",
+    "ResumeOutOfMemoryError",
+    "DriverError",
+    "DriverNotLoadedError",
+    "IncompleteError",
+]
+
+@dataclass(frozen=True)
+class Usage:
+    allocations: int
+    reserved_bytes: int
+    resident_bytes: int
+    backup_bytes: int
+
+@dataclass(frozen=True)
+class TagStats:
+    tag: str
+    paused: bool
+    allocations: int
+    reserved_bytes: int
+    resident_bytes: int
+    backup_bytes: int
+    devices: dict[int, Usage] = ...
+    @property
+    def usage(self) -> Usage: ...
+
+@dataclass(frozen=True)
+class Stats:
+    tags: dict[str, TagStats]
+    total: Usage
+
+def region(
+    tag: str, backup: Literal["discard", "cpu"] = "discard"
+) -> _GeneratorContextManager[None]: ...
+def disable() -> _GeneratorContextManager[None]: ...
+def cuda_graph(
+    graph: Any,
+    tag: str = "cuda_graph",
+    backup: Literal["discard", "cpu"] = "discard",
+    **kwargs: Any,
+) -> _GeneratorContextManager[None]: ...
+def pause(*tags: str) -> None: ...
+def resume(*tags: str) -> None: ...
+def register_tag(tag: str) -> None: ...
+def stats() -> Stats: ...
+def hook_mode() -> Literal["preload", "inprocess"]: ...
+def require_preload() -> None: ...
+def preload_path() -> str: ...
+def subprocess_env(environ: Mapping[str, str] | None = None) -> dict[str, str]: ...
+def configure_subprocess() -> _GeneratorContextManager[dict[str, str]]: ...

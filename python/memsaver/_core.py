@@ -1,0 +1,81 @@
+"""Loading libmemsaver.so, once per process, and the hook mode it runs in.
+
+One process has one allocator state, the one inside libmemsaver.so. If the process was started
+with ``LD_PRELOAD=.../libmemsaver.so``, the extension uses that copy ("preload" mode: torch's
+``cudaMalloc`` is interposed). Otherwise it loads the copy bundled in this package, privately
+("inprocess" mode: torch reaches memsaver through ``CUDAPluggableAllocator``). The library is
+loaded on first use, not at import, so that ``import memsaver`` never touches the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from . import _memsaver
+
+#: The libmemsaver.so bundled in this package: what ``LD_PRELOAD`` should name.
+BUNDLED_LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libmemsaver.so")
+
+#: Environment variable that states the hook mode a process must run in.
+HOOK_MODE_ENV = "MEMSAVER_HOOK_MODE"
+_HOOK_MODES = ("auto", "preload", "inprocess")
+
+_load_lock = threading.Lock()
+
+
+def library() -> tuple[str, str]:
+    """Loads libmemsaver.so if needed and returns (mode, path) without checking the mode."""
+    loaded = _memsaver.loaded()
+    if loaded is None:
+        # The extension keeps the first library it loads; the lock only avoids two threads
+        # racing to dlopen it.
+        with _load_lock:
+            loaded = _memsaver.loaded() or _memsaver.load(BUNDLED_LIBRARY)
+    return loaded
+
+
+def ensure_loaded() -> tuple[str, str]:
+    """Loads libmemsaver.so and checks the mode ``MEMSAVER_HOOK_MODE`` asks for."""
+    loaded = library()
+    requested = os.environ.get(HOOK_MODE_ENV, "").strip().lower() or "auto"
+    if requested not in _HOOK_MODES:
+        raise _memsaver.MemsaverError(
+            f"{HOOK_MODE_ENV}={os.environ[HOOK_MODE_ENV]!r} is not a hook mode; "
+            f"use one of: {', '.join(_HOOK_MODES)}"
+        )
+    if requested == "preload" and loaded[0] != "preload":
+        raise _memsaver.MemsaverError(preload_missing_message(f"{HOOK_MODE_ENV}=preload is set"))
+    return loaded
+
+
+def hook_mode() -> str:
+    """``"preload"`` or ``"inprocess"`` (loads the library if needed)."""
+    return library()[0]
+
+
+def preload_missing_message(reason: str) -> str:
+    """The message for a process that needs the preload and was started without it."""
+    current = os.environ.get("LD_PRELOAD", "")
+    lines = [
+        f"memsaver: this process needs libmemsaver.so preloaded ({reason}), but it was started "
+        "without it, so torch's cudaMalloc and NCCL's memory cannot be hooked. Start it with",
+        f"    LD_PRELOAD={BUNDLED_LIBRARY} python ...",
+        'or run `eval "$(python -m memsaver env)"` in the shell that launches it, or launch it '
+        "from Python inside `with memsaver.configure_subprocess():`.",
+    ]
+    named = [p for p in current.replace(" ", ":").split(":") if "libmemsaver" in p]
+    if named:
+        lines.append(
+            f"LD_PRELOAD names {named[0]!r}, but that library is not loaded: check that the "
+            "file exists (the dynamic loader printed an error when the process started)."
+        )
+    else:
+        lines.append(f"(LD_PRELOAD is {current!r}; pid {os.getpid()})")
+    return "\n".join(lines)
+
+
+def require_preload() -> None:
+    """Raises ``MemsaverError`` unless this process was started with libmemsaver.so preloaded."""
+    if library()[0] != "preload":
+        raise _memsaver.MemsaverError(preload_missing_message("preload mode was requested"))

@@ -1,0 +1,120 @@
+"""The figures of ``memsaver.stats()``: per tag, per device, and in total."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Memory of a set of allocations.
+
+    ``reserved_bytes`` is virtual address space (kept while paused), ``resident_bytes`` the
+    device memory mapped now, ``backup_bytes`` the pinned host memory of ``backup="cpu"``
+    allocations (kept after resume, to be reused by the next pause).
+    """
+
+    allocations: int
+    reserved_bytes: int
+    resident_bytes: int
+    backup_bytes: int
+
+
+@dataclass(frozen=True)
+class TagStats:
+    """One tag: whether it is paused, its totals, and its usage on each device."""
+
+    tag: str
+    paused: bool
+    allocations: int
+    reserved_bytes: int
+    resident_bytes: int
+    backup_bytes: int
+    devices: dict[int, Usage] = field(default_factory=dict)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.allocations, self.reserved_bytes, self.resident_bytes, self.backup_bytes)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Every tag of the process (``tags``, by name) and the process total."""
+
+    tags: dict[str, TagStats]
+    total: Usage
+
+    def __str__(self) -> str:
+        return format_table(self)
+
+
+def _usage(d: dict) -> Usage:
+    return Usage(
+        allocations=int(d["allocations"]),
+        reserved_bytes=int(d["reserved_bytes"]),
+        resident_bytes=int(d["resident_bytes"]),
+        backup_bytes=int(d["backup_bytes"]),
+    )
+
+
+def parse(text: str) -> Stats:
+    """Builds ``Stats`` from the JSON of ``memsaver_stats_json``."""
+    doc = json.loads(text)
+    tags = {}
+    for t in doc["tags"]:
+        u = _usage(t)
+        tags[t["tag"]] = TagStats(
+            tag=t["tag"],
+            paused=bool(t["paused"]),
+            allocations=u.allocations,
+            reserved_bytes=u.reserved_bytes,
+            resident_bytes=u.resident_bytes,
+            backup_bytes=u.backup_bytes,
+            devices={int(d["device"]): _usage(d) for d in t.get("devices", [])},
+        )
+    return Stats(tags=tags, total=_usage(doc["total"]))
+
+
+def human_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_table(stats: Stats) -> str:
+    """A fixed-width table: one row per tag, one per device of tags on several devices."""
+    header = ("tag", "state", "allocs", "reserved", "resident", "backup")
+    rows: list[tuple[str, ...]] = []
+
+    def row(name: str, state: str, u: Usage) -> tuple[str, ...]:
+        return (
+            name,
+            state,
+            str(u.allocations),
+            human_bytes(u.reserved_bytes),
+            human_bytes(u.resident_bytes),
+            human_bytes(u.backup_bytes),
+        )
+
+    for t in stats.tags.values():
+        rows.append(row(t.tag, "paused" if t.paused else "active", t.usage))
+        if len(t.devices) > 1:
+            for device, u in sorted(t.devices.items()):
+                rows.append(row(f"  cuda:{device}", "", u))
+    rows.append(row("total", "", stats.total))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(r: tuple[str, ...]) -> str:
+        left = [r[i].ljust(widths[i]) for i in range(2)]
+        right = [r[i].rjust(widths[i]) for i in range(2, len(r))]
+        return "  ".join(left + right).rstrip()
+
+    lines = [fmt(header), *(fmt(r) for r in rows[:-1])]
+    lines.append("-" * len(lines[0]))
+    lines.append(fmt(rows[-1]))
+    return "\n".join(lines)

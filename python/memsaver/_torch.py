@@ -1,0 +1,192 @@
+"""PyTorch integration: which caching-allocator pool a region's tensors come from.
+
+torch's caching allocator keeps freed blocks and hands them to the next allocation of a
+fitting size. If a block of tag A could be reused by a tensor of tag B, pausing A would unmap
+memory that B's tensor uses (torch_memory_saver issue #85). So every region allocates from a
+``torch.cuda.MemPool`` of its own (tag, policy, device):
+
+* preload mode: a plain ``MemPool()``. Its segments come from ``cudaMalloc``, which
+  libmemsaver.so interposes; the region on the calling thread gives them their tag.
+* in-process mode (and preload with expandable segments, whose memory does not come from
+  ``cudaMalloc``): a ``MemPool`` over ``CUDAPluggableAllocator(libmemsaver.so,
+  "memsaver_torch_malloc", "memsaver_torch_free")``, which allocates for the calling thread's
+  region.
+
+torch routes an allocation to the *first* active pool whose filter matches (its
+``captures_underway`` list), so nested ``use_mem_pool`` blocks on one thread do not work: the
+outer pool wins, and entering the same pool twice is an error. This module therefore keeps a
+per-thread stack of memsaver's scopes and keeps only the innermost one's pool active, ending
+the outer one's while an inner scope is open and starting it again after.
+
+Nothing here imports torch: it is used only when the application has imported it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from . import _core
+
+_LIB_MALLOC = "memsaver_torch_malloc"
+_LIB_FREE = "memsaver_torch_free"
+
+# Guards the creation of _pools and _graph_pools entries and of _allocator (reads of a filled
+# entry need no lock). Reentrant: creating a pool creates the allocator.
+_lock = threading.RLock()
+# (tag, policy, device, kind) -> MemPool. Kept for the life of the process: a pool's cached
+# blocks belong to its tag.
+_pools: dict[tuple[str, str, int, str], Any] = {}
+# Pools for graph captures that name a shared pool, by (user pool id, tag, policy, device).
+_graph_pools: dict[tuple[Any, str, str, int], Any] = {}
+# Private pools of captures without a pool, kept alive when the graph object cannot hold them.
+_graph_pool_refs: list[Any] = []
+_allocator: Any = None
+
+
+def torch_module() -> Any:
+    """The torch module if the application imported it and CUDA is usable, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return torch if torch.cuda.is_available() else None
+    except Exception:  # a broken or CPU-only build: memsaver works without torch
+        return None
+
+
+def cuda_initialized() -> Any:
+    """The torch module if it is imported and has initialised CUDA in this process."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return torch if torch.cuda.is_initialized() else None
+    except Exception:
+        return None
+
+
+def _expandable_segments() -> bool:
+    conf = ",".join(
+        os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    )
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def pool_kind() -> str:
+    """``"plain"`` (segments from the interposed cudaMalloc) or ``"pluggable"``."""
+    mode, _ = _core.library()
+    return "plain" if mode == "preload" and not _expandable_segments() else "pluggable"
+
+
+def _pluggable_allocator(torch: Any) -> Any:
+    """The process's one ``CUDAPluggableAllocator`` over libmemsaver.so."""
+    global _allocator
+    with _lock:
+        if _allocator is None:
+            _, path = _core.library()
+            _allocator = torch.cuda.memory.CUDAPluggableAllocator(path, _LIB_MALLOC, _LIB_FREE)
+        return _allocator
+
+
+def _new_pool(torch: Any, kind: str, device: int) -> Any:
+    # A MemPool belongs to the device that is current when it is created.
+    with torch.cuda.device(device):
+        if kind == "plain":
+            return torch.cuda.MemPool()
+        return torch.cuda.MemPool(_pluggable_allocator(torch).allocator())
+
+
+def tag_pool(torch: Any, tag: str, policy: str, device: int) -> Any:
+    """The pool of (tag, policy, device), created on first use."""
+    key = (tag, policy, device, pool_kind())
+    pool = _pools.get(key)
+    if pool is None:
+        with _lock:
+            pool = _pools.get(key)
+            if pool is None:
+                pool = _pools[key] = _new_pool(torch, key[3], device)
+    return pool
+
+
+class _Scope:
+    """One open memsaver scope of a thread: the pool it allocates from (None: torch's default
+    pool) and, while it is the innermost scope, the active ``use_mem_pool`` context."""
+
+    __slots__ = ("pool", "device", "active")
+
+    def __init__(self, pool: Any, device: int) -> None:
+        self.pool = pool
+        self.device = device
+        self.active: Any = None
+
+    def start(self, torch: Any) -> None:
+        if self.pool is not None and self.active is None:
+            cm = torch.cuda.use_mem_pool(self.pool, self.device)
+            cm.__enter__()
+            self.active = cm
+
+    def stop(self) -> None:
+        cm, self.active = self.active, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+
+class _Stack(threading.local):
+    def __init__(self) -> None:
+        self.scopes: list[_Scope] = []
+
+
+_stack = _Stack()
+
+
+@contextlib.contextmanager
+def scope(torch: Any, pool: Any, device: int) -> Iterator[None]:
+    """Allocates from ``pool`` (None: torch's default pool, i.e. untagged) on this thread until
+    the block ends, suspending the enclosing memsaver scope's pool meanwhile."""
+    scopes = _stack.scopes
+    outer = scopes[-1] if scopes else None
+    if outer is not None:
+        outer.stop()
+    s = _Scope(pool, device)
+    scopes.append(s)
+    try:
+        s.start(torch)
+        yield
+    finally:
+        scopes.pop()
+        s.stop()
+        if outer is not None:
+            outer.start(torch)
+
+
+def graph_pool(torch: Any, user_pool: Any, tag: str, policy: str, graph: Any) -> Any:
+    """The ``pool`` to give ``torch.cuda.graph`` so that the capture's memory is tagged.
+
+    With plain pools, the user's pool (or None: a private pool per graph) works as is, since
+    the interposed cudaMalloc sees the region. With the pluggable allocator the capture must
+    allocate from a MemPool over libmemsaver.so: a fresh one per graph, or, when the user
+    shares a pool between graphs, one memsaver pool per shared pool (same sharing).
+    """
+    if pool_kind() == "plain":
+        return user_pool
+    device = torch.cuda.current_device()
+    if user_pool is None:
+        pool = _new_pool(torch, "pluggable", device)
+        try:
+            # The graph uses the pool's id; keep the MemPool object alive as long as the graph.
+            graph._memsaver_pool = pool
+        except AttributeError:
+            _graph_pool_refs.append(pool)
+        return pool.id
+    pool_id = getattr(user_pool, "id", user_pool)  # a MemPool or a pool handle
+    key = (tuple(pool_id), tag, policy, device)
+    with _lock:
+        pool = _graph_pools.get(key)
+        if pool is None:
+            pool = _graph_pools[key] = _new_pool(torch, "pluggable", device)
+    return pool.id

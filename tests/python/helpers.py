@@ -1,0 +1,56 @@
+"""Helpers of the Python tests (fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+
+import memsaver
+
+CUDA_SUCCESS = 0
+MiB = 1 << 20
+
+
+class Hooks:
+    """libmemsaver.so's interposed cudaMalloc/cudaFree, called as torch would call them."""
+
+    def __init__(self) -> None:
+        memsaver.hook_mode()  # load the library the way the package does
+        self.lib = ctypes.CDLL(memsaver.preload_path())
+        self.lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        self.lib.cudaMalloc.restype = ctypes.c_int
+        self.lib.cudaFree.argtypes = [ctypes.c_void_p]
+        self.lib.cudaFree.restype = ctypes.c_int
+
+    def malloc(self, size: int) -> tuple[int, int]:
+        """(cudaError, pointer)."""
+        p = ctypes.c_void_p()
+        rc = self.lib.cudaMalloc(ctypes.byref(p), size)
+        return rc, p.value or 0
+
+    def malloc_ok(self, size: int) -> int:
+        rc, p = self.malloc(size)
+        assert rc == CUDA_SUCCESS and p, f"cudaMalloc failed with {rc}"
+        return p
+
+    def free(self, ptr: int) -> int:
+        return self.lib.cudaFree(ptr)
+
+
+def write(ptr: int, data: bytes) -> None:
+    ctypes.memmove(ptr, data, len(data))
+
+
+def read(ptr: int, n: int) -> bytes:
+    return ctypes.string_at(ptr, n)
+
+
+def pattern(n: int, seed: int = 7) -> bytes:
+    return bytes((i * 31 + seed) & 0xFF for i in range(n))
+
+
+def run_python(code: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """Runs `python -c code` (or `python args...` when code is empty) in a child process."""
+    argv = [sys.executable, *(["-c", code] if code else []), *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)

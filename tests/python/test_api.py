@@ -1,0 +1,296 @@
+"""The public API in this process (in-process mode), through the interposed cudaMalloc as torch
+would call it, on the fake driver."""
+
+from __future__ import annotations
+
+import threading
+
+import memsaver
+import pytest
+from helpers import CUDA_SUCCESS, MiB, pattern, read, write
+from memsaver import _memsaver
+
+
+def test_region_tags_hooked_cudamalloc(hooks, tag):
+    with memsaver.region(tag, backup="cpu"):
+        p = hooks.malloc_ok(3 * MiB)
+    t = memsaver.stats().tags[tag]
+    assert (t.allocations, t.paused) == (1, False)
+    assert t.reserved_bytes == t.resident_bytes == 4 * MiB  # rounded to the 2 MiB granularity
+    assert t.backup_bytes == 0
+    assert set(t.devices) == {0}
+    write(p, b"hello")
+    assert read(p, 5) == b"hello"
+    assert hooks.free(p) == CUDA_SUCCESS
+    assert memsaver.stats().tags[tag].allocations == 0
+
+
+def test_cudamalloc_outside_region_forwards_to_cudart(hooks):
+    before = memsaver.stats().total.allocations
+    rc, _ = hooks.malloc(2 * MiB)
+    # Forwarded to libcudart, which this process has not loaded: an error, not a tagged block.
+    assert rc != CUDA_SUCCESS
+    assert memsaver.stats().total.allocations == before
+
+
+def test_cpu_backup_restores_contents_at_same_address(hooks, tag):
+    size = 4 * MiB
+    data = pattern(size)
+    with memsaver.region(tag, backup="cpu"):
+        p = hooks.malloc_ok(size)
+    write(p, data)
+
+    memsaver.pause(tag)
+    t = memsaver.stats().tags[tag]
+    assert t.paused and t.allocations == 1
+    assert t.resident_bytes == 0
+    assert t.reserved_bytes == size
+    assert t.backup_bytes == size
+
+    memsaver.resume(tag)
+    t = memsaver.stats().tags[tag]
+    assert not t.paused and t.resident_bytes == size
+    assert read(p, size) == data  # same address, same bytes
+    assert hooks.free(p) == CUDA_SUCCESS
+
+
+def test_discard_keeps_no_backup_and_memory_is_usable_after_resume(hooks, tag):
+    with memsaver.region(tag):  # backup="discard" by default
+        p = hooks.malloc_ok(2 * MiB)
+    write(p, b"x" * 64)
+    memsaver.pause(tag)
+    t = memsaver.stats().tags[tag]
+    assert (t.resident_bytes, t.backup_bytes) == (0, 0)
+    memsaver.resume(tag)
+    write(p, b"y" * 64)
+    assert read(p, 64) == b"y" * 64
+    assert hooks.free(p) == CUDA_SUCCESS
+
+
+def test_pause_and_resume_without_arguments_cover_every_tag(hooks, tag, tag2):
+    with memsaver.region(tag, backup="cpu"):
+        a = hooks.malloc_ok(2 * MiB)
+    with memsaver.region(tag2):
+        b = hooks.malloc_ok(2 * MiB)
+    write(a, b"kept")
+    memsaver.pause()
+    s = memsaver.stats()
+    assert all(t.paused for t in s.tags.values())
+    assert s.total.resident_bytes == 0
+    memsaver.resume()
+    s = memsaver.stats()
+    assert not any(t.paused for t in s.tags.values())
+    assert s.tags[tag].resident_bytes == s.tags[tag2].resident_bytes == 2 * MiB
+    assert read(a, 4) == b"kept"
+    assert hooks.free(a) == hooks.free(b) == CUDA_SUCCESS
+
+
+def test_pause_and_resume_are_idempotent(hooks, tag):
+    with memsaver.region(tag, backup="cpu"):
+        p = hooks.malloc_ok(2 * MiB)
+    write(p, b"twice")
+    memsaver.pause(tag)
+    memsaver.pause(tag)
+    assert memsaver.stats().tags[tag].resident_bytes == 0
+    memsaver.resume(tag)
+    memsaver.resume(tag)
+    t = memsaver.stats().tags[tag]
+    assert (t.paused, t.resident_bytes) == (False, 2 * MiB)
+    assert read(p, 5) == b"twice"
+    assert hooks.free(p) == CUDA_SUCCESS
+
+
+def test_free_while_paused(hooks, tag):
+    with memsaver.region(tag, backup="cpu"):
+        p = hooks.malloc_ok(2 * MiB)
+        q = _memsaver.malloc(2 * MiB, 0, tag, "cpu")
+    memsaver.pause(tag)
+    assert hooks.free(p) == CUDA_SUCCESS
+    _memsaver.free(q)
+    t = memsaver.stats().tags[tag]
+    assert (t.allocations, t.reserved_bytes, t.backup_bytes) == (0, 0, 0)
+    memsaver.resume(tag)
+    with pytest.raises(memsaver.UnknownPointerError):
+        _memsaver.free(q)
+
+
+def test_stats_figures_add_up(hooks, tag, tag2):
+    with memsaver.region(tag):
+        p = hooks.malloc_ok(2 * MiB)
+    q = _memsaver.malloc(4 * MiB, 1, tag2, "cpu")  # the fake driver has two devices
+    s = memsaver.stats()
+    assert isinstance(s, memsaver.Stats)
+    t2 = s.tags[tag2]
+    assert isinstance(t2, memsaver.TagStats)
+    assert t2.devices == {1: memsaver.Usage(1, 4 * MiB, 4 * MiB, 0)}
+    for field in ("allocations", "reserved_bytes", "resident_bytes", "backup_bytes"):
+        assert getattr(s.total, field) == sum(getattr(t, field) for t in s.tags.values())
+    text = str(s)
+    assert tag in text and tag2 in text and "total" in text and "4.0 MiB" in text
+    memsaver.pause(tag2)
+    assert "paused" in str(memsaver.stats())
+    memsaver.resume(tag2)
+    _memsaver.free(q)
+    assert hooks.free(p) == CUDA_SUCCESS
+
+
+def test_register_tag_makes_it_pausable_and_listed(tag):
+    memsaver.register_tag(tag)
+    t = memsaver.stats().tags[tag]
+    assert (t.allocations, t.reserved_bytes) == (0, 0)
+    memsaver.pause(tag)
+    memsaver.resume(tag)
+
+
+def test_unknown_tag_lists_known_tags(tag):
+    memsaver.register_tag(tag)
+    with pytest.raises(memsaver.UnknownTagError) as e:
+        memsaver.pause(f"{tag}_missing")
+    assert f"'{tag}_missing'" in str(e.value)
+    assert "known tags" in str(e.value) and tag in str(e.value)
+    assert isinstance(e.value, memsaver.MemsaverError)
+    assert type(e.value).__module__ == "memsaver"
+    with pytest.raises(memsaver.UnknownTagError):
+        memsaver.resume(f"{tag}_missing")
+
+
+def test_bad_policy_and_bad_tag_are_refused_without_opening_a_region(tag):
+    with pytest.raises(memsaver.InvalidArgumentError, match="discard.*cpu"):
+        with memsaver.region(tag, backup="gpu"):
+            pass
+    with pytest.raises(memsaver.InvalidArgumentError, match="invalid tag"):
+        with memsaver.region("no spaces, no commas"):
+            pass
+    # Nothing was left open on this thread.
+    with pytest.raises(memsaver.InvalidArgumentError, match="without a matching"):
+        _memsaver.region_exit()
+
+
+def test_pause_takes_tags_as_separate_strings(tag):
+    with pytest.raises(TypeError, match="separate str arguments"):
+        memsaver.pause([tag])  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        memsaver.resume(None)  # type: ignore[arg-type]
+
+
+def test_allocating_into_a_paused_tag_fails(hooks, tag):
+    with memsaver.region(tag):
+        p = hooks.malloc_ok(2 * MiB)
+    memsaver.pause(tag)
+    with pytest.raises(memsaver.TagPausedError, match="resume it"):
+        _memsaver.malloc(2 * MiB, 0, tag, "discard")
+    # Entering the paused tag's region is refused: a caching allocator would reuse its
+    # unmapped blocks.
+    with pytest.raises(memsaver.TagPausedError, match="entering its region"):
+        with memsaver.region(tag):
+            pass
+    assert memsaver.stats().tags[tag].allocations == 1
+    memsaver.resume(tag)
+    assert hooks.free(p) == CUDA_SUCCESS
+
+
+def test_region_exit_without_enter():
+    with pytest.raises(memsaver.InvalidArgumentError, match="without a matching"):
+        _memsaver.region_exit()
+
+
+def test_region_closes_when_the_block_raises(tag):
+    with pytest.raises(RuntimeError, match="boom"):
+        with memsaver.region(tag):
+            raise RuntimeError("boom")
+    with pytest.raises(memsaver.InvalidArgumentError):
+        _memsaver.region_exit()
+
+
+def test_nested_regions_innermost_wins(hooks, tag, tag2):
+    with memsaver.region(tag):
+        a = hooks.malloc_ok(2 * MiB)
+        with memsaver.region(tag2, backup="cpu"):
+            b = hooks.malloc_ok(2 * MiB)
+        c = hooks.malloc_ok(2 * MiB)
+    s = memsaver.stats()
+    assert s.tags[tag].allocations == 2
+    assert s.tags[tag2].allocations == 1
+    for p in (a, b, c):
+        assert hooks.free(p) == CUDA_SUCCESS
+
+
+def test_disable_nests_inside_and_around_regions(hooks, tag, tag2):
+    with memsaver.region(tag):
+        a = hooks.malloc_ok(2 * MiB)
+        with memsaver.disable():
+            rc, _ = hooks.malloc(2 * MiB)
+            assert rc != CUDA_SUCCESS  # untagged: forwarded to the (absent) libcudart
+            with memsaver.region(tag2):
+                b = hooks.malloc_ok(2 * MiB)
+            rc, _ = hooks.malloc(2 * MiB)
+            assert rc != CUDA_SUCCESS
+        c = hooks.malloc_ok(2 * MiB)
+    s = memsaver.stats()
+    assert s.tags[tag].allocations == 2
+    assert s.tags[tag2].allocations == 1
+    with memsaver.disable():
+        rc, _ = hooks.malloc(2 * MiB)
+        assert rc != CUDA_SUCCESS
+    with pytest.raises(memsaver.InvalidArgumentError):
+        _memsaver.region_exit()
+    for p in (a, b, c):
+        assert hooks.free(p) == CUDA_SUCCESS
+
+
+def test_regions_are_per_thread(hooks, tag):
+    results = {}
+
+    def other_thread():
+        results["rc"], _ = hooks.malloc(2 * MiB)
+
+    with memsaver.region(tag):
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+    assert results["rc"] != CUDA_SUCCESS  # the region of this thread does not apply there
+    assert memsaver.stats().tags[tag].allocations == 0
+
+
+def test_hook_mode_and_preload_path():
+    assert memsaver.hook_mode() == "inprocess"
+    assert memsaver.preload_path().endswith("/memsaver/libmemsaver.so")
+    assert _memsaver.loaded() == ("inprocess", memsaver.preload_path())
+    with pytest.raises(memsaver.MemsaverError, match="LD_PRELOAD="):
+        memsaver.require_preload()
+
+
+def test_hook_mode_env_preload_says_how_to_start(monkeypatch):
+    monkeypatch.setenv("MEMSAVER_HOOK_MODE", "preload")
+    with pytest.raises(memsaver.MemsaverError) as e:
+        memsaver.pause()
+    msg = str(e.value)
+    assert f"LD_PRELOAD={memsaver.preload_path()} python" in msg
+    assert "python -m memsaver env" in msg
+    assert memsaver.hook_mode() == "inprocess"  # asking is always allowed
+    monkeypatch.setenv("MEMSAVER_HOOK_MODE", "sometimes")
+    with pytest.raises(memsaver.MemsaverError, match="not a hook mode"):
+        memsaver.stats()
+    monkeypatch.setenv("MEMSAVER_HOOK_MODE", "inprocess")
+    memsaver.stats()
+
+
+def test_exceptions_and_all():
+    for name in memsaver.__all__:
+        assert hasattr(memsaver, name), name
+    errors = [getattr(memsaver, n) for n in memsaver.__all__ if n.endswith("Error")]
+    assert len(errors) == 10
+    for cls in errors:
+        assert issubclass(cls, memsaver.MemsaverError)
+        assert cls is getattr(_memsaver, cls.__name__)
+    assert issubclass(memsaver.ResumeOutOfMemoryError, memsaver.OutOfMemoryError)
+
+
+def test_cuda_graph_needs_torch():
+    import sys
+
+    if "torch" in sys.modules:
+        pytest.skip("torch is imported in this process")
+    with pytest.raises(memsaver.MemsaverError, match="PyTorch"):
+        with memsaver.cuda_graph(object()):
+            pass

@@ -1,0 +1,198 @@
+"""Scenarios that need a process of their own: preload mode (one process, one allocator state),
+fault injection, the launch helpers and `python -m memsaver`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import memsaver
+import pytest
+from helpers import run_python
+
+PRELOADED_PROCESS = r"""
+import ctypes, json, os
+import memsaver
+from memsaver import _memsaver
+
+out = {"mode": memsaver.hook_mode(), "path": _memsaver.loaded()[1]}
+# The preloaded copy, found through the global scope as any other library would find it.
+lib = ctypes.CDLL(None)
+lib.memsaver_malloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int,
+                                ctypes.c_char_p, ctypes.c_char_p]
+p = ctypes.c_void_p()
+assert lib.memsaver_malloc(ctypes.byref(p), 2 << 20, 0, b"from_c", b"cpu") == 0
+out["from_c"] = memsaver.stats().tags["from_c"].allocations
+# The interposed cudaMalloc of the global scope (what libc10_cuda calls) sees the region
+# entered through the extension.
+lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+q = ctypes.c_void_p()
+with memsaver.region("hooked"):
+    out["cudaMalloc"] = lib.cudaMalloc(ctypes.byref(q), 4 << 20)
+out["hooked"] = memsaver.stats().tags["hooked"].reserved_bytes
+memsaver.pause()
+out["resident_after_pause"] = memsaver.stats().total.resident_bytes
+memsaver.resume()
+print(json.dumps(out))
+"""
+
+
+def test_preload_mode_shares_one_state(child_env):
+    env = dict(child_env, LD_PRELOAD=memsaver.preload_path(), MEMSAVER_HOOK_MODE="preload")
+    r = run_python(PRELOADED_PROCESS, env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["mode"] == "preload"
+    assert os.path.realpath(out["path"]) == os.path.realpath(memsaver.preload_path())
+    assert out["from_c"] == 1
+    assert out["cudaMalloc"] == 0
+    assert out["hooked"] == 4 << 20
+    assert out["resident_after_pause"] == 0
+
+
+def test_plain_process_is_inprocess(child_env):
+    r = run_python("import memsaver; print(memsaver.hook_mode())", child_env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "inprocess"
+
+
+def test_hook_mode_preload_without_preload_fails_with_instructions(child_env):
+    env = dict(child_env, MEMSAVER_HOOK_MODE="preload")
+    r = run_python("import memsaver; memsaver.pause()", env)
+    assert r.returncode != 0
+    assert "MemsaverError" in r.stderr
+    assert f"LD_PRELOAD={memsaver.preload_path()} python ..." in r.stderr
+    assert "python -m memsaver env" in r.stderr
+
+
+RESUME_OOM = r"""
+import ctypes
+import memsaver
+from memsaver import _memsaver
+
+memsaver.hook_mode()
+a = _memsaver.malloc(2 << 20, 0, "w", "cpu")   # cuMemCreate 1
+b = _memsaver.malloc(2 << 20, 0, "w", "cpu")   # cuMemCreate 2
+ctypes.memmove(a, b"A" * 16, 16)
+memsaver.pause("w")
+try:
+    memsaver.resume("w")                        # cuMemCreate 3 fails
+except memsaver.OutOfMemoryError as e:
+    assert type(e) is memsaver.ResumeOutOfMemoryError, type(e)
+    assert "call resume again" in str(e), str(e)
+    t = memsaver.stats().tags["w"]
+    assert t.allocations == 2 and t.reserved_bytes == 4 << 20, t
+    assert t.backup_bytes == 4 << 20, t          # nothing lost
+else:
+    raise SystemExit("resume did not fail")
+memsaver.resume("w")
+t = memsaver.stats().tags["w"]
+assert not t.paused and t.resident_bytes == 4 << 20, t
+assert ctypes.string_at(a, 16) == b"A" * 16
+print("ok")
+"""
+
+
+def test_resume_out_of_memory_is_an_error_and_resume_again_works(child_env):
+    env = dict(child_env, FAKE_CUDA_FAIL_CREATE_AT="3")
+    r = run_python(RESUME_OOM, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_configure_subprocess_sets_and_restores_environment(monkeypatch):
+    path = memsaver.preload_path()
+    monkeypatch.setenv("LD_PRELOAD", "/opt/a.so /opt/b.so")
+    monkeypatch.delenv("MEMSAVER_HOOK_MODE", raising=False)
+    monkeypatch.setenv("MEMSAVER_CUDA_LIB", "/opt/libcuda.so.1")
+    with memsaver.configure_subprocess() as env:
+        assert os.environ["LD_PRELOAD"] == f"{path}:/opt/a.so:/opt/b.so"
+        assert os.environ["MEMSAVER_HOOK_MODE"] == "preload"
+        assert os.environ["MEMSAVER_CUDA_LIB"] == "/opt/libcuda.so.1"
+        assert env["LD_PRELOAD"] == os.environ["LD_PRELOAD"]
+        assert env["MEMSAVER_CUDA_LIB"] == "/opt/libcuda.so.1"
+        # Nested use does not duplicate the library.
+        with memsaver.configure_subprocess():
+            assert os.environ["LD_PRELOAD"] == f"{path}:/opt/a.so:/opt/b.so"
+    assert os.environ["LD_PRELOAD"] == "/opt/a.so /opt/b.so"
+    assert "MEMSAVER_HOOK_MODE" not in os.environ
+    assert os.environ["MEMSAVER_CUDA_LIB"] == "/opt/libcuda.so.1"
+
+
+def test_configure_subprocess_restores_on_error(monkeypatch):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    with pytest.raises(RuntimeError):
+        with memsaver.configure_subprocess():
+            assert os.environ["LD_PRELOAD"] == memsaver.preload_path()
+            raise RuntimeError
+    assert "LD_PRELOAD" not in os.environ
+
+
+def test_subprocess_env_passes_through_memsaver_settings():
+    env = memsaver.subprocess_env({"LD_PRELOAD": memsaver.preload_path(), "MEMSAVER_LOG": "debug"})
+    assert env == {
+        "LD_PRELOAD": memsaver.preload_path(),
+        "MEMSAVER_HOOK_MODE": "preload",
+        "MEMSAVER_LOG": "debug",
+    }
+
+
+def test_configure_subprocess_child_runs_in_preload_mode(child_env, monkeypatch):
+    for k, v in child_env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    with memsaver.configure_subprocess():
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import memsaver; memsaver.stats(); print(memsaver.hook_mode())",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "preload"
+
+
+def test_cli_env_is_evalable_and_preloads(child_env):
+    r = run_python("", child_env, "-m", "memsaver", "env")
+    assert r.returncode == 0, r.stderr
+    path = memsaver.preload_path()
+    assert f"export LD_PRELOAD={path}" in r.stdout
+    assert "export MEMSAVER_HOOK_MODE=preload" in r.stdout
+    assert f"export MEMSAVER_CUDA_LIB={child_env['MEMSAVER_CUDA_LIB']}" in r.stdout
+    assert "torchrun" in r.stdout
+    assert 'runtime_env={"env_vars": {"LD_PRELOAD": ' in r.stdout
+    script = (
+        f'eval "$({sys.executable} -m memsaver env)"; '
+        f'{sys.executable} -c "import memsaver; memsaver.stats(); print(memsaver.hook_mode())"'
+    )
+    r = subprocess.run(
+        ["bash", "-c", script], env=child_env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "preload"
+
+
+def test_cli_env_json_preload_path_and_stats(child_env):
+    r = run_python("", child_env, "-m", "memsaver", "env", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == memsaver.subprocess_env(child_env)
+    r = run_python("", child_env, "-m", "memsaver", "preload-path")
+    assert (r.returncode, r.stdout.strip()) == (0, memsaver.preload_path())
+    r = run_python("", child_env, "-m", "memsaver", "stats")
+    assert r.returncode == 0, r.stderr
+    assert "hook mode: inprocess" in r.stdout and "total" in r.stdout
+
+
+def test_cli_unknown_or_missing_command_exits_2(child_env):
+    r = run_python("", child_env, "-m", "memsaver", "frobnicate")
+    assert r.returncode == 2
+    assert "invalid choice: 'frobnicate'" in r.stderr and "env" in r.stderr
+    r = run_python("", child_env, "-m", "memsaver")
+    assert r.returncode == 2
+    assert "a command is required" in r.stderr
