@@ -63,9 +63,9 @@ fmt:
 	$(CARGO) fmt --all
 
 # Binaries for a lent GPU machine (no Rust toolchain there): carry .dist in the device call.
-gpu-dist: build fake-cuda
-	mkdir -p .dist
-	cp target/release/memsaver target/release/libmemsaver.so .dist/
+gpu-dist: build fake-cuda python
+	rm -rf .dist && mkdir -p .dist
+	cp target/release/memsaver target/release/libmemsaver.so target/wheels/memsaver-*.whl .dist/
 	cp -r tests/gpu .dist/
 
 clean:

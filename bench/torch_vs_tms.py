@@ -6,8 +6,9 @@ memsaver also under LD_PRELOAD), on the same workloads:
 
 * cpu-backed tag: 8 GiB as 8 x 1 GiB tensors; discard tag: 16 GiB as 16 x 1 GiB tensors;
   one warm-up cycle (pinned buffers), then CYCLES timed pause/resume cycles; median reported.
-* allocation throughput inside a region: N new tensors of each size (no cache reuse: every
-  tensor is a new segment), allocations per second.
+* allocation throughput inside a region: N new tensors of each size, all kept alive (no reuse
+  of freed blocks), allocations per second. torch packs tensors under 10 MiB into 20 MiB
+  segments, so the 2 MiB column calls the allocator once per ten tensors.
 
 Usage: python3 bench/torch_vs_tms.py [--cycles 5] [--cpu-gib 8] [--discard-gib 16]
 Prints a table; exits non-zero if a run fails or a cpu-backed tensor comes back wrong.
@@ -125,9 +126,14 @@ def main():
                             "--cpu-gib", str(a.cpu_gib), "--discard-gib", str(a.discard_gib)],
                            env=env, capture_output=True, text=True, timeout=580)
         line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if p.returncode != 0 or line is None:
+        if line is None or (p.returncode != 0 and key == "memsaver"):
             print(f"{name} failed (exit {p.returncode}):\n{p.stdout}\n{p.stderr}")
             sys.exit(1)
+        if p.returncode != 0:
+            # torch_memory_saver 0.0.10 exit(1)s in its free hook at interpreter shutdown
+            # ("only support interesting region"); its figures were printed before that.
+            print(f"note: {name} exited with {p.returncode} after reporting: "
+                  f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''}")
         runs[name] = json.loads(line[len("RESULT "):])
 
     print(f"\npause/resume, median of {a.cycles} cycles after a warm-up cycle")
@@ -137,7 +143,7 @@ def main():
             x = r[tag]
             print(f"{name:<28} {tag:<14} {x['pause_s']*1e3:>9.2f} {x['bytes']/x['pause_s']/1e9:>8.1f} "
                   f"{x['resume_s']*1e3:>10.2f} {x['bytes']/x['resume_s']/1e9:>8.1f}")
-    print("\nallocations per second inside a region (every tensor a new segment)")
+    print("\nallocations per second inside a region (new tensors kept alive)")
     print(f"{'library':<28}" + "".join(f"{s // MIB:>10} MiB" for s, _ in ALLOC_SIZES))
     for name, r in runs.items():
         print(f"{name:<28}" + "".join(f"{r['allocs_per_s'][str(s)]:>14.0f}" for s, _ in ALLOC_SIZES))
