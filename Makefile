@@ -43,7 +43,7 @@ demo: build fake-cuda
 # and other users of the fake driver do not see each other's memory.
 test: fake-cuda test-rust test-python
 
-test-rust:
+test-rust: fake-cuda
 	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
 	trap 'rm -rf "$$state"' EXIT; \
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) MEMSAVER_FAKE_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) \

@@ -137,3 +137,46 @@ fn out_of_memory_on_malloc_is_an_error() {
     assert!(e.to_string().contains("out of device memory"), "{e}");
     assert_eq!(a.stats().total.allocations, 0);
 }
+
+#[test]
+fn failing_unmap_during_pause_leaves_the_allocation_resident() {
+    let a = allocator();
+    let ptrs: Vec<u64> = (0..2)
+        .map(|_| a.malloc(2 * MIB, 0, "weights", Policy::Cpu).unwrap())
+        .collect();
+    for (i, p) in ptrs.iter().enumerate() {
+        fill(*p, 2 * MIB, 20 + i as u8);
+    }
+    inject("fakecuda_fail_unmap_at", 1);
+    let e = a.pause(&["weights"]).unwrap_err();
+    inject("fakecuda_reset_faults", 0);
+    assert!(
+        matches!(
+            e,
+            Error::Incomplete {
+                op: "pause",
+                failed: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("cuMemUnmap"), "{e}");
+    let states: Vec<_> = ptrs.iter().map(|p| a.state(*p).unwrap()).collect();
+    assert!(
+        states.contains(&State::Resident) && states.contains(&State::Paused),
+        "{states:?}"
+    );
+    // The one still resident is intact and usable; pausing again completes the job.
+    let resident = ptrs
+        .iter()
+        .position(|p| a.state(*p) == Some(State::Resident))
+        .unwrap();
+    assert!(check(ptrs[resident], 2 * MIB, 20 + resident as u8));
+    assert_eq!(a.pause(&["weights"]).unwrap().allocations, 1);
+    a.resume(&["weights"]).unwrap();
+    for (i, p) in ptrs.iter().enumerate() {
+        assert!(check(*p, 2 * MIB, 20 + i as u8), "allocation {i}");
+        a.free(*p).unwrap();
+    }
+}

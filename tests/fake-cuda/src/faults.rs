@@ -24,6 +24,8 @@ struct FaultInner {
 
 pub static CREATE: Fault = Fault::new();
 pub static MAP: Fault = Fault::new();
+/// Run-time control only (`fakecuda_fail_unmap_at`): makes a pause fail half-way.
+pub static UNMAP: Fault = Fault::new();
 
 impl Fault {
     const fn new() -> Self {

@@ -15,7 +15,8 @@
 //! | `FAKE_CUDA_FAIL_MAP_AT`    | unset                                   | the Nth `cuMemMap` of the process fails with `CUDA_ERROR_UNKNOWN`, once       |
 //!
 //! Run-time controls, exported as C functions: `fakecuda_fail_create_at(n)` and
-//! `fakecuda_fail_map_at(n)` (the nth call from now fails; 0 disarms; replaces the knob),
+//! `fakecuda_fail_map_at(n)`, `fakecuda_fail_unmap_at(n)` (the nth call from now fails; 0
+//! disarms; replaces the knob),
 //! `fakecuda_reset_faults()`, and `fakecuda_live_handles()` (handle values of this process not
 //! yet released).
 //!
@@ -771,12 +772,22 @@ pub extern "C" fn fakecuda_fail_map_at(n: u32) -> CUresult {
     })
 }
 
+/// Test control: the `n`th `cuMemUnmap` from now fails with `CUDA_ERROR_UNKNOWN` (0 disarms).
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_fail_unmap_at(n: u32) -> CUresult {
+    guard(|| {
+        faults::UNMAP.arm(n);
+        Ok(())
+    })
+}
+
 /// Test control: disarms every fault trigger, the knobs' included.
 #[unsafe(no_mangle)]
 pub extern "C" fn fakecuda_reset_faults() -> CUresult {
     guard(|| {
         faults::CREATE.reset();
         faults::MAP.reset();
+        faults::UNMAP.reset();
         Ok(())
     })
 }

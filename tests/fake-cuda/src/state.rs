@@ -429,6 +429,9 @@ pub fn map(
 
 /// `cuMemUnmap`: `[ptr, ptr + size)` must be made of whole mappings, without gaps.
 pub fn unmap(ptr: CUdeviceptr, size: usize) -> Result<(), CUresult> {
+    if faults::UNMAP.hit(None) {
+        return Err(CUDA_ERROR_UNKNOWN);
+    }
     let size = size as u64;
     valid_range(ptr, size)?;
     let dropped = {
