@@ -16,10 +16,13 @@ all: lint test
 build:
 	$(CARGO) build --release --workspace
 
-# The fake CUDA driver (host memory behind the driver API) for tests and GPU-less demos.
+# The fake CUDA driver (host memory behind the driver API) for tests and GPU-less demos, and
+# a libnccl.so.2 stand-in that reaches the driver the way NCCL does.
 fake-cuda:
-	$(CARGO) build --release -p fake-cuda
-	mkdir -p $(FAKE_DIR) && cp target/release/libcuda.so $(FAKE_LIB)
+	$(CARGO) build --release -p fake-cuda -p fake-nccl
+	mkdir -p $(FAKE_DIR) target/fake-nccl
+	cp target/release/libcuda.so $(FAKE_LIB)
+	cp target/release/libnccl.so target/fake-nccl/libnccl.so.2
 
 # The Python package, built with maturin into a project-local virtual environment that also
 # holds the test tools (everything comes from PyPI; nothing is assumed installed).

@@ -47,6 +47,7 @@ __all__ = [
     "resume",
     "register_tag",
     "stats",
+    "nccl_stats",
     "Stats",
     "TagStats",
     "Usage",
@@ -209,3 +210,16 @@ def stats() -> Stats:
     """Per-tag and total figures of this process (reserved, resident and backup bytes)."""
     _core.ensure_loaded()
     return _stats.parse(_memsaver.stats_json())
+
+
+def nccl_stats() -> dict[str, int | bool]:
+    """NCCL's device memory in this process as memsaver's NCCL hook sees it: ``hooked`` (NCCL
+    resolved its driver calls through memsaver: the process was started with the preload),
+    ``cumem_disabled`` (``NCCL_CUMEM_ENABLE=0``: NCCL then uses cudaMalloc and legacy IPC, which
+    no VMM hook sees), bytes and handles NCCL owns, imported from peers and exported, and what
+    stays resident (host, FABRIC, NIC ranges, multicast objects)."""
+    import json
+
+    _core.ensure_loaded()
+    result: dict[str, int | bool] = json.loads(_memsaver.nccl_stats_json())
+    return result

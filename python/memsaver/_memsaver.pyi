@@ -6,6 +6,7 @@ __all__ = [
     "pause",
     "resume",
     "stats_json",
+    "nccl_stats_json",
     "register_tag",
     "region_enter",
     "region_disable",
@@ -37,6 +38,7 @@ def pause(tags: list[str]) -> None:
 def resume(tags: list[str]) -> None:
     """Resumes ``tags`` (every tag when empty). Releases the GIL."""
 
+def nccl_stats_json() -> str: ...
 def stats_json() -> str:
     """The stats as JSON: {"tags": [...], "total": {...}}."""
 

@@ -73,17 +73,29 @@ fn resume(py: Python<'_>, tags: Vec<String>) -> PyResult<()> {
     check(l, code)
 }
 
+type JsonFn = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
+
 /// The stats as a JSON string.
 #[pyfunction]
 fn stats_json() -> PyResult<String> {
     let l = lib()?;
+    read_json(l, l.memsaver_stats_json)
+}
+
+/// NCCL's memory as the hook sees it, as a JSON string.
+#[pyfunction]
+fn nccl_stats_json() -> PyResult<String> {
+    let l = lib()?;
+    read_json(l, l.memsaver_nccl_stats_json)
+}
+
+/// Calls one of the `*_json` functions, growing the buffer until the text fits.
+fn read_json(l: &Library, f: JsonFn) -> PyResult<String> {
     let mut needed = 0usize;
     let mut buf: Vec<u8> = Vec::new();
     loop {
         // SAFETY: `buf` has `buf.len()` writable bytes; `needed` is a valid out-pointer.
-        let code = unsafe {
-            (l.memsaver_stats_json)(buf.as_mut_ptr().cast::<c_char>(), buf.len(), &mut needed)
-        };
+        let code = unsafe { f(buf.as_mut_ptr().cast::<c_char>(), buf.len(), &mut needed) };
         if code == 10 && needed > buf.len() {
             buf.resize(needed, 0);
             continue;
@@ -153,6 +165,7 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pause, m)?)?;
     m.add_function(wrap_pyfunction!(resume, m)?)?;
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(register_tag, m)?)?;
     m.add_function(wrap_pyfunction!(region_enter, m)?)?;
     m.add_function(wrap_pyfunction!(region_disable, m)?)?;

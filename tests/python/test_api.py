@@ -294,3 +294,11 @@ def test_cuda_graph_needs_torch():
     with pytest.raises(memsaver.MemsaverError, match="PyTorch"):
         with memsaver.cuda_graph(object()):
             pass
+
+
+def test_nccl_stats_without_nccl():
+    s = memsaver.nccl_stats()
+    # Nothing resolved driver calls through the hook in this process (no NCCL, no preload).
+    assert s["hooked"] is False
+    assert s["owned_bytes"] == 0 and s["imported_bytes"] == 0
+    assert set(s) >= {"cumem_disabled", "exported_handles", "resident_nic_bytes", "mappings"}

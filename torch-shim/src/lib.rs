@@ -204,10 +204,31 @@ pub unsafe extern "C" fn memsaver_stats_json(
     len: usize,
     needed: *mut usize,
 ) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe {
+        write_json(buf, len, needed, || {
+            Ok(serde_json::to_string(&global()?.stats()))
+        })
+    }
+}
+
+/// Encodes the value `make` returns as JSON into a caller's buffer, the protocol of the
+/// `*_json` functions: `*needed` gets the size including the NUL; a NULL or short buffer gives
+/// `MEMSAVER_ERR_BUFFER_TOO_SMALL`.
+///
+/// # Safety
+/// `buf` is valid for `len` bytes of writes (or NULL with `len == 0`); `needed` is NULL or a
+/// valid out-pointer.
+unsafe fn write_json(
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+    make: impl FnOnce() -> Result<serde_json::Result<String>, Error>,
+) -> c_int {
     let mut too_small = false;
     let code = ffi(|| {
-        let json = serde_json::to_string(&global()?.stats())
-            .map_err(|e| Error::InvalidArgument(format!("cannot encode stats: {e}")))?;
+        let json =
+            make()?.map_err(|e| Error::InvalidArgument(format!("cannot encode stats: {e}")))?;
         let n = json.len() + 1;
         if !needed.is_null() {
             // SAFETY: non-null out-pointer per the contract.
@@ -225,12 +246,31 @@ pub unsafe extern "C" fn memsaver_stats_json(
         Ok(())
     });
     if code == Status::Ok as c_int && too_small {
-        set_last_error(
-            "the stats buffer is too small; call again with the size written to *needed",
-        );
+        set_last_error("the buffer is too small; call again with the size written to *needed");
         return Status::BufferTooSmall as c_int;
     }
     code
+}
+
+/// Writes NCCL's memory as the hook sees it (JSON, NUL-terminated) into `buf`, like
+/// [`memsaver_stats_json`]: `{"hooked", "cumem_disabled", "owned_bytes", "owned_handles",
+/// "exported_handles", "imported_bytes", "imported_handles", "resident_host_bytes",
+/// "resident_fabric_bytes", "resident_nic_bytes", "multicast_objects", "mappings"}`.
+///
+/// # Safety
+/// As [`memsaver_stats_json`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_nccl_stats_json(
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe {
+        write_json(buf, len, needed, || {
+            Ok(serde_json::to_string(&memsaver_nccl_hook::stats()))
+        })
+    }
 }
 
 /// Enters a region on the calling thread: allocations made through the hooks on this thread

@@ -1,0 +1,133 @@
+//! The `dlsym` interposer: the one door through which NCCL's driver calls are seen.
+//!
+//! libnccl links the CUDA runtime statically; that runtime opens `libcuda.so.1` with `dlopen`
+//! and looks up `cuGetProcAddress_v2` with `dlsym`, then resolves every driver function NCCL
+//! uses through it. When libmemsaver.so is preloaded its `dlsym` comes first, so for exactly
+//! those lookups *made from libnccl* it hands out [`crate::procaddr`]'s wrapper instead of the
+//! driver's function. Every other lookup is forwarded untouched.
+//!
+//! Forwarding must be a tail jump: glibc derives what `RTLD_NEXT` means from the return
+//! address of its caller, so a plain call from here would make every other library's
+//! `dlsym(RTLD_NEXT, ...)` resolve relative to libmemsaver.so. The entry point is therefore a
+//! naked function that asks [`decide`] (a normal function: no locks, no allocation on the
+//! pass-through path) whether to answer, and otherwise jumps to the real `dlsym` with the
+//! caller's registers and return address intact.
+
+use std::ffi::{CStr, c_char, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The real `dlsym` of glibc, resolved on first use. Read by the naked entry point with a
+/// rip-relative load, so it is a plain word (an `AtomicUsize` has the layout of `usize`).
+static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
+
+/// Resolves glibc's `dlsym` (versioned: `GLIBC_2.34` since glibc 2.34, `GLIBC_2.2.5` before).
+fn real_dlsym() -> usize {
+    let cur = REAL_DLSYM.load(Ordering::Acquire);
+    if cur != 0 {
+        return cur;
+    }
+    let mut found = 0usize;
+    for version in [c"GLIBC_2.34", c"GLIBC_2.2.5"] {
+        // SAFETY: NUL-terminated strings; RTLD_NEXT from this library finds libc's definition.
+        let p = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) };
+        if !p.is_null() {
+            found = p as usize;
+            break;
+        }
+    }
+    if found == 0 {
+        // Nothing sensible is left: answer every lookup with NULL rather than crash.
+        found = no_symbol as *const () as usize;
+    }
+    REAL_DLSYM.store(found, Ordering::Release);
+    found
+}
+
+extern "C" fn no_symbol(_: *mut c_void, _: *const c_char) -> *mut c_void {
+    std::ptr::null_mut()
+}
+
+/// Calls the real `dlsym` from here (for lookups whose caller identity does not matter: an
+/// explicit library handle).
+///
+/// # Safety
+/// `handle` is a handle from `dlopen` (or a pseudo-handle other than `RTLD_NEXT`); `symbol`
+/// is NUL-terminated.
+pub(crate) unsafe fn call_real_dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+    type Dlsym = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+    // SAFETY: `real_dlsym` is glibc's dlsym (or `no_symbol`), both with this signature.
+    let f = unsafe { std::mem::transmute::<usize, Dlsym>(real_dlsym()) };
+    // SAFETY: forwarded contract.
+    unsafe { f(handle, symbol) }
+}
+
+/// Whether the code at `addr` belongs to a libnccl shared object.
+fn is_nccl_code(addr: *const c_void) -> bool {
+    // SAFETY: zeroed Dl_info is a valid out-parameter; dladdr only reads loader state.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: `addr` is a return address inside some loaded object.
+    if unsafe { libc::dladdr(addr, &mut info) } == 0 || info.dli_fname.is_null() {
+        return false;
+    }
+    // SAFETY: dladdr gives a NUL-terminated file name.
+    let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_bytes();
+    let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
+    file.starts_with(b"libnccl")
+}
+
+/// Decides whether the interposer answers a lookup itself. Returns the pointer to hand out,
+/// or NULL to forward the call to the real `dlsym` (also on any internal failure).
+extern "C" fn decide(
+    handle: *mut c_void,
+    symbol: *const c_char,
+    caller: *const c_void,
+) -> *mut c_void {
+    // Resolve the forwarding target before anything else: the entry point jumps to it.
+    real_dlsym();
+    let r = std::panic::catch_unwind(|| {
+        if symbol.is_null() || handle == libc::RTLD_NEXT {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: dlsym's contract: a NUL-terminated symbol name.
+        let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
+        if !crate::procaddr::is_entry_name(name) || !is_nccl_code(caller) {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: an explicit handle from the caller's dlopen; NUL-terminated name.
+        let real = unsafe { call_real_dlsym(handle, symbol) };
+        if real.is_null() {
+            return std::ptr::null_mut();
+        }
+        crate::procaddr::wrap_entry(name, real)
+    });
+    r.unwrap_or(std::ptr::null_mut())
+}
+
+/// `dlsym`, interposed (see the module documentation).
+///
+/// # Safety
+/// As glibc's `dlsym`.
+#[cfg(target_arch = "x86_64")]
+#[unsafe(naked)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+    // On entry rsp = 8 (mod 16). Save the two arguments, realign, pass the caller's return
+    // address as the third argument of `decide`.
+    core::arch::naked_asm!(
+        "push rdi",
+        "push rsi",
+        "sub rsp, 8",
+        "mov rdx, [rsp + 24]",
+        "call {decide}",
+        "add rsp, 8",
+        "pop rsi",
+        "pop rdi",
+        "test rax, rax",
+        "jz 2f",
+        "ret",
+        "2:",
+        "jmp qword ptr [rip + {real}]",
+        decide = sym decide,
+        real = sym REAL_DLSYM,
+    )
+}

@@ -1,0 +1,115 @@
+//! `cuGetProcAddress` wrappers: the second door. NCCL's runtime asks the driver's
+//! `cuGetProcAddress(_v2)` for every entry point; ours asks the real one and swaps in
+//! [`crate::vmm`]'s wrapper for the VMM calls NCCL makes, leaving everything else as it is.
+
+use std::ffi::{CStr, c_char, c_int, c_ulonglong, c_void};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use memsaver_allocator::driver::sys::{CUDA_SUCCESS, CUresult};
+
+type GetProcAddressV2 = unsafe extern "C" fn(
+    *const c_char,
+    *mut *mut c_void,
+    c_int,
+    c_ulonglong,
+    *mut c_int,
+) -> CUresult;
+type GetProcAddressV1 =
+    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, c_ulonglong) -> CUresult;
+
+/// The driver's functions we wrap, set when NCCL first looks them up.
+static REAL_V2: AtomicUsize = AtomicUsize::new(0);
+static REAL_V1: AtomicUsize = AtomicUsize::new(0);
+/// Set once NCCL resolved its driver entry points through us.
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+/// Whether NCCL has resolved driver functions through memsaver's wrappers in this process.
+pub fn installed() -> bool {
+    INSTALLED.load(Ordering::Relaxed)
+}
+
+/// The names whose `dlsym` lookups from libnccl the interposer answers.
+pub(crate) fn is_entry_name(name: &[u8]) -> bool {
+    name == b"cuGetProcAddress_v2" || name == b"cuGetProcAddress"
+}
+
+/// Our wrapper for the entry point `name` whose real address is `real`.
+pub(crate) fn wrap_entry(name: &[u8], real: *mut c_void) -> *mut c_void {
+    INSTALLED.store(true, Ordering::Relaxed);
+    if name == b"cuGetProcAddress_v2" {
+        REAL_V2.store(real as usize, Ordering::Release);
+        get_proc_address_v2 as *mut c_void
+    } else {
+        REAL_V1.store(real as usize, Ordering::Release);
+        get_proc_address_v1 as *mut c_void
+    }
+}
+
+/// Replaces `*pfn` with a wrapper when `symbol` is one we interpose.
+///
+/// # Safety
+/// `symbol` is NUL-terminated and `pfn` points to the driver's answer for it.
+unsafe fn substitute(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int) {
+    // SAFETY: per this function's contract.
+    let (name, real) = unsafe { (CStr::from_ptr(symbol).to_bytes(), *pfn) };
+    if real.is_null() {
+        return;
+    }
+    let wrapper = if name == b"cuGetProcAddress" {
+        // Asked for the lookup function itself: the _v2 signature from CUDA 12.0 on.
+        Some(if version >= 12000 {
+            REAL_V2.store(real as usize, Ordering::Release);
+            get_proc_address_v2 as *mut c_void
+        } else {
+            REAL_V1.store(real as usize, Ordering::Release);
+            get_proc_address_v1 as *mut c_void
+        })
+    } else {
+        crate::vmm::wrap(name, version, real)
+    };
+    if let Some(w) = wrapper {
+        // SAFETY: `pfn` is the caller's valid out-pointer.
+        unsafe { *pfn = w };
+    }
+}
+
+unsafe extern "C" fn get_proc_address_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: c_ulonglong,
+    status: *mut c_int,
+) -> CUresult {
+    // SAFETY: REAL_V2 was stored before this wrapper was handed out; same signature.
+    let real =
+        unsafe { std::mem::transmute::<usize, GetProcAddressV2>(REAL_V2.load(Ordering::Acquire)) };
+    // SAFETY: forwarding the caller's arguments.
+    let r = unsafe { real(symbol, pfn, version, flags, status) };
+    if r == CUDA_SUCCESS && !symbol.is_null() && !pfn.is_null() {
+        let _ = std::panic::catch_unwind(|| {
+            // SAFETY: the driver filled `*pfn` for the NUL-terminated `symbol`.
+            unsafe { substitute(symbol, pfn, version) }
+        });
+    }
+    r
+}
+
+unsafe extern "C" fn get_proc_address_v1(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: c_ulonglong,
+) -> CUresult {
+    // SAFETY: REAL_V1 was stored before this wrapper was handed out; same signature.
+    let real =
+        unsafe { std::mem::transmute::<usize, GetProcAddressV1>(REAL_V1.load(Ordering::Acquire)) };
+    // SAFETY: forwarding the caller's arguments.
+    let r = unsafe { real(symbol, pfn, version, flags) };
+    if r == CUDA_SUCCESS && !symbol.is_null() && !pfn.is_null() {
+        let _ = std::panic::catch_unwind(|| {
+            // SAFETY: the driver filled `*pfn` for the NUL-terminated `symbol`.
+            unsafe { substitute(symbol, pfn, version) }
+        });
+    }
+    r
+}

@@ -1,0 +1,179 @@
+//! `libnccl.so.2` stand-in for tests: it reaches the CUDA driver the way NCCL's statically
+//! linked CUDA runtime does (`dlopen("libcuda.so.1")`, `dlsym(h, "cuGetProcAddress_v2")`, then
+//! every function through that, `cuGetProcAddress` itself included) and allocates device
+//! memory the way NCCL's cuMem path does (create exportable, reserve, map, set access, export
+//! a POSIX fd). The `dlsym` call sites are inside this library, so memsaver's caller filter
+//! sees a libnccl caller, as with the real NCCL.
+
+use std::ffi::{CStr, c_char, c_int, c_ulonglong, c_void};
+
+use memsaver_allocator::driver::sys::{fns, *};
+
+/// What one allocation did, for the test to inspect and to free it again.
+#[repr(C)]
+#[derive(Default)]
+pub struct FakeNcclAlloc {
+    /// The `cuGetProcAddress_v2` that `dlsym` handed out, and the `cuMemCreate` that it gave.
+    pub get_proc_address: usize,
+    pub mem_create: usize,
+    pub handle: u64,
+    pub ptr: u64,
+    pub size: usize,
+    pub exported_fd: c_int,
+}
+
+type GetProcAddress = unsafe extern "C" fn(
+    *const c_char,
+    *mut *mut c_void,
+    c_int,
+    c_ulonglong,
+    *mut c_int,
+) -> CUresult;
+
+struct Driver {
+    gpa: GetProcAddress,
+}
+
+impl Driver {
+    /// # Safety
+    /// `T` is the function-pointer type of `name`.
+    unsafe fn get<T: Copy>(&self, name: &CStr) -> Result<T, c_int> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        let mut status = 0;
+        // SAFETY: valid out-pointers; NUL-terminated name.
+        let r = unsafe { (self.gpa)(name.as_ptr(), &mut p, 12000, 0, &mut status) };
+        if r != CUDA_SUCCESS || p.is_null() {
+            return Err(-(r as c_int).max(1));
+        }
+        // SAFETY: per this function's contract.
+        Ok(unsafe { std::mem::transmute_copy::<*mut c_void, T>(&p) })
+    }
+}
+
+fn ok(r: CUresult) -> Result<(), c_int> {
+    if r == CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(r as c_int)
+    }
+}
+
+/// # Safety
+/// `cuda_lib` is NUL-terminated.
+unsafe fn open(cuda_lib: *const c_char) -> Result<Driver, c_int> {
+    // SAFETY: NUL-terminated path.
+    let h = unsafe { libc::dlopen(cuda_lib, libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if h.is_null() {
+        return Err(-1);
+    }
+    // SAFETY: live handle, NUL-terminated name. This call site is what the filter checks.
+    let gpa = unsafe { libc::dlsym(h, c"cuGetProcAddress_v2".as_ptr()) };
+    if gpa.is_null() {
+        return Err(-2);
+    }
+    // SAFETY: the driver's cuGetProcAddress_v2 (or memsaver's wrapper of it).
+    let first = Driver {
+        gpa: unsafe { std::mem::transmute::<*mut c_void, GetProcAddress>(gpa) },
+    };
+    // Like cudart: ask that function for cuGetProcAddress again, and use what it returns.
+    // SAFETY: the type matches the CUDA 12 signature of cuGetProcAddress.
+    let gpa: GetProcAddress = unsafe { first.get(c"cuGetProcAddress") }?;
+    Ok(Driver { gpa })
+}
+
+/// Allocates `size` bytes on device 0 like NCCL's cuMem path. Returns 0 or an error code.
+///
+/// # Safety
+/// `cuda_lib` is NUL-terminated; `out` is a valid out-pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_nccl_alloc(
+    cuda_lib: *const c_char,
+    size: usize,
+    out: *mut FakeNcclAlloc,
+) -> c_int {
+    // SAFETY: per this function's contract.
+    match unsafe { alloc(cuda_lib, size) } {
+        Ok(a) => {
+            // SAFETY: valid out-pointer.
+            unsafe { *out = a };
+            0
+        }
+        Err(e) => e,
+    }
+}
+
+/// # Safety
+/// `cuda_lib` is NUL-terminated.
+unsafe fn alloc(cuda_lib: *const c_char, size: usize) -> Result<FakeNcclAlloc, c_int> {
+    // SAFETY: per the caller's contract.
+    let d = unsafe { open(cuda_lib) }?;
+    // SAFETY (all `get`s below): each type is the CUDA signature of the name.
+    unsafe {
+        let init: fns::cuInit = d.get(c"cuInit")?;
+        let retain: fns::cuDevicePrimaryCtxRetain = d.get(c"cuDevicePrimaryCtxRetain")?;
+        let push: fns::cuCtxPushCurrent_v2 = d.get(c"cuCtxPushCurrent")?;
+        let create: fns::cuMemCreate = d.get(c"cuMemCreate")?;
+        let reserve: fns::cuMemAddressReserve = d.get(c"cuMemAddressReserve")?;
+        let map: fns::cuMemMap = d.get(c"cuMemMap")?;
+        let access: fns::cuMemSetAccess = d.get(c"cuMemSetAccess")?;
+        let export: fns::cuMemExportToShareableHandle = d.get(c"cuMemExportToShareableHandle")?;
+
+        ok(init(0))?;
+        let mut ctx = std::ptr::null_mut();
+        ok(retain(&mut ctx, 0))?;
+        ok(push(ctx))?;
+        let prop = CUmemAllocationProp {
+            type_: CU_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes: CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            location: CUmemLocation {
+                type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                id: 0,
+            },
+            ..Default::default()
+        };
+        let mut a = FakeNcclAlloc {
+            get_proc_address: d.gpa as usize,
+            mem_create: create as usize,
+            size,
+            ..Default::default()
+        };
+        ok(create(&mut a.handle, size, &prop, 0))?;
+        ok(reserve(&mut a.ptr, size, 0, 0, 0))?;
+        ok(map(a.ptr, size, 0, a.handle, 0))?;
+        let desc = CUmemAccessDesc {
+            location: prop.location,
+            flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        ok(access(a.ptr, size, &desc, 1))?;
+        ok(export(
+            (&mut a.exported_fd as *mut c_int).cast(),
+            a.handle,
+            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        ))?;
+        Ok(a)
+    }
+}
+
+/// Frees what `fake_nccl_alloc` made, in NCCL's order (close fd, unmap, release, free VA).
+///
+/// # Safety
+/// `cuda_lib` is NUL-terminated; `a` came from `fake_nccl_alloc` and is freed once.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_nccl_free(cuda_lib: *const c_char, a: *const FakeNcclAlloc) -> c_int {
+    // SAFETY: per this function's contract.
+    let r = unsafe {
+        (|| -> Result<(), c_int> {
+            let d = open(cuda_lib)?;
+            let a = &*a;
+            let unmap: fns::cuMemUnmap = d.get(c"cuMemUnmap")?;
+            let release: fns::cuMemRelease = d.get(c"cuMemRelease")?;
+            let free: fns::cuMemAddressFree = d.get(c"cuMemAddressFree")?;
+            libc::close(a.exported_fd);
+            ok(unmap(a.ptr, a.size))?;
+            ok(release(a.handle))?;
+            ok(free(a.ptr, a.size))
+        })()
+    };
+    r.err().unwrap_or(0)
+}

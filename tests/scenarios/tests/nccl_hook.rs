@@ -1,0 +1,112 @@
+//! The NCCL hook on the fake driver and the fake libnccl.so.2: with libmemsaver.so preloaded,
+//! lookups made by libnccl get memsaver's wrappers and NCCL's memory is seen; lookups made by
+//! anyone else get the driver's own functions.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Command;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn cuda_lib() -> String {
+    std::env::var("MEMSAVER_CUDA_LIB").unwrap_or_else(|_| {
+        root()
+            .join("target/fake-cuda/libcuda.so.1")
+            .to_string_lossy()
+            .into_owned()
+    })
+}
+
+/// Runs `nccl-like`, optionally under LD_PRELOAD of libmemsaver.so, and returns its lines.
+fn run(preload: bool, extra_env: &[(&str, &str)]) -> HashMap<String, String> {
+    let dir = tempdir();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nccl-like"));
+    cmd.arg(root().join("target/fake-nccl/libnccl.so.2"))
+        .arg(cuda_lib())
+        .env("FAKE_CUDA_DIR", &dir)
+        .env_remove("LD_PRELOAD");
+    if preload {
+        // libmemsaver.so of the same build profile as this test (target/<profile>/deps/..).
+        let exe = std::env::current_exe().unwrap();
+        let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
+        cmd.env("LD_PRELOAD", profile_dir.join("libmemsaver.so"));
+    }
+    for (k, v) in extra_env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text.lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+fn tempdir() -> PathBuf {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    std::env::temp_dir().join(format!(
+        "memsaver-nccl-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+#[test]
+fn preloaded_hook_wraps_lookups_made_by_libnccl_only() {
+    let r = run(true, &[]);
+    assert_eq!(
+        r["gpa_from_exe"], "libcuda.so.1",
+        "other callers get the driver's function"
+    );
+    assert_eq!(
+        r["gpa_from_nccl"], "libmemsaver.so",
+        "libnccl gets memsaver's cuGetProcAddress"
+    );
+    assert_eq!(
+        r["create_from_nccl"], "libmemsaver.so",
+        "and memsaver's cuMemCreate through it"
+    );
+    let after = &r["stats_after_alloc"];
+    for field in [
+        "\"hooked\":true",
+        "\"cumem_disabled\":false",
+        "\"owned_bytes\":4194304",
+        "\"owned_handles\":1",
+        "\"exported_handles\":1",
+        "\"mappings\":1",
+    ] {
+        assert!(after.contains(field), "{field} missing in {after}");
+    }
+    let freed = &r["stats_after_free"];
+    assert!(
+        freed.contains("\"owned_bytes\":0") && freed.contains("\"mappings\":0"),
+        "{freed}"
+    );
+}
+
+#[test]
+fn without_preload_nothing_is_wrapped() {
+    let r = run(false, &[]);
+    assert_eq!(r["gpa_from_nccl"], "libcuda.so.1");
+    assert_eq!(r["create_from_nccl"], "libcuda.so.1");
+    assert_eq!(r["stats_after_alloc"], "none");
+}
+
+#[test]
+fn cumem_disabled_is_reported() {
+    let r = run(true, &[("NCCL_CUMEM_ENABLE", "0")]);
+    assert!(
+        r["stats_after_alloc"].contains("\"cumem_disabled\":true"),
+        "{:?}",
+        r
+    );
+}
