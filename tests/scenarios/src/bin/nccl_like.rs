@@ -93,10 +93,7 @@ fn main() {
     println!("create_from_nccl={}", object_of(a.mem_create));
     println!("stats_after_alloc={}", nccl_stats());
     // SAFETY: `a` came from fake_nccl_alloc.
-    assert_eq!(
-        unsafe { free(cuda.as_ptr(), &a) },
-        0,
-        "fake_nccl_free failed"
-    );
+    let rc = unsafe { free(cuda.as_ptr(), &a) };
+    assert_eq!(rc, 0, "fake_nccl_free failed");
     println!("stats_after_free={}", nccl_stats());
 }
