@@ -72,9 +72,8 @@ unsafe fn open(cuda_lib: *const c_char) -> Result<Driver, c_int> {
         return Err(-2);
     }
     // SAFETY: the driver's cuGetProcAddress_v2 (or memsaver's wrapper of it).
-    let first = Driver {
-        gpa: unsafe { std::mem::transmute::<*mut c_void, GetProcAddress>(gpa) },
-    };
+    let gpa = unsafe { std::mem::transmute::<*mut c_void, GetProcAddress>(gpa) };
+    let first = Driver { gpa };
     // Like cudart: ask that function for cuGetProcAddress again, and use what it returns.
     // SAFETY: the type matches the CUDA 12 signature of cuGetProcAddress.
     let gpa: GetProcAddress = unsafe { first.get(c"cuGetProcAddress") }?;
@@ -107,7 +106,8 @@ pub unsafe extern "C" fn fake_nccl_alloc(
 unsafe fn alloc(cuda_lib: *const c_char, size: usize) -> Result<FakeNcclAlloc, c_int> {
     // SAFETY: per the caller's contract.
     let d = unsafe { open(cuda_lib) }?;
-    // SAFETY (all `get`s below): each type is the CUDA signature of the name.
+    // SAFETY: each `get` names the CUDA signature of its function; every pointer passed to
+    // the driver points to a live local.
     unsafe {
         let init: fns::cuInit = d.get(c"cuInit")?;
         let retain: fns::cuDevicePrimaryCtxRetain = d.get(c"cuDevicePrimaryCtxRetain")?;
