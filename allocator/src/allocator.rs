@@ -3,12 +3,15 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use std::collections::BTreeMap;
+
+use parking_lot::{Mutex, RwLock};
 
 use crate::backup::HostBuffer;
 use crate::device::Device;
 use crate::driver::{Driver, Handle};
 use crate::error::{Error, Result};
+use crate::external::ExternalTag;
 use crate::stats::Stats;
 use crate::table::{Allocation, Phase, Table};
 use crate::types::{Policy, State};
@@ -25,6 +28,8 @@ pub struct Allocator {
     /// Serialises pause and resume: one transition at a time per allocator. malloc and free
     /// never take it.
     pub(crate) transition: Mutex<()>,
+    /// Guards the registry of external tags (written once per tag at start-up).
+    pub(crate) external: RwLock<BTreeMap<String, Arc<dyn ExternalTag>>>,
 }
 
 impl Allocator {
@@ -34,6 +39,7 @@ impl Allocator {
             devices: Mutex::new(HashMap::new()),
             table: Mutex::new(Table::default()),
             transition: Mutex::new(()),
+            external: RwLock::new(BTreeMap::new()),
         }
     }
 
@@ -65,9 +71,32 @@ impl Allocator {
         Ok(self.device(device)?.granularity)
     }
 
+    /// Registers a tag whose memory `tag` manages itself (NCCL's, for `nccl`). It pauses,
+    /// resumes and reports with the other tags; allocating with its name is refused.
+    pub fn register_external(&self, name: &str, tag: Arc<dyn ExternalTag>) -> Result<()> {
+        validate_tag(name)?;
+        if self.table.lock().tags.contains_key(name) {
+            return Err(Error::InvalidArgument(format!(
+                "tag '{name}' already holds allocations; an external tag needs a name of its own"
+            )));
+        }
+        self.external.write().insert(name.to_owned(), tag);
+        Ok(())
+    }
+
+    fn check_not_external(&self, tag: &str) -> Result<()> {
+        if self.external.read().contains_key(tag) {
+            return Err(Error::InvalidArgument(format!(
+                "tag '{tag}' is reserved: memsaver manages its memory itself; choose another tag"
+            )));
+        }
+        Ok(())
+    }
+
     /// Registers `tag` without allocating, so it can be paused, resumed and listed.
     pub fn register_tag(&self, tag: &str) -> Result<()> {
         validate_tag(tag)?;
+        self.check_not_external(tag)?;
         self.table.lock().intern(tag);
         Ok(())
     }
@@ -76,6 +105,7 @@ impl Allocator {
     /// Returns the device address, which stays the same for the allocation's whole life.
     pub fn malloc(&self, size: usize, device: i32, tag: &str, policy: Policy) -> Result<u64> {
         validate_tag(tag)?;
+        self.check_not_external(tag)?;
         if size == 0 {
             return Err(Error::InvalidArgument("cannot allocate 0 bytes".into()));
         }
@@ -195,6 +225,9 @@ impl Allocator {
 
     /// Whether `tag` is paused (false for a tag never used).
     pub fn is_paused(&self, tag: &str) -> bool {
+        if let Some(e) = self.external.read().get(tag) {
+            return e.paused();
+        }
         self.table.lock().tags.get(tag).is_some_and(|t| t.paused)
     }
 
@@ -221,13 +254,20 @@ impl Allocator {
             .map(|(base, a)| (*base, a.size, a.tag.to_string()))
     }
 
-    /// Every tag used so far, in name order.
+    /// Every tag used so far and every external tag, in name order.
     pub fn tags(&self) -> Vec<String> {
-        self.table.lock().known_tags()
+        let mut tags = self.table.lock().known_tags();
+        tags.extend(self.external.read().keys().cloned());
+        tags.sort();
+        tags
     }
 
     pub fn stats(&self) -> Stats {
-        Stats::collect(&self.table.lock())
+        let mut s = Stats::collect(&self.table.lock());
+        for (name, ext) in self.external.read().iter() {
+            s.add_external(name, ext.paused(), ext.usage());
+        }
+        s
     }
 
     /// Free and total bytes of `device` as the driver reports them.

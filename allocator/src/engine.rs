@@ -20,6 +20,7 @@ use crate::backup::HostBuffer;
 use crate::device::Device;
 use crate::driver::{DriverError, Event, Handle};
 use crate::error::{Error, Result};
+use crate::external::ExternalTag;
 use crate::table::{Phase, Table};
 use crate::types::Policy;
 
@@ -49,6 +50,16 @@ impl Op {
             Op::Pause => "pause",
             Op::Resume => "resume",
         }
+    }
+}
+
+impl Report {
+    /// Adds the figures of another part of the same call.
+    pub fn merge(&mut self, other: Report) {
+        self.tags.extend(other.tags);
+        self.allocations += other.allocations;
+        self.bytes += other.bytes;
+        self.copied_bytes += other.copied_bytes;
     }
 }
 
@@ -88,35 +99,32 @@ impl Allocator {
         self.transition(Op::Resume, tags)
     }
 
-    fn transition(&self, op: Op, tags: &[&str]) -> Result<Report> {
+    fn transition(&self, op: Op, names: &[&str]) -> Result<Report> {
         let _one_at_a_time = self.transition.lock();
         let start = Instant::now();
-        let (tags, mut jobs) = self.claim(op, tags)?;
-        jobs.sort_by_key(|j| (j.device.ordinal, j.copies(), j.ptr));
-        match op {
-            Op::Pause => self.pause_jobs(&mut jobs),
-            Op::Resume => self.resume_jobs(&mut jobs),
+        let (table_names, externals) = self.split_external(names)?;
+        let mut report = Report::default();
+        let mut first_error = None;
+        if names.is_empty() || !table_names.is_empty() {
+            match self.table_transition(op, &table_names) {
+                Ok(r) => report.merge(r),
+                Err(e) => first_error = Some(e),
+            }
         }
-        let report = Report {
-            tags: tags.iter().map(|t| t.to_string()).collect(),
-            allocations: jobs.iter().filter(|j| j.error.is_none()).count(),
-            bytes: jobs
-                .iter()
-                .filter(|j| j.error.is_none())
-                .map(|j| j.size as u64)
-                .sum(),
-            copied_bytes: jobs
-                .iter()
-                .filter(|j| j.error.is_none() && j.copies() && j.backup.is_some())
-                .map(|j| j.size as u64)
-                .sum(),
-            elapsed: Duration::ZERO,
-        };
-        let result = self.settle(op, &tags, jobs);
-        let report = Report {
-            elapsed: start.elapsed(),
-            ..report
-        };
+        for (name, ext) in externals {
+            let r = match op {
+                Op::Pause => ext.pause(),
+                Op::Resume => ext.resume(),
+            };
+            match r {
+                Ok(r) => report.merge(r),
+                Err(e) => {
+                    tracing::warn!(op = op.name(), tag = %name, error = %e, "external tag failed");
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        report.elapsed = start.elapsed();
         tracing::info!(
             op = op.name(),
             tags = ?report.tags,
@@ -124,9 +132,65 @@ impl Allocator {
             bytes = report.bytes,
             copied = report.copied_bytes,
             ms = report.elapsed.as_secs_f64() * 1e3,
-            ok = result.is_ok(),
+            ok = first_error.is_none(),
         );
-        result.map(|()| report)
+        first_error.map_or(Ok(report), Err)
+    }
+
+    /// Splits `names` into tags of the table and external tags, refusing unknown names before
+    /// anything changes. An empty list means every tag of both kinds.
+    #[allow(clippy::type_complexity)]
+    fn split_external<'a>(
+        &self,
+        names: &[&'a str],
+    ) -> Result<(Vec<&'a str>, Vec<(String, Arc<dyn ExternalTag>)>)> {
+        let ext = self.external.read();
+        if names.is_empty() {
+            let all = ext.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            return Ok((Vec::new(), all));
+        }
+        let t = self.table.lock();
+        let (mut table_names, mut externals) = (Vec::new(), Vec::new());
+        for name in names {
+            if let Some(e) = ext.get(*name) {
+                if !externals.iter().any(|(n, _)| n == name) {
+                    externals.push(((*name).to_owned(), e.clone()));
+                }
+            } else if t.tags.contains_key(*name) {
+                table_names.push(*name);
+            } else {
+                let mut known = t.known_tags();
+                known.extend(ext.keys().cloned());
+                known.sort();
+                return Err(Error::UnknownTag {
+                    tag: (*name).to_owned(),
+                    known,
+                });
+            }
+        }
+        Ok((table_names, externals))
+    }
+
+    /// Pause or resume of tags in the allocation table (all of them when `names` is empty).
+    fn table_transition(&self, op: Op, names: &[&str]) -> Result<Report> {
+        let (tags, mut jobs) = self.claim(op, names)?;
+        jobs.sort_by_key(|j| (j.device.ordinal, j.copies(), j.ptr));
+        match op {
+            Op::Pause => self.pause_jobs(&mut jobs),
+            Op::Resume => self.resume_jobs(&mut jobs),
+        }
+        let done = || jobs.iter().filter(|j| j.error.is_none());
+        let report = Report {
+            tags: tags.iter().map(|t| t.to_string()).collect(),
+            allocations: done().count(),
+            bytes: done().map(|j| j.size as u64).sum(),
+            copied_bytes: done()
+                .filter(|j| j.copies() && j.backup.is_some())
+                .map(|j| j.size as u64)
+                .sum(),
+            elapsed: Duration::ZERO,
+        };
+        self.settle(op, &tags, jobs).map(|()| report)
     }
 
     fn claim(&self, op: Op, names: &[&str]) -> Result<(Vec<Arc<str>>, Vec<Job>)> {

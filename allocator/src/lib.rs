@@ -22,6 +22,7 @@ mod backup;
 mod device;
 mod engine;
 mod error;
+mod external;
 mod table;
 
 use std::sync::{Arc, OnceLock};
@@ -29,6 +30,7 @@ use std::sync::{Arc, OnceLock};
 pub use allocator::Allocator;
 pub use engine::Report;
 pub use error::{Error, Result};
+pub use external::ExternalTag;
 pub use options::Options;
 pub use stats::{DeviceUsage, Stats, TagStats, Usage};
 pub use types::{Policy, State, human_bytes};

@@ -21,6 +21,13 @@ pub struct Usage {
 }
 
 impl Usage {
+    fn absorb(&mut self, other: &Usage) {
+        self.allocations += other.allocations;
+        self.reserved_bytes += other.reserved_bytes;
+        self.resident_bytes += other.resident_bytes;
+        self.backup_bytes += other.backup_bytes;
+    }
+
     fn add(&mut self, reserved: usize, resident: usize, backup: usize) {
         self.allocations += 1;
         self.reserved_bytes += reserved as u64;
@@ -58,6 +65,22 @@ impl Stats {
         self.tags.iter().find(|t| t.tag == tag)
     }
 
+    /// Adds the row of an external tag and its figures to the totals.
+    pub(crate) fn add_external(&mut self, tag: &str, paused: bool, devices: Vec<DeviceUsage>) {
+        let mut usage = Usage::default();
+        for d in &devices {
+            usage.absorb(&d.usage);
+        }
+        self.total.absorb(&usage);
+        self.tags.push(TagStats {
+            tag: tag.to_owned(),
+            paused,
+            usage,
+            devices,
+        });
+        self.tags.sort_by(|a, b| a.tag.cmp(&b.tag));
+    }
+
     pub(crate) fn collect(table: &Table) -> Self {
         let mut per: BTreeMap<&str, BTreeMap<i32, Usage>> =
             table.tags.keys().map(|k| (&**k, BTreeMap::new())).collect();
@@ -76,10 +99,7 @@ impl Stats {
             .map(|(tag, devices)| {
                 let mut usage = Usage::default();
                 for d in devices.values() {
-                    usage.allocations += d.allocations;
-                    usage.reserved_bytes += d.reserved_bytes;
-                    usage.resident_bytes += d.resident_bytes;
-                    usage.backup_bytes += d.backup_bytes;
+                    usage.absorb(d);
                 }
                 TagStats {
                     tag: tag.to_owned(),
