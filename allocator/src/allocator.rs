@@ -9,7 +9,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::backup::HostBuffer;
 use crate::device::Device;
-use crate::driver::{Driver, Handle};
+use crate::driver::{Context, Driver, Handle, Stream};
 use crate::error::{Error, Result};
 use crate::external::ExternalTag;
 use crate::stats::Stats;
@@ -64,6 +64,13 @@ impl Allocator {
         })?);
         devices.insert(ordinal, d.clone());
         Ok(d)
+    }
+
+    /// The primary context of `device` and the stream memsaver copies backups on; for
+    /// external tags, which copy inside the allocator's transition lock.
+    pub fn copy_stream(&self, device: i32) -> Result<(Context, Stream)> {
+        let d = self.device(device)?;
+        Ok((d.ctx, d.stream))
     }
 
     /// The VMM granularity of `device`: allocation sizes are rounded up to it.

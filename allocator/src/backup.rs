@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use crate::driver::{Context, Driver, DriverError};
 
-pub(crate) struct HostBuffer {
+pub struct HostBuffer {
     ptr: *mut u8,
     len: usize,
     driver: Arc<Driver>,
@@ -21,7 +21,7 @@ pub(crate) struct HostBuffer {
 unsafe impl Send for HostBuffer {}
 
 impl HostBuffer {
-    pub(crate) fn new(driver: &Arc<Driver>, ctx: Context, len: usize) -> Result<Self, DriverError> {
+    pub fn new(driver: &Arc<Driver>, ctx: Context, len: usize) -> Result<Self, DriverError> {
         let ptr = driver.with_context(ctx, || driver.host_alloc(len))?;
         let driver = driver.clone();
         Ok(Self {
@@ -32,15 +32,16 @@ impl HostBuffer {
         })
     }
 
-    pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr
     }
 
-    pub(crate) fn as_ptr(&self) -> *const u8 {
+    pub fn as_ptr(&self) -> *const u8 {
         self.ptr
     }
 
-    pub(crate) fn len(&self) -> usize {
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
         self.len
     }
 }

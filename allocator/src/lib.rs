@@ -18,7 +18,7 @@ pub mod stats;
 pub mod types;
 
 mod allocator;
-mod backup;
+pub mod backup;
 mod device;
 mod engine;
 mod error;

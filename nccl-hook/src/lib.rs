@@ -1,27 +1,31 @@
-//! memsaver's hook on NCCL's own memory.
+//! memsaver's hook on NCCL's own memory: all device memory NCCL allocates is the tag `nccl`.
 //!
-//! All device memory NCCL allocates is the tag `nccl`. NCCL (linked statically against the
-//! CUDA runtime) reaches the driver only through `dlsym(libcuda, "cuGetProcAddress_v2")` and
-//! the functions that lookup returns, so when libmemsaver.so is preloaded:
+//! NCCL (linked statically against the CUDA runtime) reaches the driver only through
+//! `dlsym(libcuda, "cuGetProcAddress_v2")` and the functions that lookup returns, so when
+//! libmemsaver.so is preloaded:
 //!
 //! 1. [`interpose`]: our `dlsym` answers lookups of `cuGetProcAddress(_v2)` made *from libnccl*
 //!    with our wrapper, and forwards everything else untouched (tail jump).
 //! 2. [`procaddr`]: that wrapper asks the driver and swaps in our wrappers for NCCL's VMM calls.
-//! 3. `vmm`: the wrappers call the driver and record every handle and mapping in `ledger`.
+//! 3. `vmm`: the wrappers give NCCL virtual handles and record every handle and mapping in
+//!    `registry`, so the memory behind them can be released and re-created.
+//! 4. [`NcclTag`]: the `nccl` tag of the allocator. Pause releases (after backing it up) the
+//!    device memory NCCL created and did not export; resume restores it at the same addresses.
 //!
-//! Status: steps 1-3 are built and observe NCCL's memory (see [`stats`]). Releasing it on
-//! pause and rebuilding it, with the references peer processes hold, on resume is the next
-//! part of issue 4.
+//! Not built yet (issue 4): releasing exported buffers and imports, which needs peers to let go
+//! together (cross-process protocol); NCCL calls made while paused returning an NCCL error.
 
 pub mod interpose;
-mod ledger;
 pub mod procaddr;
+mod provider;
+mod registry;
 mod vmm;
 
-pub use ledger::NcclStats;
+pub use provider::NcclTag;
+pub use registry::NcclStats;
 
 /// NCCL's memory in this process as the hook has seen it.
 pub fn stats() -> NcclStats {
     let cumem_disabled = std::env::var("NCCL_CUMEM_ENABLE").is_ok_and(|v| v.trim() == "0");
-    ledger::stats(procaddr::installed(), cumem_disabled)
+    registry::stats(procaddr::installed(), cumem_disabled)
 }

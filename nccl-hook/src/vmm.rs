@@ -1,101 +1,452 @@
-//! Wrappers of the driver's VMM entry points, handed to libnccl by [`crate::procaddr`]. Each
-//! calls the real function and records the outcome in [`crate::ledger`].
+//! Wrappers of the driver's VMM entry points, handed to libnccl by [`crate::procaddr`].
 //!
-//! They observe only: NCCL's calls reach the driver unchanged. Pausing `nccl` (releasing and
-//! re-creating the physical memory behind NCCL's handles, and the references peers hold) is
-//! built on this metadata next (issue 4).
+//! Each calls the driver's own function (the one NCCL asked for) and keeps
+//! [`crate::registry`] up to date. Handles are virtual (see the registry): the wrappers that
+//! take a handle translate it, and a paused range is answered from the registry.
 
 use std::ffi::{c_uint, c_ulonglong, c_void};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-use memsaver_allocator::driver::sys::*;
+use memsaver_allocator::driver::sys::{fns, *};
 
-use crate::ledger;
+use crate::registry::{self, Kind, Mapping, Physical};
 
-/// Declares, per wrapped entry point, the slot holding the driver's function, the wrapper,
-/// and the CUDA version from which the driver hands out the signature we implement.
-macro_rules! wrappers {
-    ($(
-        $name:ident since $since:literal
-        fn($($arg:ident: $ty:ty),*) $after:block
-    )*) => {
-        $(
-            #[allow(non_snake_case, non_upper_case_globals)]
-            mod $name {
-                pub(super) static REAL: std::sync::atomic::AtomicUsize =
-                    std::sync::atomic::AtomicUsize::new(0);
-            }
+type GetHandleForAddressRange =
+    unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, c_uint, c_ulonglong) -> CUresult;
+type MulticastCreate =
+    unsafe extern "C" fn(*mut CUmemGenericAllocationHandle, *const c_void) -> CUresult;
+type MulticastBindMem = unsafe extern "C" fn(
+    CUmemGenericAllocationHandle,
+    usize,
+    CUmemGenericAllocationHandle,
+    usize,
+    usize,
+    c_ulonglong,
+) -> CUresult;
 
-            #[allow(non_snake_case)]
-            unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
-                type F = unsafe extern "C" fn($($ty),*) -> CUresult;
-                // SAFETY: the slot was filled with the driver's function of this signature
-                // before this wrapper was handed out.
-                let real = unsafe { std::mem::transmute::<usize, F>($name::REAL.load(Ordering::Acquire)) };
-                // SAFETY: forwarding the caller's arguments unchanged.
-                let r = unsafe { real($($arg),*) };
-                if r == CUDA_SUCCESS {
-                    let _ = std::panic::catch_unwind(|| $after);
-                }
-                r
-            }
-        )*
+/// The driver's functions, stored when NCCL looks them up; `wrap` lists which and since which
+/// CUDA version the driver hands out the signature we implement.
+macro_rules! slots {
+    ($($slot:ident: $ty:ty = $name:literal since $since:literal => $wrapper:ident;)*) => {
+        $(static $slot: AtomicUsize = AtomicUsize::new(0);)*
 
-        /// Our wrapper for `name` (resolved for CUDA `version`), storing `real`; `None` for
-        /// entry points we do not wrap.
+        /// Our wrapper for `name` (resolved for CUDA `version`), storing the driver's `real`;
+        /// `None` for entry points we do not wrap.
         pub(crate) fn wrap(name: &[u8], version: i32, real: *mut c_void) -> Option<*mut c_void> {
             $(
-                if name == stringify!($name).as_bytes() {
+                if name == $name.as_bytes() {
                     if version < $since {
                         return None;
                     }
-                    $name::REAL.store(real as usize, Ordering::Release);
-                    return Some($name as *mut c_void);
+                    $slot.store(real as usize, Ordering::Release);
+                    return Some($wrapper as *mut c_void);
                 }
             )*
             None
         }
+
+        /// Typed access to the stored driver functions.
+        mod real {
+            use super::*;
+            $(
+                #[allow(non_snake_case, dead_code)]
+                pub(super) fn $slot() -> Option<$ty> {
+                    let p = super::$slot.load(Ordering::Acquire);
+                    // SAFETY: the slot holds 0 or the driver's function of this signature.
+                    (p != 0).then(|| unsafe { std::mem::transmute::<usize, $ty>(p) })
+                }
+            )*
+        }
     };
 }
 
-wrappers! {
-    cuMemCreate since 10020
-    fn(handle: *mut CUmemGenericAllocationHandle, size: usize, prop: *const CUmemAllocationProp, flags: c_ulonglong) {
-        // SAFETY: on success the driver wrote the handle; `prop` is the caller's valid input.
-        unsafe { ledger::created(*handle, size, &*prop) }
+slots! {
+    CREATE: fns::cuMemCreate = "cuMemCreate" since 10020 => mem_create;
+    RELEASE: fns::cuMemRelease = "cuMemRelease" since 10020 => mem_release;
+    RETAIN: fns::cuMemRetainAllocationHandle = "cuMemRetainAllocationHandle" since 11000 => mem_retain;
+    MAP: fns::cuMemMap = "cuMemMap" since 10020 => mem_map;
+    UNMAP: fns::cuMemUnmap = "cuMemUnmap" since 10020 => mem_unmap;
+    SET_ACCESS: fns::cuMemSetAccess = "cuMemSetAccess" since 10020 => mem_set_access;
+    EXPORT: fns::cuMemExportToShareableHandle = "cuMemExportToShareableHandle" since 10020 => mem_export;
+    IMPORT: fns::cuMemImportFromShareableHandle = "cuMemImportFromShareableHandle" since 10020 => mem_import;
+    PROPS: fns::cuMemGetAllocationPropertiesFromHandle = "cuMemGetAllocationPropertiesFromHandle" since 10020 => mem_props;
+    RANGE: fns::cuMemGetAddressRange_v2 = "cuMemGetAddressRange" since 3020 => mem_range;
+    NIC_HANDLE: GetHandleForAddressRange = "cuMemGetHandleForAddressRange" since 11070 => mem_nic_handle;
+    MC_CREATE: MulticastCreate = "cuMulticastCreate" since 12010 => mc_create;
+    MC_BIND_MEM: MulticastBindMem = "cuMulticastBindMem" since 12010 => mc_bind_mem;
+}
+
+/// Returned when NCCL touches its memory while the `nccl` tag is paused.
+const PAUSED: CUresult = CUDA_ERROR_NOT_PERMITTED;
+
+fn paused_use(what: &str) -> CUresult {
+    tracing::error!("NCCL called {what} on memory of the paused tag 'nccl'; resume('nccl') first");
+    PAUSED
+}
+
+/// Runs bookkeeping that must not unwind into NCCL.
+fn quietly(f: impl FnOnce()) {
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+}
+
+/// Releases the driver handle of a physical object the registry just forgot.
+fn release_real(h: Option<CUmemGenericAllocationHandle>) {
+    if let (Some(h), Some(release)) = (h, real::RELEASE()) {
+        // SAFETY: a driver handle memsaver held on NCCL's behalf; released once, here.
+        let r = unsafe { release(h) };
+        if r != CUDA_SUCCESS {
+            tracing::warn!(code = r, "cuMemRelease of an NCCL handle failed");
+        }
     }
-    cuMemRelease since 10020
-    fn(handle: CUmemGenericAllocationHandle) {
-        ledger::released(handle)
+}
+
+unsafe extern "C" fn mem_create(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: c_ulonglong,
+) -> CUresult {
+    let Some(f) = real::CREATE() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: forwarding the caller's arguments.
+    let r = unsafe { f(handle, size, prop, flags) };
+    if r != CUDA_SUCCESS || handle.is_null() || prop.is_null() {
+        return r;
     }
-    cuMemRetainAllocationHandle since 11000
-    fn(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) {
+    quietly(|| {
+        // SAFETY: valid input per cuMemCreate's contract; the handle was written on success.
+        let (prop, h) = unsafe { (*prop, *handle) };
+        let kind = match prop.location.type_ {
+            CU_MEM_LOCATION_TYPE_DEVICE
+                if prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC != 0 =>
+            {
+                Kind::Fabric
+            }
+            CU_MEM_LOCATION_TYPE_DEVICE => Kind::Device,
+            _ => Kind::Host,
+        };
+        let p = Physical {
+            real: Some(h),
+            size: size as u64,
+            prop,
+            kind,
+            refs: 1,
+            exported: false,
+            pinned: None,
+            backup: None,
+        };
+        let vh = registry::lock().insert(p);
+        // SAFETY: the caller's out-pointer.
+        unsafe { *handle = vh };
+    });
+    r
+}
+
+unsafe extern "C" fn mem_release(handle: CUmemGenericAllocationHandle) -> CUresult {
+    let mut reg = registry::lock();
+    let Some(p) = reg.physicals.get_mut(&handle) else {
+        drop(reg);
+        let Some(f) = real::RELEASE() else {
+            return CUDA_ERROR_NOT_INITIALIZED;
+        };
+        // SAFETY: not one of ours: forwarded unchanged.
+        return unsafe { f(handle) };
+    };
+    p.refs = p.refs.saturating_sub(1);
+    let gone = reg.collect(handle);
+    drop(reg);
+    release_real(gone);
+    CUDA_SUCCESS
+}
+
+unsafe extern "C" fn mem_retain(
+    handle: *mut CUmemGenericAllocationHandle,
+    addr: *mut c_void,
+) -> CUresult {
+    let mut reg = registry::lock();
+    if let Some((_, m)) = reg.mapping_at(addr as CUdeviceptr) {
+        let vh = m.vh;
+        if let Some(p) = reg.physicals.get_mut(&vh) {
+            p.refs += 1;
+            // SAFETY: the caller's out-pointer.
+            unsafe { *handle = vh };
+            return CUDA_SUCCESS;
+        }
+    }
+    drop(reg);
+    let Some(f) = real::RETAIN() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: not one of ours: forwarded unchanged.
+    unsafe { f(handle, addr) }
+}
+
+unsafe extern "C" fn mem_map(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: c_ulonglong,
+) -> CUresult {
+    let Some(f) = real::MAP() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    let mut reg = registry::lock();
+    let Some(p) = reg.physicals.get_mut(&handle) else {
+        drop(reg);
+        // SAFETY: not one of ours: forwarded unchanged.
+        return unsafe { f(ptr, size, offset, handle, flags) };
+    };
+    let Some(h) = p.real else {
+        return paused_use("cuMemMap");
+    };
+    // SAFETY: the caller's arguments with the driver's handle behind the virtual one.
+    let r = unsafe { f(ptr, size, offset, h, flags) };
+    if r == CUDA_SUCCESS {
+        if p.kind == Kind::Imported {
+            p.size = p.size.max(size as u64);
+        }
+        reg.mappings.insert(
+            ptr,
+            Mapping {
+                size: size as u64,
+                vh: handle,
+                access: Vec::new(),
+            },
+        );
+    }
+    r
+}
+
+unsafe extern "C" fn mem_set_access(
+    ptr: CUdeviceptr,
+    size: usize,
+    desc: *const CUmemAccessDesc,
+    count: usize,
+) -> CUresult {
+    let Some(f) = real::SET_ACCESS() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: forwarded unchanged.
+    let r = unsafe { f(ptr, size, desc, count) };
+    if r == CUDA_SUCCESS && !desc.is_null() {
+        quietly(|| {
+            let mut reg = registry::lock();
+            if let Some(m) = reg.mappings.get_mut(&ptr) {
+                // SAFETY: `desc` holds `count` entries per cuMemSetAccess's contract.
+                m.access = unsafe { std::slice::from_raw_parts(desc, count) }.to_vec();
+            }
+        });
+    }
+    r
+}
+
+unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+    let Some(f) = real::UNMAP() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    let mut reg = registry::lock();
+    let Some(vh) = reg.mappings.get(&ptr).map(|m| m.vh) else {
+        drop(reg);
+        // SAFETY: not one of ours: forwarded unchanged.
+        return unsafe { f(ptr, size) };
+    };
+    let paused = reg.physicals.get(&vh).is_some_and(|p| p.real.is_none());
+    if !paused {
+        // SAFETY: NCCL's own mapping, unmapped as it asks.
+        let r = unsafe { f(ptr, size) };
+        if r != CUDA_SUCCESS {
+            return r;
+        }
+    }
+    // While paused the range is already unmapped: only the record goes.
+    reg.mappings.remove(&ptr);
+    let gone = reg.collect(vh);
+    drop(reg);
+    release_real(gone);
+    CUDA_SUCCESS
+}
+
+unsafe extern "C" fn mem_export(
+    shareable: *mut c_void,
+    handle: CUmemGenericAllocationHandle,
+    handle_type: c_uint,
+    flags: c_ulonglong,
+) -> CUresult {
+    let Some(f) = real::EXPORT() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    let mut reg = registry::lock();
+    let Some(p) = reg.physicals.get_mut(&handle) else {
+        drop(reg);
+        // SAFETY: not one of ours: forwarded unchanged.
+        return unsafe { f(shareable, handle, handle_type, flags) };
+    };
+    let Some(h) = p.real else {
+        return paused_use("cuMemExportToShareableHandle");
+    };
+    // SAFETY: the caller's arguments with the driver's handle.
+    let r = unsafe { f(shareable, h, handle_type, flags) };
+    if r == CUDA_SUCCESS {
+        p.exported = true;
+    }
+    r
+}
+
+unsafe extern "C" fn mem_import(
+    handle: *mut CUmemGenericAllocationHandle,
+    os_handle: *mut c_void,
+    handle_type: c_uint,
+) -> CUresult {
+    let Some(f) = real::IMPORT() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: forwarded unchanged.
+    let r = unsafe { f(handle, os_handle, handle_type) };
+    if r != CUDA_SUCCESS || handle.is_null() {
+        return r;
+    }
+    quietly(|| {
         // SAFETY: written by the driver on success.
-        ledger::retained(unsafe { *handle })
+        let h = unsafe { *handle };
+        let mut prop = CUmemAllocationProp::default();
+        if let Some(props) = real::PROPS() {
+            // SAFETY: valid out-pointer and the driver's handle.
+            unsafe { props(&mut prop, h) };
+        }
+        let p = Physical {
+            real: Some(h),
+            size: 0,
+            prop,
+            kind: Kind::Imported,
+            refs: 1,
+            exported: false,
+            pinned: None,
+            backup: None,
+        };
+        let vh = registry::lock().insert(p);
+        // SAFETY: the caller's out-pointer.
+        unsafe { *handle = vh };
+    });
+    r
+}
+
+unsafe extern "C" fn mem_props(
+    prop: *mut CUmemAllocationProp,
+    handle: CUmemGenericAllocationHandle,
+) -> CUresult {
+    if let Some(p) = registry::lock().physicals.get(&handle) {
+        if prop.is_null() {
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        // SAFETY: the caller's out-pointer.
+        unsafe { *prop = p.prop };
+        return CUDA_SUCCESS;
     }
-    cuMemMap since 10020
-    fn(ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: c_ulonglong) {
-        ledger::mapped(ptr, size, handle)
+    let Some(f) = real::PROPS() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: not one of ours: forwarded unchanged.
+    unsafe { f(prop, handle) }
+}
+
+unsafe extern "C" fn mem_range(
+    base: *mut CUdeviceptr,
+    size: *mut usize,
+    ptr: CUdeviceptr,
+) -> CUresult {
+    {
+        let reg = registry::lock();
+        if let Some((b, m)) = reg.mapping_at(ptr)
+            && reg.physicals.get(&m.vh).is_some_and(|p| p.real.is_none())
+        {
+            // Paused: the driver no longer knows the range; answer from the record.
+            // SAFETY: the caller's out-pointers (either may be NULL).
+            unsafe {
+                if !base.is_null() {
+                    *base = b;
+                }
+                if !size.is_null() {
+                    *size = m.size as usize;
+                }
+            }
+            return CUDA_SUCCESS;
+        }
     }
-    cuMemUnmap since 10020
-    fn(ptr: CUdeviceptr, size: usize) {
-        ledger::unmapped(ptr)
+    let Some(f) = real::RANGE() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: forwarded unchanged.
+    unsafe { f(base, size, ptr) }
+}
+
+unsafe extern "C" fn mem_nic_handle(
+    handle: *mut c_void,
+    ptr: CUdeviceptr,
+    size: usize,
+    handle_type: c_uint,
+    flags: c_ulonglong,
+) -> CUresult {
+    let Some(f) = real::NIC_HANDLE() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: forwarded unchanged.
+    let r = unsafe { f(handle, ptr, size, handle_type, flags) };
+    if r == CUDA_SUCCESS {
+        quietly(|| pin(ptr, "given to a NIC (GPUDirect RDMA)"));
     }
-    cuMemExportToShareableHandle since 10020
-    fn(shareable: *mut c_void, handle: CUmemGenericAllocationHandle, handle_type: c_uint, flags: c_ulonglong) {
-        ledger::exported(handle)
+    r
+}
+
+unsafe extern "C" fn mc_create(
+    handle: *mut CUmemGenericAllocationHandle,
+    prop: *const c_void,
+) -> CUresult {
+    let Some(f) = real::MC_CREATE() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: forwarded unchanged.
+    let r = unsafe { f(handle, prop) };
+    if r == CUDA_SUCCESS {
+        quietly(|| registry::lock().multicast_objects += 1);
     }
-    cuMemImportFromShareableHandle since 10020
-    fn(handle: *mut CUmemGenericAllocationHandle, os_handle: *mut c_void, handle_type: c_uint) {
-        // SAFETY: written by the driver on success.
-        ledger::imported(unsafe { *handle })
-    }
-    cuMemGetHandleForAddressRange since 11070
-    fn(handle: *mut c_void, ptr: CUdeviceptr, size: usize, handle_type: c_uint, flags: c_ulonglong) {
-        ledger::nic_range(ptr, size)
-    }
-    cuMulticastCreate since 12010
-    fn(handle: *mut CUmemGenericAllocationHandle, prop: *const c_void) {
-        ledger::multicast_created()
+    r
+}
+
+unsafe extern "C" fn mc_bind_mem(
+    mc: CUmemGenericAllocationHandle,
+    mc_offset: usize,
+    mem: CUmemGenericAllocationHandle,
+    mem_offset: usize,
+    size: usize,
+    flags: c_ulonglong,
+) -> CUresult {
+    let Some(f) = real::MC_BIND_MEM() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    let mut reg = registry::lock();
+    let real_mem = match reg.physicals.get_mut(&mem) {
+        Some(p) => {
+            let Some(h) = p.real else {
+                return paused_use("cuMulticastBindMem");
+            };
+            p.pinned = Some("bound to a multicast object");
+            h
+        }
+        None => mem,
+    };
+    drop(reg);
+    // SAFETY: the caller's arguments with the driver's handle.
+    unsafe { f(mc, mc_offset, real_mem, mem_offset, size, flags) }
+}
+
+/// Marks the physical object mapped at `ptr` as one that must stay resident.
+fn pin(ptr: CUdeviceptr, why: &'static str) {
+    let mut reg = registry::lock();
+    if let Some(vh) = reg.mapping_at(ptr).map(|(_, m)| m.vh)
+        && let Some(p) = reg.physicals.get_mut(&vh)
+    {
+        p.pinned = Some(why);
     }
 }

@@ -301,4 +301,15 @@ def test_nccl_stats_without_nccl():
     # Nothing resolved driver calls through the hook in this process (no NCCL, no preload).
     assert s["hooked"] is False
     assert s["owned_bytes"] == 0 and s["imported_bytes"] == 0
-    assert set(s) >= {"cumem_disabled", "exported_handles", "resident_nic_bytes", "mappings"}
+    assert set(s) >= {"cumem_disabled", "paused", "exported_handles", "resident_pinned_bytes", "mappings"}
+
+
+def test_nccl_is_a_tag_beside_the_others():
+    # Without NCCL in the process the tag is empty: pausing it (alone or with every tag) is a
+    # no-op that succeeds, and allocating with its name is refused.
+    memsaver.pause("nccl")
+    assert memsaver.stats().tags["nccl"].paused
+    memsaver.resume("nccl")
+    assert not memsaver.stats().tags["nccl"].paused
+    with pytest.raises(memsaver.InvalidArgumentError, match="reserved"):
+        _memsaver.malloc(2 * MiB, 0, "nccl", "discard")

@@ -15,7 +15,7 @@ use std::ffi::{CStr, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::OnceLock;
 
-use memsaver_allocator::{Allocator, Error, global, global_if_started};
+use memsaver_allocator::{Allocator, Error, global_if_started};
 
 use crate::{region, set_last_error};
 
@@ -80,7 +80,7 @@ fn current_device(a: &Allocator) -> i32 {
 /// Allocates `size` bytes for the calling thread's region; `None` when no region applies.
 fn region_alloc(size: usize, device: Option<i32>) -> Option<Result<u64, Error>> {
     let (tag, policy) = region::current()?;
-    Some(global().and_then(|a| {
+    Some(crate::allocator().and_then(|a| {
         let device = device.unwrap_or_else(|| current_device(a));
         a.malloc(size, device, &tag, policy)
     }))

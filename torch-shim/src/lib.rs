@@ -1,5 +1,5 @@
 //! `libmemsaver.so`: the C ABI of memsaver, for `LD_PRELOAD` and for `dlopen` by the Python
-//! package, over the process-wide allocator ([`memsaver_allocator::global`]).
+//! package, over the process-wide allocator ([`allocator`]).
 //!
 //! Conventions of every exported function (declared in `include/memsaver.h`):
 //! * returns a [`Status`] code, `MEMSAVER_OK` (0) on success;
@@ -14,7 +14,9 @@ use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use memsaver_allocator::{Error, Policy, global};
+use std::sync::{Arc, Once};
+
+use memsaver_allocator::{Allocator, Error, Policy, global};
 
 /// Status codes of the C ABI. Stable: add new codes, never renumber.
 #[repr(C)]
@@ -48,6 +50,20 @@ impl Status {
             Error::InvalidArgument(_) => Status::InvalidArgument,
         }
     }
+}
+
+/// The process-wide allocator, with memsaver's external tags registered: `nccl`, NCCL's own
+/// memory, seen through the hook in `nccl-hook`.
+pub fn allocator() -> Result<&'static Allocator, Error> {
+    static EXTERNAL: Once = Once::new();
+    let a = global()?;
+    EXTERNAL.call_once(|| {
+        let nccl = Arc::new(memsaver_nccl_hook::NcclTag::new(a));
+        if let Err(e) = a.register_external("nccl", nccl) {
+            tracing::warn!(error = %e, "the nccl tag is not available");
+        }
+    });
+    Ok(a)
 }
 
 thread_local! {
@@ -139,7 +155,7 @@ pub unsafe extern "C" fn memsaver_malloc(
             Some(p) => p.parse()?,
             None => Policy::Discard,
         };
-        let p = global()?.malloc(size, device, tag, policy)?;
+        let p = allocator()?.malloc(size, device, tag, policy)?;
         // SAFETY: `ptr` is a valid out-pointer (checked non-null above).
         unsafe { *ptr = p as *mut c_void };
         Ok(())
@@ -149,7 +165,7 @@ pub unsafe extern "C" fn memsaver_malloc(
 /// Frees memory returned by `memsaver_malloc`, in any state (paused included).
 #[unsafe(no_mangle)]
 pub extern "C" fn memsaver_free(ptr: *mut c_void) -> c_int {
-    ffi(|| global()?.free(ptr as u64))
+    ffi(|| allocator()?.free(ptr as u64))
 }
 
 /// Pauses the given tags (comma-separated; NULL or "" for all).
@@ -161,7 +177,7 @@ pub unsafe extern "C" fn memsaver_pause(tags: *const c_char) -> c_int {
     ffi(|| {
         // SAFETY: per this function's contract.
         let tags = unsafe { opt_str(tags, "tags") }?;
-        global()?.pause(&split_tags(tags)).map(drop)
+        allocator()?.pause(&split_tags(tags)).map(drop)
     })
 }
 
@@ -174,7 +190,7 @@ pub unsafe extern "C" fn memsaver_resume(tags: *const c_char) -> c_int {
     ffi(|| {
         // SAFETY: per this function's contract.
         let tags = unsafe { opt_str(tags, "tags") }?;
-        global()?.resume(&split_tags(tags)).map(drop)
+        allocator()?.resume(&split_tags(tags)).map(drop)
     })
 }
 
@@ -187,7 +203,7 @@ pub unsafe extern "C" fn memsaver_register_tag(tag: *const c_char) -> c_int {
     ffi(|| {
         // SAFETY: per this function's contract.
         let tag = unsafe { req_str(tag, "tag") }?;
-        global()?.register_tag(tag)
+        allocator()?.register_tag(tag)
     })
 }
 
@@ -207,7 +223,7 @@ pub unsafe extern "C" fn memsaver_stats_json(
     // SAFETY: forwarded contract.
     unsafe {
         write_json(buf, len, needed, || {
-            Ok(serde_json::to_string(&global()?.stats()))
+            Ok(serde_json::to_string(&allocator()?.stats()))
         })
     }
 }

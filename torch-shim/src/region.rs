@@ -16,7 +16,7 @@ thread_local! {
 /// Opens a region tagging allocations with `tag` and `policy`. A paused tag is refused: a
 /// caching allocator inside the region could hand out cached blocks of its unmapped memory.
 pub fn enter(tag: &str, policy: Policy) -> Result<(), Error> {
-    let a = memsaver_allocator::global()?;
+    let a = crate::allocator()?;
     a.register_tag(tag)?;
     if a.is_paused(tag) {
         return Err(Error::TagPaused {

@@ -370,11 +370,20 @@ impl Driver {
         size: usize,
         exportable: bool,
     ) -> Result<Handle, DriverError> {
-        let prop = Self::device_prop(ordinal, exportable);
+        self.create_with(&Self::device_prop(ordinal, exportable), size)
+    }
+
+    /// Creates `size` bytes of physical memory as `prop` describes (a property set recorded
+    /// from another caller's `cuMemCreate`).
+    pub fn create_with(
+        &self,
+        prop: &CUmemAllocationProp,
+        size: usize,
+    ) -> Result<Handle, DriverError> {
         let mut h = 0;
         // SAFETY: `h` and `prop` are valid for the call.
         check("cuMemCreate", unsafe {
-            (self.f.cuMemCreate)(&mut h, size, &prop, 0)
+            (self.f.cuMemCreate)(&mut h, size, prop, 0)
         })?;
         Ok(Handle(h))
     }
@@ -415,10 +424,6 @@ impl Driver {
         h: Handle,
         ordinal: i32,
     ) -> Result<(), DriverError> {
-        // SAFETY: guaranteed by the caller.
-        check("cuMemMap", unsafe {
-            (self.f.cuMemMap)(ptr, size, 0, h.0, 0)
-        })?;
         let desc = CUmemAccessDesc {
             location: CUmemLocation {
                 type_: CU_MEM_LOCATION_TYPE_DEVICE,
@@ -426,15 +431,38 @@ impl Driver {
             },
             flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: the range was just mapped; `desc` is valid for the call.
-        let access = check("cuMemSetAccess", unsafe {
-            (self.f.cuMemSetAccess)(ptr, size, &desc, 1)
+        // SAFETY: forwarded contract.
+        unsafe { self.map_with_access(ptr, size, h, &[desc]) }
+    }
+
+    /// Maps `h` at `ptr` and applies `access` (as recorded from another caller's
+    /// `cuMemSetAccess`). On failure nothing stays mapped.
+    ///
+    /// # Safety
+    /// `[ptr, ptr+size)` lies in a reserved range and is not mapped.
+    pub unsafe fn map_with_access(
+        &self,
+        ptr: CUdeviceptr,
+        size: usize,
+        h: Handle,
+        access: &[CUmemAccessDesc],
+    ) -> Result<(), DriverError> {
+        // SAFETY: guaranteed by the caller.
+        check("cuMemMap", unsafe {
+            (self.f.cuMemMap)(ptr, size, 0, h.0, 0)
+        })?;
+        if access.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the range was just mapped; `access` is valid for the call.
+        let r = check("cuMemSetAccess", unsafe {
+            (self.f.cuMemSetAccess)(ptr, size, access.as_ptr(), access.len())
         });
-        if access.is_err() {
+        if r.is_err() {
             // SAFETY: we mapped this range above and nobody has seen it yet.
             let _ = unsafe { (self.f.cuMemUnmap)(ptr, size) };
         }
-        access
+        r
     }
 
     /// # Safety

@@ -83,6 +83,12 @@ pub struct CUmemAllocationProp {
     pub allocFlags: CUmemAllocFlags,
 }
 
+// SAFETY: the only pointer, `win32HandleMetaData`, is Windows-only metadata: NULL on Linux and
+// never dereferenced by memsaver, so the value is plain data that any thread may hold.
+unsafe impl Send for CUmemAllocationProp {}
+// SAFETY: as above.
+unsafe impl Sync for CUmemAllocationProp {}
+
 impl Default for CUmemAllocationProp {
     fn default() -> Self {
         Self {

@@ -80,7 +80,8 @@ unsafe fn open(cuda_lib: *const c_char) -> Result<Driver, c_int> {
     Ok(Driver { gpa })
 }
 
-/// Allocates `size` bytes on device 0 like NCCL's cuMem path. Returns 0 or an error code.
+/// Allocates `size` bytes on device 0 like NCCL's cuMem path, exporting a POSIX fd of it when
+/// `export` is nonzero (as NCCL does for buffers peers map). Returns 0 or an error code.
 ///
 /// # Safety
 /// `cuda_lib` is NUL-terminated; `out` is a valid out-pointer.
@@ -88,10 +89,11 @@ unsafe fn open(cuda_lib: *const c_char) -> Result<Driver, c_int> {
 pub unsafe extern "C" fn fake_nccl_alloc(
     cuda_lib: *const c_char,
     size: usize,
+    export: c_int,
     out: *mut FakeNcclAlloc,
 ) -> c_int {
     // SAFETY: per this function's contract.
-    match unsafe { alloc(cuda_lib, size) } {
+    match unsafe { alloc(cuda_lib, size, export != 0) } {
         Ok(a) => {
             // SAFETY: valid out-pointer.
             unsafe { *out = a };
@@ -103,7 +105,11 @@ pub unsafe extern "C" fn fake_nccl_alloc(
 
 /// # Safety
 /// `cuda_lib` is NUL-terminated.
-unsafe fn alloc(cuda_lib: *const c_char, size: usize) -> Result<FakeNcclAlloc, c_int> {
+unsafe fn alloc(
+    cuda_lib: *const c_char,
+    size: usize,
+    export_fd: bool,
+) -> Result<FakeNcclAlloc, c_int> {
     // SAFETY: per the caller's contract.
     let d = unsafe { open(cuda_lib) }?;
     // SAFETY: each `get` names the CUDA signature of its function; every pointer passed to
@@ -145,12 +151,16 @@ unsafe fn alloc(cuda_lib: *const c_char, size: usize) -> Result<FakeNcclAlloc, c
             flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         ok(access(a.ptr, size, &desc, 1))?;
-        ok(export(
-            (&mut a.exported_fd as *mut c_int).cast(),
-            a.handle,
-            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            0,
-        ))?;
+        a.exported_fd = -1;
+        if export_fd {
+            let fd = (&mut a.exported_fd as *mut c_int).cast();
+            ok(export(
+                fd,
+                a.handle,
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            ))?;
+        }
         Ok(a)
     }
 }
@@ -169,7 +179,18 @@ pub unsafe extern "C" fn fake_nccl_free(cuda_lib: *const c_char, a: *const FakeN
             let unmap: fns::cuMemUnmap = d.get(c"cuMemUnmap")?;
             let release: fns::cuMemRelease = d.get(c"cuMemRelease")?;
             let free: fns::cuMemAddressFree = d.get(c"cuMemAddressFree")?;
-            libc::close(a.exported_fd);
+            if a.exported_fd >= 0 {
+                libc::close(a.exported_fd);
+            }
+            // NCCL's free path: retain the handle from the address, release it, unmap, release
+            // the original reference, free the range.
+            let retain: fns::cuMemRetainAllocationHandle = d.get(c"cuMemRetainAllocationHandle")?;
+            let mut h = 0;
+            ok(retain(&mut h, a.ptr as *mut c_void))?;
+            if h != a.handle {
+                return Err(-3);
+            }
+            ok(release(h))?;
             ok(unmap(a.ptr, a.size))?;
             ok(release(a.handle))?;
             ok(free(a.ptr, a.size))

@@ -1,10 +1,11 @@
 //! A process that uses the fake libnccl.so.2 the way an NCCL application does, for the
 //! nccl-hook scenarios. Prints `key=value` lines the test reads:
 //!
-//! `nccl_like <libnccl.so.2> <libcuda.so.1>`: allocates 4 MiB through the fake NCCL, reports
-//! which library each looked-up function lives in and, when libmemsaver.so is preloaded, the
-//! hook's view of NCCL's memory (`memsaver_nccl_stats_json`) after the allocation and after
-//! the free.
+//! `nccl_like <libnccl.so.2> <libcuda.so.1>`: allocates, through the fake NCCL, a 4 MiB buffer
+//! it exports (as NCCL does for peers) and a 6 MiB private one, reports which library each
+//! looked-up function lives in and, when libmemsaver.so is preloaded, the hook's view of NCCL's
+//! memory; then pauses and resumes the `nccl` tag (device memory freed, contents and address
+//! kept), frees the private buffer while paused, and frees the rest.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 
@@ -19,9 +20,10 @@ struct FakeNcclAlloc {
     exported_fd: c_int,
 }
 
-type Alloc = unsafe extern "C" fn(*const c_char, usize, *mut FakeNcclAlloc) -> c_int;
+type Alloc = unsafe extern "C" fn(*const c_char, usize, c_int, *mut FakeNcclAlloc) -> c_int;
 type Free = unsafe extern "C" fn(*const c_char, *const FakeNcclAlloc) -> c_int;
 type StatsJson = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
+type TagCall = unsafe extern "C" fn(*const c_char) -> c_int;
 
 /// The file name of the object containing `addr`.
 fn object_of(addr: usize) -> String {
@@ -85,15 +87,99 @@ fn main() {
 
     let alloc: Alloc = sym(hn, c"fake_nccl_alloc");
     let free: Free = sym(hn, c"fake_nccl_free");
-    let mut a = FakeNcclAlloc::default();
+    let (mut shared, mut private) = (FakeNcclAlloc::default(), FakeNcclAlloc::default());
     // SAFETY: valid arguments per the fake NCCL's contract.
-    let rc = unsafe { alloc(cuda.as_ptr(), 4 << 20, &mut a) };
-    assert_eq!(rc, 0, "fake_nccl_alloc failed");
-    println!("gpa_from_nccl={}", object_of(a.get_proc_address));
-    println!("create_from_nccl={}", object_of(a.mem_create));
+    unsafe {
+        assert_eq!(
+            alloc(cuda.as_ptr(), 4 << 20, 1, &mut shared),
+            0,
+            "fake_nccl_alloc failed"
+        );
+        assert_eq!(
+            alloc(cuda.as_ptr(), 6 << 20, 0, &mut private),
+            0,
+            "fake_nccl_alloc failed"
+        );
+    }
+    println!("gpa_from_nccl={}", object_of(shared.get_proc_address));
+    println!("create_from_nccl={}", object_of(shared.mem_create));
     println!("stats_after_alloc={}", nccl_stats());
-    // SAFETY: `a` came from fake_nccl_alloc.
-    let rc = unsafe { free(cuda.as_ptr(), &a) };
+
+    // SAFETY: RTLD_DEFAULT lookups of NUL-terminated names.
+    let (pause, resume) = unsafe {
+        (
+            libc::dlsym(libc::RTLD_DEFAULT, c"memsaver_pause".as_ptr()),
+            libc::dlsym(libc::RTLD_DEFAULT, c"memsaver_resume".as_ptr()),
+        )
+    };
+    if !pause.is_null() {
+        // SAFETY: the functions of these names have this signature (memsaver.h).
+        let (pause, resume) = unsafe {
+            (
+                std::mem::transmute::<*mut c_void, TagCall>(pause),
+                std::mem::transmute::<*mut c_void, TagCall>(resume),
+            )
+        };
+        let mem_info = device_memory(hc);
+        // On the fake driver device memory is host memory at the same address.
+        // SAFETY: the private buffer is mapped read-write, 6 MiB.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(private.ptr as *mut u8, private.size) };
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        let before = mem_info();
+        // SAFETY: NUL-terminated tag list.
+        println!("pause_rc={}", unsafe { pause(c"nccl".as_ptr()) });
+        let paused = mem_info();
+        println!("freed_by_pause={}", paused - before);
+        println!("stats_paused={}", nccl_stats());
+        // SAFETY: NUL-terminated tag list.
+        println!("resume_rc={}", unsafe { resume(c"nccl".as_ptr()) });
+        println!("taken_by_resume={}", paused - mem_info());
+        // SAFETY: resumed at the same address.
+        let bytes = unsafe { std::slice::from_raw_parts(private.ptr as *const u8, private.size) };
+        println!(
+            "private_intact={}",
+            bytes.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8)
+        );
+        println!("stats_resumed={}", nccl_stats());
+        // Free a buffer while paused, through NCCL's own free path, then resume the rest.
+        // SAFETY: as above.
+        println!("pause2_rc={}", unsafe { pause(c"nccl".as_ptr()) });
+        // SAFETY: `private` came from fake_nccl_alloc.
+        println!("free_while_paused_rc={}", unsafe {
+            free(cuda.as_ptr(), &private)
+        });
+        // SAFETY: as above.
+        println!("resume2_rc={}", unsafe { resume(c"nccl".as_ptr()) });
+    } else {
+        // SAFETY: `private` came from fake_nccl_alloc.
+        assert_eq!(unsafe { free(cuda.as_ptr(), &private) }, 0);
+    }
+    // SAFETY: `shared` came from fake_nccl_alloc.
+    let rc = unsafe { free(cuda.as_ptr(), &shared) };
     assert_eq!(rc, 0, "fake_nccl_free failed");
     println!("stats_after_free={}", nccl_stats());
+}
+
+/// Free device memory of device 0, read through the driver directly.
+fn device_memory(hc: *mut c_void) -> impl Fn() -> usize {
+    use memsaver_allocator::driver::sys::fns;
+    let init: fns::cuInit = sym(hc, c"cuInit");
+    let retain: fns::cuDevicePrimaryCtxRetain = sym(hc, c"cuDevicePrimaryCtxRetain");
+    let push: fns::cuCtxPushCurrent_v2 = sym(hc, c"cuCtxPushCurrent_v2");
+    let info: fns::cuMemGetInfo_v2 = sym(hc, c"cuMemGetInfo_v2");
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: valid out-pointers; the context stays current on this thread.
+    unsafe {
+        assert_eq!(init(0), 0);
+        assert_eq!(retain(&mut ctx, 0), 0);
+        assert_eq!(push(ctx), 0);
+    }
+    move || {
+        let (mut free, mut total) = (0, 0);
+        // SAFETY: valid out-pointers.
+        assert_eq!(unsafe { info(&mut free, &mut total) }, 0);
+        free
+    }
 }

@@ -1,0 +1,190 @@
+//! What NCCL holds: every VMM handle it created or imported and every mapping it made.
+//!
+//! NCCL never sees the driver's handles: the `cuMemCreate`/`cuMemImportFromShareableHandle`
+//! wrappers hand it a *virtual* handle, and every wrapper that takes a handle translates it.
+//! That is what lets pause release the physical memory and resume create new memory behind
+//! the same virtual handle, at the same addresses, without NCCL noticing. Queries NCCL makes
+//! about a paused range (`cuMemRetainAllocationHandle`, `cuMemGetAddressRange`) are answered
+//! from here, so destroying a communicator while paused works.
+
+use std::collections::{BTreeMap, HashMap};
+
+use parking_lot::{Mutex, MutexGuard};
+use serde::Serialize;
+
+use memsaver_allocator::backup::HostBuffer;
+use memsaver_allocator::driver::sys::*;
+
+/// Virtual handles are `VH_BASE | n`: never 0, and recognisable in logs.
+const VH_BASE: u64 = 0x6d73_0000_0000_0000;
+
+/// What kind of memory a handle is, which decides whether pause may release it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Device memory NCCL created here.
+    Device,
+    /// Host memory (`HOST`/`HOST_NUMA` locations): not device memory, stays.
+    Host,
+    /// Created with a FABRIC handle type (multi-node NVLink): stays.
+    Fabric,
+    /// A peer process's memory imported here.
+    Imported,
+}
+
+pub(crate) struct Physical {
+    /// The driver's handle; `None` while paused.
+    pub real: Option<CUmemGenericAllocationHandle>,
+    /// Bytes (for imports: learnt when mapped).
+    pub size: u64,
+    pub prop: CUmemAllocationProp,
+    pub kind: Kind,
+    /// References NCCL holds (create/import = 1, each retain + 1, each release - 1).
+    pub refs: u32,
+    /// Exported to another process at least once: its importers must let go before the
+    /// memory is freed, which needs the cross-process protocol (not built yet).
+    pub exported: bool,
+    /// Why it must stay resident whatever the policy (given to a NIC, bound to multicast).
+    pub pinned: Option<&'static str>,
+    /// Contents while paused, kept for reuse across cycles.
+    pub backup: Option<HostBuffer>,
+}
+
+impl Physical {
+    /// Whether pause may release it now, and if not, why.
+    pub fn pausable(&self) -> Result<(), &'static str> {
+        match (self.kind, self.pinned, self.exported) {
+            (Kind::Host, ..) => Err("host memory"),
+            (Kind::Fabric, ..) => Err("FABRIC handle"),
+            (Kind::Imported, ..) => Err("imported from a peer (cross-process protocol pending)"),
+            (_, Some(why), _) => Err(why),
+            (_, _, true) => Err("exported to a peer (cross-process protocol pending)"),
+            (Kind::Device, None, false) => Ok(()),
+        }
+    }
+
+    pub fn device(&self) -> i32 {
+        self.prop.location.id
+    }
+}
+
+pub(crate) struct Mapping {
+    pub size: u64,
+    pub vh: u64,
+    /// The access NCCL granted with cuMemSetAccess, replayed on resume.
+    pub access: Vec<CUmemAccessDesc>,
+}
+
+#[derive(Default)]
+pub(crate) struct Registry {
+    pub physicals: HashMap<u64, Physical>,
+    /// By base address.
+    pub mappings: BTreeMap<CUdeviceptr, Mapping>,
+    next: u64,
+    pub multicast_objects: u64,
+    /// Set by pause, cleared by a resume that completed.
+    pub paused: bool,
+}
+
+/// Guards the registry. Held by the wrappers for bookkeeping and by pause/resume for their
+/// whole duration, so that NCCL cannot map or unmap memory while it is being paused.
+static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
+
+pub(crate) fn lock() -> parking_lot::MappedMutexGuard<'static, Registry> {
+    MutexGuard::map(REGISTRY.lock(), |r| r.get_or_insert_with(Registry::default))
+}
+
+impl Registry {
+    pub fn insert(&mut self, p: Physical) -> u64 {
+        self.next += 1;
+        let vh = VH_BASE | self.next;
+        self.physicals.insert(vh, p);
+        vh
+    }
+
+    /// The mapping containing `addr`: (base, mapping).
+    pub fn mapping_at(&self, addr: CUdeviceptr) -> Option<(CUdeviceptr, &Mapping)> {
+        let (base, m) = self.mappings.range(..=addr).next_back()?;
+        (addr < base + m.size).then_some((*base, m))
+    }
+
+    /// Forgets a physical object NCCL no longer references and no mapping uses, returning
+    /// its driver handle for the caller to release (outside the lock).
+    pub fn collect(&mut self, vh: u64) -> Option<CUmemGenericAllocationHandle> {
+        let unused = self.physicals.get(&vh).is_some_and(|p| p.refs == 0)
+            && !self.mappings.values().any(|m| m.vh == vh);
+        if unused {
+            self.physicals.remove(&vh).and_then(|p| p.real)
+        } else {
+            None
+        }
+    }
+}
+
+/// NCCL's memory as the hook sees it, in bytes of live handles.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct NcclStats {
+    /// NCCL resolved its driver entry points through memsaver (libmemsaver.so was preloaded
+    /// before NCCL initialised).
+    pub hooked: bool,
+    /// `NCCL_CUMEM_ENABLE=0`: NCCL uses cudaMalloc and legacy IPC, which no VMM hook can see.
+    pub cumem_disabled: bool,
+    /// The `nccl` tag is paused.
+    pub paused: bool,
+    /// Device memory NCCL created in this process.
+    pub owned_bytes: u64,
+    pub owned_handles: u64,
+    /// Of those, released by the current pause.
+    pub paused_bytes: u64,
+    /// Of those, handles exported to other processes at least once.
+    pub exported_handles: u64,
+    pub exported_bytes: u64,
+    /// Peers' memory this process imported and mapped.
+    pub imported_bytes: u64,
+    pub imported_handles: u64,
+    /// Kept resident: host memory NCCL allocated through the VMM API.
+    pub resident_host_bytes: u64,
+    /// Kept resident: FABRIC (multi-node NVLink) handles.
+    pub resident_fabric_bytes: u64,
+    /// Kept resident: ranges given to a NIC (GPUDirect RDMA, dmabuf) or bound to multicast.
+    pub resident_pinned_bytes: u64,
+    /// Multicast (NVLS) objects created; they stay.
+    pub multicast_objects: u64,
+    pub mappings: u64,
+}
+
+pub(crate) fn stats(hooked: bool, cumem_disabled: bool) -> NcclStats {
+    let r = lock();
+    let mut s = NcclStats {
+        hooked,
+        cumem_disabled,
+        paused: r.paused,
+        ..Default::default()
+    };
+    for p in r.physicals.values() {
+        match p.kind {
+            Kind::Device => {
+                s.owned_bytes += p.size;
+                s.owned_handles += 1;
+                if p.real.is_none() {
+                    s.paused_bytes += p.size;
+                }
+                if p.exported {
+                    s.exported_handles += 1;
+                    s.exported_bytes += p.size;
+                }
+                if p.pinned.is_some() {
+                    s.resident_pinned_bytes += p.size;
+                }
+            }
+            Kind::Imported => {
+                s.imported_bytes += p.size;
+                s.imported_handles += 1;
+            }
+            Kind::Host => s.resident_host_bytes += p.size,
+            Kind::Fabric => s.resident_fabric_bytes += p.size,
+        }
+    }
+    s.multicast_objects = r.multicast_objects;
+    s.mappings = r.mappings.len() as u64;
+    s
+}
