@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""GPU check of pausing NCCL's own memory (issue 4, single-process stage), stock NCCL.
+
+Run with torchrun, one process per GPU, under the preload:
+
+    LD_PRELOAD=$(python3 -m memsaver preload-path) NCCL_NVLS_ENABLE=0 \\
+        torchrun --nproc-per-node 2 tests/gpu/nccl_pause.py [CYCLES]
+
+World group plus two subgroups; all_reduce, all_gather, reduce_scatter, all_to_all, broadcast
+and send/recv checked before and after each pause/resume cycle of the `nccl` tag (with a
+tensor tag paused alongside). Reports per rank the memory freed by pause (cudaMemGetInfo)
+against NCCL's footprint and the hook's own figures, and pause/resume times. This stage
+releases the device memory NCCL created and did not export; exported buffers and imports
+stay resident until the cross-process protocol exists, so the freed share is partial.
+Exits non-zero on a wrong result, a failed call, or nothing freed.
+"""
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import memsaver
+
+MIB = 1 << 20
+
+
+def collectives(groups, rank, world, step):
+    ok = True
+    for g in groups:
+        x = torch.full((1 << 20,), float(rank + step), device="cuda")
+        dist.all_reduce(x, group=g)
+        ok &= bool(torch.all(x == sum(r + step for r in range(world))).item())
+        parts = [torch.empty(1024, device="cuda") for _ in range(world)]
+        dist.all_gather(parts, torch.full((1024,), float(rank), device="cuda"), group=g)
+        ok &= all(bool(torch.all(p == r).item()) for r, p in enumerate(parts))
+        out = torch.empty(1024, device="cuda")
+        dist.reduce_scatter_tensor(out, torch.ones(world * 1024, device="cuda"), group=g)
+        ok &= bool(torch.all(out == world).item())
+        a2a = torch.empty(world * 256, device="cuda")
+        dist.all_to_all_single(a2a, torch.full((world * 256,), float(rank), device="cuda"), group=g)
+        ok &= all(bool(torch.all(a2a[r * 256:(r + 1) * 256] == r).item()) for r in range(world))
+        b = torch.full((1024,), float(rank), device="cuda")
+        dist.broadcast(b, src=0, group=g)
+        ok &= bool(torch.all(b == 0).item())
+    peer = (rank + 1) % world
+    send = torch.full((4096,), float(rank), device="cuda")
+    recv = torch.empty(4096, device="cuda")
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer),
+                                   dist.P2POp(dist.irecv, recv, (rank - 1) % world)])
+    for r in reqs:
+        r.wait()
+    ok &= bool(torch.all(recv == (rank - 1) % world).item())
+    torch.cuda.synchronize()
+    return ok
+
+
+def main():
+    cycles = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.ones(1, device="cuda")
+    torch.cuda.synchronize()
+    free_start = torch.cuda.mem_get_info()[0]
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    groups = [dist.group.WORLD, dist.new_group(list(range(world))), dist.new_group(list(range(world)))]
+    ok = collectives(groups, rank, world, 0)
+    with memsaver.region("kv_cache"):
+        kv = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    free_before = torch.cuda.mem_get_info()[0]
+    footprint = free_start - free_before - (1 << 30)
+    pause_ms, resume_ms, freed = [], [], []
+    for step in range(1, cycles + 1):
+        dist.barrier()
+        torch.cuda.synchronize()
+        f0 = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        memsaver.pause("nccl")
+        pause_ms.append((time.perf_counter() - t0) * 1e3)
+        freed.append(torch.cuda.mem_get_info()[0] - f0)
+        memsaver.pause("kv_cache")
+        memsaver.resume("kv_cache")
+        t0 = time.perf_counter()
+        memsaver.resume("nccl")
+        resume_ms.append((time.perf_counter() - t0) * 1e3)
+        ok &= collectives(groups, rank, world, step)
+        kv.fill_(step)
+    s = memsaver.nccl_stats()
+    free_end = torch.cuda.mem_get_info()[0]
+    report = {
+        "rank": rank, "cycles": cycles, "collectives_correct": ok,
+        "nccl_footprint_mib": round(footprint / MIB, 1),
+        "nccl_owned_mib": round(s["owned_bytes"] / MIB, 1),
+        "exported_mib": round(s["exported_bytes"] / MIB, 1),
+        "imported_mib": round(s["imported_bytes"] / MIB, 1),
+        "freed_by_pause_mib_median": round(statistics.median(freed) / MIB, 1),
+        "freed_pct_of_footprint": round(100.0 * statistics.median(freed) / footprint, 1),
+        "pause_ms_median": round(statistics.median(pause_ms), 2),
+        "resume_ms_median": round(statistics.median(resume_ms), 2),
+        "pause_ms_max": round(max(pause_ms), 2), "resume_ms_max": round(max(resume_ms), 2),
+        "device_free_drift_mib": round((free_before - free_end) / MIB, 1),
+    }
+    print("NCCL_PAUSE " + json.dumps(report), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    if not ok or min(freed) <= 0:
+        print(f"rank {rank}: FAIL")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
