@@ -90,6 +90,16 @@ extern "C" fn decide(
         }
         // SAFETY: dlsym's contract: a NUL-terminated symbol name.
         let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
+        if name.starts_with(b"nccl") {
+            // AMem's API, looked up in libnccl's handle by pynccl-style code: ours, unless the
+            // library really has it (a patched NCCL).
+            let ours = crate::amem::lookup(name);
+            // SAFETY: an explicit handle or pseudo-handle other than RTLD_NEXT; NUL-terminated.
+            if ours.is_some() && unsafe { call_real_dlsym(handle, symbol) }.is_null() {
+                return ours.unwrap_or(std::ptr::null_mut());
+            }
+            return std::ptr::null_mut();
+        }
         if !crate::procaddr::is_entry_name(name) || !is_nccl_code(caller) {
             return std::ptr::null_mut();
         }

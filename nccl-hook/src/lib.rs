@@ -12,9 +12,13 @@
 //! 4. [`NcclTag`]: the `nccl` tag of the allocator. Pause releases (after backing it up) the
 //!    device memory NCCL created and did not export; resume restores it at the same addresses.
 //!
+//! 5. [`amem`]: the AMem plugin's C API (`ncclPause`, `ncclResume`, ...), also answered to
+//!    lookups in libnccl's handle.
+//!
 //! Not built yet (issue 4): releasing exported buffers and imports, which needs peers to let go
 //! together (cross-process protocol); NCCL calls made while paused returning an NCCL error.
 
+pub mod amem;
 pub mod interpose;
 pub mod procaddr;
 mod provider;
@@ -23,6 +27,22 @@ mod vmm;
 
 pub use provider::NcclTag;
 pub use registry::NcclStats;
+
+use std::sync::{Arc, Once};
+
+use memsaver_allocator::{Allocator, Result};
+
+/// The process-wide allocator with the `nccl` tag registered.
+pub fn allocator() -> Result<&'static Allocator> {
+    static NCCL: Once = Once::new();
+    let a = memsaver_allocator::global()?;
+    NCCL.call_once(|| {
+        if let Err(e) = a.register_external("nccl", Arc::new(NcclTag::new(a))) {
+            tracing::warn!(error = %e, "the nccl tag is not available");
+        }
+    });
+    Ok(a)
+}
 
 /// NCCL's memory in this process as the hook has seen it.
 pub fn stats() -> NcclStats {

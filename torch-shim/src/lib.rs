@@ -14,9 +14,7 @@ use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use std::sync::{Arc, Once};
-
-use memsaver_allocator::{Allocator, Error, Policy, global};
+use memsaver_allocator::{Allocator, Error, Policy};
 
 /// Status codes of the C ABI. Stable: add new codes, never renumber.
 #[repr(C)]
@@ -52,18 +50,9 @@ impl Status {
     }
 }
 
-/// The process-wide allocator, with memsaver's external tags registered: `nccl`, NCCL's own
-/// memory, seen through the hook in `nccl-hook`.
+/// The process-wide allocator, with memsaver's external tags registered (`nccl`).
 pub fn allocator() -> Result<&'static Allocator, Error> {
-    static EXTERNAL: Once = Once::new();
-    let a = global()?;
-    EXTERNAL.call_once(|| {
-        let nccl = Arc::new(memsaver_nccl_hook::NcclTag::new(a));
-        if let Err(e) = a.register_external("nccl", nccl) {
-            tracing::warn!(error = %e, "the nccl tag is not available");
-        }
-    });
-    Ok(a)
+    memsaver_nccl_hook::allocator()
 }
 
 thread_local! {

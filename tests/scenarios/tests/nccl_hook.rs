@@ -138,6 +138,7 @@ fn pausing_nccl_releases_its_private_memory_and_restores_it_in_place() {
 #[test]
 fn without_preload_nothing_is_wrapped() {
     let r = run(false, &[]);
+    assert_eq!(r["amem_found"], "false", "stock NCCL has no ncclPause");
     assert_eq!(r["gpa_from_nccl"], "libcuda.so.1");
     assert_eq!(r["create_from_nccl"], "libcuda.so.1");
     assert_eq!(r["stats_after_alloc"], "none");
@@ -151,4 +152,21 @@ fn cumem_disabled_is_reported() {
         "{:?}",
         r
     );
+}
+
+#[test]
+fn amem_api_is_found_in_libnccl_and_pauses_nccl() {
+    let r = run(true, &[]);
+    assert_eq!(
+        r["amem_found"], "true",
+        "dlsym(libnccl, \"ncclPause\") answered by memsaver"
+    );
+    assert_eq!(r["amem_pause_rc"], "0");
+    has(&r["amem_stats_paused"], &[r#""paused":true"#]);
+    assert_eq!(r["amem_resume_rc"], "0");
+    assert_eq!(
+        (r["amem_set_rc"].as_str(), r["amem_get_rc"].as_str()),
+        ("0", "0")
+    );
+    assert_eq!(r["amem_group"], "170");
 }

@@ -156,6 +156,7 @@ fn main() {
         // SAFETY: `private` came from fake_nccl_alloc.
         assert_eq!(unsafe { free(cuda.as_ptr(), &private) }, 0);
     }
+    amem_api(hn);
     // SAFETY: `shared` came from fake_nccl_alloc.
     let rc = unsafe { free(cuda.as_ptr(), &shared) };
     assert_eq!(rc, 0, "fake_nccl_free failed");
@@ -182,4 +183,31 @@ fn device_memory(hc: *mut c_void) -> impl Fn() -> usize {
         assert_eq!(unsafe { info(&mut free, &mut total) }, 0);
         free
     }
+}
+
+/// AMem's API looked up in libnccl's handle, as pynccl-style code does.
+fn amem_api(hn: *mut c_void) {
+    type CommCall = unsafe extern "C" fn(*mut c_void) -> c_int;
+    type SetGroup = unsafe extern "C" fn(c_int) -> c_int;
+    type GetGroup = unsafe extern "C" fn(*mut c_int) -> c_int;
+    // SAFETY: live handle, NUL-terminated name.
+    let p = unsafe { libc::dlsym(hn, c"ncclPause".as_ptr()) };
+    println!("amem_found={}", !p.is_null());
+    if p.is_null() {
+        return;
+    }
+    let pause: CommCall = sym(hn, c"ncclPause");
+    let resume: CommCall = sym(hn, c"ncclResume");
+    let set: SetGroup = sym(hn, c"ncclSetGroupID");
+    let get: GetGroup = sym(hn, c"ncclGetGroupID");
+    let mut id = 0;
+    // SAFETY: the AMem signatures; NULL communicator means all.
+    unsafe {
+        println!("amem_pause_rc={}", pause(std::ptr::null_mut()));
+        println!("amem_stats_paused={}", nccl_stats());
+        println!("amem_resume_rc={}", resume(std::ptr::null_mut()));
+        println!("amem_set_rc={}", set(170));
+        println!("amem_get_rc={}", get(&mut id));
+    }
+    println!("amem_group={id}");
 }

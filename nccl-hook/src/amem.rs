@@ -1,0 +1,140 @@
+//! The AMem NCCL-plugin API (`ncclPause`, `ncclResume`, `ncclMemStats`, `ncclSetGroupID`,
+//! `ncclGetGroupID`), exported by libmemsaver.so so code written for AMem works unchanged.
+//!
+//! pynccl-style code looks these functions up in *libnccl's* handle
+//! (`dlsym(libnccl, "ncclPause")`), where stock NCCL has no such symbol; the `dlsym`
+//! interposer answers those lookups with the functions below (see [`lookup`]).
+
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use memsaver_allocator::Error;
+
+/// `ncclResult_t` values.
+const NCCL_SUCCESS: c_int = 0;
+const NCCL_UNHANDLED_CUDA_ERROR: c_int = 1;
+const NCCL_SYSTEM_ERROR: c_int = 2;
+const NCCL_INTERNAL_ERROR: c_int = 3;
+const NCCL_INVALID_ARGUMENT: c_int = 4;
+
+/// The process group id (AMem's), from `MEMSAVER_GROUP` or `AMEM_GROUPID`, or set by
+/// `ncclSetGroupID`. It will namespace the cross-process coordination of the `nccl` tag.
+static GROUP: AtomicI64 = AtomicI64::new(i64::MIN);
+
+/// The group id in force (0 when none was given).
+pub fn group_id() -> i64 {
+    let g = GROUP.load(Ordering::Relaxed);
+    if g != i64::MIN {
+        return g;
+    }
+    let from_env = ["MEMSAVER_GROUP", "AMEM_GROUPID"]
+        .iter()
+        .find_map(|v| {
+            std::env::var(v)
+                .ok()
+                .and_then(|s| s.trim().parse::<i64>().ok())
+        })
+        .unwrap_or(0);
+    GROUP.store(from_env, Ordering::Relaxed);
+    from_env
+}
+
+/// Sets the group id; it must be set before NCCL allocates.
+pub fn set_group_id(id: i64) {
+    GROUP.store(id, Ordering::Relaxed);
+}
+
+fn result(r: Result<(), Error>) -> c_int {
+    match r {
+        Ok(()) => NCCL_SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "memsaver: NCCL memory pause/resume failed");
+            match e {
+                Error::Driver(_) | Error::OutOfMemory { .. } | Error::ResumeOutOfMemory { .. } => {
+                    NCCL_UNHANDLED_CUDA_ERROR
+                }
+                Error::Load(_) => NCCL_SYSTEM_ERROR,
+                Error::InvalidArgument(_) | Error::UnknownTag { .. } => NCCL_INVALID_ARGUMENT,
+                _ => NCCL_INTERNAL_ERROR,
+            }
+        }
+    }
+}
+
+fn transition(pause: bool) -> c_int {
+    let r = std::panic::catch_unwind(|| {
+        let a = crate::allocator()?;
+        if pause {
+            a.pause(&["nccl"])
+        } else {
+            a.resume(&["nccl"])
+        }
+        .map(drop)
+    });
+    r.map_or(NCCL_INTERNAL_ERROR, result)
+}
+
+/// Releases NCCL's device memory in this process (every communicator; `comm` is ignored).
+#[unsafe(no_mangle)]
+pub extern "C" fn ncclPause(_comm: *mut c_void) -> c_int {
+    transition(true)
+}
+
+/// Restores what `ncclPause` released, at the same addresses.
+#[unsafe(no_mangle)]
+pub extern "C" fn ncclResume(_comm: *mut c_void) -> c_int {
+    transition(false)
+}
+
+/// Writes NCCL's memory figures of this process to stderr, one line.
+#[unsafe(no_mangle)]
+pub extern "C" fn ncclMemStats() -> c_int {
+    let r = std::panic::catch_unwind(|| {
+        let s = crate::stats();
+        eprintln!(
+            "memsaver nccl group:{} pid:{} owned:{} B exported:{} B imported:{} B paused:{} B hooked:{}",
+            group_id(),
+            std::process::id(),
+            s.owned_bytes,
+            s.exported_bytes,
+            s.imported_bytes,
+            s.paused_bytes,
+            s.hooked
+        );
+    });
+    if r.is_ok() {
+        NCCL_SUCCESS
+    } else {
+        NCCL_INTERNAL_ERROR
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn ncclSetGroupID(id: c_int) -> c_int {
+    set_group_id(i64::from(id));
+    NCCL_SUCCESS
+}
+
+/// # Safety
+/// `id` is NULL or a valid out-pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclGetGroupID(id: *mut c_int) -> c_int {
+    if id.is_null() {
+        return NCCL_INVALID_ARGUMENT;
+    }
+    // SAFETY: non-null out-pointer per the contract.
+    unsafe { *id = group_id() as c_int };
+    NCCL_SUCCESS
+}
+
+/// Our function for an AMem API name, for the `dlsym` interposer.
+pub(crate) fn lookup(name: &[u8]) -> Option<*mut c_void> {
+    Some(match name {
+        b"ncclPause" => ncclPause as *mut c_void,
+        b"ncclResume" => ncclResume as *mut c_void,
+        b"ncclMemStats" => ncclMemStats as *mut c_void,
+        b"ncclSetGroupID" => ncclSetGroupID as *mut c_void,
+        b"ncclGetGroupID" => ncclGetGroupID as *mut c_void,
+        _ => return None,
+    })
+}
