@@ -116,19 +116,22 @@ class TorchMemorySaver:
             yield
 
     def pause(self, tag: str | None = None) -> None:
-        """Pauses ``tag``, or every tag when ``tag`` is None."""
+        """Pauses ``tag``, or every tensor tag when ``tag`` is None (torch_memory_saver knows
+        no NCCL memory: pause ``"nccl"`` by name, or use ``memsaver.pause()``, for that)."""
         self._ensure_initialized()
         self._call(memsaver.pause, "pause", tag)
 
     def resume(self, tag: str | None = None) -> None:
-        """Resumes ``tag``, or every tag when ``tag`` is None."""
+        """Resumes ``tag``, or every tensor tag when ``tag`` is None."""
         self._ensure_initialized()
         self._call(memsaver.resume, "resume", tag)
 
     @staticmethod
     def _call(fn: Any, name: str, tag: str | None) -> None:
         if not tag:
-            fn()
+            tensor_tags = [t for t in memsaver.stats().tags if t != "nccl"]
+            if tensor_tags:
+                fn(*tensor_tags)
             return
         try:
             fn(tag)

@@ -36,6 +36,8 @@ def test_default_tag_and_pause_everything(hooks):
     assert memsaver.stats().tags["default"].allocations >= 1
     torch_memory_saver.pause()
     assert memsaver.stats().total.resident_bytes == 0
+    # torch_memory_saver knows no NCCL memory: pausing "everything" leaves the nccl tag alone.
+    assert not memsaver.stats().tags["nccl"].paused
     torch_memory_saver.resume()
     assert not any(t.paused for t in memsaver.stats().tags.values())
     assert hooks.free(p) == CUDA_SUCCESS
