@@ -46,7 +46,10 @@ demo: build fake-cuda
 # and other users of the fake driver do not see each other's memory.
 test: fake-cuda test-rust test-python
 
+# The NCCL-hook scenarios preload target/release/libmemsaver.so, which `cargo test` alone does
+# not link: build it first.
 test-rust: fake-cuda
+	$(CARGO) build --release -p memsaver-shim
 	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
 	trap 'rm -rf "$$state"' EXIT; \
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) MEMSAVER_FAKE_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) \

@@ -31,7 +31,9 @@ fn run(preload: bool, extra_env: &[(&str, &str)]) -> HashMap<String, String> {
         // libmemsaver.so of the same build profile as this test (target/<profile>/deps/..).
         let exe = std::env::current_exe().unwrap();
         let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
-        cmd.env("LD_PRELOAD", profile_dir.join("libmemsaver.so"));
+        let lib = profile_dir.join("libmemsaver.so");
+        assert!(lib.exists(), "{} is missing: build it first (`make test` does)", lib.display());
+        cmd.env("LD_PRELOAD", lib);
     }
     for (k, v) in extra_env {
         cmd.env(k, v);
