@@ -32,7 +32,11 @@ fn run(preload: bool, extra_env: &[(&str, &str)]) -> HashMap<String, String> {
         let exe = std::env::current_exe().unwrap();
         let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
         let lib = profile_dir.join("libmemsaver.so");
-        assert!(lib.exists(), "{} is missing: build it first (`make test` does)", lib.display());
+        assert!(
+            lib.exists(),
+            "{} is missing: build it first (`make test` does)",
+            lib.display()
+        );
         cmd.env("LD_PRELOAD", lib);
     }
     for (k, v) in extra_env {
