@@ -20,6 +20,7 @@
 
 pub mod amem;
 pub mod interpose;
+mod peer;
 pub mod procaddr;
 mod provider;
 mod registry;
@@ -32,8 +33,22 @@ use std::sync::{Arc, Once};
 
 use memsaver_allocator::{Allocator, Result};
 
+/// Sends memsaver's log to stderr, at the level `MEMSAVER_LOG` gives (default `warn`), once
+/// per process; a host application's own subscriber, if it has one, is left alone.
+pub fn init_logging() {
+    static LOG: Once = Once::new();
+    LOG.call_once(|| {
+        let filter = std::env::var("MEMSAVER_LOG").unwrap_or_else(|_| "warn".into());
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .try_init();
+    });
+}
+
 /// The process-wide allocator with the `nccl` tag registered.
 pub fn allocator() -> Result<&'static Allocator> {
+    init_logging();
     static NCCL: Once = Once::new();
     let a = memsaver_allocator::global()?;
     NCCL.call_once(|| {

@@ -35,6 +35,7 @@ pub(crate) fn is_entry_name(name: &[u8]) -> bool {
 
 /// Our wrapper for the entry point `name` whose real address is `real`.
 pub(crate) fn wrap_entry(name: &[u8], real: *mut c_void) -> *mut c_void {
+    // Called on the dlsym path: nothing here may lock, allocate or log.
     INSTALLED.store(true, Ordering::Relaxed);
     if name == b"cuGetProcAddress_v2" {
         REAL_V2.store(real as usize, Ordering::Release);
@@ -55,6 +56,7 @@ unsafe fn substitute(symbol: *const c_char, pfn: *mut *mut c_void, version: c_in
     if real.is_null() {
         return;
     }
+    crate::init_logging();
     let wrapper = if name == b"cuGetProcAddress" {
         // Asked for the lookup function itself: the _v2 signature from CUDA 12.0 on.
         Some(if version >= 12000 {

@@ -7,7 +7,7 @@
 //! about a paused range (`cuMemRetainAllocationHandle`, `cuMemGetAddressRange`) are answered
 //! from here, so destroying a communicator while paused works.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use parking_lot::{Mutex, MutexGuard};
 use serde::Serialize;
@@ -40,25 +40,68 @@ pub(crate) struct Physical {
     pub kind: Kind,
     /// References NCCL holds (create/import = 1, each retain + 1, each release - 1).
     pub refs: u32,
-    /// Exported to another process at least once: its importers must let go before the
-    /// memory is freed, which needs the cross-process protocol (not built yet).
+    /// Exported to another process at least once (through a token, see `peer`).
     pub exported: bool,
+    /// Exported as a driver fd (tokens off): its importers are unknown, so it stays resident.
+    pub exported_raw: bool,
+    /// Processes holding an import of the current generation (owner side).
+    pub importers: HashSet<u32>,
+    /// Incremented each time the memory is re-created by a resume (owner side).
+    pub generation: u64,
+    /// For an import: the owner and its buffer (`None` when imported from a plain fd).
+    pub source: Option<Source>,
     /// Why it must stay resident whatever the policy (given to a NIC, bound to multicast).
     pub pinned: Option<&'static str>,
     /// Contents while paused, kept for reuse across cycles.
     pub backup: Option<HostBuffer>,
 }
 
+/// Where an import comes from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Source {
+    pub owner: u32,
+    pub vh: u64,
+    /// The owner's generation this import maps.
+    pub generation: u64,
+}
+
 impl Physical {
-    /// Whether pause may release it now, and if not, why.
+    pub fn new(
+        real: CUmemGenericAllocationHandle,
+        size: u64,
+        prop: CUmemAllocationProp,
+        kind: Kind,
+    ) -> Self {
+        Self {
+            real: Some(real),
+            size,
+            prop,
+            kind,
+            refs: 1,
+            exported: false,
+            exported_raw: false,
+            importers: HashSet::new(),
+            generation: 0,
+            source: None,
+            pinned: None,
+            backup: None,
+        }
+    }
+
+    /// Whether pause may release it, and if not, why.
     pub fn pausable(&self) -> Result<(), &'static str> {
-        match (self.kind, self.pinned, self.exported) {
-            (Kind::Host, ..) => Err("host memory"),
-            (Kind::Fabric, ..) => Err("FABRIC handle"),
-            (Kind::Imported, ..) => Err("imported from a peer (cross-process protocol pending)"),
-            (_, Some(why), _) => Err(why),
-            (_, _, true) => Err("exported to a peer (cross-process protocol pending)"),
-            (Kind::Device, None, false) => Ok(()),
+        match self.kind {
+            Kind::Host => Err("host memory"),
+            Kind::Fabric => Err("FABRIC handle"),
+            Kind::Imported if self.source.is_none() => Err(
+                "imported from a plain fd (the owner is not preloaded, or MEMSAVER_NCCL_TOKENS=0)",
+            ),
+            Kind::Imported => Ok(()),
+            Kind::Device => match (self.pinned, self.exported_raw) {
+                (Some(why), _) => Err(why),
+                (None, true) => Err("exported as a plain fd (MEMSAVER_NCCL_TOKENS=0)"),
+                (None, false) => Ok(()),
+            },
         }
     }
 

@@ -9,7 +9,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use memsaver_allocator::driver::sys::{fns, *};
 
-use crate::registry::{self, Kind, Mapping, Physical};
+use std::ffi::c_int;
+use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
+
+use crate::peer;
+use crate::registry::{self, Kind, Mapping, Physical, Source};
 
 type GetHandleForAddressRange =
     unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, c_uint, c_ulonglong) -> CUresult;
@@ -126,16 +130,7 @@ unsafe extern "C" fn mem_create(
             CU_MEM_LOCATION_TYPE_DEVICE => Kind::Device,
             _ => Kind::Host,
         };
-        let p = Physical {
-            real: Some(h),
-            size: size as u64,
-            prop,
-            kind,
-            refs: 1,
-            exported: false,
-            pinned: None,
-            backup: None,
-        };
+        let p = Physical::new(h, size as u64, prop, kind);
         let vh = registry::lock().insert(p);
         // SAFETY: the caller's out-pointer.
         unsafe { *handle = vh };
@@ -286,10 +281,35 @@ unsafe extern "C" fn mem_export(
     let Some(h) = p.real else {
         return paused_use("cuMemExportToShareableHandle");
     };
+    if handle_type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        && peer::tokens_enabled()
+        && !shareable.is_null()
+    {
+        // Hand NCCL a token naming this buffer; the importer's memsaver trades it for the
+        // real fd with us, so we learn who imports what (see `peer`).
+        let token = peer::Token {
+            group: crate::amem::group_id(),
+            pid: std::process::id(),
+            vh: handle,
+            generation: p.generation,
+        };
+        match peer::ensure_server().and_then(|()| peer::make_token(token)) {
+            Ok(fd) => {
+                p.exported = true;
+                // SAFETY: for POSIX fds the out-pointer holds one int; NCCL owns the fd now.
+                unsafe { *shareable.cast::<c_int>() = fd.into_raw_fd() };
+                return CUDA_SUCCESS;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "memsaver: no token for an NCCL export; it will stay resident")
+            }
+        }
+    }
     // SAFETY: the caller's arguments with the driver's handle.
     let r = unsafe { f(shareable, h, handle_type, flags) };
     if r == CUDA_SUCCESS {
         p.exported = true;
+        p.exported_raw = true;
     }
     r
 }
@@ -302,9 +322,41 @@ unsafe extern "C" fn mem_import(
     let Some(f) = real::IMPORT() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
-    // SAFETY: forwarded unchanged.
-    let r = unsafe { f(handle, os_handle, handle_type) };
-    if r != CUDA_SUCCESS || handle.is_null() {
+    if handle.is_null() {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    let token = (handle_type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        .then(|| peer::read_token(os_handle as isize as RawFd))
+        .flatten();
+    let (r, source) = match token {
+        None => {
+            // SAFETY: forwarded unchanged.
+            (unsafe { f(handle, os_handle, handle_type) }, None)
+        }
+        Some(t) => match peer::request_fds(t.group, t.pid, &[(t.vh, t.generation)]) {
+            Ok(mut fds) => {
+                let (fd, generation) = fds.remove(0);
+                // SAFETY: the owner's real fd, imported the way NCCL asked; we close it after.
+                let r = unsafe { f(handle, fd.as_raw_fd() as isize as *mut c_void, handle_type) };
+                (
+                    r,
+                    Some(Source {
+                        owner: t.pid,
+                        vh: t.vh,
+                        generation,
+                    }),
+                )
+            }
+            Err(e) => {
+                tracing::error!(
+                    "memsaver: cannot import an NCCL buffer of process {}: {e}",
+                    t.pid
+                );
+                return CUDA_ERROR_INVALID_VALUE;
+            }
+        },
+    };
+    if r != CUDA_SUCCESS {
         return r;
     }
     quietly(|| {
@@ -315,16 +367,8 @@ unsafe extern "C" fn mem_import(
             // SAFETY: valid out-pointer and the driver's handle.
             unsafe { props(&mut prop, h) };
         }
-        let p = Physical {
-            real: Some(h),
-            size: 0,
-            prop,
-            kind: Kind::Imported,
-            refs: 1,
-            exported: false,
-            pinned: None,
-            backup: None,
-        };
+        let mut p = Physical::new(h, 0, prop, Kind::Imported);
+        p.source = source;
         let vh = registry::lock().insert(p);
         // SAFETY: the caller's out-pointer.
         unsafe { *handle = vh };

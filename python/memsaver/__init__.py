@@ -29,6 +29,7 @@ from ._memsaver import (
     DriverNotLoadedError,
     IncompleteError,
     InvalidArgumentError,
+    PeerError,
     MemsaverError,
     OutOfMemoryError,
     ResumeOutOfMemoryError,
@@ -68,6 +69,7 @@ __all__ = [
     "DriverError",
     "DriverNotLoadedError",
     "IncompleteError",
+    "PeerError",
 ]
 
 def _version() -> str:

@@ -11,6 +11,7 @@ from ._memsaver import (
     IncompleteError,
     InvalidArgumentError,
     MemsaverError,
+    PeerError,
     OutOfMemoryError,
     ResumeOutOfMemoryError,
     TagPausedError,
@@ -46,6 +47,7 @@ __all__ = [
     "DriverError",
     "DriverNotLoadedError",
     "IncompleteError",
+    "PeerError",
 ]
 
 @dataclass(frozen=True)

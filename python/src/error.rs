@@ -65,6 +65,13 @@ create_exception!(
     "A pause or resume left some allocations in their previous state."
 );
 
+create_exception!(
+    memsaver,
+    PeerError,
+    MemsaverError,
+    "A peer process did not take part in a pause or resume of the nccl tag."
+);
+
 /// The exception for a status code of the C ABI, carrying `message`.
 pub fn from_status(code: i32, message: String) -> PyErr {
     match code {
@@ -77,6 +84,7 @@ pub fn from_status(code: i32, message: String) -> PyErr {
         7 => DriverError::new_err(message),
         8 => DriverNotLoadedError::new_err(message),
         9 => IncompleteError::new_err(message),
+        11 => PeerError::new_err(message),
         _ => MemsaverError::new_err(format!("{message} (status {code})")),
     }
 }
@@ -102,5 +110,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         py.get_type::<DriverNotLoadedError>(),
     )?;
     m.add("IncompleteError", py.get_type::<IncompleteError>())?;
+    m.add("PeerError", py.get_type::<PeerError>())?;
     Ok(())
 }

@@ -279,7 +279,7 @@ def test_exceptions_and_all():
     for name in memsaver.__all__:
         assert hasattr(memsaver, name), name
     errors = [getattr(memsaver, n) for n in memsaver.__all__ if n.endswith("Error")]
-    assert len(errors) == 10
+    assert len(errors) == 11
     for cls in errors:
         assert issubclass(cls, memsaver.MemsaverError)
         assert cls is getattr(_memsaver, cls.__name__)

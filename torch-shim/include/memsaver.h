@@ -27,6 +27,7 @@ typedef enum memsaver_status {
     MEMSAVER_ERR_DRIVER_NOT_LOADED = 8,
     MEMSAVER_ERR_INCOMPLETE = 9,           /* some allocations kept their previous state */
     MEMSAVER_ERR_BUFFER_TOO_SMALL = 10,
+    MEMSAVER_ERR_PEER = 11,                /* a peer process did not take part (nccl tag) */
     MEMSAVER_ERR_INTERNAL = 99
 } memsaver_status;
 

@@ -31,6 +31,7 @@ pub enum Status {
     DriverNotLoaded = 8,
     Incomplete = 9,
     BufferTooSmall = 10,
+    Peer = 11,
     Internal = 99,
 }
 
@@ -46,6 +47,7 @@ impl Status {
             Error::ResumeOutOfMemory { .. } => Status::ResumeOutOfMemory,
             Error::Incomplete { .. } => Status::Incomplete,
             Error::InvalidArgument(_) => Status::InvalidArgument,
+            Error::PeersHoldMemory { .. } | Error::Peer { .. } => Status::Peer,
         }
     }
 }

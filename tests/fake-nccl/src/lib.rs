@@ -165,6 +165,63 @@ unsafe fn alloc(
     }
 }
 
+/// Imports a peer's buffer from `fd` like NCCL's P2P setup (import, close the fd, reserve,
+/// map, grant device 0 access). Returns 0 or an error code.
+///
+/// # Safety
+/// `cuda_lib` is NUL-terminated; `fd` is an fd received from the owner; `out` is valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_nccl_import(
+    cuda_lib: *const c_char,
+    fd: c_int,
+    size: usize,
+    out: *mut FakeNcclAlloc,
+) -> c_int {
+    // SAFETY: per this function's contract; every pointer passed to the driver is a live local.
+    let r = unsafe {
+        (|| -> Result<FakeNcclAlloc, c_int> {
+            let d = open(cuda_lib)?;
+            let import: fns::cuMemImportFromShareableHandle =
+                d.get(c"cuMemImportFromShareableHandle")?;
+            let reserve: fns::cuMemAddressReserve = d.get(c"cuMemAddressReserve")?;
+            let map: fns::cuMemMap = d.get(c"cuMemMap")?;
+            let access: fns::cuMemSetAccess = d.get(c"cuMemSetAccess")?;
+            let mut a = FakeNcclAlloc {
+                size,
+                exported_fd: -1,
+                ..Default::default()
+            };
+            let r = import(
+                &mut a.handle,
+                fd as isize as *mut c_void,
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            );
+            libc::close(fd);
+            ok(r)?;
+            ok(reserve(&mut a.ptr, size, 0, 0, 0))?;
+            ok(map(a.ptr, size, 0, a.handle, 0))?;
+            let loc = CUmemLocation {
+                type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                id: 0,
+            };
+            let desc = CUmemAccessDesc {
+                location: loc,
+                flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            ok(access(a.ptr, size, &desc, 1))?;
+            Ok(a)
+        })()
+    };
+    match r {
+        Ok(a) => {
+            // SAFETY: valid out-pointer.
+            unsafe { *out = a };
+            0
+        }
+        Err(e) => e,
+    }
+}
+
 /// Frees what `fake_nccl_alloc` made, in NCCL's order (close fd, unmap, release, free VA).
 ///
 /// # Safety

@@ -1,0 +1,281 @@
+//! `nccl-rank`: one rank of a multi-process NCCL-like job on the fake driver, for the
+//! cross-process scenarios of the `nccl` tag. Run under `LD_PRELOAD=libmemsaver.so`.
+//!
+//! `nccl-rank <libnccl.so.2> <libcuda.so.1> <rendezvous dir> <rank> <world>`, then one command
+//! per line on stdin, one answer line on stdout (`ok ...` or `err ...`):
+//!
+//! ```text
+//! alloc MIB        allocate this rank's buffer through the fake NCCL and export it
+//! exchange         send the exported fd to every other rank (as NCCL's proxy does) and
+//!                  import and map every peer's buffer
+//! write SEED       fill this rank's buffer with a pattern
+//! check RANK SEED  read rank RANK's buffer through this rank's import of it
+//! pause / resume   memsaver_pause/resume("nccl") -> ok | err CODE MESSAGE
+//! used             device memory in use (all processes, fake driver) in bytes
+//! free             free imports and the own buffer through NCCL's free path
+//! ```
+
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::io::{BufRead, IoSlice, IoSliceMut, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+
+use memsaver_allocator::driver::sys::fns;
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, UnixAddr, recvmsg, sendmsg};
+
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct FakeNcclAlloc {
+    get_proc_address: usize,
+    mem_create: usize,
+    handle: u64,
+    ptr: u64,
+    size: usize,
+    exported_fd: c_int,
+}
+
+type Alloc = unsafe extern "C" fn(*const c_char, usize, c_int, *mut FakeNcclAlloc) -> c_int;
+type Import = unsafe extern "C" fn(*const c_char, c_int, usize, *mut FakeNcclAlloc) -> c_int;
+type Free = unsafe extern "C" fn(*const c_char, *const FakeNcclAlloc) -> c_int;
+type TagCall = unsafe extern "C" fn(*const c_char) -> c_int;
+type LastError = unsafe extern "C" fn() -> *const c_char;
+
+fn sym<T: Copy>(h: *mut c_void, name: &CStr) -> T {
+    // SAFETY: live handle (or RTLD_DEFAULT), NUL-terminated name.
+    let p = unsafe { libc::dlsym(h, name.as_ptr()) };
+    assert!(!p.is_null(), "missing symbol {name:?}");
+    // SAFETY: the caller names the function's type.
+    unsafe { std::mem::transmute_copy::<*mut c_void, T>(&p) }
+}
+
+fn pattern(seed: u64, i: usize) -> u8 {
+    (seed as usize * 131 + i / 4096 * 7 + i) as u8
+}
+
+struct Rank {
+    cuda: CString,
+    dir: PathBuf,
+    rank: usize,
+    world: usize,
+    alloc: Alloc,
+    import: Import,
+    free: Free,
+    pause: TagCall,
+    resume: TagCall,
+    last_error: LastError,
+    mem_info: fns::cuMemGetInfo_v2,
+    own: Option<FakeNcclAlloc>,
+    peers: Vec<Option<FakeNcclAlloc>>,
+}
+
+impl Rank {
+    fn run(&mut self, line: &str) -> Result<String, String> {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let num = |i: usize| {
+            f.get(i)
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or("bad argument")
+        };
+        match f.first().copied() {
+            Some("alloc") => {
+                let mut a = FakeNcclAlloc::default();
+                // SAFETY: per the fake NCCL's contract.
+                let rc = unsafe {
+                    (self.alloc)(self.cuda.as_ptr(), (num(1)? << 20) as usize, 1, &mut a)
+                };
+                if rc != 0 {
+                    return Err(format!("alloc {rc}"));
+                }
+                self.own = Some(a);
+                Ok(String::new())
+            }
+            Some("exchange") => self.exchange(),
+            Some("write") => {
+                let a = self.own.ok_or("no buffer")?;
+                // SAFETY: on the fake driver the mapped buffer is host memory at its address.
+                let b = unsafe { std::slice::from_raw_parts_mut(a.ptr as *mut u8, a.size) };
+                let seed = num(1)?;
+                b.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = pattern(seed, i));
+                Ok(String::new())
+            }
+            Some("check") => {
+                let a = self
+                    .peers
+                    .get(num(1)? as usize)
+                    .copied()
+                    .flatten()
+                    .ok_or("no such import")?;
+                // SAFETY: the import is mapped read-write at its address (fake driver).
+                let b = unsafe { std::slice::from_raw_parts(a.ptr as *const u8, a.size) };
+                let seed = num(2)?;
+                if b.iter().enumerate().all(|(i, x)| *x == pattern(seed, i)) {
+                    Ok(String::new())
+                } else {
+                    Err("mismatch".into())
+                }
+            }
+            Some(op @ ("pause" | "resume")) => {
+                let f = if op == "pause" {
+                    self.pause
+                } else {
+                    self.resume
+                };
+                // SAFETY: NUL-terminated tag list.
+                let rc = unsafe { f(c"nccl".as_ptr()) };
+                if rc == 0 {
+                    Ok(String::new())
+                } else {
+                    // SAFETY: NUL-terminated thread-local message.
+                    let msg = unsafe { CStr::from_ptr((self.last_error)()) }
+                        .to_string_lossy()
+                        .into_owned();
+                    Err(format!("{rc} {msg}"))
+                }
+            }
+            Some("used") => {
+                let (mut free, mut total) = (0, 0);
+                // SAFETY: valid out-pointers; the context pushed at start-up is current.
+                let rc = unsafe { (self.mem_info)(&mut free, &mut total) };
+                if rc != 0 {
+                    return Err(format!("cuMemGetInfo {rc}"));
+                }
+                Ok((total - free).to_string())
+            }
+            Some("free") => {
+                for a in self.peers.drain(..).flatten().chain(self.own.take()) {
+                    // SAFETY: allocations made by the fake NCCL, freed once.
+                    let rc = unsafe { (self.free)(self.cuda.as_ptr(), &a) };
+                    if rc != 0 {
+                        return Err(format!("free {rc}"));
+                    }
+                }
+                Ok(String::new())
+            }
+            _ => Err(format!("unknown command {line:?}")),
+        }
+    }
+
+    /// Every rank sends its exported fd to every other rank and imports theirs.
+    fn exchange(&mut self) -> Result<String, String> {
+        let own = self.own.ok_or("no buffer")?;
+        let me = self.dir.join(format!("{}.sock", self.rank));
+        let listener = UnixListener::bind(&me).map_err(|e| e.to_string())?;
+        let (rank, world, dir) = (self.rank, self.world, self.dir.clone());
+        let sender = std::thread::spawn(move || -> Result<(), String> {
+            for peer in (0..world).filter(|p| *p != rank) {
+                let path = dir.join(format!("{peer}.sock"));
+                let s = loop {
+                    match UnixStream::connect(&path) {
+                        Ok(s) => break s,
+                        Err(_) => std::thread::sleep(std::time::Duration::from_millis(5)),
+                    }
+                };
+                let fds = [own.exported_fd];
+                let payload = (rank as u32).to_le_bytes();
+                sendmsg::<UnixAddr>(
+                    s.as_raw_fd(),
+                    &[IoSlice::new(&payload)],
+                    &[ControlMessage::ScmRights(&fds)],
+                    MsgFlags::empty(),
+                    None,
+                )
+                .map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        });
+        self.peers = vec![None; self.world];
+        for _ in 1..self.world {
+            let (s, _) = listener.accept().map_err(|e| e.to_string())?;
+            let mut payload = [0u8; 4];
+            let mut space = nix::cmsg_space!([RawFd; 1]);
+            let mut iov = [IoSliceMut::new(&mut payload)];
+            let msg =
+                recvmsg::<UnixAddr>(s.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::empty())
+                    .map_err(|e| e.to_string())?;
+            let mut fd = -1;
+            for c in msg.cmsgs().map_err(|e| e.to_string())? {
+                if let ControlMessageOwned::ScmRights(f) = c {
+                    fd = f[0];
+                }
+            }
+            let from = u32::from_le_bytes(payload) as usize;
+            let mut a = FakeNcclAlloc::default();
+            // SAFETY: an fd received from the peer; the fake NCCL closes it.
+            let rc = unsafe { (self.import)(self.cuda.as_ptr(), fd, own.size, &mut a) };
+            if rc != 0 {
+                return Err(format!("import from rank {from}: {rc}"));
+            }
+            self.peers[from] = Some(a);
+        }
+        sender.join().map_err(|_| "sender panicked".to_string())??;
+        // NCCL closes its copy of the exported fd once every peer has it.
+        // SAFETY: our own exported fd, closed once.
+        unsafe { libc::close(own.exported_fd) };
+        if let Some(o) = self.own.as_mut() {
+            o.exported_fd = -1;
+        }
+        Ok(String::new())
+    }
+}
+
+fn main() {
+    let a: Vec<String> = std::env::args().collect();
+    let (nccl, cuda) = (
+        CString::new(a[1].as_str()).unwrap(),
+        CString::new(a[2].as_str()).unwrap(),
+    );
+    // SAFETY: NUL-terminated paths.
+    let (hn, hc) = unsafe {
+        (
+            libc::dlopen(nccl.as_ptr(), libc::RTLD_NOW),
+            libc::dlopen(cuda.as_ptr(), libc::RTLD_NOW),
+        )
+    };
+    assert!(
+        !hn.is_null() && !hc.is_null(),
+        "cannot open the fake libraries"
+    );
+    let init: fns::cuInit = sym(hc, c"cuInit");
+    let retain: fns::cuDevicePrimaryCtxRetain = sym(hc, c"cuDevicePrimaryCtxRetain");
+    let push: fns::cuCtxPushCurrent_v2 = sym(hc, c"cuCtxPushCurrent_v2");
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: valid out-pointers; the context stays current on the main thread.
+    unsafe {
+        assert_eq!(init(0), 0);
+        assert_eq!(retain(&mut ctx, 0), 0);
+        assert_eq!(push(ctx), 0);
+    }
+    let mut r = Rank {
+        cuda,
+        dir: PathBuf::from(&a[3]),
+        rank: a[4].parse().unwrap(),
+        world: a[5].parse().unwrap(),
+        alloc: sym(hn, c"fake_nccl_alloc"),
+        import: sym(hn, c"fake_nccl_import"),
+        free: sym(hn, c"fake_nccl_free"),
+        pause: sym(libc::RTLD_DEFAULT, c"memsaver_pause"),
+        resume: sym(libc::RTLD_DEFAULT, c"memsaver_resume"),
+        last_error: sym(libc::RTLD_DEFAULT, c"memsaver_last_error"),
+        mem_info: sym(hc, c"cuMemGetInfo_v2"),
+        own: None,
+        peers: Vec::new(),
+    };
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    for line in stdin.lock().lines() {
+        let Ok(line) = line else { break };
+        if line.trim() == "exit" {
+            break;
+        }
+        let answer = match r.run(&line) {
+            Ok(v) if v.is_empty() => "ok".to_string(),
+            Ok(v) => format!("ok {v}"),
+            Err(e) => format!("err {e}"),
+        };
+        writeln!(out, "{answer}").unwrap();
+        out.flush().unwrap();
+    }
+}

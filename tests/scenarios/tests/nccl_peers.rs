@@ -1,0 +1,265 @@
+//! The `nccl` tag across real processes on the fake driver: ranks exchange exported buffers the
+//! way NCCL's P2P setup does (fd over a Unix socket, import, map), then pause and resume
+//! together. Checks that pause frees everything in every process (importers included), resume
+//! restores contents at the same addresses, a peer that does not pause gives an error naming
+//! it, and two groups on the same devices stay apart.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+const MIB: u64 = 1 << 20;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn tempdir(what: &str) -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let d = std::env::temp_dir().join(format!(
+        "memsaver-{what}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&d).unwrap();
+    // memsaver refuses a runtime directory others can read.
+    std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    d
+}
+
+struct RankProc {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+/// A job of `world` ranks in one group, sharing the fake devices of `fake_dir`.
+struct Job {
+    ranks: Vec<RankProc>,
+}
+
+impl Job {
+    fn start(
+        world: usize,
+        group: u32,
+        fake_dir: &PathBuf,
+        runtime_dir: &PathBuf,
+        timeout_ms: u32,
+    ) -> Job {
+        let exe = std::env::current_exe().unwrap();
+        let profile = exe.parent().and_then(|d| d.parent()).unwrap();
+        let preload = profile.join("libmemsaver.so");
+        assert!(
+            preload.exists(),
+            "{} is missing: build it first (`make test` does)",
+            preload.display()
+        );
+        let cuda = std::env::var("MEMSAVER_CUDA_LIB").unwrap_or_else(|_| {
+            root()
+                .join("target/fake-cuda/libcuda.so.1")
+                .to_string_lossy()
+                .into_owned()
+        });
+        let rendezvous = tempdir("rdv");
+        let ranks = (0..world)
+            .map(|r| {
+                let mut child = Command::new(env!("CARGO_BIN_EXE_nccl-rank"))
+                    .arg(root().join("target/fake-nccl/libnccl.so.2"))
+                    .arg(&cuda)
+                    .arg(&rendezvous)
+                    .arg(r.to_string())
+                    .arg(world.to_string())
+                    .env("LD_PRELOAD", &preload)
+                    .env("MEMSAVER_CUDA_LIB", &cuda)
+                    .env("FAKE_CUDA_DIR", fake_dir)
+                    .env("MEMSAVER_RUNTIME_DIR", runtime_dir)
+                    .env("MEMSAVER_GROUP", group.to_string())
+                    .env("MEMSAVER_NCCL_TIMEOUT_MS", timeout_ms.to_string())
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                let stdin = child.stdin.take().unwrap();
+                let stdout = BufReader::new(child.stdout.take().unwrap());
+                RankProc {
+                    child,
+                    stdin,
+                    stdout,
+                }
+            })
+            .collect();
+        Job { ranks }
+    }
+
+    fn pid(&self, r: usize) -> u32 {
+        self.ranks[r].child.id()
+    }
+
+    /// Sends `cmd` to the given ranks at once, then reads their answers.
+    fn on(&mut self, which: &[usize], cmd: &str) -> Vec<String> {
+        for &r in which {
+            writeln!(self.ranks[r].stdin, "{cmd}").unwrap();
+            self.ranks[r].stdin.flush().unwrap();
+        }
+        which
+            .iter()
+            .map(|&r| {
+                let mut line = String::new();
+                self.ranks[r].stdout.read_line(&mut line).unwrap();
+                assert!(!line.is_empty(), "rank {r} exited during {cmd:?}");
+                line.trim().to_owned()
+            })
+            .collect()
+    }
+
+    fn all(&mut self, cmd: &str) -> Vec<String> {
+        let all: Vec<usize> = (0..self.ranks.len()).collect();
+        self.on(&all, cmd)
+    }
+
+    fn all_ok(&mut self, cmd: &str) {
+        for (r, a) in self.all(cmd).iter().enumerate() {
+            assert_eq!(a, "ok", "rank {r}: {cmd}");
+        }
+    }
+
+    fn used(&mut self) -> u64 {
+        self.on(&[0], "used")[0]
+            .strip_prefix("ok ")
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+
+    /// Allocates `mib` per rank, exchanges, writes seed = rank, checks every import.
+    fn setup(&mut self, mib: u64) {
+        self.all_ok(&format!("alloc {mib}"));
+        self.all_ok("exchange");
+        for r in 0..self.ranks.len() {
+            assert_eq!(self.on(&[r], &format!("write {r}")), ["ok"]);
+        }
+        self.check_all();
+    }
+
+    fn check_all(&mut self) {
+        let n = self.ranks.len();
+        for r in 0..n {
+            for peer in (0..n).filter(|p| *p != r) {
+                assert_eq!(
+                    self.on(&[r], &format!("check {peer} {peer}")),
+                    ["ok"],
+                    "rank {r} reads rank {peer}"
+                );
+            }
+        }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for r in &mut self.ranks {
+            let _ = writeln!(r.stdin, "exit");
+            let _ = r.child.kill();
+            let _ = r.child.wait();
+        }
+    }
+}
+
+fn pause_resume_cycles(world: usize) {
+    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
+    let mut job = Job::start(world, 7, &fake, &rt, 5000);
+    job.setup(4);
+    let resident = job.used();
+    assert_eq!(
+        resident,
+        world as u64 * 4 * MIB,
+        "one buffer per rank, imports share it"
+    );
+    for cycle in 0..3 {
+        job.all_ok("pause");
+        assert_eq!(
+            job.used(),
+            0,
+            "cycle {cycle}: every process let go, nothing is left"
+        );
+        job.all_ok("resume");
+        assert_eq!(job.used(), resident, "cycle {cycle}");
+        job.check_all();
+    }
+    job.all_ok("free");
+    assert_eq!(job.used(), 0);
+    drop(job);
+    let _ = std::fs::remove_dir_all(&fake);
+    let _ = std::fs::remove_dir_all(&rt);
+}
+
+#[test]
+fn two_ranks_pause_and_resume_together() {
+    pause_resume_cycles(2);
+}
+
+#[test]
+fn four_ranks_pause_and_resume_together() {
+    pause_resume_cycles(4);
+}
+
+#[test]
+fn a_peer_that_does_not_pause_is_named_and_a_dead_one_releases() {
+    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
+    let mut job = Job::start(2, 9, &fake, &rt, 300);
+    job.setup(4);
+    // Rank 1 keeps running and does not pause: rank 0's pause releases its side, then fails
+    // after the timeout naming rank 1, whose import still holds rank 0's buffer.
+    let a = job.on(&[0], "pause").remove(0);
+    assert!(a.starts_with("err 11 "), "{a}");
+    assert!(
+        a.contains(&job.pid(1).to_string()) && a.contains("must pause"),
+        "{a}"
+    );
+    assert_eq!(
+        job.used(),
+        8 * MIB,
+        "rank 1's buffer and its import of rank 0's are alive"
+    );
+    // Rank 1 dies: its imports die with it, and a retried pause of rank 0 completes.
+    let _ = job.ranks[1].child.kill();
+    let _ = job.ranks[1].child.wait();
+    assert_eq!(job.on(&[0], "pause"), ["ok"]);
+    assert_eq!(job.used(), 0);
+    // Resuming rank 0: its own buffer comes back; the import of the dead rank's buffer cannot.
+    let a = job.on(&[0], "resume").remove(0);
+    assert!(
+        a.starts_with("err 11 ") && a.contains(&job.pid(1).to_string()),
+        "{a}"
+    );
+    assert_eq!(job.used(), 4 * MIB);
+    let _ = std::fs::remove_dir_all(&fake);
+    let _ = std::fs::remove_dir_all(&rt);
+}
+
+#[test]
+fn two_groups_on_the_same_devices_stay_apart() {
+    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
+    let mut train = Job::start(2, 100, &fake, &rt, 5000);
+    let mut infer = Job::start(2, 200, &fake, &rt, 5000);
+    train.setup(4);
+    infer.setup(6);
+    assert_eq!(train.used(), 20 * MIB);
+    train.all_ok("pause");
+    assert_eq!(
+        train.used(),
+        12 * MIB,
+        "only the training group's 8 MiB went"
+    );
+    infer.check_all();
+    infer.all_ok("pause");
+    assert_eq!(infer.used(), 0);
+    infer.all_ok("resume");
+    train.all_ok("resume");
+    train.check_all();
+    infer.check_all();
+    assert_eq!(train.used(), 20 * MIB);
+    let _ = std::fs::remove_dir_all(&fake);
+    let _ = std::fs::remove_dir_all(&rt);
+}
