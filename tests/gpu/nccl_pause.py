@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU check of pausing NCCL's own memory (issue 4, single-process stage), stock NCCL.
+"""GPU check of pausing NCCL's own memory across processes (issue 4), stock NCCL.
 
 Run with torchrun, one process per GPU, under the preload:
 
@@ -9,9 +9,8 @@ Run with torchrun, one process per GPU, under the preload:
 World group plus two subgroups; all_reduce, all_gather, reduce_scatter, all_to_all, broadcast
 and send/recv checked before and after each pause/resume cycle of the `nccl` tag (with a
 tensor tag paused alongside). Reports per rank the memory freed by pause (cudaMemGetInfo)
-against NCCL's footprint and the hook's own figures, and pause/resume times. This stage
-releases the device memory NCCL created and did not export; exported buffers and imports
-stay resident until the cross-process protocol exists, so the freed share is partial.
+against NCCL's footprint and the hook's own figures, and pause/resume times. Every rank
+must run under the preload (exports are exchanged as memsaver tokens).
 Exits non-zero on a wrong result, a failed call, or nothing freed.
 """
 import json
