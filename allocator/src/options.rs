@@ -22,6 +22,26 @@ pub const OPTIONS: &[OptionDoc] = &[
         doc: "Python package: auto (preload if libmemsaver.so is preloaded, else inprocess), preload (fail with instructions unless preloaded) or inprocess",
     },
     OptionDoc {
+        env: "MEMSAVER_GROUP",
+        default: "0",
+        doc: "group id of the process for the nccl tag: processes pause and resume NCCL memory with peers of the same group only (AMEM_GROUPID and ncclSetGroupID work too)",
+    },
+    OptionDoc {
+        env: "MEMSAVER_NCCL_TIMEOUT_MS",
+        default: "30000",
+        doc: "how long pause('nccl') waits for peers to release their imports, and resume for owners to come back",
+    },
+    OptionDoc {
+        env: "MEMSAVER_NCCL_TOKENS",
+        default: "1",
+        doc: "0: NCCL exports plain driver fds (for jobs with processes not preloaded); exported buffers and imports then stay resident on pause",
+    },
+    OptionDoc {
+        env: "MEMSAVER_RUNTIME_DIR",
+        default: "$XDG_RUNTIME_DIR/memsaver or /tmp/memsaver-<uid>",
+        doc: "private directory (mode 0700) for the sockets processes use to coordinate the nccl tag",
+    },
+    OptionDoc {
         env: "MEMSAVER_LOG",
         default: "warn",
         doc: "log filter for tracing (error, warn, info, debug, trace, or a directive like memsaver_allocator=debug); logs go to stderr",
