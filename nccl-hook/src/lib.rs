@@ -9,16 +9,19 @@
 //! 2. [`procaddr`]: that wrapper asks the driver and swaps in our wrappers for NCCL's VMM calls.
 //! 3. `vmm`: the wrappers give NCCL virtual handles and record every handle and mapping in
 //!    `registry`, so the memory behind them can be released and re-created.
-//! 4. [`NcclTag`]: the `nccl` tag of the allocator. Pause releases (after backing it up) the
-//!    device memory NCCL created and did not export; resume restores it at the same addresses.
+//! 4. [`NcclTag`]: the `nccl` tag of the allocator. Pause backs up and releases NCCL's device
+//!    memory; resume restores it at the same addresses.
 //!
 //! 5. [`amem`]: the AMem plugin's C API (`ncclPause`, `ncclResume`, ...), also answered to
 //!    lookups in libnccl's handle.
 //!
-//! Not built yet (issue 4): releasing exported buffers and imports, which needs peers to let go
-//! together (cross-process protocol); NCCL calls made while paused returning an NCCL error.
+//! 6. `peer`: cross-process references (token exports, owners' sockets) so pause and resume
+//!    release and rebuild exported buffers and imports together with the peer processes.
+//! 7. `guard`: NCCL's collectives and send/recv, interposed, return `ncclInvalidUsage` while the
+//!    tag is paused.
 
 pub mod amem;
+mod guard;
 pub mod interpose;
 mod peer;
 pub mod procaddr;
@@ -42,6 +45,7 @@ pub fn init_logging() {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .try_init();
     });
 }

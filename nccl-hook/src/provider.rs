@@ -117,6 +117,7 @@ impl NcclTag {
         let d = a.driver();
         let mut reg = registry::lock();
         reg.paused = true;
+        crate::guard::set_paused(true);
         let (own, imports) = releasable(&reg);
         let mut devices: Vec<i32> = own
             .iter()
@@ -346,6 +347,7 @@ impl ExternalTag for NcclTag {
         }
         n += self.map_imports(fetched)?;
         registry::lock().paused = false;
+        crate::guard::set_paused(false);
         Ok(report(n, bytes, bytes, start))
     }
 

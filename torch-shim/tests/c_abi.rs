@@ -21,11 +21,17 @@ fn stats() -> serde_json::Value {
     // SAFETY: NULL buffer with len 0 asks for the size.
     let rc = unsafe { memsaver_stats_json(std::ptr::null_mut(), 0, &mut needed) };
     assert_eq!(rc, Status::BufferTooSmall as i32);
-    let mut buf = vec![0u8; needed];
-    // SAFETY: `buf` has `needed` bytes.
-    let rc = unsafe { memsaver_stats_json(buf.as_mut_ptr().cast(), buf.len(), &mut needed) };
-    assert_eq!(rc, 0, "{}", last_error());
-    serde_json::from_slice(&buf[..needed - 1]).unwrap()
+    // Other tests of this process add tags concurrently: grow the buffer until the text fits.
+    loop {
+        let mut buf = vec![0u8; needed];
+        // SAFETY: `buf` has `buf.len()` bytes.
+        let rc = unsafe { memsaver_stats_json(buf.as_mut_ptr().cast(), buf.len(), &mut needed) };
+        if rc == Status::BufferTooSmall as i32 {
+            continue;
+        }
+        assert_eq!(rc, 0, "{}", last_error());
+        return serde_json::from_slice(&buf[..needed - 1]).unwrap();
+    }
 }
 
 fn tag<'a>(s: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {

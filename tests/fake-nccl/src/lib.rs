@@ -255,3 +255,27 @@ pub unsafe extern "C" fn fake_nccl_free(cuda_lib: *const c_char, a: *const FakeN
     };
     r.err().unwrap_or(0)
 }
+
+/// NCCL's `ncclAllReduce`, reduced to what the tests need: it succeeds (returns 0) and counts
+/// its calls, so a test can tell a forwarded call from a refused one.
+#[unsafe(no_mangle)]
+pub extern "C" fn ncclAllReduce(
+    _send: *const c_void,
+    _recv: *mut c_void,
+    _count: usize,
+    _dtype: c_int,
+    _op: c_int,
+    _comm: *mut c_void,
+    _stream: *mut c_void,
+) -> c_int {
+    ALL_REDUCE_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    0
+}
+
+static ALL_REDUCE_CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// How many times `ncclAllReduce` ran.
+#[unsafe(no_mangle)]
+pub extern "C" fn fake_nccl_all_reduce_calls() -> u32 {
+    ALL_REDUCE_CALLS.load(std::sync::atomic::Ordering::Relaxed)
+}

@@ -120,6 +120,9 @@ fn pausing_nccl_releases_its_memory_and_restores_it_in_place() {
             r#""exported_bytes":4194304"#,
         ],
     );
+    // NCCL calls while paused are refused (ncclInvalidUsage) without reaching NCCL; after
+    // resume they reach it again.
+    assert_eq!(r["allreduce_paused_rc"], "5/0");
     assert_eq!(r["resume_rc"], "0");
     assert_eq!(r["taken_by_resume"], (10 << 20).to_string());
     assert_eq!(

@@ -133,6 +133,7 @@ fn main() {
         let paused = mem_info();
         println!("freed_by_pause={}", paused - before);
         println!("stats_paused={}", nccl_stats());
+        println!("allreduce_paused_rc={}", all_reduce(hn));
         // SAFETY: NUL-terminated tag list.
         println!("resume_rc={}", unsafe { resume(c"nccl".as_ptr()) });
         println!("taken_by_resume={}", paused - mem_info());
@@ -143,6 +144,7 @@ fn main() {
             bytes.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8)
         );
         println!("stats_resumed={}", nccl_stats());
+        println!("allreduce_resumed_rc={}", all_reduce(hn));
         // Free a buffer while paused, through NCCL's own free path, then resume the rest.
         // SAFETY: as above.
         println!("pause2_rc={}", unsafe { pause(c"nccl".as_ptr()) });
@@ -210,4 +212,26 @@ fn amem_api(hn: *mut c_void) {
         println!("amem_get_rc={}", get(&mut id));
     }
     println!("amem_group={id}");
+}
+
+/// Calls `ncclAllReduce` as an application linked against NCCL would (global lookup), and
+/// reports its result and how many calls reached the library: `rc/calls`.
+fn all_reduce(hn: *mut c_void) -> String {
+    type AllReduce = unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        *mut c_void,
+        *mut c_void,
+    ) -> c_int;
+    type Calls = unsafe extern "C" fn() -> u32;
+    let f: AllReduce = sym(libc::RTLD_DEFAULT, c"ncclAllReduce");
+    let calls: Calls = sym(hn, c"fake_nccl_all_reduce_calls");
+    let null = std::ptr::null_mut();
+    // SAFETY: the fake's ncclAllReduce ignores its arguments.
+    let rc = unsafe { f(null, null, 0, 0, 0, null, null) };
+    // SAFETY: plain counter read.
+    format!("{rc}/{}", unsafe { calls() })
 }

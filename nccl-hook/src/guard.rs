@@ -1,0 +1,114 @@
+//! NCCL's collective and point-to-point entry points, guarded: while the `nccl` tag is paused
+//! they return `ncclInvalidUsage` with a clear message instead of letting NCCL touch released
+//! memory (a crash, a hang, or silent corruption). Otherwise they forward to libnccl.
+//!
+//! With libmemsaver.so preloaded these definitions come first in the global lookup scope, so
+//! callers linked against libnccl (torch's ProcessGroupNCCL) reach them. Code that looks the
+//! functions up in libnccl's own handle (pynccl) reaches NCCL directly and is not guarded.
+
+use std::ffi::{CStr, c_int, c_void};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+/// `ncclInvalidUsage`.
+const NCCL_INVALID_USAGE: c_int = 5;
+/// `ncclSystemError`: libnccl's definition could not be found.
+const NCCL_SYSTEM_ERROR: c_int = 2;
+
+/// Mirrors the `nccl` tag's paused state, read on every guarded call without a lock.
+static PAUSED: AtomicBool = AtomicBool::new(false);
+
+pub(crate) fn set_paused(paused: bool) {
+    PAUSED.store(paused, Ordering::Release);
+}
+
+fn refuse(name: &str) -> c_int {
+    tracing::error!(
+        "{name} called while the 'nccl' tag is paused: call memsaver.resume('nccl') (or ncclResume) first"
+    );
+    NCCL_INVALID_USAGE
+}
+
+/// libnccl's definition of `name`: the next one after this library, else in an already loaded
+/// libnccl (loaded into a local scope, where RTLD_NEXT does not look).
+fn resolve(slot: &AtomicUsize, name: &CStr) -> Option<usize> {
+    let cached = slot.load(Ordering::Acquire);
+    if cached != 0 {
+        return Some(cached);
+    }
+    // SAFETY: RTLD_NEXT lookup of a NUL-terminated name.
+    let mut p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) };
+    if p.is_null() {
+        // SAFETY: NUL-terminated name; RTLD_NOLOAD never loads anything new.
+        let h =
+            unsafe { libc::dlopen(c"libnccl.so.2".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        if !h.is_null() {
+            // SAFETY: live handle, NUL-terminated name.
+            p = unsafe { libc::dlsym(h, name.as_ptr()) };
+        }
+    }
+    if p.is_null() || in_this_library(p) {
+        return None;
+    }
+    slot.store(p as usize, Ordering::Release);
+    Some(p as usize)
+}
+
+/// Whether `p` lies in libmemsaver.so itself (never forward to ourselves).
+fn in_this_library(p: *mut c_void) -> bool {
+    let base = |addr: *const c_void| {
+        // SAFETY: zeroed Dl_info is a valid out-parameter; any address may be asked about.
+        let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        (unsafe { libc::dladdr(addr, &mut info) } != 0).then_some(info.dli_fbase)
+    };
+    base(p).is_some() && base(p) == base(refuse as *const c_void)
+}
+
+macro_rules! guarded {
+    ($($name:ident($($arg:ident: $ty:ty),*);)*) => {
+        $(
+            /// Guarded NCCL entry point (see the module documentation).
+            ///
+            /// # Safety
+            /// As NCCL's function of the same name.
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
+                if PAUSED.load(Ordering::Acquire) {
+                    return refuse(stringify!($name));
+                }
+                static REAL: AtomicUsize = AtomicUsize::new(0);
+                let name = concat!(stringify!($name), "\0");
+                // SAFETY: a literal with one trailing NUL.
+                let cname = unsafe { CStr::from_bytes_with_nul_unchecked(name.as_bytes()) };
+                match resolve(&REAL, cname) {
+                    Some(f) => {
+                        // SAFETY: libnccl's function of this name has this C signature (nccl.h).
+                        let f = unsafe { std::mem::transmute::<usize, unsafe extern "C" fn($($ty),*) -> c_int>(f) };
+                        // SAFETY: forwarding the caller's arguments unchanged.
+                        unsafe { f($($arg),*) }
+                    }
+                    None => NCCL_SYSTEM_ERROR,
+                }
+            }
+        )*
+    };
+}
+
+type Buf = *const c_void;
+type BufMut = *mut c_void;
+type Comm = *mut c_void;
+type Stream = *mut c_void;
+
+guarded! {
+    ncclAllReduce(send: Buf, recv: BufMut, count: usize, dtype: c_int, op: c_int, comm: Comm, stream: Stream);
+    ncclBroadcast(send: Buf, recv: BufMut, count: usize, dtype: c_int, root: c_int, comm: Comm, stream: Stream);
+    ncclBcast(buf: BufMut, count: usize, dtype: c_int, root: c_int, comm: Comm, stream: Stream);
+    ncclReduce(send: Buf, recv: BufMut, count: usize, dtype: c_int, op: c_int, root: c_int, comm: Comm, stream: Stream);
+    ncclAllGather(send: Buf, recv: BufMut, count: usize, dtype: c_int, comm: Comm, stream: Stream);
+    ncclReduceScatter(send: Buf, recv: BufMut, count: usize, dtype: c_int, op: c_int, comm: Comm, stream: Stream);
+    ncclAlltoAll(send: Buf, recv: BufMut, count: usize, dtype: c_int, comm: Comm, stream: Stream);
+    ncclGather(send: Buf, recv: BufMut, count: usize, dtype: c_int, root: c_int, comm: Comm, stream: Stream);
+    ncclScatter(send: Buf, recv: BufMut, count: usize, dtype: c_int, root: c_int, comm: Comm, stream: Stream);
+    ncclSend(send: Buf, count: usize, dtype: c_int, peer: c_int, comm: Comm, stream: Stream);
+    ncclRecv(recv: BufMut, count: usize, dtype: c_int, peer: c_int, comm: Comm, stream: Stream);
+}
