@@ -64,13 +64,19 @@ def main():
     torch.ones(1, device="cuda")
     torch.cuda.synchronize()
     free_start = torch.cuda.mem_get_info()[0]
+    reserved_start = torch.cuda.memory_reserved()
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     groups = [dist.group.WORLD, dist.new_group(list(range(world))), dist.new_group(list(range(world)))]
     ok = collectives(groups, rank, world, 0)
     with memsaver.region("kv_cache"):
         kv = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info()[0]
-    footprint = free_start - free_before - (1 << 30)
+    # What NCCL added: the drop in free memory, less what torch's caching allocator holds
+    # (the collectives' tensors and the 1 GiB kv_cache tensor).
+    torch_growth = torch.cuda.memory_reserved() - reserved_start
+    footprint = free_start - free_before - torch_growth
     pause_ms, resume_ms, freed = [], [], []
     for step in range(1, cycles + 1):
         dist.barrier()
@@ -88,10 +94,13 @@ def main():
         ok &= collectives(groups, rank, world, step)
         kv.fill_(step)
     s = memsaver.nccl_stats()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     free_end = torch.cuda.mem_get_info()[0]
     report = {
         "rank": rank, "cycles": cycles, "collectives_correct": ok,
         "nccl_footprint_mib": round(footprint / MIB, 1),
+        "torch_reserved_growth_mib": round(torch_growth / MIB, 1),
         "nccl_owned_mib": round(s["owned_bytes"] / MIB, 1),
         "exported_mib": round(s["exported_bytes"] / MIB, 1),
         "imported_mib": round(s["imported_bytes"] / MIB, 1),

@@ -205,6 +205,11 @@ fn four_ranks_pause_and_resume_together() {
 }
 
 #[test]
+fn eight_ranks_pause_and_resume_together() {
+    pause_resume_cycles(8);
+}
+
+#[test]
 fn a_peer_that_does_not_pause_is_named_and_a_dead_one_releases() {
     let (fake, rt) = (tempdir("fake"), tempdir("rt"));
     let mut job = Job::start(2, 9, &fake, &rt, 300);
