@@ -9,21 +9,9 @@
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 
-#[repr(C)]
-#[derive(Default)]
-struct FakeNcclAlloc {
-    get_proc_address: usize,
-    mem_create: usize,
-    handle: u64,
-    ptr: u64,
-    size: usize,
-    exported_fd: c_int,
-}
+use memsaver_scenarios::{Alloc, FakeNcclAlloc, Free, TagCall, sym};
 
-type Alloc = unsafe extern "C" fn(*const c_char, usize, c_int, *mut FakeNcclAlloc) -> c_int;
-type Free = unsafe extern "C" fn(*const c_char, *const FakeNcclAlloc) -> c_int;
 type StatsJson = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
-type TagCall = unsafe extern "C" fn(*const c_char) -> c_int;
 
 /// The file name of the object containing `addr`.
 fn object_of(addr: usize) -> String {
@@ -38,14 +26,6 @@ fn object_of(addr: usize) -> String {
         .to_string_lossy()
         .into_owned();
     path.rsplit('/').next().unwrap_or(&path).to_owned()
-}
-
-fn sym<T: Copy>(h: *mut c_void, name: &CStr) -> T {
-    // SAFETY: live handle (or RTLD_DEFAULT), NUL-terminated name.
-    let p = unsafe { libc::dlsym(h, name.as_ptr()) };
-    assert!(!p.is_null(), "missing symbol {name:?}");
-    // SAFETY: the caller names the function's type.
-    unsafe { std::mem::transmute_copy::<*mut c_void, T>(&p) }
 }
 
 fn nccl_stats() -> String {

@@ -15,7 +15,9 @@
 //! free             free imports and the own buffer through NCCL's free path
 //! ```
 
-use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::ffi::{CStr, CString, c_char};
+
+use memsaver_scenarios::{Alloc, FakeNcclAlloc, Free, Import, TagCall, sym};
 use std::io::{BufRead, IoSlice, IoSliceMut, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -24,30 +26,7 @@ use std::path::PathBuf;
 use memsaver_allocator::driver::sys::fns;
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, UnixAddr, recvmsg, sendmsg};
 
-#[repr(C)]
-#[derive(Default, Clone, Copy)]
-struct FakeNcclAlloc {
-    get_proc_address: usize,
-    mem_create: usize,
-    handle: u64,
-    ptr: u64,
-    size: usize,
-    exported_fd: c_int,
-}
-
-type Alloc = unsafe extern "C" fn(*const c_char, usize, c_int, *mut FakeNcclAlloc) -> c_int;
-type Import = unsafe extern "C" fn(*const c_char, c_int, usize, *mut FakeNcclAlloc) -> c_int;
-type Free = unsafe extern "C" fn(*const c_char, *const FakeNcclAlloc) -> c_int;
-type TagCall = unsafe extern "C" fn(*const c_char) -> c_int;
 type LastError = unsafe extern "C" fn() -> *const c_char;
-
-fn sym<T: Copy>(h: *mut c_void, name: &CStr) -> T {
-    // SAFETY: live handle (or RTLD_DEFAULT), NUL-terminated name.
-    let p = unsafe { libc::dlsym(h, name.as_ptr()) };
-    assert!(!p.is_null(), "missing symbol {name:?}");
-    // SAFETY: the caller names the function's type.
-    unsafe { std::mem::transmute_copy::<*mut c_void, T>(&p) }
-}
 
 fn pattern(seed: u64, i: usize) -> u8 {
     (seed as usize * 131 + i / 4096 * 7 + i) as u8
