@@ -72,6 +72,9 @@ pub enum Error {
     #[error("{tag}: {message}")]
     Peer { tag: String, message: String },
 
+    #[error("{0}")]
+    Profile(#[from] crate::profile::ProfileError),
+
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 }

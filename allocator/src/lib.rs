@@ -14,6 +14,7 @@
 
 pub mod driver;
 pub mod options;
+pub mod profile;
 pub mod stats;
 pub mod types;
 

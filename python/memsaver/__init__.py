@@ -29,15 +29,17 @@ from ._memsaver import (
     DriverNotLoadedError,
     IncompleteError,
     InvalidArgumentError,
-    PeerError,
     MemsaverError,
     OutOfMemoryError,
+    PeerError,
+    ProfileError,
     ResumeOutOfMemoryError,
     TagPausedError,
     UnknownPointerError,
     UnknownTagError,
 )
 from ._stats import Stats, TagStats, Usage
+from .profile import Profile, ProfileStepError, StageReport, StepReport, load_profile, parse_profile
 
 __all__ = [
     # regions and pause/resume
@@ -70,6 +72,15 @@ __all__ = [
     "DriverNotLoadedError",
     "IncompleteError",
     "PeerError",
+    "ProfileError",
+    "ProfileStepError",
+    # profiles
+    "load_profile",
+    "parse_profile",
+    "Profile",
+    "StageReport",
+    "StepReport",
+    "device_memory",
 ]
 
 def _version() -> str:
@@ -225,3 +236,9 @@ def nccl_stats() -> dict[str, int | bool]:
     _core.ensure_loaded()
     result: dict[str, int | bool] = json.loads(_memsaver.nccl_stats_json())
     return result
+
+
+def device_memory(device: int = 0) -> tuple[int, int]:
+    """(free, total) bytes of ``device`` as the CUDA driver reports them (all processes)."""
+    _core.ensure_loaded()
+    return _memsaver.device_memory(device)

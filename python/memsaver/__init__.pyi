@@ -5,6 +5,12 @@ from contextlib import _GeneratorContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .profile import Profile as Profile
+from .profile import ProfileStepError as ProfileStepError
+from .profile import StageReport as StageReport
+from .profile import StepReport as StepReport
+from .profile import load_profile as load_profile
+from .profile import parse_profile as parse_profile
 from ._memsaver import (
     DriverError,
     DriverNotLoadedError,
@@ -12,6 +18,7 @@ from ._memsaver import (
     InvalidArgumentError,
     MemsaverError,
     PeerError,
+    ProfileError,
     OutOfMemoryError,
     ResumeOutOfMemoryError,
     TagPausedError,
@@ -48,6 +55,14 @@ __all__ = [
     "DriverNotLoadedError",
     "IncompleteError",
     "PeerError",
+    "ProfileError",
+    "ProfileStepError",
+    "load_profile",
+    "parse_profile",
+    "Profile",
+    "StageReport",
+    "StepReport",
+    "device_memory",
 ]
 
 @dataclass(frozen=True)
@@ -94,3 +109,4 @@ def require_preload() -> None: ...
 def preload_path() -> str: ...
 def subprocess_env(environ: Mapping[str, str] | None = None) -> dict[str, str]: ...
 def configure_subprocess() -> _GeneratorContextManager[dict[str, str]]: ...
+def device_memory(device: int = 0) -> tuple[int, int]: ...

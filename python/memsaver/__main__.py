@@ -4,6 +4,8 @@ python -m memsaver env            shell lines for preload mode (eval "$(python -
 python -m memsaver env --json     the same variables as JSON (e.g. for Ray's runtime_env)
 python -m memsaver preload-path   the libmemsaver.so to preload
 python -m memsaver stats          hook mode, library and stats of this process (a load check)
+python -m memsaver check FILE...  validate pause/resume profiles (no GPU needed)
+python -m memsaver run FILE STAGE run one stage of a profile (call steps are skipped)
 """
 
 from __future__ import annotations
@@ -32,7 +34,44 @@ def _parser() -> argparse.ArgumentParser:
     env.add_argument("--json", action="store_true", help="print the variables as a JSON object")
     sub.add_parser("preload-path", help="print the path of the libmemsaver.so to preload")
     sub.add_parser("stats", help="load memsaver in this process and print its hook mode and stats")
+    check = sub.add_parser("check", help="validate pause/resume profiles (YAML)")
+    check.add_argument("files", nargs="+", metavar="FILE")
+    run = sub.add_parser("run", help="run one stage of a profile in this process")
+    run.add_argument("file", metavar="FILE")
+    run.add_argument("stage", metavar="STAGE")
     return p
+
+
+def _check(files: list[str]) -> int:
+    import memsaver
+
+    status = 0
+    for f in files:
+        try:
+            p = memsaver.load_profile(f)
+        except (OSError, memsaver.MemsaverError) as e:
+            print(f"{e}", file=sys.stderr)
+            status = 1
+            continue
+        calls = p.callbacks()
+        print(
+            f"{f}: ok (version {p.version}; tags: {', '.join(sorted(p.tags))}; "
+            f"stages: {', '.join(sorted(p.stages))}"
+            + (f"; callbacks: {', '.join(calls)})" if calls else ")")
+        )
+    return status
+
+
+def _run(file: str, stage: str) -> int:
+    import memsaver
+
+    try:
+        report = memsaver.load_profile(file).run(stage, skip_calls=True)
+    except (OSError, memsaver.MemsaverError) as e:
+        print(f"memsaver: {e}", file=sys.stderr)
+        return 1
+    print(report)
+    return 0
 
 
 def _stats() -> int:
@@ -60,12 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_usage(sys.stderr)
         print(
-            f"{parser.prog}: error: a command is required (env, preload-path, stats)",
+            f"{parser.prog}: error: a command is required (env, preload-path, stats, check, run)",
             file=sys.stderr,
         )
         return 2
     from memsaver import _launch
 
+    if args.command == "check":
+        return _check(args.files)
+    if args.command == "run":
+        return _run(args.file, args.stage)
     if args.command == "env":
         if args.json:
             print(json.dumps(_launch.subprocess_env(), indent=2))

@@ -72,6 +72,13 @@ create_exception!(
     "A peer process did not take part in a pause or resume of the nccl tag."
 );
 
+create_exception!(
+    memsaver,
+    ProfileError,
+    MemsaverError,
+    "An invalid pause/resume profile; the message gives file:line:column and what was expected."
+);
+
 /// The exception for a status code of the C ABI, carrying `message`.
 pub fn from_status(code: i32, message: String) -> PyErr {
     match code {
@@ -85,6 +92,7 @@ pub fn from_status(code: i32, message: String) -> PyErr {
         8 => DriverNotLoadedError::new_err(message),
         9 => IncompleteError::new_err(message),
         11 => PeerError::new_err(message),
+        12 => ProfileError::new_err(message),
         _ => MemsaverError::new_err(format!("{message} (status {code})")),
     }
 }
@@ -111,5 +119,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("IncompleteError", py.get_type::<IncompleteError>())?;
     m.add("PeerError", py.get_type::<PeerError>())?;
+    m.add("ProfileError", py.get_type::<ProfileError>())?;
     Ok(())
 }

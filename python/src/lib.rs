@@ -73,29 +73,32 @@ fn resume(py: Python<'_>, tags: Vec<String>) -> PyResult<()> {
     check(l, code)
 }
 
-type JsonFn = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
-
 /// The stats as a JSON string.
 #[pyfunction]
 fn stats_json() -> PyResult<String> {
     let l = lib()?;
-    read_json(l, l.memsaver_stats_json)
+    // SAFETY: the buffer protocol of read_json.
+    read_json(l, |b, n, nd| unsafe { (l.memsaver_stats_json)(b, n, nd) })
 }
 
 /// NCCL's memory as the hook sees it, as a JSON string.
 #[pyfunction]
 fn nccl_stats_json() -> PyResult<String> {
     let l = lib()?;
-    read_json(l, l.memsaver_nccl_stats_json)
+    // SAFETY: the buffer protocol of read_json.
+    read_json(l, |b, n, nd| unsafe {
+        (l.memsaver_nccl_stats_json)(b, n, nd)
+    })
 }
 
-/// Calls one of the `*_json` functions, growing the buffer until the text fits.
-fn read_json(l: &Library, f: JsonFn) -> PyResult<String> {
+/// Calls one of the `*_json` functions (through `f`, which receives a buffer, its length and
+/// the out-pointer for the needed size), growing the buffer until the text fits.
+fn read_json(l: &Library, f: impl Fn(*mut c_char, usize, *mut usize) -> c_int) -> PyResult<String> {
     let mut needed = 0usize;
     let mut buf: Vec<u8> = Vec::new();
     loop {
-        // SAFETY: `buf` has `buf.len()` writable bytes; `needed` is a valid out-pointer.
-        let code = unsafe { f(buf.as_mut_ptr().cast::<c_char>(), buf.len(), &mut needed) };
+        // `f` gets a buffer of `buf.len()` writable bytes and a valid out-pointer.
+        let code = f(buf.as_mut_ptr().cast::<c_char>(), buf.len(), &mut needed);
         if code == 10 && needed > buf.len() {
             buf.resize(needed, 0);
             continue;
@@ -104,6 +107,29 @@ fn read_json(l: &Library, f: JsonFn) -> PyResult<String> {
         buf.truncate(needed.saturating_sub(1));
         return String::from_utf8(buf).map_err(|e| error::MemsaverError::new_err(e.to_string()));
     }
+}
+
+/// Parses and validates a profile; returns it as JSON.
+#[pyfunction]
+fn parse_profile(text: &str, file: &str) -> PyResult<String> {
+    let l = lib()?;
+    let (t, f) = (cstr(text, "profile text")?, cstr(file, "file name")?);
+    read_json(l, |buf, len, needed| {
+        // SAFETY: NUL-terminated strings that outlive the call; the buffer protocol of read_json.
+        unsafe { (l.memsaver_profile_parse)(t.as_ptr(), f.as_ptr(), buf, len, needed) }
+    })
+}
+
+/// (free, total) bytes of `device`.
+#[pyfunction]
+fn device_memory(device: i32) -> PyResult<(usize, usize)> {
+    let l = lib()?;
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: valid out-pointers.
+    check(l, unsafe {
+        (l.memsaver_device_memory)(device, &mut free, &mut total)
+    })?;
+    Ok((free, total))
 }
 
 #[pyfunction]
@@ -166,6 +192,8 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(resume, m)?)?;
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_stats_json, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_profile, m)?)?;
+    m.add_function(wrap_pyfunction!(device_memory, m)?)?;
     m.add_function(wrap_pyfunction!(register_tag, m)?)?;
     m.add_function(wrap_pyfunction!(region_enter, m)?)?;
     m.add_function(wrap_pyfunction!(region_disable, m)?)?;

@@ -28,6 +28,7 @@ typedef enum memsaver_status {
     MEMSAVER_ERR_INCOMPLETE = 9,           /* some allocations kept their previous state */
     MEMSAVER_ERR_BUFFER_TOO_SMALL = 10,
     MEMSAVER_ERR_PEER = 11,                /* a peer process did not take part (nccl tag) */
+    MEMSAVER_ERR_PROFILE = 12,             /* an invalid profile: file:line:column: reason */
     MEMSAVER_ERR_INTERNAL = 99
 } memsaver_status;
 
@@ -44,6 +45,15 @@ int memsaver_resume(const char *tags);
 /* Stats as JSON: {"tags":[{"tag","paused","allocations","reserved_bytes","resident_bytes",
  * "backup_bytes","devices":[...]}],"total":{...}}. *needed gets the size including the NUL. */
 int memsaver_stats_json(char *buf, size_t len, size_t *needed);
+
+/* NCCL's memory as the hook sees it (JSON), like memsaver_stats_json. */
+int memsaver_nccl_stats_json(char *buf, size_t len, size_t *needed);
+
+/* Parses and validates a YAML pause/resume profile; writes it as JSON like memsaver_stats_json. */
+int memsaver_profile_parse(const char *text, const char *file, char *buf, size_t len, size_t *needed);
+
+/* Free and total bytes of a device, as the driver reports them. */
+int memsaver_device_memory(int device, size_t *free, size_t *total);
 
 /* Thread-local regions: allocations made through the hooks inside get this tag and policy. */
 int memsaver_region_enter(const char *tag, const char *policy);

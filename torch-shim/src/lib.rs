@@ -32,6 +32,7 @@ pub enum Status {
     Incomplete = 9,
     BufferTooSmall = 10,
     Peer = 11,
+    Profile = 12,
     Internal = 99,
 }
 
@@ -48,6 +49,7 @@ impl Status {
             Error::Incomplete { .. } => Status::Incomplete,
             Error::InvalidArgument(_) => Status::InvalidArgument,
             Error::PeersHoldMemory { .. } | Error::Peer { .. } => Status::Peer,
+            Error::Profile(_) => Status::Profile,
         }
     }
 }
@@ -278,6 +280,57 @@ pub unsafe extern "C" fn memsaver_nccl_stats_json(
             Ok(serde_json::to_string(&memsaver_nccl_hook::stats()))
         })
     }
+}
+
+/// Parses and validates a staged pause/resume profile (YAML text; `file` names it in
+/// messages) and writes it as JSON into `buf`, with the protocol of [`memsaver_stats_json`].
+/// An invalid profile gives `MEMSAVER_ERR_PROFILE` with `file:line:column: what was expected`.
+///
+/// # Safety
+/// `text` and `file` are NUL-terminated; `buf`/`needed` as for [`memsaver_stats_json`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_profile_parse(
+    text: *const c_char,
+    file: *const c_char,
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe {
+        write_json(buf, len, needed, || {
+            let text = req_str(text, "text")?;
+            let file = opt_str(file, "file")?.unwrap_or("<profile>");
+            let p = memsaver_allocator::profile::parse(text, file)?;
+            Ok(serde_json::to_string(&p))
+        })
+    }
+}
+
+/// Free and total bytes of `device` as the driver reports them.
+///
+/// # Safety
+/// `free` and `total` are valid out-pointers.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_device_memory(
+    device: c_int,
+    free: *mut usize,
+    total: *mut usize,
+) -> c_int {
+    ffi(|| {
+        if free.is_null() || total.is_null() {
+            return Err(Error::InvalidArgument(
+                "free and total must not be NULL".into(),
+            ));
+        }
+        let (f, t) = allocator()?.device_memory(device)?;
+        // SAFETY: non-null out-pointers per the contract.
+        unsafe {
+            *free = f;
+            *total = t;
+        }
+        Ok(())
+    })
 }
 
 /// Enters a region on the calling thread: allocations made through the hooks on this thread

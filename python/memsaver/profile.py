@@ -1,0 +1,208 @@
+"""Staged pause/resume profiles: load a YAML profile and run its stages.
+
+    profile = memsaver.load_profile("grpo.yaml")
+    with profile.region("weights"):          # the backup policy the profile declares
+        model = build_model()
+    profile.run("sleep")
+    ...
+    report = profile.run("wake", callbacks={"sync_weights": sync})
+    print(report)                            # each step: time, resident bytes per tag
+
+Parsing and validation happen in libmemsaver.so (the schema: docs/profiles.md); an invalid file
+raises ``ProfileError`` naming file, line and column. A step that fails stops the stage with
+``ProfileStepError`` saying which step and why; pause and resume leave every allocation paused
+or resident, so the state stays consistent and the stage can be run again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _core, _memsaver
+from ._memsaver import MemsaverError
+
+#: Tags memsaver manages itself; a profile may name them, they are not registered.
+_EXTERNAL_TAGS = frozenset({"nccl"})
+
+
+class ProfileStepError(MemsaverError):
+    """A step of a profile stage failed; the message names the stage, step and line."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    index: int
+    line: int
+    description: str
+    seconds: float
+    resident_before: dict[str, int]
+    resident_after: dict[str, int]
+
+
+@dataclass
+class StageReport:
+    stage: str
+    steps: list[StepReport] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.steps)
+
+    def __str__(self) -> str:
+        tags = sorted({t for s in self.steps for t in s.resident_after})
+        head = f"{'step':<40} {'ms':>9}" + "".join(f" {t:>12}" for t in tags)
+        rows = [f"stage '{self.stage}' ({self.seconds * 1e3:.2f} ms)", head]
+        for s in self.steps:
+            cells = "".join(f" {_mib(s.resident_after.get(t, 0)):>12}" for t in tags)
+            rows.append(f"{s.description:<40} {s.seconds * 1e3:>9.2f}{cells}")
+        return "\n".join(rows)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _describe(step: Mapping[str, Any]) -> str:
+    op = step["op"]
+    if op in ("pause", "resume"):
+        return f"{op} {', '.join(step['tags'])}"
+    if op == "call":
+        return f"call {step['name']}"
+    if op == "assert_free":
+        return f"assert free >= {step['bytes'] / (1 << 30):.2f} GiB on device {step['device']}"
+    return f"assert {step['tag']} released"
+
+
+def _resident() -> dict[str, int]:
+    from . import stats
+
+    return {name: t.resident_bytes for name, t in stats().tags.items()}
+
+
+class Profile:
+    """A validated profile (see :func:`load_profile`)."""
+
+    def __init__(self, data: Mapping[str, Any], source: str) -> None:
+        self.source = source
+        self.version: int = data["version"]
+        self.tags: dict[str, str] = {t["name"]: t["backup"] for t in data["tags"]}
+        self.stages: dict[str, list[dict[str, Any]]] = {s["name"]: s["steps"] for s in data["stages"]}
+
+    def __repr__(self) -> str:
+        return f"Profile({self.source!r}, tags={sorted(self.tags)}, stages={sorted(self.stages)})"
+
+    def callbacks(self) -> list[str]:
+        """Names of the callbacks the stages call, in order of first use."""
+        names: list[str] = []
+        for steps in self.stages.values():
+            for s in steps:
+                if s["op"] == "call" and s["name"] not in names:
+                    names.append(s["name"])
+        return names
+
+    @contextlib.contextmanager
+    def region(self, tag: str) -> Iterator[None]:
+        """``memsaver.region(tag, backup=...)`` with the backup policy the profile declares."""
+        from . import region
+
+        if tag not in self.tags:
+            raise MemsaverError(
+                f"tag '{tag}' is not declared in {self.source} (declared: {', '.join(sorted(self.tags))})"
+            )
+        with region(tag, backup=self.tags[tag]):  # type: ignore[arg-type]
+            yield
+
+    def run(
+        self,
+        stage: str,
+        callbacks: Mapping[str, Callable[[], Any]] | None = None,
+        skip_calls: bool = False,
+    ) -> StageReport:
+        """Runs the steps of ``stage`` in order; returns their timings and resident memory.
+
+        ``callbacks`` maps the names of ``call`` steps to functions taking no argument;
+        ``skip_calls`` skips ``call`` steps (for scripts that only move memory)."""
+        from . import pause, register_tag, resume, stats
+
+        if stage not in self.stages:
+            raise ProfileStepError(
+                f"{self.source} has no stage '{stage}' (stages: {', '.join(sorted(self.stages))})"
+            )
+        callbacks = dict(callbacks or {})
+        steps = self.stages[stage]
+        missing = [s["name"] for s in steps if s["op"] == "call" and s["name"] not in callbacks]
+        if missing and not skip_calls:
+            raise ProfileStepError(
+                f"stage '{stage}' of {self.source} calls {', '.join(missing)} but no such callback "
+                "was given (pass callbacks={...}, or skip_calls=True)"
+            )
+        _core.ensure_loaded()
+        known = set(stats().tags)
+        for tag in self.tags:
+            if tag not in known and tag not in _EXTERNAL_TAGS:
+                register_tag(tag)
+        report = StageReport(stage)
+        for i, s in enumerate(steps, 1):
+            what = _describe(s)
+            before = _resident()
+            t0 = time.perf_counter()
+            try:
+                self._step(s, callbacks, skip_calls, pause, resume)
+            except Exception as e:
+                raise ProfileStepError(
+                    f"stage '{stage}' step {i} ({what}, {self.source} line {s['line']}) failed: {e}"
+                ) from e
+            report.steps.append(
+                StepReport(i, s["line"], what, time.perf_counter() - t0, before, _resident())
+            )
+        return report
+
+    @staticmethod
+    def _step(
+        s: Mapping[str, Any],
+        callbacks: Mapping[str, Callable[[], Any]],
+        skip_calls: bool,
+        pause: Callable[..., None],
+        resume: Callable[..., None],
+    ) -> None:
+        op = s["op"]
+        if op == "pause":
+            pause(*s["tags"])
+        elif op == "resume":
+            resume(*s["tags"])
+        elif op == "call":
+            if not skip_calls:
+                callbacks[s["name"]]()
+        elif op == "assert_free":
+            free, _ = _memsaver.device_memory(s["device"])
+            if free < s["bytes"]:
+                raise ProfileStepError(
+                    f"device {s['device']} has {free / (1 << 30):.2f} GiB free, "
+                    f"expected at least {s['bytes'] / (1 << 30):.2f} GiB"
+                )
+        elif op == "assert_released":
+            from . import stats
+
+            t = stats().tags.get(s["tag"])
+            if t is not None and t.resident_bytes:
+                raise ProfileStepError(
+                    f"tag '{s['tag']}' still holds {t.resident_bytes} resident bytes"
+                )
+
+
+def parse_profile(text: str, source: str = "<profile>") -> Profile:
+    """Parses and validates profile text (``source`` names it in messages)."""
+    _core.ensure_loaded()
+    return Profile(json.loads(_memsaver.parse_profile(text, source)), source)
+
+
+def load_profile(path: str) -> Profile:
+    """Loads and validates the YAML profile at ``path``; raises ``ProfileError`` with
+    ``path:line:column: what was expected`` if it is invalid."""
+    with open(path, encoding="utf-8") as f:
+        return parse_profile(f.read(), str(path))
