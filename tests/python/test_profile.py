@@ -129,3 +129,19 @@ def test_profile_region_uses_the_declared_policy(tmp_path, tag, tag2):
             pass
     with profile.region(tag):
         pass
+
+
+def test_the_verl_example_runs_on_the_fake_driver():
+    profile = memsaver.load_profile(str(EXAMPLE))
+    ptrs = {t: _memsaver.malloc(2 * MiB, 0, t, b) for t, b in profile.tags.items() if t != "nccl"}
+    data = pattern(2 * MiB)
+    write(ptrs["weights"], data)
+    profile.run("sleep")
+    s = memsaver.stats().tags
+    assert all(s[t].paused and s[t].resident_bytes == 0 for t in ptrs)
+    order = []
+    profile.run("wake", callbacks={"sync_weights": lambda: order.append(memsaver.stats().tags["kv_cache"].paused)})
+    assert order == [True], "weights are synced before the KV cache comes back"
+    assert read(ptrs["weights"], len(data)) == data
+    for p in ptrs.values():
+        _memsaver.free(p)
