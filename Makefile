@@ -38,9 +38,12 @@ python: $(PY)
 	$(VENV)/bin/maturin build --release -q -m python/Cargo.toml -i $(PY) -o target/wheels
 	$(PY) -m pip install -q --force-reinstall --no-deps target/wheels/memsaver-*.whl
 
-# A staged pause/resume cycle: on the GPU when there is one, else on the fake driver.
-demo: build fake-cuda
+# A staged pause/resume cycle: on the GPU when there is one, else on the fake driver. Then the
+# verl GRPO profile (docs/examples) through the Python package, with its timeline page.
+demo: build fake-cuda python
 	target/release/memsaver demo
+	@if nvidia-smi -L >/dev/null 2>&1; then lib=; else lib=$(CURDIR)/$(FAKE_LIB); fi; \
+	MEMSAVER_CUDA_LIB=$$lib $(PY) -m memsaver demo docs/examples/verl_grpo.yaml -o target/demo
 
 # Everything CI runs. Each run gets its own fake-driver state directory, so concurrent runs
 # and other users of the fake driver do not see each other's memory.

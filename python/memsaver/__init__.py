@@ -18,10 +18,11 @@ Errors are ``MemsaverError`` subclasses whose messages say what to do.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from . import _core, _memsaver, _stats, _torch
+from . import _core, _memsaver, _stats, _torch, timeline
 from ._core import require_preload
 from ._launch import configure_subprocess, preload_path, subprocess_env
 from ._memsaver import (
@@ -81,7 +82,10 @@ __all__ = [
     "StageReport",
     "StepReport",
     "device_memory",
+    "timeline",
 ]
+
+timeline._from_env()
 
 def _version() -> str:
     try:
@@ -200,7 +204,9 @@ def pause(*tags: str) -> None:
     if torch is not None:
         # Kernels queued on torch's streams may still use the memory.
         torch.cuda.synchronize()
+    t0 = time.perf_counter()
     _memsaver.pause(names)
+    timeline.record("pause", "pause " + (", ".join(names) or "all"), time.perf_counter() - t0)
 
 
 def resume(*tags: str) -> None:
@@ -210,7 +216,9 @@ def resume(*tags: str) -> None:
     and call resume again."""
     names = _tag_names("resume", tags)
     _core.ensure_loaded()
+    t0 = time.perf_counter()
     _memsaver.resume(names)
+    timeline.record("resume", "resume " + (", ".join(names) or "all"), time.perf_counter() - t0)
 
 
 def register_tag(tag: str) -> None:

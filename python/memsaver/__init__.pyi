@@ -5,6 +5,7 @@ from contextlib import _GeneratorContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from . import timeline as timeline
 from .profile import Profile as Profile
 from .profile import ProfileStepError as ProfileStepError
 from .profile import StageReport as StageReport
@@ -63,6 +64,7 @@ __all__ = [
     "StageReport",
     "StepReport",
     "device_memory",
+    "timeline",
 ]
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ python -m memsaver preload-path   the libmemsaver.so to preload
 python -m memsaver stats          hook mode, library and stats of this process (a load check)
 python -m memsaver check FILE...  validate pause/resume profiles (no GPU needed)
 python -m memsaver run FILE STAGE run one stage of a profile (call steps are skipped)
+python -m memsaver demo PROFILE [-o DIR]
+                                  run a profile's sleep and wake stages on tagged memory and
+                                  write its timeline page (GPU, or the fake driver)
+python -m memsaver timeline EVENTS.json... -o OUT.html [--png OUT.png]
+                                  chart recorded events (MEMSAVER_TIMELINE=PATH records them)
 """
 
 from __future__ import annotations
@@ -39,7 +44,75 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one stage of a profile in this process")
     run.add_argument("file", metavar="FILE")
     run.add_argument("stage", metavar="STAGE")
+    demo = sub.add_parser("demo", help="run a profile's sleep and wake stages and chart them")
+    demo.add_argument("profile", metavar="PROFILE")
+    demo.add_argument("-o", "--output", default=".", metavar="DIR")
+    tl = sub.add_parser("timeline", help="render recorded events into a self-contained HTML page")
+    tl.add_argument("events", nargs="+", metavar="EVENTS.json")
+    tl.add_argument("-o", "--output", required=True, metavar="OUT.html")
+    tl.add_argument("--png", metavar="OUT.png", help="also a screenshot, with headless Chromium")
+    tl.add_argument("--title", default="memsaver timeline")
     return p
+
+
+def _timeline(events: list[str], out: str, png: str | None, title: str) -> int:
+    from memsaver import timeline
+
+    try:
+        timeline.write_html(events, out, title)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"memsaver: cannot render {', '.join(events)}: {e}", file=sys.stderr)
+        return 1
+    print(out)
+    if png:
+        try:
+            timeline.screenshot(out, png)
+        except (OSError, RuntimeError) as e:
+            print(f"memsaver: {e}", file=sys.stderr)
+            return 1
+        print(png)
+    return 0
+
+
+def _demo(profile_path: str, out_dir: str) -> int:
+    import memsaver
+    from memsaver import _memsaver, timeline
+
+    try:
+        profile = memsaver.load_profile(profile_path)
+        free, total = memsaver.device_memory(0)
+    except (OSError, memsaver.MemsaverError) as e:
+        print(f"memsaver: {e}", file=sys.stderr)
+        return 1
+    # Gigabytes on a real GPU, megabytes on the fake driver (host memory).
+    unit = 32 << 20 if total > (32 << 30) and "fake" not in os.environ.get("MEMSAVER_CUDA_LIB", "") else 1 << 20
+    sizes = {"weights": 64, "kv_cache": 256, "cuda_graph": 8}
+    timeline.enable()
+    ptrs = [
+        _memsaver.malloc(sizes.get(tag, 16) * unit, 0, tag, backup)
+        for tag, backup in profile.tags.items()
+        if tag != "nccl"
+    ]
+    print(f"{profile_path}: {len(ptrs)} tags allocated on device 0 ({free / (1 << 30):.1f} GiB free of "
+          f"{total / (1 << 30):.1f} GiB)")
+    callbacks = {name: (lambda: None) for name in profile.callbacks()}
+    try:
+        for stage in ("sleep", "wake"):
+            print(profile.run(stage, callbacks=callbacks))
+    except memsaver.MemsaverError as e:
+        print(f"memsaver: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for p in ptrs:
+            _memsaver.free(p)
+    os.makedirs(out_dir, exist_ok=True)
+    events = timeline.save(os.path.join(out_dir, "demo-events.json"))
+    page = timeline.write_html([events], os.path.join(out_dir, "demo-timeline.html"),
+                               f"memsaver demo: {os.path.basename(profile_path)}")
+    print(f"timeline: {page}")
+    if timeline.browser():
+        print(f"screenshot: {timeline.screenshot(page, os.path.join(out_dir, 'demo-timeline.png'))}")
+    return 0
 
 
 def _check(files: list[str]) -> int:
@@ -99,12 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_usage(sys.stderr)
         print(
-            f"{parser.prog}: error: a command is required (env, preload-path, stats, check, run)",
+            f"{parser.prog}: error: a command is required (env, preload-path, stats, check, run, demo, timeline)",
             file=sys.stderr,
         )
         return 2
     from memsaver import _launch
 
+    if args.command == "demo":
+        return _demo(args.profile, args.output)
+    if args.command == "timeline":
+        return _timeline(args.events, args.output, args.png, args.title)
     if args.command == "check":
         return _check(args.files)
     if args.command == "run":

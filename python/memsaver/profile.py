@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _core, _memsaver
+from . import _core, _memsaver, timeline
 from ._memsaver import MemsaverError
 
 #: Tags memsaver manages itself; a profile may name them, they are not registered.
@@ -152,7 +152,10 @@ class Profile:
             before = _resident()
             t0 = time.perf_counter()
             try:
-                self._step(s, callbacks, skip_calls, pause, resume)
+                with timeline.stage_context(stage):
+                    self._step(s, callbacks, skip_calls, pause, resume)
+                    if s["op"] not in ("pause", "resume"):  # those record themselves
+                        timeline.record("step", what, time.perf_counter() - t0)
             except Exception as e:
                 raise ProfileStepError(
                     f"stage '{stage}' step {i} ({what}, {self.source} line {s['line']}) failed: {e}"
