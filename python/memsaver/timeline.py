@@ -74,12 +74,14 @@ def record(kind: str, label: str, seconds: float | None = None) -> None:
     if _events is None:
         return
     stage = getattr(_context, "stage", None)
-    from . import device_memory, stats
+    from . import _torch, device_memory, stats
 
     s = stats()
+    torch = _torch.cuda_initialized()
+    device = torch.cuda.current_device() if torch is not None else 0
     try:
-        free = device_memory(0)[0]
-    except Exception:  # a process without a device 0: keep the event without it
+        free = device_memory(device)[0]
+    except Exception:  # a process without that device: keep the event without it
         free = None
     ev = {
         "time": time.time(),
@@ -89,6 +91,7 @@ def record(kind: str, label: str, seconds: float | None = None) -> None:
         "stage": stage,
         "seconds": seconds,
         "resident": {name: t.resident_bytes for name, t in s.tags.items()},
+        "device": device,
         "device_free": free,
     }
     with _lock:
@@ -131,7 +134,7 @@ def _mib(n: float) -> str:
 def _row(e: Mapping[str, Any]) -> str:
     ms = "" if e.get("seconds") is None else f"{e['seconds'] * 1e3:.2f}"
     free = "" if e.get("device_free") is None else _mib(e["device_free"])
-    cells = [str(e["pid"]), str(e.get("stage") or ""), e["label"], ms, free]
+    cells = [str(e["pid"]), str(e.get("device", "")), str(e.get("stage") or ""), e["label"], ms, free]
     return "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
 
 
@@ -199,7 +202,7 @@ td, th {{ border: 1px solid #ccc; padding: 2px 8px; }}
 <p>Resident device memory per tag after each pause, resume and profile step (stacked bars).</p>
 <div id="legend">{legend}</div>
 {"".join(charts)}
-<table><tr><th>pid</th><th>stage</th><th>event</th><th>ms</th><th>device free</th></tr>{rows}</table>
+<table><tr><th>pid</th><th>device</th><th>stage</th><th>event</th><th>ms</th><th>device free</th></tr>{rows}</table>
 </body></html>
 """
 
