@@ -289,6 +289,7 @@ impl ExternalTag for NcclTag {
     fn pause(&self) -> Result<Report> {
         let start = Instant::now();
         let (n, bytes, notices) = self.release_local()?;
+        let released = start.elapsed();
         let group = crate::amem::group_id();
         for (owner, items) in notices {
             if let Err(e) = peer::notify_released(group, owner, &items)
@@ -330,12 +331,20 @@ impl ExternalTag for NcclTag {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+        tracing::info!(
+            release_local_ms = released.as_secs_f64() * 1e3,
+            total_ms = start.elapsed().as_secs_f64() * 1e3,
+            allocations = n,
+            bytes,
+            "nccl pause"
+        );
         Ok(report(n, bytes, bytes, start))
     }
 
     fn resume(&self) -> Result<Report> {
         let start = Instant::now();
         let (mut n, bytes, fetch) = self.restore_local()?;
+        let restored = start.elapsed();
         let group = crate::amem::group_id();
         let mut fetched = Vec::new();
         for (owner, items) in fetch {
@@ -345,9 +354,18 @@ impl ExternalTag for NcclTag {
                 fetched.push((vh, fd, generation));
             }
         }
+        let fetched_at = start.elapsed();
         n += self.map_imports(fetched)?;
         registry::lock().paused = false;
         crate::guard::set_paused(false);
+        tracing::info!(
+            restore_local_ms = restored.as_secs_f64() * 1e3,
+            fetch_ms = (fetched_at - restored).as_secs_f64() * 1e3,
+            map_imports_ms = (start.elapsed() - fetched_at).as_secs_f64() * 1e3,
+            allocations = n,
+            bytes,
+            "nccl resume"
+        );
         Ok(report(n, bytes, bytes, start))
     }
 
