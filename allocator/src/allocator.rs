@@ -252,15 +252,6 @@ impl Allocator {
             .map(|a| a.phase.state())
     }
 
-    /// The allocation containing `ptr` (any address inside it): (base, size, tag).
-    pub fn lookup(&self, ptr: u64) -> Option<(u64, usize, String)> {
-        let t = self.table.lock();
-        t.allocations
-            .iter()
-            .find(|(base, a)| ptr >= **base && ptr < **base + a.size as u64)
-            .map(|(base, a)| (*base, a.size, a.tag.to_string()))
-    }
-
     /// Every tag used so far and every external tag, in name order.
     pub fn tags(&self) -> Vec<String> {
         let mut tags = self.table.lock().known_tags();

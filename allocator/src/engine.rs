@@ -292,7 +292,7 @@ impl Allocator {
         for j in jobs.iter_mut() {
             let dev = j.device.clone();
             if out_of_memory.contains(&dev.ordinal) {
-                j.error = Some(oom(&j.device));
+                j.error = Some(oom_error().into());
                 continue;
             }
             let src = j
@@ -323,7 +323,7 @@ impl Allocator {
                 Ok(h) => j.handle = Some(h),
                 Err(e) if e.is_out_of_memory() => {
                     out_of_memory.push(dev.ordinal);
-                    j.error = Some(oom(&dev));
+                    j.error = Some(oom_error().into());
                 }
                 Err(e) => j.error = Some(e.into()),
             }
@@ -377,7 +377,9 @@ impl Allocator {
                             if !tags_still_paused.contains(&j.tag) {
                                 tags_still_paused.push(j.tag.clone());
                             }
-                            if matches!(e, Error::OutOfMemory { .. }) && oom_device.is_none() {
+                            if matches!(&e, Error::Driver(d) if d.is_out_of_memory())
+                                && oom_device.is_none()
+                            {
                                 oom_device = Some(j.device.ordinal);
                             }
                         }
@@ -421,15 +423,12 @@ impl Allocator {
     }
 }
 
-fn oom(dev: &Device) -> Error {
-    Error::OutOfMemory {
-        tag: String::new(),
-        device: dev.ordinal,
-        bytes: 0,
-        source: DriverError {
-            call: "cuMemCreate",
-            code: crate::driver::sys::CUDA_ERROR_OUT_OF_MEMORY,
-        },
+/// What a job that ran out of device memory (or was skipped after another did, on the same
+/// device) records; settle turns these into one `ResumeOutOfMemory`.
+fn oom_error() -> DriverError {
+    DriverError {
+        call: "cuMemCreate",
+        code: crate::driver::sys::CUDA_ERROR_OUT_OF_MEMORY,
     }
 }
 

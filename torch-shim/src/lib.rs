@@ -262,9 +262,7 @@ unsafe fn write_json(
 }
 
 /// Writes NCCL's memory as the hook sees it (JSON, NUL-terminated) into `buf`, like
-/// [`memsaver_stats_json`]: `{"hooked", "cumem_disabled", "owned_bytes", "owned_handles",
-/// "exported_handles", "imported_bytes", "imported_handles", "resident_host_bytes",
-/// "resident_fabric_bytes", "resident_nic_bytes", "multicast_objects", "mappings"}`.
+/// [`memsaver_stats_json`]; the fields are those of `memsaver_nccl_hook::NcclStats`.
 ///
 /// # Safety
 /// As [`memsaver_stats_json`].
