@@ -32,6 +32,11 @@ pub const OPTIONS: &[OptionDoc] = &[
         doc: "how long pause('nccl') waits for peers to release their imports, and resume for owners to come back",
     },
     OptionDoc {
+        env: "MEMSAVER_NCCL_BACKUP",
+        default: "all",
+        doc: "what pause('nccl') copies to host memory: all (every byte NCCL allocated) or headers (of the buffers NCCL shares with peers, only their first 64 KiB: the control block before the LL/LL128/Simple staging area, whose contents live only within one collective; see docs/nccl.md)",
+    },
+    OptionDoc {
         env: "MEMSAVER_NCCL_TOKENS",
         default: "1",
         doc: "0: NCCL exports plain driver fds (for jobs with processes not preloaded); exported buffers and imports then stay resident on pause",

@@ -3,30 +3,90 @@
 //! at the same addresses.
 //!
 //! Pause, in every process of the group:
-//! 1. (registry locked, local work only) synchronise the devices; back up the device memory
-//!    NCCL created here, exported or not; unmap and release it, and unmap and release every
-//!    import of a peer's buffer;
+//! 1. (registry locked, local work only) synchronise the devices; queue the backup copies of
+//!    the device memory NCCL created here, with an event every [`COPIES_PER_EVENT`] copies;
+//!    while they run, unmap and release every import of a peer's buffer; then, batch by batch
+//!    as the copies complete, unmap and release this process's own memory;
 //! 2. tell each owner which of its buffers this process let go of;
 //! 3. wait until every importer of this process's exported buffers has let go, or fail after
 //!    the timeout naming the processes that did not (a dead process counts as let go).
 //!
-//! Resume: (1) re-create, map and restore this process's memory, a new generation for exported
-//! buffers; (2) ask each owner for the new generation of the buffers imported here; (3) import
-//! and map them at their old addresses. Step 1 never waits for a peer and the registry lock is
-//! never held while waiting, so processes resuming (or pausing) together cannot deadlock.
+//! Resume: a thread asks each owner for the new generation of the buffers imported here while
+//! this process re-creates, maps and restores its own memory: first the buffers it exports
+//! (the registry lock is dropped after them, so that the peers' requests are served while the
+//! private buffers are restored), then the rest. Then the imports are mapped at their old
+//! addresses. An owner serves a buffer only once its contents are restored. No lock is held
+//! while waiting for a peer, so processes resuming (or pausing) together cannot deadlock.
+//!
+//! What is backed up: everything by default. `MEMSAVER_NCCL_BACKUP=headers` backs up only the
+//! first [`HEADER_BYTES`] of the buffers NCCL shares with peers: NCCL lays those out as a
+//! 4 KiB control block (`ncclSendMem`/`ncclRecvMem`: head and tail step counters, FIFOs)
+//! followed by the LL/LL128/Simple staging buffers, whose contents live only within one
+//! collective and whose flags are step numbers that stale or zeroed memory never matches.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
 use memsaver_allocator::backup::HostBuffer;
-use memsaver_allocator::driver::Handle;
+use memsaver_allocator::driver::{DriverError, Event, Handle};
 use memsaver_allocator::{Allocator, DeviceUsage, Error, ExternalTag, Report, Result, Usage};
 
 use crate::peer;
-use crate::registry::{self, Kind, Registry};
+use crate::registry::{self, Kind, Range, Registry};
 
 const TAG: &str = "nccl";
+
+/// Bytes at the start of a shared buffer that `MEMSAVER_NCCL_BACKUP=headers` keeps: NCCL's
+/// control block is 4 KiB (`MEM_ALIGN`); the rest is margin.
+pub(crate) const HEADER_BYTES: u64 = 64 << 10;
+
+/// Pause releases own memory in batches of this many handles, each behind an event that
+/// says its backup copies are done, so the copies overlap the unmapping.
+const COPIES_PER_EVENT: usize = 32;
+
+/// Resume restores private buffers in batches of this many handles, letting the threads that
+/// serve peers in between.
+const RESTORE_BATCH: usize = 64;
+
+/// How much of NCCL's memory pause copies to host memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Backup {
+    /// Every byte (the default).
+    All,
+    /// The first [`HEADER_BYTES`] of buffers shared with peers; all of the others.
+    Headers,
+}
+
+impl Backup {
+    /// `MEMSAVER_NCCL_BACKUP`, read once; a bad value fails every pause, naming it.
+    pub(crate) fn from_env() -> Result<Self> {
+        static MODE: std::sync::OnceLock<std::result::Result<Backup, String>> =
+            std::sync::OnceLock::new();
+        MODE.get_or_init(|| {
+            let v = std::env::var("MEMSAVER_NCCL_BACKUP").unwrap_or_default();
+            match v.trim() {
+                "" | "all" => Ok(Self::All),
+                "headers" => Ok(Self::Headers),
+                other => Err(format!(
+                    "MEMSAVER_NCCL_BACKUP={other:?}: expected \"all\" (back up all of NCCL's \
+                     memory, the default) or \"headers\" (only the control blocks of buffers \
+                     shared with peers; see docs/nccl.md); nothing was paused"
+                )),
+            }
+        })
+        .clone()
+        .map_err(Error::InvalidArgument)
+    }
+
+    /// Bytes of `p` to back up.
+    fn len(self, p: &registry::Physical) -> u64 {
+        match self {
+            Self::Headers if p.exported => p.size.min(HEADER_BYTES),
+            _ => p.size,
+        }
+    }
+}
 
 pub struct NcclTag {
     allocator: &'static Allocator,
@@ -38,32 +98,16 @@ impl NcclTag {
     }
 }
 
-/// The mappings of `vh`: (address, size, access).
-fn mappings_of(
-    reg: &Registry,
-    vh: u64,
-) -> Vec<(
-    u64,
-    u64,
-    Vec<memsaver_allocator::driver::sys::CUmemAccessDesc>,
-)> {
-    reg.mappings
-        .iter()
-        .filter(|(_, m)| m.vh == vh)
-        .map(|(p, m)| (*p, m.size, m.access.clone()))
-        .collect()
-}
-
 /// The device whose context handles `vh` here: for an import, the device NCCL granted access
 /// to (the owner's device may not even be visible in this process); else its location.
-fn device_of(reg: &Registry, vh: u64) -> i32 {
+fn device_of(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>, vh: u64) -> i32 {
     let p = &reg.physicals[&vh];
     if p.kind == Kind::Imported
-        && let Some(d) = reg
-            .mappings
-            .values()
-            .filter(|m| m.vh == vh)
-            .flat_map(|m| m.access.iter())
+        && let Some(d) = ranges
+            .get(&vh)
+            .into_iter()
+            .flatten()
+            .flat_map(|(_, _, access)| access.iter())
             .find(|a| {
                 a.location.type_ == memsaver_allocator::driver::sys::CU_MEM_LOCATION_TYPE_DEVICE
             })
@@ -73,12 +117,27 @@ fn device_of(reg: &Registry, vh: u64) -> i32 {
     p.device()
 }
 
-/// Resident handles pause may release: (own device memory, imports), in handle order.
-fn releasable(reg: &Registry) -> (Vec<u64>, Vec<u64>) {
+/// `vhs` grouped by the device whose context handles them, in handle order.
+fn by_device(
+    reg: &Registry,
+    ranges: &HashMap<u64, Vec<Range>>,
+    vhs: impl IntoIterator<Item = u64>,
+) -> BTreeMap<i32, Vec<u64>> {
+    let mut out = BTreeMap::<i32, Vec<u64>>::new();
+    for vh in vhs {
+        out.entry(device_of(reg, ranges, vh)).or_default().push(vh);
+    }
+    for v in out.values_mut() {
+        v.sort_unstable();
+    }
+    out
+}
+
+/// Resident, mapped handles pause may release: (own device memory, imports).
+fn releasable(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>) -> (Vec<u64>, Vec<u64>) {
     let (mut own, mut imports) = (Vec::new(), Vec::new());
     for (vh, p) in &reg.physicals {
-        if p.real.is_none() || p.pausable().is_err() || !reg.mappings.values().any(|m| m.vh == *vh)
-        {
+        if p.real.is_none() || p.pausable().is_err() || !ranges.contains_key(vh) {
             continue;
         }
         if p.kind == Kind::Imported {
@@ -87,8 +146,6 @@ fn releasable(reg: &Registry) -> (Vec<u64>, Vec<u64>) {
             own.push(*vh)
         }
     }
-    own.sort_unstable();
-    imports.sort_unstable();
     (own, imports)
 }
 
@@ -109,191 +166,359 @@ fn peer_error(message: String) -> Error {
     }
 }
 
+/// Released imports to tell their owners about: owner -> [(owner's handle, generation)].
+type Notices = BTreeMap<u32, Vec<(u64, u64)>>;
+
+/// What pause step 1 did.
+#[derive(Default)]
+struct Released {
+    allocations: usize,
+    /// Bytes of this process's own memory released.
+    bytes: u64,
+    copied: u64,
+    notices: Notices,
+}
+
+/// Unmaps every mapping of `vh` and releases its driver handle (the device is idle and any
+/// backup of it complete).
+fn release_one(
+    d: &memsaver_allocator::driver::Driver,
+    reg: &mut Registry,
+    ranges: &HashMap<u64, Vec<Range>>,
+    vh: u64,
+    out: &mut Released,
+) -> std::result::Result<(), DriverError> {
+    for (ptr, size, _) in ranges.get(&vh).into_iter().flatten() {
+        // SAFETY: NCCL's mapping; the device is idle and the backup complete.
+        unsafe { d.unmap(*ptr, *size as usize) }?;
+    }
+    let p = reg
+        .physicals
+        .get_mut(&vh)
+        .expect("releasable handles are known");
+    d.release(Handle(
+        p.real.take().expect("releasable handles are resident"),
+    ))?;
+    out.allocations += 1;
+    match (p.kind, p.source) {
+        (Kind::Imported, Some(s)) => out
+            .notices
+            .entry(s.owner)
+            .or_default()
+            .push((s.vh, s.generation)),
+        _ => out.bytes += p.size,
+    }
+    Ok(())
+}
+
+/// Maps `h` at every range of a paused handle, with NCCL's access. On a failure, undoes what
+/// it did and releases `h`.
+fn map_all(
+    d: &memsaver_allocator::driver::Driver,
+    h: Handle,
+    ranges: &[Range],
+) -> std::result::Result<Handle, DriverError> {
+    for (i, (ptr, size, access)) in ranges.iter().enumerate() {
+        // SAFETY: NCCL's reserved range, unmapped since the pause.
+        if let Err(e) = unsafe { d.map_with_access(*ptr, *size as usize, h, access) } {
+            for (ptr, size, _) in &ranges[..i] {
+                // SAFETY: mapped just above, not yet visible to NCCL.
+                let _ = unsafe { d.unmap(*ptr, *size as usize) };
+            }
+            let _ = d.release(h);
+            return Err(e);
+        }
+    }
+    Ok(h)
+}
+
+/// Creates new memory for paused own handle `vh`, maps it at every recorded range and queues
+/// the copy of its backup on `stream`. The handle is recorded resident by the caller once the
+/// copies are done.
+fn recreate_one(
+    d: &memsaver_allocator::driver::Driver,
+    p: &registry::Physical,
+    ranges: &[Range],
+    stream: memsaver_allocator::driver::Stream,
+) -> std::result::Result<Handle, DriverError> {
+    let h = map_all(d, d.create_with(&p.prop, p.size as usize)?, ranges)?;
+    if let (Some(b), Some((ptr, size, _))) = (&p.backup, ranges.first()) {
+        let n = p.backup_len.min(*size).min(b.len() as u64) as usize;
+        // SAFETY: just mapped; the backup holds `n` bytes and lives in the registry until the
+        // stream is synchronised by the caller.
+        unsafe { d.copy_htod_async(*ptr, b.as_ptr(), n, stream) }?;
+    }
+    Ok(h)
+}
+
 impl NcclTag {
-    /// Pause step 1. Returns (allocations, bytes, notices per owner).
-    #[allow(clippy::type_complexity)]
-    fn release_local(&self) -> Result<(usize, u64, BTreeMap<u32, Vec<(u64, u64)>>)> {
+    /// Pause step 1.
+    fn release_local(&self, backup: Backup) -> Result<Released> {
         let a = self.allocator;
         let d = a.driver();
         let mut reg = registry::lock();
         reg.paused = true;
         crate::guard::set_paused(true);
-        let (own, imports) = releasable(&reg);
-        let mut devices: Vec<i32> = own
-            .iter()
-            .chain(&imports)
-            .map(|vh| device_of(&reg, *vh))
-            .collect();
-        devices.sort_unstable();
-        devices.dedup();
-        // NCCL's kernels (here) may still use the memory.
-        for &dev in &devices {
-            let (ctx, _) = a.copy_stream(dev)?;
-            d.with_context(ctx, || d.synchronize())?;
-        }
-        // Back up what this process owns (imports are backed up by their owners).
-        for vh in &own {
-            let maps = mappings_of(&reg, *vh);
-            let p = reg.physicals.get_mut(vh).expect("listed above");
-            let (ctx, stream) = a.copy_stream(p.device())?;
-            if p.backup.is_none() {
-                p.backup = Some(HostBuffer::new(d, ctx, p.size as usize)?);
-            }
-            let (ptr, size, _) = maps[0];
-            let dst = p.backup.as_mut().expect("set above").as_mut_ptr();
-            d.with_context(ctx, || {
-                // SAFETY: NCCL's mapped memory (the device is idle); the backup holds
-                // `p.size >= size` bytes; the stream is synchronised below.
-                unsafe { d.copy_dtoh_async(dst, ptr, size.min(p.size) as usize, stream) }
-            })?;
-        }
-        for &dev in &devices {
-            let (ctx, stream) = a.copy_stream(dev)?;
-            d.with_context(ctx, || d.stream_synchronize(stream))?;
-        }
-        let (mut bytes, mut notices) = (0, BTreeMap::<u32, Vec<(u64, u64)>>::new());
-        for vh in own.iter().chain(&imports) {
-            for (ptr, size, _) in mappings_of(&reg, *vh) {
-                // SAFETY: NCCL's mapping; the device is idle and the backup complete.
-                unsafe { d.unmap(ptr, size as usize) }?;
-            }
-            let p = reg.physicals.get_mut(vh).expect("listed above");
-            d.release(Handle(
-                p.real.take().expect("releasable handles are resident"),
-            ))?;
-            match (p.kind, p.source) {
-                (Kind::Imported, Some(s)) => notices
-                    .entry(s.owner)
-                    .or_default()
-                    .push((s.vh, s.generation)),
-                _ => bytes += p.size,
-            }
-        }
-        Ok((own.len() + imports.len(), bytes, notices))
-    }
-
-    /// Resume step 1: this process's own memory. Returns (allocations, bytes, imports to fetch
-    /// per owner as (local handle, owner's handle, wanted generation)).
-    #[allow(clippy::type_complexity)]
-    fn restore_local(&self) -> Result<(usize, u64, BTreeMap<u32, Vec<(u64, u64, u64)>>)> {
-        let a = self.allocator;
-        let d = a.driver();
-        let mut reg = registry::lock();
-        let mut vhs: Vec<u64> = reg
-            .physicals
-            .iter()
-            .filter(|(_, p)| p.real.is_none())
-            .map(|(vh, _)| *vh)
-            .collect();
-        vhs.sort_unstable();
-        let (mut done, mut bytes, mut fetch) = (0, 0, BTreeMap::<u32, Vec<(u64, u64, u64)>>::new());
-        let mut devices = Vec::new();
-        for (i, vh) in vhs.iter().enumerate() {
-            let maps = mappings_of(&reg, *vh);
-            let p = reg.physicals.get_mut(vh).expect("listed above");
-            if let Some(s) = p.source {
-                fetch
-                    .entry(s.owner)
-                    .or_default()
-                    .push((*vh, s.vh, s.generation + 1));
-                continue;
-            }
-            let (ctx, stream) = a.copy_stream(p.device())?;
-            let r = d.with_context(ctx, || {
-                let h = d.create_with(&p.prop, p.size as usize)?;
-                for (ptr, size, access) in &maps {
-                    // SAFETY: NCCL's reserved range, unmapped since the pause.
-                    if let Err(e) = unsafe { d.map_with_access(*ptr, *size as usize, h, access) } {
-                        let _ = d.release(h);
-                        return Err(e);
-                    }
-                }
-                if let (Some(b), Some((ptr, size, _))) = (&p.backup, maps.first()) {
-                    // SAFETY: just mapped; the backup outlives the copy (synchronised below).
-                    unsafe {
-                        d.copy_htod_async(*ptr, b.as_ptr(), (*size).min(p.size) as usize, stream)
-                    }?;
-                }
-                Ok(h)
-            });
-            match r {
-                Ok(h) => {
-                    p.real = Some(h.0);
-                    if p.exported {
-                        p.generation += 1;
-                        p.importers.clear();
-                    }
-                    done += 1;
-                    bytes += p.size;
-                    if !devices.contains(&p.device()) {
-                        devices.push(p.device());
-                    }
-                }
-                Err(e) if e.is_out_of_memory() => {
-                    let remaining: Vec<&u64> = vhs[i..]
-                        .iter()
-                        .filter(|v| reg.physicals[v].source.is_none())
-                        .collect();
-                    return Err(Error::ResumeOutOfMemory {
-                        device: reg.physicals[vh].device(),
-                        tags: vec![TAG.into()],
-                        resumed: done,
-                        still_paused: remaining.len(),
-                        bytes_still_paused: remaining.iter().map(|v| reg.physicals[*v].size).sum(),
-                    });
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
+        let ranges = reg.ranges_by_handle();
+        let (own, imports) = releasable(&reg, &ranges);
+        let own = by_device(&reg, &ranges, own);
+        let imports = by_device(&reg, &ranges, imports);
+        let mut out = Released::default();
+        let devices: std::collections::BTreeSet<i32> =
+            own.keys().chain(imports.keys()).copied().collect();
         for dev in devices {
             let (ctx, stream) = a.copy_stream(dev)?;
-            d.with_context(ctx, || d.stream_synchronize(stream))?;
+            let own = own.get(&dev).map_or(&[][..], Vec::as_slice);
+            let imports = imports.get(&dev).map_or(&[][..], Vec::as_slice);
+            let mut batches: Vec<(Event, &[u64])> = Vec::new();
+            let r = d.with_context(ctx, || {
+                // NCCL's kernels (here) may still use the memory.
+                d.synchronize()?;
+                // Back up what this process owns (imports are backed up by their owners).
+                for chunk in own.chunks(COPIES_PER_EVENT) {
+                    for vh in chunk {
+                        let p = reg.physicals.get_mut(vh).expect("listed above");
+                        let n = backup.len(p);
+                        if p.backup.as_ref().is_none_or(|b| (b.len() as u64) < n) {
+                            p.backup = None;
+                            p.backup = Some(HostBuffer::new(d, ctx, n as usize)?);
+                        }
+                        let (ptr, size, _) = ranges[vh][0];
+                        let n = n.min(size);
+                        let dst = p.backup.as_mut().expect("set above").as_mut_ptr();
+                        // SAFETY: NCCL's mapped memory (the device is idle); the backup holds
+                        // `n` bytes and stays in the registry; the batch's event is waited for
+                        // before the memory is unmapped.
+                        unsafe { d.copy_dtoh_async(dst, ptr, n as usize, stream) }?;
+                        p.backup_len = n;
+                        out.copied += n;
+                    }
+                    batches.push((d.event_record(stream)?, chunk));
+                }
+                // Imports need no copy: let go of them while the copies run.
+                for vh in imports {
+                    release_one(d, &mut reg, &ranges, *vh, &mut out)?;
+                }
+                let mut pending = std::mem::take(&mut batches).into_iter();
+                let r = pending.by_ref().try_for_each(|(event, chunk)| {
+                    d.event_wait(event)?;
+                    chunk
+                        .iter()
+                        .try_for_each(|vh| release_one(d, &mut reg, &ranges, *vh, &mut out))
+                });
+                // On a failure, the remaining copies still write into the backups: wait.
+                for (event, _) in pending {
+                    let _ = d.event_wait(event);
+                }
+                r
+            });
+            for (event, _) in batches {
+                let _ = d.event_wait(event);
+            }
+            r?;
         }
-        Ok((done, bytes, fetch))
+        Ok(out)
+    }
+
+    /// Resume: re-creates and restores this process's own paused handles `vhs` (all on
+    /// `device`), recording them resident once their contents are back. Returns (handles,
+    /// bytes, bytes copied) restored; on a failure, those restored before it stay restored.
+    fn restore(&self, reg: &mut Registry, device: i32, vhs: &[u64]) -> Result<(usize, u64, u64)> {
+        let a = self.allocator;
+        let d = a.driver();
+        let ranges = reg.ranges_by_handle();
+        let (ctx, stream) = a.copy_stream(device)?;
+        let mut made: Vec<(u64, Handle)> = Vec::new();
+        let r = d.with_context(ctx, || {
+            let r = vhs.iter().try_for_each(|vh| {
+                let p = &reg.physicals[vh];
+                let rs = ranges.get(vh).map_or(&[][..], Vec::as_slice);
+                made.push((*vh, recreate_one(d, p, rs, stream)?));
+                Ok(())
+            });
+            // Whatever happened, the queued copies finish before anyone may use the memory.
+            d.stream_synchronize(stream).and(r)
+        });
+        let bytes = made.iter().map(|(vh, _)| reg.physicals[vh].size).sum();
+        let copied = made
+            .iter()
+            .map(|(vh, _)| &reg.physicals[vh])
+            .filter(|p| p.backup.is_some())
+            .map(|p| p.backup_len)
+            .sum();
+        let done = made.len();
+        for (vh, h) in made {
+            let p = reg.physicals.get_mut(&vh).expect("listed by the caller");
+            p.real = Some(h.0);
+            if p.exported {
+                p.generation += 1;
+                p.importers.clear();
+            }
+        }
+        match r {
+            Ok(()) => Ok((done, bytes, copied)),
+            Err(e) if e.is_out_of_memory() => {
+                let left: Vec<u64> = reg
+                    .physicals
+                    .iter()
+                    .filter(|(_, p)| p.real.is_none() && p.kind != Kind::Imported)
+                    .map(|(_, p)| p.size)
+                    .collect();
+                Err(Error::ResumeOutOfMemory {
+                    device,
+                    tags: vec![TAG.into()],
+                    resumed: done,
+                    still_paused: left.len(),
+                    bytes_still_paused: left.iter().sum(),
+                })
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Resume step 1: this process's own memory, exported buffers first. Returns (handles,
+    /// bytes, bytes copied).
+    fn restore_local(&self) -> Result<(usize, u64, u64)> {
+        let plan = {
+            let reg = registry::lock();
+            let ranges = reg.ranges_by_handle();
+            let paused = |exported: bool| {
+                reg.physicals
+                    .iter()
+                    .filter(move |(_, p)| {
+                        p.real.is_none() && p.source.is_none() && p.exported == exported
+                    })
+                    .map(|(vh, _)| *vh)
+            };
+            [
+                by_device(&reg, &ranges, paused(true)),
+                by_device(&reg, &ranges, paused(false)),
+            ]
+        };
+        let (mut done, mut bytes, mut copied) = (0, 0, 0);
+        // The exported buffers in one go; then the private ones in batches, handing the lock
+        // over between batches (fairly, to a waiting thread first), so that peers' requests
+        // for the exported buffers are answered while the private ones are restored.
+        let [exported, private] = plan;
+        let private = private.into_iter().flat_map(|(dev, vhs)| {
+            vhs.chunks(RESTORE_BATCH)
+                .map(|c| (dev, c.to_vec()))
+                .collect::<Vec<_>>()
+        });
+        for (device, vhs) in exported.into_iter().chain(private) {
+            let mut reg = registry::lock();
+            let vhs: Vec<u64> = vhs
+                .into_iter()
+                .filter(|vh| reg.physicals.get(vh).is_some_and(|p| p.real.is_none()))
+                .collect();
+            let (n, b, c) = self.restore(&mut reg, device, &vhs).map_err(|e| match e {
+                // Count what the earlier batches restored too.
+                Error::ResumeOutOfMemory {
+                    device,
+                    tags,
+                    resumed,
+                    still_paused,
+                    bytes_still_paused,
+                } => Error::ResumeOutOfMemory {
+                    device,
+                    tags,
+                    resumed: resumed + done,
+                    still_paused,
+                    bytes_still_paused,
+                },
+                e => e,
+            })?;
+            done += n;
+            bytes += b;
+            copied += c;
+            parking_lot::MappedMutexGuard::unlock_fair(reg);
+        }
+        Ok((done, bytes, copied))
     }
 
     /// Resume step 3: import the owners' new generations and map them where they were.
+    /// An import that cannot be mapped is reported released to its owner, so that the
+    /// owner's next pause does not wait for it.
     fn map_imports(&self, fetched: Vec<(u64, OwnedFd, u64)>) -> Result<usize> {
         let d = self.allocator.driver();
         let mut reg = registry::lock();
+        let ranges = reg.ranges_by_handle();
         let mut n = 0;
+        let mut failed: Option<Error> = None;
+        let mut unused = Notices::new();
         for (vh, fd, generation) in fetched {
-            if !reg.physicals.contains_key(&vh) {
+            let Some(p) = reg.physicals.get(&vh) else {
+                continue;
+            };
+            let owner = p.source.map(|s| (s.owner, s.vh));
+            if failed.is_some() {
+                if let Some((o, ovh)) = owner {
+                    unused.entry(o).or_default().push((ovh, generation));
+                }
                 continue;
             }
-            let maps = mappings_of(&reg, vh);
-            let (ctx, _) = self.allocator.copy_stream(device_of(&reg, vh))?;
-            let p = reg.physicals.get_mut(&vh).expect("checked above");
-            let h = d.with_context(ctx, || {
-                let h = d.import_fd(std::os::fd::AsRawFd::as_raw_fd(&fd))?;
-                for (ptr, size, access) in &maps {
-                    // SAFETY: NCCL's reserved range for this import, unmapped since the pause.
-                    if let Err(e) = unsafe { d.map_with_access(*ptr, *size as usize, h, access) } {
-                        let _ = d.release(h);
-                        return Err(e);
+            let rs = ranges.get(&vh).map_or(&[][..], Vec::as_slice);
+            let r = self
+                .allocator
+                .copy_stream(device_of(&reg, &ranges, vh))
+                .and_then(|(ctx, _)| {
+                    Ok(d.with_context(ctx, || {
+                        map_all(d, d.import_fd(std::os::fd::AsRawFd::as_raw_fd(&fd))?, rs)
+                    })?)
+                });
+            match r {
+                Ok(h) => {
+                    let p = reg.physicals.get_mut(&vh).expect("checked above");
+                    p.real = Some(h.0);
+                    if let Some(s) = p.source.as_mut() {
+                        s.generation = generation;
                     }
+                    n += 1;
                 }
-                Ok(h)
-            })?;
-            p.real = Some(h.0);
-            if let Some(s) = p.source.as_mut() {
-                s.generation = generation;
+                Err(e) => {
+                    if let Some((o, ovh)) = owner {
+                        unused.entry(o).or_default().push((ovh, generation));
+                    }
+                    failed = Some(e);
+                }
             }
-            n += 1;
         }
-        Ok(n)
+        drop(reg);
+        let group = crate::amem::group_id();
+        for (owner, items) in unused {
+            let _ = peer::notify_released(group, owner, &items);
+        }
+        failed.map_or(Ok(n), Err)
     }
+}
+
+/// Resume step 2 (on a thread): the fds of `fetch` (owner -> [(local handle, owner's handle,
+/// wanted generation)]) from their owners.
+fn fetch_imports(
+    group: i64,
+    fetch: BTreeMap<u32, Vec<(u64, u64, u64)>>,
+) -> std::result::Result<Vec<(u64, OwnedFd, u64)>, String> {
+    let mut fetched = Vec::new();
+    for (owner, items) in fetch {
+        let wants: Vec<(u64, u64)> = items.iter().map(|(_, ovh, g)| (*ovh, *g)).collect();
+        let fds = peer::request_fds(group, owner, &wants)?;
+        for ((vh, _, _), (fd, generation)) in items.into_iter().zip(fds) {
+            fetched.push((vh, fd, generation));
+        }
+    }
+    Ok(fetched)
 }
 
 impl ExternalTag for NcclTag {
     fn pause(&self) -> Result<Report> {
         let start = Instant::now();
-        let (n, bytes, notices) = self.release_local()?;
-        let released = start.elapsed();
+        let backup = Backup::from_env()?;
+        let released = self.release_local(backup)?;
+        let local_ms = start.elapsed().as_secs_f64() * 1e3;
         let group = crate::amem::group_id();
-        for (owner, items) in notices {
-            if let Err(e) = peer::notify_released(group, owner, &items)
-                && peer::alive(owner)
+        for (owner, items) in &released.notices {
+            if let Err(e) = peer::notify_released(group, *owner, items)
+                && peer::alive(*owner)
             {
                 tracing::warn!(
                     "memsaver: could not tell process {owner} that its NCCL buffers were released: {e}"
@@ -329,44 +554,70 @@ impl ExternalTag for NcclTag {
                     waited_ms: peer::timeout().as_millis() as u64,
                 });
             }
-            std::thread::sleep(Duration::from_millis(1));
+            std::thread::sleep(Duration::from_micros(200));
         }
         tracing::info!(
-            release_local_ms = released.as_secs_f64() * 1e3,
+            release_local_ms = local_ms,
             total_ms = start.elapsed().as_secs_f64() * 1e3,
-            allocations = n,
-            bytes,
+            allocations = released.allocations,
+            bytes = released.bytes,
+            copied_bytes = released.copied,
+            ?backup,
             "nccl pause"
         );
-        Ok(report(n, bytes, bytes, start))
+        Ok(report(
+            released.allocations,
+            released.bytes,
+            released.copied,
+            start,
+        ))
     }
 
     fn resume(&self) -> Result<Report> {
         let start = Instant::now();
-        let (mut n, bytes, fetch) = self.restore_local()?;
-        let restored = start.elapsed();
-        let group = crate::amem::group_id();
-        let mut fetched = Vec::new();
-        for (owner, items) in fetch {
-            let wants: Vec<(u64, u64)> = items.iter().map(|(_, ovh, g)| (*ovh, *g)).collect();
-            let fds = peer::request_fds(group, owner, &wants).map_err(peer_error)?;
-            for ((vh, _, _), (fd, generation)) in items.into_iter().zip(fds) {
-                fetched.push((vh, fd, generation));
+        // Imports to fetch, per owner: (local handle, owner's handle, wanted generation).
+        let mut fetch = BTreeMap::<u32, Vec<(u64, u64, u64)>>::new();
+        for (vh, p) in &registry::lock().physicals {
+            if let (None, Some(s)) = (p.real, p.source) {
+                fetch
+                    .entry(s.owner)
+                    .or_default()
+                    .push((*vh, s.vh, s.generation + 1));
             }
         }
-        let fetched_at = start.elapsed();
-        n += self.map_imports(fetched)?;
+        let group = crate::amem::group_id();
+        let fetcher = (!fetch.is_empty()).then(|| {
+            std::thread::Builder::new()
+                .name("memsaver-nccl-fetch".into())
+                .spawn(move || fetch_imports(group, fetch))
+        });
+        let local = self.restore_local();
+        let restored_ms = start.elapsed().as_secs_f64() * 1e3;
+        let fetched = match fetcher {
+            None => Ok(Vec::new()),
+            Some(Err(e)) => Err(format!("cannot start a thread: {e}")),
+            Some(Ok(t)) => t
+                .join()
+                .unwrap_or_else(|_| Err("the fetching thread panicked".into())),
+        };
+        let fetched_ms = start.elapsed().as_secs_f64() * 1e3;
+        // The peers' memory is mapped back even if ours could not be (it is on their devices).
+        let imported = fetched
+            .map_err(peer_error)
+            .and_then(|f| self.map_imports(f));
+        let (own, bytes, copied) = local?;
+        let n = own + imported?;
         registry::lock().paused = false;
         crate::guard::set_paused(false);
         tracing::info!(
-            restore_local_ms = restored.as_secs_f64() * 1e3,
-            fetch_ms = (fetched_at - restored).as_secs_f64() * 1e3,
-            map_imports_ms = (start.elapsed() - fetched_at).as_secs_f64() * 1e3,
+            restore_local_ms = restored_ms,
+            fetch_wait_ms = fetched_ms - restored_ms,
+            map_imports_ms = start.elapsed().as_secs_f64() * 1e3 - fetched_ms,
             allocations = n,
             bytes,
             "nccl resume"
         );
-        Ok(report(n, bytes, bytes, start))
+        Ok(report(n, bytes, copied, start))
     }
 
     fn paused(&self) -> bool {

@@ -52,8 +52,9 @@ pub(crate) struct Physical {
     pub source: Option<Source>,
     /// Why it must stay resident whatever the policy (given to a NIC, bound to multicast).
     pub pinned: Option<&'static str>,
-    /// Contents while paused, kept for reuse across cycles.
+    /// Contents while paused (its first `backup_len` bytes), kept for reuse across cycles.
     pub backup: Option<HostBuffer>,
+    pub backup_len: u64,
 }
 
 /// Where an import comes from.
@@ -85,6 +86,7 @@ impl Physical {
             source: None,
             pinned: None,
             backup: None,
+            backup_len: 0,
         }
     }
 
@@ -117,6 +119,9 @@ pub(crate) struct Mapping {
     pub access: Vec<CUmemAccessDesc>,
 }
 
+/// One mapping of a handle: (address, size, the access NCCL granted).
+pub(crate) type Range = (CUdeviceptr, u64, Vec<CUmemAccessDesc>);
+
 #[derive(Default)]
 pub(crate) struct Registry {
     pub physicals: HashMap<u64, Physical>,
@@ -148,6 +153,18 @@ impl Registry {
     pub fn mapping_at(&self, addr: CUdeviceptr) -> Option<(CUdeviceptr, &Mapping)> {
         let (base, m) = self.mappings.range(..=addr).next_back()?;
         (addr < base + m.size).then_some((*base, m))
+    }
+
+    /// The mappings of every mapped handle, in address order (one pass over the mappings,
+    /// which are keyed by address).
+    pub fn ranges_by_handle(&self) -> HashMap<u64, Vec<Range>> {
+        let mut out: HashMap<u64, Vec<Range>> = HashMap::new();
+        for (ptr, m) in &self.mappings {
+            out.entry(m.vh)
+                .or_default()
+                .push((*ptr, m.size, m.access.clone()));
+        }
+        out
     }
 
     /// Forgets a physical object NCCL no longer references and no mapping uses, returning

@@ -9,9 +9,12 @@ Run with torchrun, one process per GPU, under the preload:
 World group plus two subgroups; all_reduce, all_gather, reduce_scatter, all_to_all, broadcast
 and send/recv checked before and after each pause/resume cycle of the `nccl` tag (with a
 tensor tag paused alongside). Reports per rank the memory freed by pause (cudaMemGetInfo)
-against NCCL's footprint and the hook's own figures, and pause/resume times. Every rank
-must run under the preload (exports are exchanged as memsaver tokens).
-Exits non-zero on a wrong result, a failed call, or nothing freed.
+against NCCL's footprint and the hook's own figures, pause/resume times, and the change in
+free device memory and open fds between the end of the first cycle and the end of the last.
+Every rank must run under the preload (exports are exchanged as memsaver tokens).
+MEMSAVER_NCCL_BACKUP=headers is reported in the output when set.
+Exits non-zero on a wrong result, a failed call, nothing freed, or growth in device memory
+(more than one 2 MiB granule) or open fds across cycles.
 """
 import json
 import os
@@ -57,6 +60,10 @@ def collectives(groups, rank, world, step):
     return ok
 
 
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
 def main():
     cycles = int(sys.argv[1]) if len(sys.argv) > 1 else 10
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -77,7 +84,7 @@ def main():
     # (the collectives' tensors and the 1 GiB kv_cache tensor).
     torch_growth = torch.cuda.memory_reserved() - reserved_start
     footprint = free_start - free_before - torch_growth
-    pause_ms, resume_ms, freed = [], [], []
+    pause_ms, resume_ms, freed, free_after, fds_after = [], [], [], [], []
     for step in range(1, cycles + 1):
         dist.barrier()
         torch.cuda.synchronize()
@@ -93,6 +100,10 @@ def main():
         resume_ms.append((time.perf_counter() - t0) * 1e3)
         ok &= collectives(groups, rank, world, step)
         kv.fill_(step)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free_after.append(torch.cuda.mem_get_info()[0])
+        fds_after.append(open_fds())
     s = memsaver.nccl_stats()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -110,12 +121,19 @@ def main():
         "resume_ms_median": round(statistics.median(resume_ms), 2),
         "pause_ms_max": round(max(pause_ms), 2), "resume_ms_max": round(max(resume_ms), 2),
         "device_free_drift_mib": round((free_before - free_end) / MIB, 1),
+        "device_growth_after_first_cycle_mib": round((free_after[0] - free_after[-1]) / MIB, 1),
+        "open_fds_growth_after_first_cycle": fds_after[-1] - fds_after[0],
+        "owned_handles": s["owned_handles"], "exported_handles": s["exported_handles"],
+        "imported_handles": s["imported_handles"],
+        "backup": os.environ.get("MEMSAVER_NCCL_BACKUP", "all"),
+        "nccl_proto": os.environ.get("NCCL_PROTO", "default"),
     }
     print("NCCL_PAUSE " + json.dumps(report), flush=True)
     dist.barrier()
     dist.destroy_process_group()
-    if not ok or min(freed) <= 0:
-        print(f"rank {rank}: FAIL")
+    grew = free_after[0] - free_after[-1] > 2 * MIB or fds_after[-1] > fds_after[0]
+    if not ok or min(freed) <= 0 or grew:
+        print(f"rank {rank}: FAIL (correct={ok}, min freed={min(freed)}, grew={grew})")
         sys.exit(1)
 
 

@@ -133,6 +133,19 @@ fn pausing_nccl_releases_its_memory_and_restores_it_in_place() {
         &r["stats_resumed"],
         &[r#""paused":false"#, r#""paused_bytes":0"#],
     );
+    // Out of memory on resume (the second cuMemCreate fails): error 6, the exported 4 MiB
+    // buffer is back, the private 6 MiB one still paused, NCCL still refused; a second
+    // resume restores it with its contents.
+    assert_eq!(r["pause_oom_rc"], "0");
+    assert_eq!(r["resume_oom_rc"], "6");
+    has(
+        &r["stats_oom"],
+        &[r#""paused":true"#, r#""paused_bytes":6291456"#],
+    );
+    // (refused; the count of calls that reached NCCL stays at the one made after resume)
+    assert_eq!(r["allreduce_oom_rc"], "5/1");
+    assert_eq!(r["resume_retry_rc"], "0");
+    assert_eq!(r["private_intact_after_oom"], "true");
     // NCCL's free path (retain from the address, release, unmap, release, free the range)
     // works on a paused buffer: the hook answers from its records.
     assert_eq!(r["pause2_rc"], "0");

@@ -47,6 +47,18 @@ impl Job {
         runtime_dir: &PathBuf,
         timeout_ms: u32,
     ) -> Job {
+        Self::start_with(world, group, fake_dir, runtime_dir, timeout_ms, &[])
+    }
+
+    /// As [`Job::start`], with extra environment variables for every rank.
+    fn start_with(
+        world: usize,
+        group: u32,
+        fake_dir: &PathBuf,
+        runtime_dir: &PathBuf,
+        timeout_ms: u32,
+        env: &[(&str, &str)],
+    ) -> Job {
         let exe = std::env::current_exe().unwrap();
         let profile = exe.parent().and_then(|d| d.parent()).unwrap();
         let preload = profile.join("libmemsaver.so");
@@ -76,6 +88,7 @@ impl Job {
                     .env("MEMSAVER_RUNTIME_DIR", runtime_dir)
                     .env("MEMSAVER_GROUP", group.to_string())
                     .env("MEMSAVER_NCCL_TIMEOUT_MS", timeout_ms.to_string())
+                    .envs(env.iter().copied())
                     .stdin(Stdio::piped())
                     .stdout(Stdio::piped())
                     .spawn()
@@ -265,6 +278,60 @@ fn two_groups_on_the_same_devices_stay_apart() {
     train.check_all();
     infer.check_all();
     assert_eq!(train.used(), 20 * MIB);
+    let _ = std::fs::remove_dir_all(&fake);
+    let _ = std::fs::remove_dir_all(&rt);
+}
+
+#[test]
+fn backup_headers_keeps_the_control_blocks_of_shared_buffers_only() {
+    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
+    let mut job = Job::start_with(
+        2,
+        11,
+        &fake,
+        &rt,
+        5000,
+        &[("MEMSAVER_NCCL_BACKUP", "headers")],
+    );
+    job.setup(4);
+    for cycle in 0..2 {
+        job.all_ok("pause");
+        assert_eq!(job.used(), 0, "cycle {cycle}");
+        job.all_ok("resume");
+        assert_eq!(job.used(), 8 * MIB, "cycle {cycle}");
+        for (r, peer) in [(0, 1), (1, 0)] {
+            // The first 64 KiB (NCCL's 4 KiB control block and margin) came back ...
+            assert_eq!(
+                job.on(&[r], &format!("check {peer} {peer} 65536")),
+                ["ok"],
+                "cycle {cycle}: rank {r} reads rank {peer}'s header"
+            );
+            // ... the staging area behind it did not (fresh memory: zeros on the fake).
+            let a = job.on(&[r], &format!("check {peer} {peer}")).remove(0);
+            assert!(a.contains("mismatch"), "cycle {cycle}: {a}");
+        }
+        // Rewrite the patterns for the next cycle.
+        for r in 0..2 {
+            assert_eq!(job.on(&[r], &format!("write {r}")), ["ok"]);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&fake);
+    let _ = std::fs::remove_dir_all(&rt);
+}
+
+#[test]
+fn a_bad_backup_setting_is_named_and_nothing_is_paused() {
+    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
+    let mut job = Job::start_with(2, 12, &fake, &rt, 5000, &[("MEMSAVER_NCCL_BACKUP", "some")]);
+    job.setup(4);
+    for (r, a) in job.all("pause").iter().enumerate() {
+        assert!(
+            a.contains("MEMSAVER_NCCL_BACKUP=\"some\"") && a.contains("headers"),
+            "rank {r}: {a}"
+        );
+    }
+    assert_eq!(job.used(), 8 * MIB, "nothing was released");
+    job.check_all();
     let _ = std::fs::remove_dir_all(&fake);
     let _ = std::fs::remove_dir_all(&rt);
 }

@@ -125,6 +125,26 @@ fn main() {
         );
         println!("stats_resumed={}", nccl_stats());
         println!("allreduce_resumed_rc={}", all_reduce(hn));
+        // Out of memory on resume: the exported buffer is re-created first, the private one's
+        // cuMemCreate fails. Resume reports it, keeps what it restored, and a second resume
+        // finishes the job with the contents intact.
+        // SAFETY: as above.
+        println!("pause_oom_rc={}", unsafe { pause(c"nccl".as_ptr()) });
+        let fail_create: unsafe extern "C" fn(u32) -> c_int = sym(hc, c"fakecuda_fail_create_at");
+        // SAFETY: a fake-driver test control taking a count.
+        unsafe { fail_create(2) };
+        // SAFETY: as above.
+        println!("resume_oom_rc={}", unsafe { resume(c"nccl".as_ptr()) });
+        println!("stats_oom={}", nccl_stats());
+        println!("allreduce_oom_rc={}", all_reduce(hn));
+        // SAFETY: as above.
+        println!("resume_retry_rc={}", unsafe { resume(c"nccl".as_ptr()) });
+        // SAFETY: resumed at the same address.
+        let bytes = unsafe { std::slice::from_raw_parts(private.ptr as *const u8, private.size) };
+        println!(
+            "private_intact_after_oom={}",
+            bytes.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8)
+        );
         // Free a buffer while paused, through NCCL's own free path, then resume the rest.
         // SAFETY: as above.
         println!("pause2_rc={}", unsafe { pause(c"nccl".as_ptr()) });

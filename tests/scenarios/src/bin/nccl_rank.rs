@@ -80,6 +80,8 @@ impl Rank {
                     .for_each(|(i, x)| *x = pattern(seed, i));
                 Ok(String::new())
             }
+            // `check PEER SEED [BYTES]`: the import of PEER's buffer holds SEED's pattern (in
+            // its first BYTES bytes).
             Some("check") => {
                 let a = self
                     .peers
@@ -87,8 +89,9 @@ impl Rank {
                     .copied()
                     .flatten()
                     .ok_or("no such import")?;
+                let len = num(3).map_or(a.size, |n| a.size.min(n as usize));
                 // SAFETY: the import is mapped read-write at its address (fake driver).
-                let b = unsafe { std::slice::from_raw_parts(a.ptr as *const u8, a.size) };
+                let b = unsafe { std::slice::from_raw_parts(a.ptr as *const u8, len) };
                 let seed = num(2)?;
                 if b.iter().enumerate().all(|(i, x)| *x == pattern(seed, i)) {
                     Ok(String::new())
