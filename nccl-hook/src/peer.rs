@@ -10,8 +10,8 @@
 //! owner and buffer behind each import.
 //!
 //! Each process that exports serves `<runtime dir>/g<group>/<pid>.sock` (directories mode
-//! 0700, peers' uid checked with `SO_PEERCRED`). Requests are text lines, answers a 16-byte
-//! record with the fd attached (`SCM_RIGHTS`):
+//! 0700, peers' uid checked with `SO_PEERCRED`). Requests are text lines, sent as one burst;
+//! answers, in request order, a 16-byte record with the fd attached (`SCM_RIGHTS`):
 //!
 //! * `FD <vh> <generation> <pid>`: the real fd of buffer `vh` once its generation is at least `generation`
 //!   (an owner still resuming is waited for, up to the timeout); records `pid` as an importer.
@@ -205,7 +205,34 @@ fn reply(
     )
 }
 
-/// One connection from a peer: requests until it closes.
+/// A request line: `FD|REL <vh> <generation> <pid>`.
+#[derive(Clone, Copy)]
+struct Request {
+    fd: bool,
+    vh: u64,
+    generation: u64,
+    pid: u32,
+}
+
+fn parse_request(line: &str) -> Option<Request> {
+    let f: Vec<&str> = line.split_whitespace().collect();
+    let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok());
+    Some(Request {
+        fd: match *f.first()? {
+            "FD" => true,
+            "REL" => false,
+            _ => return None,
+        },
+        vh: num(1)?,
+        generation: num(2)?,
+        pid: u32::try_from(num(3)?).ok()?,
+    })
+}
+
+/// One connection from a peer: requests until it closes. A peer sends its requests as one
+/// burst; every line already received is answered together, under one hold of the registry
+/// lock per pass, so that a process busy resuming serves a peer's hundreds of buffers in one
+/// go instead of one per turn of the lock.
 fn serve(stream: UnixStream) {
     // SAFETY: getuid cannot fail.
     let uid = unsafe { libc::getuid() };
@@ -219,66 +246,83 @@ fn serve(stream: UnixStream) {
     let Ok(read_half) = stream.try_clone() else {
         return;
     };
-    for line in BufReader::new(read_half).lines() {
-        let Ok(line) = line else { return };
-        let f: Vec<&str> = line.split_whitespace().collect();
-        let parse = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok());
-        let (Some(vh), Some(generation), Some(pid)) = (parse(1), parse(2), parse(3)) else {
-            return;
-        };
-        let sent = match f.first().copied() {
-            Some("FD") => serve_fd(&stream, vh, generation, pid as u32),
-            Some("REL") => {
-                let mut reg = registry::lock();
-                if let Some(p) = reg.physicals.get_mut(&vh)
-                    && p.generation == generation
-                {
-                    p.importers.remove(&(pid as u32));
-                }
-                drop(reg);
-                reply(&stream, OK, generation, None)
+    let mut reader = BufReader::with_capacity(1 << 16, read_half);
+    loop {
+        let mut batch = Vec::new();
+        loop {
+            let mut line = String::new();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) if batch.is_empty() => return,
+                Ok(0) | Err(_) => break,
+                Ok(_) => match parse_request(&line) {
+                    Some(r) => batch.push(r),
+                    None => return,
+                },
             }
-            _ => return,
-        };
-        if sent.is_err() {
+            if reader.buffer().is_empty() {
+                break;
+            }
+        }
+        if answer(&stream, &batch).is_err() {
             return;
         }
     }
 }
 
-fn serve_fd(stream: &UnixStream, vh: u64, generation: u64, pid: u32) -> nix::Result<usize> {
+/// Answers `batch` in order. `FD`: the real fd of buffer `vh` once its generation is at
+/// least `generation` (waiting for an owner still resuming, up to the timeout), recording
+/// `pid` as an importer. `REL`: `pid` let go of its import of that generation.
+fn answer(stream: &UnixStream, batch: &[Request]) -> nix::Result<()> {
     let deadline = Instant::now() + timeout();
-    loop {
-        let status = {
+    let mut next = 0;
+    while next < batch.len() {
+        let mut replies: Vec<(u32, u64, Option<OwnedFd>)> = Vec::new();
+        {
             let mut reg = registry::lock();
-            match reg.physicals.get_mut(&vh) {
-                None => UNKNOWN,
-                Some(p) => match p.real {
-                    Some(h) if p.generation >= generation => {
-                        let fd = memsaver_allocator::global()
-                            .and_then(|a| Ok(a.driver().export_fd(Handle(h))?));
-                        match fd {
-                            Ok(fd) => {
-                                p.importers.insert(pid);
-                                let g = p.generation;
-                                drop(reg);
-                                return reply(stream, OK, g, Some(&fd));
-                            }
-                            Err(e) => {
-                                tracing::error!(error = %e, "memsaver: cannot export an NCCL buffer to a peer");
-                                FAILED
-                            }
-                        }
+            for r in &batch[next..] {
+                let Some(p) = reg.physicals.get_mut(&r.vh) else {
+                    replies.push((if r.fd { UNKNOWN } else { OK }, r.generation, None));
+                    continue;
+                };
+                if !r.fd {
+                    if p.generation == r.generation {
+                        p.importers.remove(&r.pid);
                     }
-                    _ => NOT_READY,
-                },
+                    replies.push((OK, r.generation, None));
+                    continue;
+                }
+                let Some(h) = p.real.filter(|_| p.generation >= r.generation) else {
+                    break; // not restored yet: answers go out in order, wait
+                };
+                match memsaver_allocator::global()
+                    .and_then(|a| Ok(a.driver().export_fd(Handle(h))?))
+                {
+                    Ok(fd) => {
+                        p.importers.insert(r.pid);
+                        replies.push((OK, p.generation, Some(fd)));
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "memsaver: cannot export an NCCL buffer to a peer");
+                        replies.push((FAILED, 0, None));
+                    }
+                }
             }
-        };
-        if status != NOT_READY || Instant::now() >= deadline {
-            return reply(stream, status, 0, None);
         }
-        std::thread::sleep(Duration::from_millis(1));
+        for (status, generation, fd) in &replies {
+            reply(stream, *status, *generation, fd.as_ref())?;
+        }
+        next += replies.len();
+        if next < batch.len() {
+            if Instant::now() >= deadline {
+                for _ in next..batch.len() {
+                    reply(stream, NOT_READY, 0, None)?;
+                }
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
     }
+    Ok(())
 }
 
 /// Sends `lines` to the server of `owner` and reads one answer per line.

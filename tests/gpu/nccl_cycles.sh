@@ -2,15 +2,16 @@
 # Issue 4's GPU check at full length, on a machine with N GPUs (default 2):
 #   1. nccl_pause.py for CYCLES cycles (default 50) with the default backup (everything);
 #   2. MEMSAVER_NCCL_BACKUP=headers with each NCCL protocol forced in turn (LL, LL128, Simple),
-#      SHORT cycles each (default 20): staging buffers come back as fresh memory, so every
+#      SHORT cycles each (default 20; 0 skips them): staging buffers come back as fresh memory, so every
 #      protocol must cope with that;
 #   3. MEMSAVER_NCCL_BACKUP=headers, CYCLES cycles, NCCL's own protocol choice.
-# Logs (with the hook's phase timings) go to LOGDIR (default ./nccl-cycles-logs).
+# Logs (with the hook's phase timings) go to LOGDIR (default ./nccl-cycles-logs). PRELOAD picks
+# another libmemsaver.so (to compare builds on one machine).
 # Run after `. tests/gpu/setup_device.sh`. Exits non-zero if any run fails.
 set -u
 NPROC=${NPROC:-2} CYCLES=${CYCLES:-50} SHORT=${SHORT:-20} LOGDIR=${LOGDIR:-nccl-cycles-logs}
 mkdir -p "$LOGDIR"
-PRELOAD=$(python3 -m memsaver preload-path) || exit 1
+PRELOAD=${PRELOAD:-$(python3 -m memsaver preload-path)} || exit 1
 here=$(dirname "$0")
 status=0
 run() { # name, cycles, env...
@@ -24,9 +25,11 @@ run() { # name, cycles, env...
     [ $rc -eq 0 ] || { echo "$name: FAILED (rc $rc, see $LOGDIR/$name.log)"; status=1; }
 }
 run backup-all "$CYCLES" MEMSAVER_NCCL_BACKUP=all
-for proto in LL LL128 Simple; do
-    run "headers-$proto" "$SHORT" MEMSAVER_NCCL_BACKUP=headers NCCL_PROTO=$proto
-done
+if [ "$SHORT" -gt 0 ]; then
+    for proto in LL LL128 Simple; do
+        run "headers-$proto" "$SHORT" MEMSAVER_NCCL_BACKUP=headers NCCL_PROTO=$proto
+    done
+fi
 run backup-headers "$CYCLES" MEMSAVER_NCCL_BACKUP=headers
 [ $status -eq 0 ] && echo "nccl_cycles: PASS" || echo "nccl_cycles: FAIL"
 exit $status
