@@ -4,7 +4,9 @@
 //!
 //! With libmemsaver.so preloaded these definitions come first in the global lookup scope, so
 //! callers linked against libnccl (torch's ProcessGroupNCCL) reach them. Code that looks the
-//! functions up in libnccl's own handle (pynccl) reaches NCCL directly and is not guarded.
+//! functions up in libnccl's own handle (pynccl: `ctypes.CDLL("libnccl.so.2").ncclAllReduce`)
+//! is handed them by the `dlsym` interposer through [`lookup`], when the library it asks is
+//! the one they forward to.
 
 use std::ffi::{CStr, c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -42,8 +44,9 @@ fn resolve(slot: &AtomicUsize, name: &CStr) -> Option<usize> {
         let h =
             unsafe { libc::dlopen(c"libnccl.so.2".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
         if !h.is_null() {
+            // Past the interposer: its answer for libnccl's handle is this very function.
             // SAFETY: live handle, NUL-terminated name.
-            p = unsafe { libc::dlsym(h, name.as_ptr()) };
+            p = unsafe { crate::interpose::call_real_dlsym(h, name.as_ptr()) };
         }
     }
     if p.is_null() || in_this_library(p) {
@@ -67,6 +70,20 @@ fn in_this_library(p: *mut c_void) -> bool {
 macro_rules! guarded {
     ($($name:ident($($arg:ident: $ty:ty),*);)*) => {
         $(
+            /// Where the guarded function of this name forwards to (resolved on first use).
+            #[allow(non_snake_case)]
+            mod $name {
+                pub(super) static REAL: super::AtomicUsize = super::AtomicUsize::new(0);
+                pub(super) const NAME: &std::ffi::CStr = {
+                    match std::ffi::CStr::from_bytes_with_nul(
+                        concat!(stringify!($name), "\0").as_bytes(),
+                    ) {
+                        Ok(c) => c,
+                        Err(_) => panic!("a literal with one trailing NUL"),
+                    }
+                };
+            }
+
             /// Guarded NCCL entry point (see the module documentation).
             ///
             /// # Safety
@@ -76,11 +93,7 @@ macro_rules! guarded {
                 if PAUSED.load(Ordering::Acquire) {
                     return refuse(stringify!($name));
                 }
-                static REAL: AtomicUsize = AtomicUsize::new(0);
-                let name = concat!(stringify!($name), "\0");
-                // SAFETY: a literal with one trailing NUL.
-                let cname = unsafe { CStr::from_bytes_with_nul_unchecked(name.as_bytes()) };
-                match resolve(&REAL, cname) {
+                match resolve(&$name::REAL, $name::NAME) {
                     Some(f) => {
                         // SAFETY: libnccl's function of this name has this C signature (nccl.h).
                         let f = unsafe { std::mem::transmute::<usize, unsafe extern "C" fn($($ty),*) -> c_int>(f) };
@@ -91,6 +104,19 @@ macro_rules! guarded {
                 }
             }
         )*
+
+        /// For a `dlsym(handle, name)` lookup that found `real`: the guarded function of that
+        /// name if it forwards to `real` (the same library), else `None` (another NCCL, or
+        /// not a guarded name: hand out `real`).
+        pub(crate) fn lookup(name: &[u8], real: *mut c_void) -> Option<*mut c_void> {
+            $(
+                if name == stringify!($name).as_bytes() {
+                    let target = resolve(&$name::REAL, $name::NAME)?;
+                    return (target == real as usize).then_some($name as *const () as *mut c_void);
+                }
+            )*
+            None
+        }
     };
 }
 

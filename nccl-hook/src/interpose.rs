@@ -91,14 +91,17 @@ extern "C" fn decide(
         // SAFETY: dlsym's contract: a NUL-terminated symbol name.
         let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
         if name.starts_with(b"nccl") {
-            // AMem's API, looked up in libnccl's handle by pynccl-style code: ours, unless the
-            // library really has it (a patched NCCL).
-            let ours = crate::amem::lookup(name);
+            // Looked up in libnccl's handle by pynccl-style code. AMem's API: ours, unless the
+            // library really has it (a patched NCCL). Collectives: our guarded ones, when they
+            // forward to the very function found.
             // SAFETY: an explicit handle or pseudo-handle other than RTLD_NEXT; NUL-terminated.
-            if ours.is_some() && unsafe { call_real_dlsym(handle, symbol) }.is_null() {
-                return ours.unwrap_or(std::ptr::null_mut());
-            }
-            return std::ptr::null_mut();
+            let real = unsafe { call_real_dlsym(handle, symbol) };
+            return match crate::amem::lookup(name) {
+                Some(ours) if real.is_null() => ours,
+                Some(_) => std::ptr::null_mut(),
+                None if real.is_null() => std::ptr::null_mut(),
+                None => crate::guard::lookup(name, real).unwrap_or(std::ptr::null_mut()),
+            };
         }
         if !crate::procaddr::is_entry_name(name) || !is_nccl_code(caller) {
             return std::ptr::null_mut();

@@ -123,7 +123,11 @@ fn pausing_nccl_releases_its_memory_and_restores_it_in_place() {
     // NCCL calls while paused are refused (ncclInvalidUsage) without reaching NCCL; after
     // resume they reach it again.
     assert_eq!(r["allreduce_paused_rc"], "5/0");
+    // Also when looked up in libnccl's own handle, as pynccl does.
+    assert_eq!(r["allreduce_via_handle_paused_rc"], "5/0");
     assert_eq!(r["resume_rc"], "0");
+    assert_eq!(r["allreduce_resumed_rc"], "0/1");
+    assert_eq!(r["allreduce_via_handle_resumed_rc"], "0/2");
     assert_eq!(r["taken_by_resume"], (10 << 20).to_string());
     assert_eq!(
         r["private_intact"], "true",
@@ -142,8 +146,8 @@ fn pausing_nccl_releases_its_memory_and_restores_it_in_place() {
         &r["stats_oom"],
         &[r#""paused":true"#, r#""paused_bytes":6291456"#],
     );
-    // (refused; the count of calls that reached NCCL stays at the one made after resume)
-    assert_eq!(r["allreduce_oom_rc"], "5/1");
+    // (refused; the count of calls that reached NCCL stays at the two made after resume)
+    assert_eq!(r["allreduce_oom_rc"], "5/2");
     assert_eq!(r["resume_retry_rc"], "0");
     assert_eq!(r["private_intact_after_oom"], "true");
     // NCCL's free path (retain from the address, release, unmap, release, free the range)

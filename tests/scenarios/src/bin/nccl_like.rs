@@ -114,6 +114,7 @@ fn main() {
         println!("freed_by_pause={}", paused - before);
         println!("stats_paused={}", nccl_stats());
         println!("allreduce_paused_rc={}", all_reduce(hn));
+        println!("allreduce_via_handle_paused_rc={}", all_reduce_from(hn, hn));
         // SAFETY: NUL-terminated tag list.
         println!("resume_rc={}", unsafe { resume(c"nccl".as_ptr()) });
         println!("taken_by_resume={}", paused - mem_info());
@@ -125,6 +126,10 @@ fn main() {
         );
         println!("stats_resumed={}", nccl_stats());
         println!("allreduce_resumed_rc={}", all_reduce(hn));
+        println!(
+            "allreduce_via_handle_resumed_rc={}",
+            all_reduce_from(hn, hn)
+        );
         // Out of memory on resume: the exported buffer is re-created first, the private one's
         // cuMemCreate fails. Resume reports it, keeps what it restored, and a second resume
         // finishes the job with the contents intact.
@@ -217,6 +222,12 @@ fn amem_api(hn: *mut c_void) {
 /// Calls `ncclAllReduce` as an application linked against NCCL would (global lookup), and
 /// reports its result and how many calls reached the library: `rc/calls`.
 fn all_reduce(hn: *mut c_void) -> String {
+    all_reduce_from(hn, libc::RTLD_DEFAULT)
+}
+
+/// `ncclAllReduce` looked up in `scope` (`RTLD_DEFAULT`, as a program linked to NCCL finds
+/// it, or libnccl's own handle, as pynccl does), called; "rc/calls that reached NCCL".
+fn all_reduce_from(hn: *mut c_void, scope: *mut c_void) -> String {
     type AllReduce = unsafe extern "C" fn(
         *const c_void,
         *mut c_void,
@@ -227,7 +238,7 @@ fn all_reduce(hn: *mut c_void) -> String {
         *mut c_void,
     ) -> c_int;
     type Calls = unsafe extern "C" fn() -> u32;
-    let f: AllReduce = sym(libc::RTLD_DEFAULT, c"ncclAllReduce");
+    let f: AllReduce = sym(scope, c"ncclAllReduce");
     let calls: Calls = sym(hn, c"fake_nccl_all_reduce_calls");
     let null = std::ptr::null_mut();
     // SAFETY: the fake's ncclAllReduce ignores its arguments.
