@@ -24,7 +24,7 @@ pub const OPTIONS: &[OptionDoc] = &[
     OptionDoc {
         env: "MEMSAVER_GROUP",
         default: "0",
-        doc: "group id of the process for the nccl tag: processes pause and resume NCCL memory with peers of the same group only (AMEM_GROUPID and ncclSetGroupID work too)",
+        doc: "group id of the process for the nccl tag: processes pause and resume NCCL memory with peers of the same group only (AMEM_GROUPID, ncclSetGroupID and memsaver.set_group work too; fixed once NCCL shared memory)",
     },
     OptionDoc {
         env: "MEMSAVER_NCCL_TIMEOUT_MS",

@@ -16,6 +16,7 @@ const NCCL_UNHANDLED_CUDA_ERROR: c_int = 1;
 const NCCL_SYSTEM_ERROR: c_int = 2;
 const NCCL_INTERNAL_ERROR: c_int = 3;
 const NCCL_INVALID_ARGUMENT: c_int = 4;
+const NCCL_INVALID_USAGE: c_int = 5;
 
 /// The process group id (AMem's), from `MEMSAVER_GROUP` or `AMEM_GROUPID`, or set by
 /// `ncclSetGroupID`. It will namespace the cross-process coordination of the `nccl` tag.
@@ -39,9 +40,20 @@ pub fn group_id() -> i64 {
     from_env
 }
 
-/// Sets the group id; it must be set before NCCL allocates.
-pub fn set_group_id(id: i64) {
-    GROUP.store(id, Ordering::Relaxed);
+/// Sets the group id. It is fixed once NCCL has shared memory with a peer (the tokens and the
+/// socket of this process name it): changing it then is refused.
+pub fn set_group_id(id: i64) -> Result<(), Error> {
+    match crate::peer::server_group() {
+        Some(g) if g != id => Err(Error::InvalidArgument(format!(
+            "the nccl group of this process is already {g}: NCCL has shared memory with peers \
+             under it; set the group (memsaver.set_group, MEMSAVER_GROUP or ncclSetGroupID) \
+             before NCCL initialises"
+        ))),
+        _ => {
+            GROUP.store(id, Ordering::Relaxed);
+            Ok(())
+        }
+    }
 }
 
 fn result(r: Result<(), Error>) -> c_int {
@@ -111,8 +123,13 @@ pub extern "C" fn ncclMemStats() -> c_int {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn ncclSetGroupID(id: c_int) -> c_int {
-    set_group_id(i64::from(id));
-    NCCL_SUCCESS
+    match set_group_id(i64::from(id)) {
+        Ok(()) => NCCL_SUCCESS,
+        Err(e) => {
+            tracing::error!("ncclSetGroupID({id}): {e}");
+            NCCL_INVALID_USAGE
+        }
+    }
 }
 
 /// # Safety

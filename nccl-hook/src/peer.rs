@@ -155,13 +155,21 @@ fn socket_path(group: i64, pid: u32) -> std::io::Result<PathBuf> {
     Ok(group_dir(group)?.join(format!("{pid}.sock")))
 }
 
+/// The group this process's server serves, once it has started (its socket lives in that
+/// group's directory, and the tokens handed out name it).
+static SERVER_GROUP: OnceLock<i64> = OnceLock::new();
+
+pub(crate) fn server_group() -> Option<i64> {
+    SERVER_GROUP.get().copied()
+}
+
 /// Starts this process's server (once). Called before the first token is handed out.
 pub(crate) fn ensure_server() -> std::io::Result<()> {
     static STARTED: OnceLock<Result<(), String>> = OnceLock::new();
     STARTED
         .get_or_init(|| {
-            let path = socket_path(crate::amem::group_id(), std::process::id())
-                .map_err(|e| e.to_string())?;
+            let group = *SERVER_GROUP.get_or_init(crate::amem::group_id);
+            let path = socket_path(group, std::process::id()).map_err(|e| e.to_string())?;
             // Only our own pid's file: a leftover of an earlier process with our pid.
             let _ = std::fs::remove_file(&path);
             let listener =

@@ -52,6 +52,8 @@ __all__ = [
     "register_tag",
     "stats",
     "nccl_stats",
+    "set_group",
+    "group",
     "Stats",
     "TagStats",
     "Usage",
@@ -231,6 +233,22 @@ def stats() -> Stats:
     """Per-tag and total figures of this process (reserved, resident and backup bytes)."""
     _core.ensure_loaded()
     return _stats.parse(_memsaver.stats_json())
+
+
+def set_group(group: int) -> None:
+    """Sets this process's group for the ``nccl`` tag: processes pause and resume NCCL's memory
+    together with peers of the same group only, so co-located training and inference
+    processes on the same GPUs never mix (also ``MEMSAVER_GROUP``, AMem's ``AMEM_GROUPID`` and
+    ``ncclSetGroupID``). Call it before NCCL initialises: once NCCL has shared memory with a
+    peer the group is fixed, and another value raises ``InvalidArgumentError``."""
+    _core.ensure_loaded()
+    _memsaver.nccl_set_group(int(group))
+
+
+def group() -> int:
+    """This process's group for the ``nccl`` tag (0 unless set)."""
+    _core.ensure_loaded()
+    return int(_memsaver.nccl_group())
 
 
 def nccl_stats() -> dict[str, int | bool]:

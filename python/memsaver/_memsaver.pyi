@@ -7,6 +7,8 @@ __all__ = [
     "resume",
     "stats_json",
     "nccl_stats_json",
+    "nccl_set_group",
+    "nccl_group",
     "register_tag",
     "region_enter",
     "region_disable",
@@ -43,6 +45,8 @@ def resume(tags: list[str]) -> None:
     """Resumes ``tags`` (every tag when empty). Releases the GIL."""
 
 def nccl_stats_json() -> str: ...
+def nccl_set_group(group: int) -> None: ...
+def nccl_group() -> int: ...
 def stats_json() -> str:
     """The stats as JSON: {"tags": [...], "total": {...}}."""
 

@@ -91,6 +91,24 @@ fn nccl_stats_json() -> PyResult<String> {
     })
 }
 
+/// Sets the group id of the `nccl` tag.
+#[pyfunction]
+fn nccl_set_group(group: i64) -> PyResult<()> {
+    let l = lib()?;
+    // SAFETY: plain value argument.
+    check(l, unsafe { (l.memsaver_nccl_set_group)(group) })
+}
+
+/// The group id of the `nccl` tag.
+#[pyfunction]
+fn nccl_group() -> PyResult<i64> {
+    let l = lib()?;
+    let mut g = 0i64;
+    // SAFETY: valid out-pointer.
+    check(l, unsafe { (l.memsaver_nccl_group)(&mut g) })?;
+    Ok(g)
+}
+
 /// Calls one of the `*_json` functions (through `f`, which receives a buffer, its length and
 /// the out-pointer for the needed size), growing the buffer until the text fits.
 fn read_json(l: &Library, f: impl Fn(*mut c_char, usize, *mut usize) -> c_int) -> PyResult<String> {
@@ -192,6 +210,8 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(resume, m)?)?;
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_stats_json, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_set_group, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_group, m)?)?;
     m.add_function(wrap_pyfunction!(parse_profile, m)?)?;
     m.add_function(wrap_pyfunction!(device_memory, m)?)?;
     m.add_function(wrap_pyfunction!(register_tag, m)?)?;

@@ -44,6 +44,8 @@ c_abi! {
     memsaver_resume: unsafe extern "C" fn(*const c_char) -> c_int,
     memsaver_stats_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
     memsaver_nccl_stats_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
+    memsaver_nccl_set_group: unsafe extern "C" fn(i64) -> c_int,
+    memsaver_nccl_group: unsafe extern "C" fn(*mut i64) -> c_int,
     memsaver_profile_parse: unsafe extern "C" fn(*const c_char, *const c_char, *mut c_char, usize, *mut usize) -> c_int,
     memsaver_device_memory: unsafe extern "C" fn(c_int, *mut usize, *mut usize) -> c_int,
     memsaver_region_enter: unsafe extern "C" fn(*const c_char, *const c_char) -> c_int,

@@ -315,3 +315,24 @@ def test_nccl_is_a_tag_beside_the_others():
     assert not memsaver.stats().tags["nccl"].paused
     with pytest.raises(memsaver.InvalidArgumentError, match="reserved"):
         _memsaver.malloc(2 * MiB, 0, "nccl", "discard")
+
+
+def test_nccl_group_set_and_read():
+    before = memsaver.group()
+    try:
+        memsaver.set_group(42)
+        assert memsaver.group() == 42
+    finally:
+        memsaver.set_group(before)
+    assert memsaver.group() == before
+
+
+def test_nccl_group_from_environment():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MEMSAVER_GROUP="7")
+    out = subprocess.run([sys.executable, "-c", "import memsaver; print(memsaver.group())"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "7"

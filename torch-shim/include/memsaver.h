@@ -10,6 +10,7 @@
 #define MEMSAVER_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -48,6 +49,11 @@ int memsaver_stats_json(char *buf, size_t len, size_t *needed);
 
 /* NCCL's memory as the hook sees it (JSON), like memsaver_stats_json. */
 int memsaver_nccl_stats_json(char *buf, size_t len, size_t *needed);
+
+/* Group id of the nccl tag (processes coordinate NCCL memory within one group). Set it before
+ * NCCL initialises: once NCCL shared memory with a peer, another value is refused. */
+int memsaver_nccl_set_group(int64_t group);
+int memsaver_nccl_group(int64_t *group);
 
 /* Parses and validates a YAML pause/resume profile; writes it as JSON like memsaver_stats_json. */
 int memsaver_profile_parse(const char *text, const char *file, char *buf, size_t len, size_t *needed);

@@ -280,6 +280,31 @@ pub unsafe extern "C" fn memsaver_nccl_stats_json(
     }
 }
 
+/// Sets the group id of the `nccl` tag: processes coordinate NCCL's memory with peers of the
+/// same group only. Call it before NCCL initialises; once NCCL has shared memory with a peer
+/// the group is fixed and another value gives `MEMSAVER_ERR_INVALID_ARGUMENT`.
+#[unsafe(no_mangle)]
+pub extern "C" fn memsaver_nccl_set_group(group: i64) -> c_int {
+    ffi(|| memsaver_nccl_hook::amem::set_group_id(group))
+}
+
+/// Writes the group id of the `nccl` tag (`MEMSAVER_GROUP`, `AMEM_GROUPID`, a set value, or 0)
+/// into `*group`.
+///
+/// # Safety
+/// `group` is NULL (an error) or a valid out-pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_nccl_group(group: *mut i64) -> c_int {
+    ffi(|| {
+        if group.is_null() {
+            return Err(Error::InvalidArgument("group is NULL".into()));
+        }
+        // SAFETY: non-null out-pointer per the contract.
+        unsafe { *group = memsaver_nccl_hook::amem::group_id() };
+        Ok(())
+    })
+}
+
 /// Parses and validates a staged pause/resume profile (YAML text; `file` names it in
 /// messages) and writes it as JSON into `buf`, with the protocol of [`memsaver_stats_json`].
 /// An invalid profile gives `MEMSAVER_ERR_PROFILE` with `file:line:column: what was expected`.

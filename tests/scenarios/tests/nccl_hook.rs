@@ -191,8 +191,13 @@ fn amem_api_is_found_in_libnccl_and_pauses_nccl() {
     has(&r["amem_stats_paused"], &[r#""paused":true"#]);
     assert_eq!(r["amem_resume_rc"], "0");
     assert_eq!(
-        (r["amem_set_rc"].as_str(), r["amem_get_rc"].as_str()),
-        ("0", "0")
+        (
+            r["amem_set_same_rc"].as_str(),
+            r["amem_set_rc"].as_str(),
+            r["amem_get_rc"].as_str()
+        ),
+        ("0", "5", "0"),
+        "the group is fixed once NCCL shared memory"
     );
-    assert_eq!(r["amem_group"], "170");
+    assert_eq!(r["amem_group"], "0");
 }

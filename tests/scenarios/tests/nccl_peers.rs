@@ -283,6 +283,28 @@ fn two_groups_on_the_same_devices_stay_apart() {
 }
 
 #[test]
+fn the_group_is_fixed_once_nccl_shared_memory() {
+    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
+    let mut job = Job::start(2, 13, &fake, &rt, 5000);
+    // Before anything is shared, a process may move to another group (and back).
+    assert_eq!(job.on(&[0], "group 14"), ["ok"]);
+    assert_eq!(job.on(&[0], "group 13"), ["ok"]);
+    job.setup(4);
+    let a = job.on(&[0], "group 14").remove(0);
+    assert!(
+        a.starts_with("err 1 ") && a.contains("already 13") && a.contains("before NCCL"),
+        "{a}"
+    );
+    assert_eq!(job.on(&[0], "group 13"), ["ok"], "the same group is fine");
+    job.all_ok("pause");
+    assert_eq!(job.used(), 0);
+    job.all_ok("resume");
+    job.check_all();
+    let _ = std::fs::remove_dir_all(&fake);
+    let _ = std::fs::remove_dir_all(&rt);
+}
+
+#[test]
 fn backup_headers_keeps_the_control_blocks_of_shared_buffers_only() {
     let (fake, rt) = (tempdir("fake"), tempdir("rt"));
     let mut job = Job::start_with(

@@ -213,6 +213,9 @@ fn amem_api(hn: *mut c_void) {
         println!("amem_pause_rc={}", pause(std::ptr::null_mut()));
         println!("amem_stats_paused={}", nccl_stats());
         println!("amem_resume_rc={}", resume(std::ptr::null_mut()));
+        // NCCL already shared memory (an exported buffer) under group 0: the same group is
+        // accepted, another one refused (ncclInvalidUsage).
+        println!("amem_set_same_rc={}", set(0));
         println!("amem_set_rc={}", set(170));
         println!("amem_get_rc={}", get(&mut id));
     }

@@ -15,7 +15,7 @@
 //! free             free imports and the own buffer through NCCL's free path
 //! ```
 
-use std::ffi::{CStr, CString, c_char};
+use std::ffi::{CStr, CString, c_char, c_int};
 
 use memsaver_scenarios::{Alloc, FakeNcclAlloc, Free, Import, TagCall, sym};
 use std::io::{BufRead, IoSlice, IoSliceMut, Write};
@@ -114,6 +114,20 @@ impl Rank {
                     let msg = unsafe { CStr::from_ptr((self.last_error)()) }
                         .to_string_lossy()
                         .into_owned();
+                    Err(format!("{rc} {msg}"))
+                }
+            }
+            // `group N`: memsaver_nccl_set_group(N).
+            Some("group") => {
+                let set: unsafe extern "C" fn(i64) -> c_int =
+                    sym(libc::RTLD_DEFAULT, c"memsaver_nccl_set_group");
+                // SAFETY: plain value argument.
+                let rc = unsafe { set(num(1)? as i64) };
+                if rc == 0 {
+                    Ok(String::new())
+                } else {
+                    // SAFETY: NUL-terminated thread-local message.
+                    let msg = unsafe { CStr::from_ptr((self.last_error)()) }.to_string_lossy();
                     Err(format!("{rc} {msg}"))
                 }
             }
