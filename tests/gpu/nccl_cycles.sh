@@ -4,7 +4,10 @@
 #   2. MEMSAVER_NCCL_BACKUP=headers with each NCCL protocol forced in turn (LL, LL128, Simple),
 #      SHORT cycles each (default 20; 0 skips them): staging buffers come back as fresh memory, so every
 #      protocol must cope with that;
-#   3. MEMSAVER_NCCL_BACKUP=headers, CYCLES cycles, NCCL's own protocol choice.
+#   3. MEMSAVER_NCCL_BACKUP=headers, CYCLES cycles, NCCL's own protocol choice;
+#   4. other transports, SHORT cycles each: shared host memory (NCCL_P2P_DISABLE=1) and the
+#      network transport over sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1), as between
+#      nodes, with its proxy thread.
 # Logs (with the hook's phase timings) go to LOGDIR (default ./nccl-cycles-logs). PRELOAD picks
 # another libmemsaver.so (to compare builds on one machine).
 # Run after `. tests/gpu/setup_device.sh`. Exits non-zero if any run fails.
@@ -31,5 +34,9 @@ if [ "$SHORT" -gt 0 ]; then
     done
 fi
 run backup-headers "$CYCLES" MEMSAVER_NCCL_BACKUP=headers
+if [ "$SHORT" -gt 0 ]; then
+    run transport-shm "$SHORT" NCCL_P2P_DISABLE=1
+    run transport-net "$SHORT" NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
+fi
 [ $status -eq 0 ] && echo "nccl_cycles: PASS" || echo "nccl_cycles: FAIL"
 exit $status
