@@ -299,7 +299,11 @@ fn answer(stream: &UnixStream, batch: &[Request]) -> nix::Result<()> {
                     replies.push((OK, r.generation, None));
                     continue;
                 }
-                let Some(h) = p.real.filter(|_| p.generation >= r.generation) else {
+                // A buffer that stays resident through pauses (host memory, given to a NIC,
+                // ...) keeps its generation: serve it as it is. Otherwise wait until the owner
+                // has re-created the generation asked for.
+                let stays = p.pausable().is_err();
+                let Some(h) = p.real.filter(|_| stays || p.generation >= r.generation) else {
                     break; // not restored yet: answers go out in order, wait
                 };
                 match memsaver_allocator::global()

@@ -98,6 +98,8 @@ impl Physical {
             Kind::Imported if self.source.is_none() => Err(
                 "imported from a plain fd (the owner is not preloaded, or MEMSAVER_NCCL_TOKENS=0)",
             ),
+            // NCCL's shared-memory transport: host memory, which its owner keeps.
+            Kind::Imported if self.is_host() => Err("a peer's host memory"),
             Kind::Imported => Ok(()),
             Kind::Device => match (self.pinned, self.exported_raw) {
                 (Some(why), _) => Err(why),
@@ -109,6 +111,16 @@ impl Physical {
 
     pub fn device(&self) -> i32 {
         self.prop.location.id
+    }
+
+    /// Whether the memory lives in host memory (known for imports from the driver's answer).
+    pub fn is_host(&self) -> bool {
+        matches!(
+            self.prop.location.type_,
+            CU_MEM_LOCATION_TYPE_HOST
+                | CU_MEM_LOCATION_TYPE_HOST_NUMA
+                | CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT
+        )
     }
 }
 

@@ -7,6 +7,7 @@
 use std::ffi::{c_uint, c_ulonglong, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use memsaver_allocator::driver::Handle;
 use memsaver_allocator::driver::sys::{fns, *};
 
 use std::ffi::c_int;
@@ -362,11 +363,12 @@ unsafe extern "C" fn mem_import(
     quietly(|| {
         // SAFETY: written by the driver on success.
         let h = unsafe { *handle };
-        let mut prop = CUmemAllocationProp::default();
-        if let Some(props) = real::PROPS() {
-            // SAFETY: valid out-pointer and the driver's handle.
-            unsafe { props(&mut prop, h) };
-        }
+        // Where the memory lives (a peer's device, or host memory for NCCL's shared-memory
+        // transport), asked of the driver directly: NCCL may never have looked the query up.
+        let prop = memsaver_allocator::global()
+            .ok()
+            .and_then(|a| a.driver().properties(Handle(h)).ok())
+            .unwrap_or_default();
         let mut p = Physical::new(h, 0, prop, Kind::Imported);
         p.source = source;
         let vh = registry::lock().insert(p);

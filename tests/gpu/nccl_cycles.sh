@@ -10,6 +10,7 @@
 #      nodes, with its proxy thread.
 # Logs (with the hook's phase timings) go to LOGDIR (default ./nccl-cycles-logs). PRELOAD picks
 # another libmemsaver.so (to compare builds on one machine).
+# RUNS="name ..." runs only the named runs (backup-all headers-LL ... transport-net).
 # Run after `. tests/gpu/setup_device.sh`. Exits non-zero if any run fails.
 set -u
 NPROC=${NPROC:-2} CYCLES=${CYCLES:-50} SHORT=${SHORT:-20} LOGDIR=${LOGDIR:-nccl-cycles-logs}
@@ -19,6 +20,7 @@ here=$(dirname "$0")
 status=0
 run() { # name, cycles, env...
     local name=$1 cycles=$2; shift 2
+    if [ -n "${RUNS:-}" ] && [[ " $RUNS " != *" $name "* ]]; then return; fi
     echo "== $name ($cycles cycles; $*)"
     env "$@" LD_PRELOAD="$PRELOAD" MEMSAVER_LOG=memsaver_nccl_hook=info \
         torchrun --nproc-per-node "$NPROC" "$here/nccl_pause.py" "$cycles" \

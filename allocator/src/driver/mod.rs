@@ -151,6 +151,7 @@ entry_points!(
     cuMemMap,
     cuMemUnmap,
     cuMemSetAccess,
+    cuMemGetAllocationPropertiesFromHandle,
     cuMemExportToShareableHandle,
     cuMemImportFromShareableHandle,
     cuStreamCreate,
@@ -502,6 +503,17 @@ impl Driver {
             )
         })?;
         Ok(Handle(h))
+    }
+
+    /// The properties `h` was created with (for an imported handle: as the driver knows them,
+    /// its location included).
+    pub fn properties(&self, h: Handle) -> Result<CUmemAllocationProp, DriverError> {
+        let mut prop = CUmemAllocationProp::default();
+        // SAFETY: `prop` is a valid out-pointer; the driver validates the handle.
+        check("cuMemGetAllocationPropertiesFromHandle", unsafe {
+            (self.f.cuMemGetAllocationPropertiesFromHandle)(&mut prop, h.0)
+        })?;
+        Ok(prop)
     }
 
     /// Creates a non-blocking stream in the current context.

@@ -81,7 +81,9 @@ unsafe fn open(cuda_lib: *const c_char) -> Result<Driver, c_int> {
 }
 
 /// Allocates `size` bytes on device 0 like NCCL's cuMem path, exporting a POSIX fd of it when
-/// `export` is nonzero (as NCCL does for buffers peers map). Returns 0 or an error code.
+/// `export` is nonzero (as NCCL does for buffers peers map). `export == 2` allocates host
+/// memory (`HOST_NUMA`, mapped for device 0) instead, as NCCL's shared-memory transport does.
+/// Returns 0 or an error code.
 ///
 /// # Safety
 /// `cuda_lib` is NUL-terminated; `out` is a valid out-pointer.
@@ -93,7 +95,7 @@ pub unsafe extern "C" fn fake_nccl_alloc(
     out: *mut FakeNcclAlloc,
 ) -> c_int {
     // SAFETY: per this function's contract.
-    match unsafe { alloc(cuda_lib, size, export != 0) } {
+    match unsafe { alloc(cuda_lib, size, export != 0, export == 2) } {
         Ok(a) => {
             // SAFETY: valid out-pointer.
             unsafe { *out = a };
@@ -109,6 +111,7 @@ unsafe fn alloc(
     cuda_lib: *const c_char,
     size: usize,
     export_fd: bool,
+    host: bool,
 ) -> Result<FakeNcclAlloc, c_int> {
     // SAFETY: per the caller's contract.
     let d = unsafe { open(cuda_lib) }?;
@@ -132,7 +135,11 @@ unsafe fn alloc(
             type_: CU_MEM_ALLOCATION_TYPE_PINNED,
             requestedHandleTypes: CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
             location: CUmemLocation {
-                type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                type_: if host {
+                    CU_MEM_LOCATION_TYPE_HOST_NUMA
+                } else {
+                    CU_MEM_LOCATION_TYPE_DEVICE
+                },
                 id: 0,
             },
             ..Default::default()
@@ -147,7 +154,10 @@ unsafe fn alloc(
         ok(reserve(&mut a.ptr, size, 0, 0, 0))?;
         ok(map(a.ptr, size, 0, a.handle, 0))?;
         let desc = CUmemAccessDesc {
-            location: prop.location,
+            location: CUmemLocation {
+                type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                id: 0,
+            },
             flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         ok(access(a.ptr, size, &desc, 1))?;

@@ -283,6 +283,35 @@ fn two_groups_on_the_same_devices_stay_apart() {
 }
 
 #[test]
+fn shared_host_memory_stays_and_does_not_block_resume() {
+    // NCCL's shared-memory transport (NCCL_P2P_DISABLE=1) exchanges host memory (HOST_NUMA)
+    // through the same export/import path. Its owner keeps it on pause (it is not device
+    // memory); the importers must keep their imports too, and resume must not wait for a new
+    // generation that never comes.
+    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
+    let mut job = Job::start(2, 15, &fake, &rt, 2000);
+    job.all_ok("alloc 4 host");
+    job.all_ok("exchange");
+    for r in 0..2 {
+        assert_eq!(job.on(&[r], &format!("write {r}")), ["ok"]);
+    }
+    for cycle in 0..2 {
+        job.all_ok("pause");
+        // Still readable while paused: nothing was unmapped.
+        job.check_all();
+        job.all_ok("resume");
+        job.check_all();
+        assert_eq!(
+            job.used(),
+            0,
+            "cycle {cycle}: host memory is not device memory"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&fake);
+    let _ = std::fs::remove_dir_all(&rt);
+}
+
+#[test]
 fn the_group_is_fixed_once_nccl_shared_memory() {
     let (fake, rt) = (tempdir("fake"), tempdir("rt"));
     let mut job = Job::start(2, 13, &fake, &rt, 5000);

@@ -59,9 +59,11 @@ impl Rank {
         match f.first().copied() {
             Some("alloc") => {
                 let mut a = FakeNcclAlloc::default();
+                // `alloc MIB [host]`: device memory, or host memory as NCCL's SHM transport.
+                let kind = if f.get(2) == Some(&"host") { 2 } else { 1 };
                 // SAFETY: per the fake NCCL's contract.
                 let rc = unsafe {
-                    (self.alloc)(self.cuda.as_ptr(), (num(1)? << 20) as usize, 1, &mut a)
+                    (self.alloc)(self.cuda.as_ptr(), (num(1)? << 20) as usize, kind, &mut a)
                 };
                 if rc != 0 {
                     return Err(format!("alloc {rc}"));
