@@ -11,6 +11,9 @@
 //! 3. wait until every importer of this process's exported buffers has let go, or fail after
 //!    the timeout naming the processes that did not (a dead process counts as let go).
 //!
+//! Pause also sets the kernel stack size NCCL raised back to CUDA's default, which frees the
+//! local memory the driver keeps for it; resume gives it back.
+//!
 //! Resume: a thread asks each owner for the new generation of the buffers imported here while
 //! this process re-creates, maps and restores its own memory: first the buffers it exports
 //! (the registry lock is dropped after them, so that the peers' requests are served while the
@@ -88,13 +91,79 @@ impl Backup {
     }
 }
 
+/// CUDA's default per-thread stack size (bytes).
+const DEFAULT_STACK_SIZE: usize = 1024;
+
 pub struct NcclTag {
     allocator: &'static Allocator,
+    /// Devices whose stack size pause lowered, with the size to give back at resume.
+    lowered_stacks: parking_lot::Mutex<BTreeMap<i32, usize>>,
 }
 
 impl NcclTag {
     pub fn new(allocator: &'static Allocator) -> Self {
-        Self { allocator }
+        Self {
+            allocator,
+            lowered_stacks: parking_lot::Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// NCCL raises the context's per-thread stack size for its kernels (to 1744 bytes with
+    /// NCCL 2.28), and the driver keeps local memory for it on every SM: 186 MiB on an H200.
+    /// Pause sets it back to CUDA's default on the devices NCCL uses, which frees that memory
+    /// (kernels that need more while paused grow it again, as the driver always does).
+    fn lower_stacks(&self, devices: &[i32]) {
+        let d = self.allocator.driver();
+        let mut lowered = self.lowered_stacks.lock();
+        for &dev in devices {
+            let r = self.allocator.copy_stream(dev).and_then(|(ctx, _)| {
+                Ok(d.with_context(ctx, || {
+                    let cur = d.stack_size()?;
+                    if cur <= DEFAULT_STACK_SIZE {
+                        return Ok(None);
+                    }
+                    d.set_stack_size(DEFAULT_STACK_SIZE)?;
+                    Ok(Some(cur))
+                })?)
+            });
+            match r {
+                Ok(Some(cur)) => {
+                    lowered.entry(dev).or_insert(cur);
+                    tracing::info!(
+                        device = dev,
+                        from = cur,
+                        to = DEFAULT_STACK_SIZE,
+                        "nccl pause: kernel stack size lowered"
+                    );
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(
+                    device = dev,
+                    error = %e,
+                    "memsaver: could not lower the kernel stack size NCCL raised; its local memory stays"
+                ),
+            }
+        }
+    }
+
+    /// Resume: gives NCCL's kernels their stack size back now rather than at their next launch.
+    fn restore_stacks(&self) {
+        let d = self.allocator.driver();
+        let lowered = std::mem::take(&mut *self.lowered_stacks.lock());
+        for (dev, bytes) in lowered {
+            let r = self
+                .allocator
+                .copy_stream(dev)
+                .and_then(|(ctx, _)| Ok(d.with_context(ctx, || d.set_stack_size(bytes))?));
+            if let Err(e) = r {
+                tracing::warn!(
+                    device = dev,
+                    bytes,
+                    error = %e,
+                    "memsaver: could not give NCCL's kernels their stack size back; the driver grows it again at their next launch"
+                );
+            }
+        }
     }
 }
 
@@ -172,6 +241,8 @@ type Notices = BTreeMap<u32, Vec<(u64, u64)>>;
 /// What pause step 1 did.
 #[derive(Default)]
 struct Released {
+    /// Devices with NCCL memory released.
+    devices: Vec<i32>,
     allocations: usize,
     /// Bytes of this process's own memory released.
     bytes: u64,
@@ -266,6 +337,7 @@ impl NcclTag {
         let mut out = Released::default();
         let devices: std::collections::BTreeSet<i32> =
             own.keys().chain(imports.keys()).copied().collect();
+        out.devices = devices.iter().copied().collect();
         for dev in devices {
             let (ctx, stream) = a.copy_stream(dev)?;
             let own = own.get(&dev).map_or(&[][..], Vec::as_slice);
@@ -514,6 +586,7 @@ impl ExternalTag for NcclTag {
         let start = Instant::now();
         let backup = Backup::from_env()?;
         let released = self.release_local(backup)?;
+        self.lower_stacks(&released.devices);
         let local_ms = start.elapsed().as_secs_f64() * 1e3;
         let group = crate::amem::group_id();
         for (owner, items) in &released.notices {
@@ -607,6 +680,7 @@ impl ExternalTag for NcclTag {
             .and_then(|f| self.map_imports(f));
         let (own, bytes, copied) = local?;
         let n = own + imported?;
+        self.restore_stacks();
         registry::lock().paused = false;
         crate::guard::set_paused(false);
         tracing::info!(

@@ -50,6 +50,7 @@ pub fn error_name(code: CUresult) -> &'static str {
         CUDA_ERROR_NO_DEVICE => "CUDA_ERROR_NO_DEVICE",
         CUDA_ERROR_INVALID_DEVICE => "CUDA_ERROR_INVALID_DEVICE",
         CUDA_ERROR_INVALID_CONTEXT => "CUDA_ERROR_INVALID_CONTEXT",
+        CUDA_ERROR_UNSUPPORTED_LIMIT => "CUDA_ERROR_UNSUPPORTED_LIMIT",
         CUDA_ERROR_ALREADY_MAPPED => "CUDA_ERROR_ALREADY_MAPPED",
         CUDA_ERROR_NOT_MAPPED => "CUDA_ERROR_NOT_MAPPED",
         CUDA_ERROR_INVALID_HANDLE => "CUDA_ERROR_INVALID_HANDLE",
@@ -142,6 +143,8 @@ entry_points!(
     cuCtxPopCurrent_v2,
     cuCtxSynchronize,
     cuCtxGetDevice,
+    cuCtxGetLimit,
+    cuCtxSetLimit,
     cuMemGetInfo_v2,
     cuMemGetAllocationGranularity,
     cuMemCreate,
@@ -318,6 +321,25 @@ impl Driver {
         // SAFETY: `dev` is a valid out-pointer.
         let r = unsafe { (self.f.cuCtxGetDevice)(&mut dev) };
         (r == CUDA_SUCCESS).then_some(dev)
+    }
+
+    /// The current context's per-thread stack size (`CU_LIMIT_STACK_SIZE`), in bytes.
+    pub fn stack_size(&self) -> Result<usize, DriverError> {
+        let mut v = 0;
+        // SAFETY: `v` is a valid out-pointer.
+        check("cuCtxGetLimit", unsafe {
+            (self.f.cuCtxGetLimit)(&mut v, CU_LIMIT_STACK_SIZE)
+        })?;
+        Ok(v)
+    }
+
+    /// Sets the current context's per-thread stack size; the driver resizes the context's
+    /// local memory to match (and grows it again when a kernel needs more).
+    pub fn set_stack_size(&self, bytes: usize) -> Result<(), DriverError> {
+        // SAFETY: plain values.
+        check("cuCtxSetLimit", unsafe {
+            (self.f.cuCtxSetLimit)(CU_LIMIT_STACK_SIZE, bytes)
+        })
     }
 
     /// Waits until all work queued in the current context has finished.

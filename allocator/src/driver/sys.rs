@@ -23,6 +23,7 @@ pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
 pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
 pub const CUDA_ERROR_INVALID_DEVICE: CUresult = 101;
 pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
+pub const CUDA_ERROR_UNSUPPORTED_LIMIT: CUresult = 215;
 pub const CUDA_ERROR_ALREADY_MAPPED: CUresult = 208;
 pub const CUDA_ERROR_NOT_MAPPED: CUresult = 211;
 pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
@@ -40,6 +41,9 @@ pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_uint = 1;
 pub const CU_MEM_HANDLE_TYPE_FABRIC: c_uint = 8;
 /// `CUmemLocationType`
 pub const CU_MEM_LOCATION_TYPE_DEVICE: c_uint = 1;
+/// `CUlimit`: per-thread stack size of kernels (bytes); the driver sizes the context's local
+/// memory from it.
+pub const CU_LIMIT_STACK_SIZE: c_uint = 0;
 pub const CU_MEM_LOCATION_TYPE_HOST: c_uint = 2;
 pub const CU_MEM_LOCATION_TYPE_HOST_NUMA: c_uint = 3;
 pub const CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: c_uint = 4;
@@ -128,6 +132,8 @@ pub mod fns {
     pub type cuCtxPopCurrent_v2 = unsafe extern "C" fn(ctx: *mut CUcontext) -> CUresult;
     pub type cuCtxSynchronize = unsafe extern "C" fn() -> CUresult;
     pub type cuCtxGetDevice = unsafe extern "C" fn(dev: *mut CUdevice) -> CUresult;
+    pub type cuCtxGetLimit = unsafe extern "C" fn(value: *mut usize, limit: c_uint) -> CUresult;
+    pub type cuCtxSetLimit = unsafe extern "C" fn(limit: c_uint, value: usize) -> CUresult;
     pub type cuMemGetInfo_v2 =
         unsafe extern "C" fn(free: *mut usize, total: *mut usize) -> CUresult;
     pub type cuMemGetAllocationGranularity = unsafe extern "C" fn(

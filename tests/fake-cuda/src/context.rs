@@ -3,7 +3,7 @@
 //! asynchronously (every copy completes before it returns), so they only need validating.
 
 use std::cell::RefCell;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
@@ -128,6 +128,18 @@ pub fn require_current() -> Result<CUdevice, CUresult> {
 
 pub fn current() -> Option<CUdevice> {
     CTX_STACK.with_borrow(|s| s.last().copied())
+}
+
+/// Per-device stack size limit (`cuCtxSetLimit`), per process; the real driver's default.
+static STACK_SIZES: Mutex<BTreeMap<CUdevice, usize>> = Mutex::new(BTreeMap::new());
+const DEFAULT_STACK_SIZE: usize = 1024;
+
+pub fn stack_size(dev: CUdevice) -> usize {
+    *STACK_SIZES.lock().get(&dev).unwrap_or(&DEFAULT_STACK_SIZE)
+}
+
+pub fn set_stack_size(dev: CUdevice, bytes: usize) {
+    STACK_SIZES.lock().insert(dev, bytes);
 }
 
 /// Registry of live streams and events, so that a destroyed or made-up one is rejected.

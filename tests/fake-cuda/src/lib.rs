@@ -62,10 +62,10 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use memsaver_allocator::driver::sys::fns;
 use memsaver_allocator::driver::sys::{
-    CU_EVENT_DISABLE_TIMING, CU_STREAM_NON_BLOCKING, CUDA_ERROR_INVALID_CONTEXT,
-    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_UNKNOWN, CUDA_SUCCESS, CUcontext,
-    CUdevice, CUdeviceptr, CUevent, CUmemAccessDesc, CUmemAllocationProp,
-    CUmemGenericAllocationHandle, CUresult, CUstream,
+    CU_EVENT_DISABLE_TIMING, CU_LIMIT_STACK_SIZE, CU_STREAM_NON_BLOCKING,
+    CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_UNKNOWN,
+    CUDA_ERROR_UNSUPPORTED_LIMIT, CUDA_SUCCESS, CUcontext, CUdevice, CUdeviceptr, CUevent,
+    CUmemAccessDesc, CUmemAllocationProp, CUmemGenericAllocationHandle, CUresult, CUstream,
 };
 
 mod config;
@@ -263,6 +263,31 @@ cuda_exports! {
         let d = context::current().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
         // SAFETY: non-null; the caller passes a valid out-pointer.
         unsafe { out.write(d) };
+        Ok(())
+    }
+
+    /// A limit of the current context: only `CU_LIMIT_STACK_SIZE` (default 1024 bytes, as on
+    /// the real driver); others are `CUDA_ERROR_UNSUPPORTED_LIMIT`.
+    fn cuCtxGetLimit(value: *mut usize, limit: c_uint) {
+        let out = non_null(value)?;
+        context::initialised()?;
+        let dev = context::require_current()?;
+        if limit != CU_LIMIT_STACK_SIZE {
+            return Err(CUDA_ERROR_UNSUPPORTED_LIMIT);
+        }
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(context::stack_size(dev)) };
+        Ok(())
+    }
+
+    /// Sets a limit of the current context (see [`cuCtxGetLimit`]).
+    fn cuCtxSetLimit(limit: c_uint, value: usize) {
+        context::initialised()?;
+        let dev = context::require_current()?;
+        if limit != CU_LIMIT_STACK_SIZE {
+            return Err(CUDA_ERROR_UNSUPPORTED_LIMIT);
+        }
+        context::set_stack_size(dev, value);
         Ok(())
     }
 
@@ -662,6 +687,7 @@ same_signature! {
     cuDeviceGet: cuDeviceGet, cuDevicePrimaryCtxRetain: cuDevicePrimaryCtxRetain,
     cuCtxPushCurrent_v2: cuCtxPushCurrent_v2, cuCtxPopCurrent_v2: cuCtxPopCurrent_v2,
     cuCtxSynchronize: cuCtxSynchronize,
+    cuCtxGetLimit: cuCtxGetLimit, cuCtxSetLimit: cuCtxSetLimit,
     cuMemGetInfo_v2: cuMemGetInfo_v2,
     cuMemGetAllocationGranularity: cuMemGetAllocationGranularity, cuMemCreate: cuMemCreate,
     cuMemRelease: cuMemRelease, cuMemAddressReserve: cuMemAddressReserve,

@@ -126,6 +126,12 @@ fn pausing_nccl_releases_its_memory_and_restores_it_in_place() {
     // Also when looked up in libnccl's own handle, as pynccl does.
     assert_eq!(r["allreduce_via_handle_paused_rc"], "5/0");
     assert_eq!(r["resume_rc"], "0");
+    // The kernel stack size NCCL raised (1744) goes down to CUDA's default while paused (its
+    // local memory is freed on a GPU) and comes back on resume.
+    assert_eq!(
+        (r["stack_paused"].as_str(), r["stack_resumed"].as_str()),
+        ("1024", "1744")
+    );
     assert_eq!(r["allreduce_resumed_rc"], "0/1");
     assert_eq!(r["allreduce_via_handle_resumed_rc"], "0/2");
     assert_eq!(r["taken_by_resume"], (10 << 20).to_string());

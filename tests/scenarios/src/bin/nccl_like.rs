@@ -7,7 +7,7 @@
 //! memory; then pauses and resumes the `nccl` tag (device memory freed, contents and address
 //! kept), frees the private buffer while paused, and frees the rest.
 
-use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 
 use memsaver_scenarios::{Alloc, FakeNcclAlloc, Free, TagCall, sym};
 
@@ -107,9 +107,23 @@ fn main() {
         for (i, b) in bytes.iter_mut().enumerate() {
             *b = (i % 251) as u8;
         }
+        // NCCL raises the per-thread stack size for its kernels (its runtime calls
+        // cudaDeviceSetLimit); pause lowers it to CUDA's default, resume gives it back.
+        let get_limit: unsafe extern "C" fn(*mut usize, c_uint) -> c_int =
+            sym(hc, c"cuCtxGetLimit");
+        let set_limit: unsafe extern "C" fn(c_uint, usize) -> c_int = sym(hc, c"cuCtxSetLimit");
+        let stack = || {
+            let mut v = 0;
+            // SAFETY: valid out-pointer; the context pushed by `device_memory` is current.
+            unsafe { get_limit(&mut v, 0) };
+            v
+        };
+        // SAFETY: plain values, in the current context.
+        unsafe { set_limit(0, 1744) };
         let before = mem_info();
         // SAFETY: NUL-terminated tag list.
         println!("pause_rc={}", unsafe { pause(c"nccl".as_ptr()) });
+        println!("stack_paused={}", stack());
         let paused = mem_info();
         println!("freed_by_pause={}", paused - before);
         println!("stats_paused={}", nccl_stats());
@@ -118,6 +132,7 @@ fn main() {
         // SAFETY: NUL-terminated tag list.
         println!("resume_rc={}", unsafe { resume(c"nccl".as_ptr()) });
         println!("taken_by_resume={}", paused - mem_info());
+        println!("stack_resumed={}", stack());
         // SAFETY: resumed at the same address.
         let bytes = unsafe { std::slice::from_raw_parts(private.ptr as *const u8, private.size) };
         println!(
