@@ -28,6 +28,29 @@ fn tempdir(what: &str) -> PathBuf {
     d
 }
 
+/// A fake-driver state directory and a runtime directory, removed when dropped (declare it
+/// before the jobs that use it, so they are dropped first).
+struct Dirs {
+    fake: PathBuf,
+    rt: PathBuf,
+}
+
+impl Dirs {
+    fn new() -> Self {
+        Self {
+            fake: tempdir("fake"),
+            rt: tempdir("rt"),
+        }
+    }
+}
+
+impl Drop for Dirs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.fake);
+        let _ = std::fs::remove_dir_all(&self.rt);
+    }
+}
+
 struct RankProc {
     child: Child,
     stdin: ChildStdin,
@@ -37,6 +60,8 @@ struct RankProc {
 /// A job of `world` ranks in one group, sharing the fake devices of `fake_dir`.
 struct Job {
     ranks: Vec<RankProc>,
+    /// Where the ranks exchange their buffers' fds (removed with the job).
+    rendezvous: PathBuf,
 }
 
 impl Job {
@@ -102,7 +127,7 @@ impl Job {
                 }
             })
             .collect();
-        Job { ranks }
+        Job { ranks, rendezvous }
     }
 
     fn pid(&self, r: usize) -> u32 {
@@ -176,12 +201,14 @@ impl Drop for Job {
             let _ = r.child.kill();
             let _ = r.child.wait();
         }
+        let _ = std::fs::remove_dir_all(&self.rendezvous);
     }
 }
 
 fn pause_resume_cycles(world: usize) {
-    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
-    let mut job = Job::start(world, 7, &fake, &rt, 5000);
+    let dirs = Dirs::new();
+    let (fake, rt) = (&dirs.fake, &dirs.rt);
+    let mut job = Job::start(world, 7, fake, rt, 5000);
     job.setup(4);
     let resident = job.used();
     assert_eq!(
@@ -202,9 +229,6 @@ fn pause_resume_cycles(world: usize) {
     }
     job.all_ok("free");
     assert_eq!(job.used(), 0);
-    drop(job);
-    let _ = std::fs::remove_dir_all(&fake);
-    let _ = std::fs::remove_dir_all(&rt);
 }
 
 #[test]
@@ -224,8 +248,9 @@ fn eight_ranks_pause_and_resume_together() {
 
 #[test]
 fn a_peer_that_does_not_pause_is_named_and_a_dead_one_releases() {
-    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
-    let mut job = Job::start(2, 9, &fake, &rt, 300);
+    let dirs = Dirs::new();
+    let (fake, rt) = (&dirs.fake, &dirs.rt);
+    let mut job = Job::start(2, 9, fake, rt, 300);
     job.setup(4);
     // Rank 1 keeps running and does not pause: rank 0's pause releases its side, then fails
     // after the timeout naming rank 1, whose import still holds rank 0's buffer.
@@ -252,15 +277,14 @@ fn a_peer_that_does_not_pause_is_named_and_a_dead_one_releases() {
         "{a}"
     );
     assert_eq!(job.used(), 4 * MIB);
-    let _ = std::fs::remove_dir_all(&fake);
-    let _ = std::fs::remove_dir_all(&rt);
 }
 
 #[test]
 fn two_groups_on_the_same_devices_stay_apart() {
-    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
-    let mut train = Job::start(2, 100, &fake, &rt, 5000);
-    let mut infer = Job::start(2, 200, &fake, &rt, 5000);
+    let dirs = Dirs::new();
+    let (fake, rt) = (&dirs.fake, &dirs.rt);
+    let mut train = Job::start(2, 100, fake, rt, 5000);
+    let mut infer = Job::start(2, 200, fake, rt, 5000);
     train.setup(4);
     infer.setup(6);
     assert_eq!(train.used(), 20 * MIB);
@@ -278,8 +302,6 @@ fn two_groups_on_the_same_devices_stay_apart() {
     train.check_all();
     infer.check_all();
     assert_eq!(train.used(), 20 * MIB);
-    let _ = std::fs::remove_dir_all(&fake);
-    let _ = std::fs::remove_dir_all(&rt);
 }
 
 #[test]
@@ -288,8 +310,9 @@ fn shared_host_memory_stays_and_does_not_block_resume() {
     // through the same export/import path. Its owner keeps it on pause (it is not device
     // memory); the importers must keep their imports too, and resume must not wait for a new
     // generation that never comes.
-    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
-    let mut job = Job::start(2, 15, &fake, &rt, 2000);
+    let dirs = Dirs::new();
+    let (fake, rt) = (&dirs.fake, &dirs.rt);
+    let mut job = Job::start(2, 15, fake, rt, 2000);
     job.all_ok("alloc 4 host");
     job.all_ok("exchange");
     for r in 0..2 {
@@ -307,14 +330,13 @@ fn shared_host_memory_stays_and_does_not_block_resume() {
             "cycle {cycle}: host memory is not device memory"
         );
     }
-    let _ = std::fs::remove_dir_all(&fake);
-    let _ = std::fs::remove_dir_all(&rt);
 }
 
 #[test]
 fn the_group_is_fixed_once_nccl_shared_memory() {
-    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
-    let mut job = Job::start(2, 13, &fake, &rt, 5000);
+    let dirs = Dirs::new();
+    let (fake, rt) = (&dirs.fake, &dirs.rt);
+    let mut job = Job::start(2, 13, fake, rt, 5000);
     // Before anything is shared, a process may move to another group (and back).
     assert_eq!(job.on(&[0], "group 14"), ["ok"]);
     assert_eq!(job.on(&[0], "group 13"), ["ok"]);
@@ -329,18 +351,17 @@ fn the_group_is_fixed_once_nccl_shared_memory() {
     assert_eq!(job.used(), 0);
     job.all_ok("resume");
     job.check_all();
-    let _ = std::fs::remove_dir_all(&fake);
-    let _ = std::fs::remove_dir_all(&rt);
 }
 
 #[test]
 fn backup_headers_keeps_the_control_blocks_of_shared_buffers_only() {
-    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
+    let dirs = Dirs::new();
+    let (fake, rt) = (&dirs.fake, &dirs.rt);
     let mut job = Job::start_with(
         2,
         11,
-        &fake,
-        &rt,
+        fake,
+        rt,
         5000,
         &[("MEMSAVER_NCCL_BACKUP", "headers")],
     );
@@ -366,14 +387,13 @@ fn backup_headers_keeps_the_control_blocks_of_shared_buffers_only() {
             assert_eq!(job.on(&[r], &format!("write {r}")), ["ok"]);
         }
     }
-    let _ = std::fs::remove_dir_all(&fake);
-    let _ = std::fs::remove_dir_all(&rt);
 }
 
 #[test]
 fn a_bad_backup_setting_is_named_and_nothing_is_paused() {
-    let (fake, rt) = (tempdir("fake"), tempdir("rt"));
-    let mut job = Job::start_with(2, 12, &fake, &rt, 5000, &[("MEMSAVER_NCCL_BACKUP", "some")]);
+    let dirs = Dirs::new();
+    let (fake, rt) = (&dirs.fake, &dirs.rt);
+    let mut job = Job::start_with(2, 12, fake, rt, 5000, &[("MEMSAVER_NCCL_BACKUP", "some")]);
     job.setup(4);
     for (r, a) in job.all("pause").iter().enumerate() {
         assert!(
@@ -383,6 +403,4 @@ fn a_bad_backup_setting_is_named_and_nothing_is_paused() {
     }
     assert_eq!(job.used(), 8 * MIB, "nothing was released");
     job.check_all();
-    let _ = std::fs::remove_dir_all(&fake);
-    let _ = std::fs::remove_dir_all(&rt);
 }
