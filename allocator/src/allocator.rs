@@ -238,11 +238,6 @@ impl Allocator {
         self.table.lock().tags.get(tag).is_some_and(|t| t.paused)
     }
 
-    /// Whether `ptr` is the base address of an allocation of this allocator.
-    pub fn owns(&self, ptr: u64) -> bool {
-        self.table.lock().allocations.contains_key(&ptr)
-    }
-
     /// The state of the allocation at `ptr`, if memsaver made it.
     pub fn state(&self, ptr: u64) -> Option<State> {
         self.table

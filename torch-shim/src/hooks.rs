@@ -88,8 +88,10 @@ fn region_alloc(size: usize, device: Option<i32>) -> Option<Result<u64, Error>> 
 
 /// Frees `ptr` if memsaver made it; `None` if it is not ours.
 fn owned_free(ptr: *mut c_void) -> Option<Result<(), Error>> {
-    let a = global_if_started()?;
-    a.owns(ptr as u64).then(|| a.free(ptr as u64))
+    match global_if_started()?.free(ptr as u64) {
+        Err(Error::UnknownPointer { .. }) => None,
+        r => Some(r),
+    }
 }
 
 /// `cudaMalloc`, interposed. Inside a region the memory comes from memsaver.

@@ -63,9 +63,11 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
+/// Stores `msg` for [`memsaver_last_error`]. Never panics: during thread teardown (a free from
+/// a thread-local destructor) the message is dropped instead.
 pub(crate) fn set_last_error(msg: &str) {
     let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
 }
 
 /// Runs `f`, turning errors and panics into a status code and a stored message.
@@ -100,6 +102,18 @@ unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>, E
         .map_err(|_| Error::InvalidArgument(format!("{what} is not valid UTF-8")))
 }
 
+/// Reads a backup policy argument (`"discard"` or `"cpu"`); NULL means discard.
+///
+/// # Safety
+/// As [`opt_str`].
+unsafe fn opt_policy(p: *const c_char) -> Result<Policy, Error> {
+    // SAFETY: forwarded contract.
+    match unsafe { opt_str(p, "policy") }? {
+        Some(p) => p.parse(),
+        None => Ok(Policy::Discard),
+    }
+}
+
 /// # Safety
 /// As [`opt_str`].
 unsafe fn req_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error> {
@@ -121,7 +135,9 @@ fn split_tags(s: Option<&str>) -> Vec<&str> {
 /// valid until the next memsaver call on this thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn memsaver_last_error() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|e| e.borrow().as_ptr())
+        .unwrap_or(c"".as_ptr())
 }
 
 /// Allocates `size` bytes on `device` with an explicit tag and policy (`"discard"` or `"cpu"`;
@@ -144,10 +160,7 @@ pub unsafe extern "C" fn memsaver_malloc(
         // SAFETY: per this function's contract.
         let tag = unsafe { req_str(tag, "tag") }?;
         // SAFETY: per this function's contract.
-        let policy = match unsafe { opt_str(policy, "policy") }? {
-            Some(p) => p.parse()?,
-            None => Policy::Discard,
-        };
+        let policy = unsafe { opt_policy(policy) }?;
         let p = allocator()?.malloc(size, device, tag, policy)?;
         // SAFETY: `ptr` is a valid out-pointer (checked non-null above).
         unsafe { *ptr = p as *mut c_void };
@@ -367,10 +380,7 @@ pub unsafe extern "C" fn memsaver_region_enter(tag: *const c_char, policy: *cons
         // SAFETY: per this function's contract.
         let tag = unsafe { req_str(tag, "tag") }?;
         // SAFETY: per this function's contract.
-        let policy = match unsafe { opt_str(policy, "policy") }? {
-            Some(p) => p.parse()?,
-            None => Policy::Discard,
-        };
+        let policy = unsafe { opt_policy(policy) }?;
         region::enter(tag, policy)
     })
 }

@@ -24,7 +24,7 @@ commands:
 ";
 
 fn main() -> ExitCode {
-    init_logging();
+    memsaver_nccl_hook::init_logging();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (cmd, rest) = match args.split_first() {
         Some((c, r)) => (c.as_str(), r),
@@ -53,14 +53,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn init_logging() {
-    let filter = std::env::var("MEMSAVER_LOG").unwrap_or_else(|_| "warn".into());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .try_init();
 }
 
 /// Opens the real driver when it loads and sees a GPU, else the fake driver built beside this
