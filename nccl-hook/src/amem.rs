@@ -10,13 +10,13 @@ use std::sync::atomic::{AtomicI64, Ordering};
 
 use memsaver_allocator::Error;
 
-/// `ncclResult_t` values.
+/// `ncclResult_t` values (also used by `guard`).
 const NCCL_SUCCESS: c_int = 0;
 const NCCL_UNHANDLED_CUDA_ERROR: c_int = 1;
-const NCCL_SYSTEM_ERROR: c_int = 2;
+pub(crate) const NCCL_SYSTEM_ERROR: c_int = 2;
 const NCCL_INTERNAL_ERROR: c_int = 3;
 const NCCL_INVALID_ARGUMENT: c_int = 4;
-const NCCL_INVALID_USAGE: c_int = 5;
+pub(crate) const NCCL_INVALID_USAGE: c_int = 5;
 
 /// The process group id (AMem's), from `MEMSAVER_GROUP` or `AMEM_GROUPID`, or set by
 /// `ncclSetGroupID`. It will namespace the cross-process coordination of the `nccl` tag.

@@ -11,16 +11,18 @@
 use std::ffi::{CStr, c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-/// `ncclInvalidUsage`.
-const NCCL_INVALID_USAGE: c_int = 5;
-/// `ncclSystemError`: libnccl's definition could not be found.
-const NCCL_SYSTEM_ERROR: c_int = 2;
+use crate::amem::{NCCL_INVALID_USAGE, NCCL_SYSTEM_ERROR};
 
 /// Mirrors the `nccl` tag's paused state, read on every guarded call without a lock.
 static PAUSED: AtomicBool = AtomicBool::new(false);
 
 pub(crate) fn set_paused(paused: bool) {
     PAUSED.store(paused, Ordering::Release);
+}
+
+/// Whether the `nccl` tag is paused: set by a pause, cleared by a resume that completed.
+pub(crate) fn is_paused() -> bool {
+    PAUSED.load(Ordering::Acquire)
 }
 
 fn refuse(name: &str) -> c_int {
@@ -58,13 +60,9 @@ fn resolve(slot: &AtomicUsize, name: &CStr) -> Option<usize> {
 
 /// Whether `p` lies in libmemsaver.so itself (never forward to ourselves).
 fn in_this_library(p: *mut c_void) -> bool {
-    let base = |addr: *const c_void| {
-        // SAFETY: zeroed Dl_info is a valid out-parameter; any address may be asked about.
-        let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        (unsafe { libc::dladdr(addr, &mut info) } != 0).then_some(info.dli_fbase)
-    };
-    base(p).is_some() && base(p) == base(refuse as *const c_void)
+    let base = |addr: *const c_void| crate::interpose::object_at(addr).map(|i| i.dli_fbase);
+    let here = base(p);
+    here.is_some() && here == base(refuse as *const c_void)
 }
 
 macro_rules! guarded {
@@ -108,6 +106,10 @@ macro_rules! guarded {
         /// For a `dlsym(handle, name)` lookup that found `real`: the guarded function of that
         /// name if it forwards to `real` (the same library), else `None` (another NCCL, or
         /// not a guarded name: hand out `real`).
+        pub(crate) fn is_guarded(name: &[u8]) -> bool {
+            $(name == stringify!($name).as_bytes())||*
+        }
+
         pub(crate) fn lookup(name: &[u8], real: *mut c_void) -> Option<*mut c_void> {
             $(
                 if name == stringify!($name).as_bytes() {

@@ -61,14 +61,20 @@ pub(crate) unsafe fn call_real_dlsym(handle: *mut c_void, symbol: *const c_char)
     unsafe { f(handle, symbol) }
 }
 
+/// What the loader knows of the object containing `addr` (`None` if no object does).
+pub(crate) fn object_at(addr: *const c_void) -> Option<libc::Dl_info> {
+    // SAFETY: zeroed Dl_info is a valid out-parameter; dladdr only reads loader state and
+    // accepts any address.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    (unsafe { libc::dladdr(addr, &mut info) } != 0).then_some(info)
+}
+
 /// Whether the code at `addr` belongs to a libnccl shared object.
 fn is_nccl_code(addr: *const c_void) -> bool {
-    // SAFETY: zeroed Dl_info is a valid out-parameter; dladdr only reads loader state.
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: `addr` is a return address inside some loaded object.
-    if unsafe { libc::dladdr(addr, &mut info) } == 0 || info.dli_fname.is_null() {
+    let Some(info) = object_at(addr).filter(|i| !i.dli_fname.is_null()) else {
         return false;
-    }
+    };
     // SAFETY: dladdr gives a NUL-terminated file name.
     let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_bytes();
     let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
@@ -94,9 +100,13 @@ extern "C" fn decide(
             // Looked up in libnccl's handle by pynccl-style code. AMem's API: ours, unless the
             // library really has it (a patched NCCL). Collectives: our guarded ones, when they
             // forward to the very function found.
+            let ours = crate::amem::lookup(name);
+            if ours.is_none() && !crate::guard::is_guarded(name) {
+                return std::ptr::null_mut(); // NCCL's own lookups (plugins ...): forwarded
+            }
             // SAFETY: an explicit handle or pseudo-handle other than RTLD_NEXT; NUL-terminated.
             let real = unsafe { call_real_dlsym(handle, symbol) };
-            return match crate::amem::lookup(name) {
+            return match ours {
                 Some(ours) if real.is_null() => ours,
                 Some(_) => std::ptr::null_mut(),
                 None if real.is_null() => std::ptr::null_mut(),

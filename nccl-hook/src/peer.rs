@@ -59,13 +59,17 @@ pub(crate) fn tokens_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("MEMSAVER_NCCL_TOKENS").map_or(true, |v| v.trim() != "0"))
 }
 
-/// How long pause waits for importers to let go and resume for owners to come back.
+/// How long pause waits for importers to let go and resume for owners to come back
+/// (`MEMSAVER_NCCL_TIMEOUT_MS`, read once).
 pub(crate) fn timeout() -> Duration {
-    let ms = std::env::var("MEMSAVER_NCCL_TIMEOUT_MS")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(30_000);
-    Duration::from_millis(ms)
+    static TIMEOUT: OnceLock<Duration> = OnceLock::new();
+    *TIMEOUT.get_or_init(|| {
+        let ms = std::env::var("MEMSAVER_NCCL_TIMEOUT_MS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(30_000);
+        Duration::from_millis(ms)
+    })
 }
 
 /// A sealed memfd holding `t`.

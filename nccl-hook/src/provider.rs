@@ -238,6 +238,14 @@ fn peer_error(message: String) -> Error {
 /// Released imports to tell their owners about: owner -> [(owner's handle, generation)].
 type Notices = BTreeMap<u32, Vec<(u64, u64)>>;
 
+/// What resume step 1 restored.
+#[derive(Default)]
+struct Restored {
+    handles: usize,
+    bytes: u64,
+    copied: u64,
+}
+
 /// What pause step 1 did.
 #[derive(Default)]
 struct Released {
@@ -328,7 +336,6 @@ impl NcclTag {
         let a = self.allocator;
         let d = a.driver();
         let mut reg = registry::lock();
-        reg.paused = true;
         crate::guard::set_paused(true);
         let ranges = reg.ranges_by_handle();
         let (own, imports) = releasable(&reg, &ranges);
@@ -393,9 +400,15 @@ impl NcclTag {
     }
 
     /// Resume: re-creates and restores this process's own paused handles `vhs` (all on
-    /// `device`), recording them resident once their contents are back. Returns (handles,
-    /// bytes, bytes copied) restored; on a failure, those restored before it stay restored.
-    fn restore(&self, reg: &mut Registry, device: i32, vhs: &[u64]) -> Result<(usize, u64, u64)> {
+    /// `device`), recording them resident once their contents are back, and counts them into
+    /// `total`. On a failure, those restored before it stay restored (and counted).
+    fn restore(
+        &self,
+        reg: &mut Registry,
+        device: i32,
+        vhs: &[u64],
+        total: &mut Restored,
+    ) -> Result<()> {
         let a = self.allocator;
         let d = a.driver();
         let ranges = reg.ranges_by_handle();
@@ -411,14 +424,6 @@ impl NcclTag {
             // Whatever happened, the queued copies finish before anyone may use the memory.
             d.stream_synchronize(stream).and(r)
         });
-        let bytes = made.iter().map(|(vh, _)| reg.physicals[vh].size).sum();
-        let copied = made
-            .iter()
-            .map(|(vh, _)| &reg.physicals[vh])
-            .filter(|p| p.backup.is_some())
-            .map(|p| p.backup_len)
-            .sum();
-        let done = made.len();
         for (vh, h) in made {
             let p = reg.physicals.get_mut(&vh).expect("listed by the caller");
             p.real = Some(h.0);
@@ -426,31 +431,34 @@ impl NcclTag {
                 p.generation += 1;
                 p.importers.clear();
             }
+            total.handles += 1;
+            total.bytes += p.size;
+            if p.backup.is_some() {
+                total.copied += p.backup_len;
+            }
         }
         match r {
-            Ok(()) => Ok((done, bytes, copied)),
+            Ok(()) => Ok(()),
             Err(e) if e.is_out_of_memory() => {
-                let left: Vec<u64> = reg
+                let (still_paused, bytes_still_paused) = reg
                     .physicals
-                    .iter()
-                    .filter(|(_, p)| p.real.is_none() && p.kind != Kind::Imported)
-                    .map(|(_, p)| p.size)
-                    .collect();
+                    .values()
+                    .filter(|p| p.real.is_none() && p.kind != Kind::Imported)
+                    .fold((0, 0), |(n, b), p| (n + 1, b + p.size));
                 Err(Error::ResumeOutOfMemory {
                     device,
                     tags: vec![TAG.into()],
-                    resumed: done,
-                    still_paused: left.len(),
-                    bytes_still_paused: left.iter().sum(),
+                    resumed: total.handles,
+                    still_paused,
+                    bytes_still_paused,
                 })
             }
             Err(e) => Err(e.into()),
         }
     }
 
-    /// Resume step 1: this process's own memory, exported buffers first. Returns (handles,
-    /// bytes, bytes copied).
-    fn restore_local(&self) -> Result<(usize, u64, u64)> {
+    /// Resume step 1: this process's own memory, exported buffers first.
+    fn restore_local(&self) -> Result<Restored> {
         let plan = {
             let reg = registry::lock();
             let ranges = reg.ranges_by_handle();
@@ -467,7 +475,7 @@ impl NcclTag {
                 by_device(&reg, &ranges, paused(false)),
             ]
         };
-        let (mut done, mut bytes, mut copied) = (0, 0, 0);
+        let mut total = Restored::default();
         // The exported buffers in one go; then the private ones in batches, handing the lock
         // over between batches (fairly, to a waiting thread first), so that peers' requests
         // for the exported buffers are answered while the private ones are restored.
@@ -483,29 +491,10 @@ impl NcclTag {
                 .into_iter()
                 .filter(|vh| reg.physicals.get(vh).is_some_and(|p| p.real.is_none()))
                 .collect();
-            let (n, b, c) = self.restore(&mut reg, device, &vhs).map_err(|e| match e {
-                // Count what the earlier batches restored too.
-                Error::ResumeOutOfMemory {
-                    device,
-                    tags,
-                    resumed,
-                    still_paused,
-                    bytes_still_paused,
-                } => Error::ResumeOutOfMemory {
-                    device,
-                    tags,
-                    resumed: resumed + done,
-                    still_paused,
-                    bytes_still_paused,
-                },
-                e => e,
-            })?;
-            done += n;
-            bytes += b;
-            copied += c;
+            self.restore(&mut reg, device, &vhs, &mut total)?;
             parking_lot::MappedMutexGuard::unlock_fair(reg);
         }
-        Ok((done, bytes, copied))
+        Ok(total)
     }
 
     /// Resume step 3: import the owners' new generations and map them where they were.
@@ -602,25 +591,30 @@ impl ExternalTag for NcclTag {
         // free only once its importers have let go.
         let deadline = Instant::now() + peer::timeout();
         loop {
-            let mut holders: Vec<u32> = {
+            let holders: Vec<u32> = {
                 let mut reg = registry::lock();
-                let mut h = Vec::new();
-                for p in reg
+                let mut paused: Vec<_> = reg
                     .physicals
                     .values_mut()
                     .filter(|p| p.exported && p.real.is_none())
-                {
-                    p.importers.retain(|pid| peer::alive(*pid));
-                    h.extend(p.importers.iter().copied());
+                    .collect();
+                // Each importer asked once: a dead process has let go of everything.
+                let mut holders: Vec<u32> = paused
+                    .iter()
+                    .flat_map(|p| p.importers.iter().copied())
+                    .collect();
+                holders.sort_unstable();
+                holders.dedup();
+                holders.retain(|pid| peer::alive(*pid));
+                for p in &mut paused {
+                    p.importers.retain(|pid| holders.binary_search(pid).is_ok());
                 }
-                h
+                holders
             };
             if holders.is_empty() {
                 break;
             }
             if Instant::now() >= deadline {
-                holders.sort_unstable();
-                holders.dedup();
                 return Err(Error::PeersHoldMemory {
                     tag: TAG.into(),
                     peers: holders,
@@ -678,10 +672,10 @@ impl ExternalTag for NcclTag {
         let imported = fetched
             .map_err(peer_error)
             .and_then(|f| self.map_imports(f));
-        let (own, bytes, copied) = local?;
-        let n = own + imported?;
+        let own = local?;
+        let n = own.handles + imported?;
+        let (bytes, copied) = (own.bytes, own.copied);
         self.restore_stacks();
-        registry::lock().paused = false;
         crate::guard::set_paused(false);
         tracing::info!(
             restore_local_ms = restored_ms,
@@ -695,7 +689,7 @@ impl ExternalTag for NcclTag {
     }
 
     fn paused(&self) -> bool {
-        registry::lock().paused
+        crate::guard::is_paused()
     }
 
     fn usage(&self) -> Vec<DeviceUsage> {

@@ -141,8 +141,6 @@ pub(crate) struct Registry {
     pub mappings: BTreeMap<CUdeviceptr, Mapping>,
     next: u64,
     pub multicast_objects: u64,
-    /// Set by pause, cleared by a resume that completed.
-    pub paused: bool,
 }
 
 /// Guards the registry. Held by the wrappers for bookkeeping and by pause/resume for their
@@ -229,7 +227,7 @@ pub(crate) fn stats(hooked: bool, cumem_disabled: bool) -> NcclStats {
     let mut s = NcclStats {
         hooked,
         cumem_disabled,
-        paused: r.paused,
+        paused: crate::guard::is_paused(),
         ..Default::default()
     };
     for p in r.physicals.values() {

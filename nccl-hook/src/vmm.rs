@@ -54,7 +54,7 @@ macro_rules! slots {
         mod real {
             use super::*;
             $(
-                #[allow(non_snake_case, dead_code)]
+                #[allow(non_snake_case)]
                 pub(super) fn $slot() -> Option<$ty> {
                     let p = super::$slot.load(Ordering::Acquire);
                     // SAFETY: the slot holds 0 or the driver's function of this signature.
@@ -336,7 +336,9 @@ unsafe extern "C" fn mem_import(
         }
         Some(t) => match peer::request_fds(t.group, t.pid, &[(t.vh, t.generation)]) {
             Ok(mut fds) => {
-                let (fd, generation) = fds.remove(0);
+                let Some((fd, generation)) = fds.pop() else {
+                    return CUDA_ERROR_INVALID_VALUE;
+                };
                 // SAFETY: the owner's real fd, imported the way NCCL asked; we close it after.
                 let r = unsafe { f(handle, fd.as_raw_fd() as isize as *mut c_void, handle_type) };
                 (
