@@ -2,10 +2,12 @@
 
 from collections.abc import Mapping
 from contextlib import _GeneratorContextManager
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import timeline as timeline
+from ._stats import Stats as Stats
+from ._stats import TagStats as TagStats
+from ._stats import Usage as Usage
 from .profile import Profile as Profile
 from .profile import ProfileStepError as ProfileStepError
 from .profile import StageReport as StageReport
@@ -68,30 +70,6 @@ __all__ = [
     "device_memory",
     "timeline",
 ]
-
-@dataclass(frozen=True)
-class Usage:
-    allocations: int
-    reserved_bytes: int
-    resident_bytes: int
-    backup_bytes: int
-
-@dataclass(frozen=True)
-class TagStats:
-    tag: str
-    paused: bool
-    allocations: int
-    reserved_bytes: int
-    resident_bytes: int
-    backup_bytes: int
-    devices: dict[int, Usage] = ...
-    @property
-    def usage(self) -> Usage: ...
-
-@dataclass(frozen=True)
-class Stats:
-    tags: dict[str, TagStats]
-    total: Usage
 
 def region(
     tag: str, backup: Literal["discard", "cpu"] = "discard"

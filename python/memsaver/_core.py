@@ -24,6 +24,11 @@ _HOOK_MODES = ("auto", "preload", "inprocess")
 _load_lock = threading.Lock()
 
 
+def ld_preload_entries(value: str) -> list[str]:
+    """The libraries an ``LD_PRELOAD`` value names (ld.so splits on ':' and spaces)."""
+    return [e for e in value.replace(" ", ":").split(":") if e]
+
+
 def library() -> tuple[str, str]:
     """Loads libmemsaver.so if needed and returns (mode, path) without checking the mode."""
     loaded = _memsaver.loaded()
@@ -64,7 +69,7 @@ def preload_missing_message(reason: str) -> str:
         'or run `eval "$(python -m memsaver env)"` in the shell that launches it, or launch it '
         "from Python inside `with memsaver.configure_subprocess():`.",
     ]
-    named = [p for p in current.replace(" ", ":").split(":") if "libmemsaver" in p]
+    named = [p for p in ld_preload_entries(current) if "libmemsaver" in p]
     if named:
         lines.append(
             f"LD_PRELOAD names {named[0]!r}, but that library is not loaded: check that the "

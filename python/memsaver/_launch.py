@@ -14,7 +14,7 @@ import os
 import shlex
 from collections.abc import Iterator, Mapping
 
-from ._core import BUNDLED_LIBRARY, HOOK_MODE_ENV
+from ._core import BUNDLED_LIBRARY, HOOK_MODE_ENV, ld_preload_entries
 
 #: Variables memsaver passes through to children when they are set in this process.
 PASSTHROUGH_ENV = ("MEMSAVER_CUDA_LIB", "MEMSAVER_LOG")
@@ -29,8 +29,8 @@ def merged_ld_preload(current: str, path: str) -> str:
     """``path`` first, then the entries of ``current`` (split on ':' or spaces, as ld.so does),
     each once."""
     entries = [path]
-    for entry in current.replace(" ", ":").split(":"):
-        if entry and entry not in entries:
+    for entry in ld_preload_entries(current):
+        if entry not in entries:
             entries.append(entry)
     return ":".join(entries)
 

@@ -147,9 +147,10 @@ class Profile:
             if tag not in known and tag not in _EXTERNAL_TAGS:
                 register_tag(tag)
         report = StageReport(stage)
+        after = _resident()
         for i, s in enumerate(steps, 1):
             what = _describe(s)
-            before = _resident()
+            before = after  # the previous step's "after": nothing runs in between
             t0 = time.perf_counter()
             try:
                 with timeline.stage_context(stage):
@@ -160,9 +161,9 @@ class Profile:
                 raise ProfileStepError(
                     f"stage '{stage}' step {i} ({what}, {self.source} line {s['line']}) failed: {e}"
                 ) from e
-            report.steps.append(
-                StepReport(i, s["line"], what, time.perf_counter() - t0, before, _resident())
-            )
+            elapsed = time.perf_counter() - t0
+            after = _resident()
+            report.steps.append(StepReport(i, s["line"], what, elapsed, before, after))
         return report
 
     @staticmethod
