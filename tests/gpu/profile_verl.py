@@ -58,7 +58,8 @@ def main():
         def sync_weights():
             # Runs with NCCL and the weights resident, the KV cache still paused: every rank
             # ends with the same weights (the mean of all ranks').
-            assert memsaver.stats().tags["kv_cache"].paused
+            if not memsaver.stats().tags["kv_cache"].paused:
+                raise RuntimeError("sync_weights ran with the KV cache resident")
             dist.all_reduce(weights)
             weights.div_(world)
             torch.cuda.synchronize()

@@ -131,6 +131,21 @@ def scenario_compat():
     torch_memory_saver.resume("weights")
     torch_memory_saver.resume("kv_cache")
     check(int(w.sum().item()) == 3 * (256 << 20), "compat cpu backup lost data")
+    # A CUDA graph captured through the compat API, replayed after pause/resume of its tag.
+    static_in = torch.ones(1024, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch_memory_saver.cuda_graph(g, tag="graph"):
+        static_out = static_in * 2
+    g.replay()
+    torch.cuda.synchronize()
+    import memsaver
+    check(memsaver.stats().tags["graph"].reserved_bytes > 0, "compat graph pool not tagged")
+    torch_memory_saver.pause("graph")
+    torch_memory_saver.resume("graph")
+    static_in.fill_(3)
+    g.replay()
+    torch.cuda.synchronize()
+    check(bool(torch.all(static_out == 6).item()), "compat graph replay wrong after resume")
     return {"freed_bytes": freed}
 
 

@@ -114,21 +114,3 @@ def test_signatures_match_torch_memory_saver():
     assert params(TorchMemorySaver.pause) == [("self", inspect.Parameter.empty), ("tag", None)]
     assert params(TorchMemorySaver.resume) == [("self", inspect.Parameter.empty), ("tag", None)]
     assert compat.configure_subprocess is memsaver.configure_subprocess
-
-
-def test_cuda_graph_under_torch(tag):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    static_in = torch.ones(1024, device="cuda")
-    g = torch.cuda.CUDAGraph()
-    with torch_memory_saver.cuda_graph(g, tag=tag):
-        static_out = static_in * 2
-    g.replay()
-    torch.cuda.synchronize()
-    assert memsaver.stats().tags[tag].reserved_bytes > 0
-    torch_memory_saver.pause(tag)
-    torch_memory_saver.resume(tag)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static_out, static_in * 2)
