@@ -1,6 +1,8 @@
 //! Pieces shared by the scenario programs (`src/bin/`) that drive the fake libnccl.so.2.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// What `fake_nccl_alloc` / `fake_nccl_import` report (layout of the fake NCCL's struct).
 #[repr(C)]
@@ -29,4 +31,59 @@ pub fn sym<T: Copy>(h: *mut c_void, name: &CStr) -> T {
     assert!(!p.is_null(), "missing symbol {name:?}");
     // SAFETY: the caller names the function's type.
     unsafe { std::mem::transmute_copy::<*mut c_void, T>(&p) }
+}
+
+/// The repository root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The fake driver (`target/fake-cuda/libcuda.so.1`), or `MEMSAVER_CUDA_LIB` when set.
+pub fn cuda_lib() -> PathBuf {
+    let path = std::env::var_os("MEMSAVER_CUDA_LIB").map_or_else(
+        || root().join("target/fake-cuda/libcuda.so.1"),
+        PathBuf::from,
+    );
+    assert!(
+        path.exists(),
+        "fake driver not found at {}: build it with `make fake-cuda`, or set MEMSAVER_CUDA_LIB",
+        path.display()
+    );
+    path
+}
+
+/// The `libnccl.so.2` stand-in (`make fake-cuda` builds it).
+pub fn fake_nccl() -> PathBuf {
+    root().join("target/fake-nccl/libnccl.so.2")
+}
+
+/// libmemsaver.so of the build profile of the running test (`target/<profile>/`).
+pub fn preload_lib() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test's own path");
+    let lib = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("tests run from target/<profile>/deps")
+        .join("libmemsaver.so");
+    assert!(
+        lib.exists(),
+        "{} is missing: build it first (`make test` does)",
+        lib.display()
+    );
+    lib
+}
+
+/// A new directory `memsaver-<what>-<pid>-<n>` in the temp dir, mode 0700 (memsaver refuses
+/// a runtime directory others can read).
+pub fn tempdir(what: &str) -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let d = std::env::temp_dir().join(format!(
+        "memsaver-{what}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&d).expect("create a temp dir");
+    std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        .expect("make the temp dir private");
+    d
 }

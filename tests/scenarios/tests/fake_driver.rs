@@ -30,21 +30,6 @@ const MEM: u64 = 256 * MIB;
 /// How long one command of a peer may take before the test gives up on it.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
 
-fn lib_path() -> PathBuf {
-    let path = std::env::var_os("MEMSAVER_CUDA_LIB").map_or_else(
-        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/fake-cuda/libcuda.so.1"),
-        PathBuf::from,
-    );
-    assert!(
-        path.exists(),
-        "fake driver not found at {}: build it with `cargo build -p fake-cuda && mkdir -p \
-         target/fake-cuda && cp target/debug/libcuda.so target/fake-cuda/libcuda.so.1`, or set \
-         MEMSAVER_CUDA_LIB",
-        path.display()
-    );
-    path
-}
-
 /// One fake machine: a fresh `FAKE_CUDA_DIR`, removed at the end.
 struct Machine {
     dir: PathBuf,
@@ -76,7 +61,7 @@ impl Machine {
     /// A `fake-peer` process on this machine, with `init` done (device 0 current).
     fn peer_with(&self, name: &str, env: &[(&str, &str)]) -> Peer {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_fake-peer"));
-        cmd.env("MEMSAVER_CUDA_LIB", lib_path())
+        cmd.env("MEMSAVER_CUDA_LIB", memsaver_scenarios::cuda_lib())
             .env("FAKE_CUDA_DIR", &self.dir)
             .env("FAKE_CUDA_MEM_BYTES", MEM.to_string())
             .env("FAKE_CUDA_DEVICES", "2")
@@ -670,7 +655,7 @@ fn many_threads_allocate_at_once() {
 /// here calls `cuInit`, so no knob is read in the test process.
 #[test]
 fn entry_points_and_proc_address() {
-    let path = CString::new(lib_path().display().to_string()).unwrap();
+    let path = CString::new(memsaver_scenarios::cuda_lib().display().to_string()).unwrap();
     // SAFETY: a NUL-terminated path to the fake driver, whose loading has no side effects.
     let lib = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     assert!(!lib.is_null());

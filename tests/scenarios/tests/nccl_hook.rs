@@ -3,41 +3,20 @@
 //! anyone else get the driver's own functions.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::process::Command;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn cuda_lib() -> String {
-    std::env::var("MEMSAVER_CUDA_LIB").unwrap_or_else(|_| {
-        root()
-            .join("target/fake-cuda/libcuda.so.1")
-            .to_string_lossy()
-            .into_owned()
-    })
-}
+use memsaver_scenarios::{cuda_lib, fake_nccl, preload_lib, tempdir};
 
 /// Runs `nccl-like`, optionally under LD_PRELOAD of libmemsaver.so, and returns its lines.
 fn run(preload: bool, extra_env: &[(&str, &str)]) -> HashMap<String, String> {
-    let dir = tempdir();
+    let dir = tempdir("nccl");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_nccl-like"));
-    cmd.arg(root().join("target/fake-nccl/libnccl.so.2"))
+    cmd.arg(fake_nccl())
         .arg(cuda_lib())
         .env("FAKE_CUDA_DIR", &dir)
         .env_remove("LD_PRELOAD");
     if preload {
-        // libmemsaver.so of the same build profile as this test (target/<profile>/deps/..).
-        let exe = std::env::current_exe().unwrap();
-        let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
-        let lib = profile_dir.join("libmemsaver.so");
-        assert!(
-            lib.exists(),
-            "{} is missing: build it first (`make test` does)",
-            lib.display()
-        );
-        cmd.env("LD_PRELOAD", lib);
+        cmd.env("LD_PRELOAD", preload_lib());
     }
     for (k, v) in extra_env {
         cmd.env(k, v);
@@ -54,16 +33,6 @@ fn run(preload: bool, extra_env: &[(&str, &str)]) -> HashMap<String, String> {
         .filter_map(|l| l.split_once('='))
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect()
-}
-
-fn tempdir() -> PathBuf {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    std::env::temp_dir().join(format!(
-        "memsaver-nccl-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ))
 }
 
 #[test]

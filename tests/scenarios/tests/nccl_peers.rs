@@ -7,26 +7,10 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+
+use memsaver_scenarios::{cuda_lib, fake_nccl, preload_lib, tempdir};
 
 const MIB: u64 = 1 << 20;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn tempdir(what: &str) -> PathBuf {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "memsaver-{what}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    // memsaver refuses a runtime directory others can read.
-    std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
-    d
-}
 
 /// A fake-driver state directory and a runtime directory, removed when dropped (declare it
 /// before the jobs that use it, so they are dropped first).
@@ -84,25 +68,12 @@ impl Job {
         timeout_ms: u32,
         env: &[(&str, &str)],
     ) -> Job {
-        let exe = std::env::current_exe().unwrap();
-        let profile = exe.parent().and_then(|d| d.parent()).unwrap();
-        let preload = profile.join("libmemsaver.so");
-        assert!(
-            preload.exists(),
-            "{} is missing: build it first (`make test` does)",
-            preload.display()
-        );
-        let cuda = std::env::var("MEMSAVER_CUDA_LIB").unwrap_or_else(|_| {
-            root()
-                .join("target/fake-cuda/libcuda.so.1")
-                .to_string_lossy()
-                .into_owned()
-        });
+        let (preload, cuda) = (preload_lib(), cuda_lib());
         let rendezvous = tempdir("rdv");
         let ranks = (0..world)
             .map(|r| {
                 let mut child = Command::new(env!("CARGO_BIN_EXE_nccl-rank"))
-                    .arg(root().join("target/fake-nccl/libnccl.so.2"))
+                    .arg(fake_nccl())
                     .arg(&cuda)
                     .arg(&rendezvous)
                     .arg(r.to_string())
