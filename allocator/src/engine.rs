@@ -149,6 +149,10 @@ impl Allocator {
             let all = ext.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
             return Ok((Vec::new(), all));
         }
+        for name in names {
+            // A malformed name is reported as such, not as an unknown tag.
+            crate::allocator::validate_tag(name)?;
+        }
         let t = self.table.lock();
         let (mut table_names, mut externals) = (Vec::new(), Vec::new());
         for name in names {

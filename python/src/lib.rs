@@ -51,16 +51,31 @@ fn loaded() -> Option<(&'static str, String)> {
     library::get().map(|l| (l.mode, l.path.clone()))
 }
 
-fn tag_list(tags: Vec<String>) -> PyResult<CString> {
-    cstr(&tags.join(","), "tag")
+/// The C tag list for `tags`: NULL (every tag) for an empty list. A name containing a comma
+/// would split into two tags in the C list, so it is refused here.
+fn tag_list(tags: Vec<String>) -> PyResult<Option<CString>> {
+    if tags.is_empty() {
+        return Ok(None);
+    }
+    if let Some(t) = tags.iter().find(|t| t.contains(',')) {
+        return Err(error::InvalidArgumentError::new_err(format!(
+            "invalid tag {t:?}: pass tags as separate arguments, e.g. pause('weights', 'kv_cache')"
+        )));
+    }
+    cstr(&tags.join(","), "tag").map(Some)
+}
+
+fn list_ptr(t: &Option<CString>) -> *const c_char {
+    t.as_ref().map_or(std::ptr::null(), |c| c.as_ptr())
 }
 
 /// Pauses tags (all when the list is empty). Releases the GIL while it works.
 #[pyfunction]
 fn pause(py: Python<'_>, tags: Vec<String>) -> PyResult<()> {
     let (l, t) = (lib()?, tag_list(tags)?);
-    // SAFETY: NUL-terminated string that outlives the call.
-    let code = py.detach(|| unsafe { (l.memsaver_pause)(t.as_ptr()) });
+    let p = list_ptr(&t) as usize;
+    // SAFETY: NULL or a NUL-terminated string that outlives the call.
+    let code = py.detach(|| unsafe { (l.memsaver_pause)(p as *const c_char) });
     check(l, code)
 }
 
@@ -68,8 +83,9 @@ fn pause(py: Python<'_>, tags: Vec<String>) -> PyResult<()> {
 #[pyfunction]
 fn resume(py: Python<'_>, tags: Vec<String>) -> PyResult<()> {
     let (l, t) = (lib()?, tag_list(tags)?);
-    // SAFETY: NUL-terminated string that outlives the call.
-    let code = py.detach(|| unsafe { (l.memsaver_resume)(t.as_ptr()) });
+    let p = list_ptr(&t) as usize;
+    // SAFETY: NULL or a NUL-terminated string that outlives the call.
+    let code = py.detach(|| unsafe { (l.memsaver_resume)(p as *const c_char) });
     check(l, code)
 }
 

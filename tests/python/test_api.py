@@ -336,3 +336,17 @@ def test_nccl_group_from_environment():
     out = subprocess.run([sys.executable, "-c", "import memsaver; print(memsaver.group())"],
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "7"
+
+
+@pytest.mark.parametrize("bad", ["", " ", ",", "a,b", "kv cache"])
+def test_empty_blank_and_separator_tags_are_refused(hooks, tag, bad):
+    with memsaver.region(tag):
+        p = hooks.malloc_ok(2 * MiB)
+    for fn in (memsaver.pause, memsaver.resume):
+        with pytest.raises(memsaver.InvalidArgumentError, match="tag"):
+            fn(bad)
+        with pytest.raises(memsaver.InvalidArgumentError, match="tag"):
+            fn(tag, bad)
+    # Nothing was paused by the refused calls; only no argument at all means every tag.
+    assert not memsaver.stats().tags[tag].paused
+    assert hooks.free(p) == CUDA_SUCCESS

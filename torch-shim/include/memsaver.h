@@ -2,8 +2,12 @@
  *
  * Every function returns a memsaver_status (MEMSAVER_OK on success). On failure the calling
  * thread's last error message, read with memsaver_last_error(), says what went wrong and what
- * to do. No function aborts or exits the process. Tag lists are comma-separated
- * ("weights,kv_cache"); NULL or "" means every tag. Policies: "discard" (contents dropped on
+ * to do. No function aborts or exits the process.
+ *
+ * Tags: 1 to 64 characters from letters, digits, '_', '-' and '.' ("nccl" is memsaver's own).
+ * Tag lists are comma-separated ("weights,kv_cache"; whitespace around a tag is ignored).
+ * Only NULL means every tag: "", " ", "," or "a,,b" give MEMSAVER_ERR_INVALID_ARGUMENT.
+ * Policies: "discard" (contents dropped on
  * pause) or "cpu" (contents kept in pinned host memory).
  */
 #ifndef MEMSAVER_H

@@ -5,7 +5,8 @@
 //! * returns a [`Status`] code, `MEMSAVER_OK` (0) on success;
 //! * on failure, stores a message for the calling thread, read with [`memsaver_last_error`];
 //! * never unwinds into C: a panic is caught and reported as `MEMSAVER_ERR_INTERNAL`;
-//! * tag lists are comma-separated (`"weights,kv_cache"`); NULL or `""` means every tag.
+//! * tag lists are comma-separated (`"weights,kv_cache"`, whitespace around a tag ignored);
+//!   only NULL means every tag: `""`, `" "` or `","` are `MEMSAVER_ERR_INVALID_ARGUMENT`.
 
 pub mod hooks;
 pub mod region;
@@ -121,14 +122,21 @@ unsafe fn req_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error> {
     unsafe { opt_str(p, what) }?.ok_or_else(|| Error::InvalidArgument(format!("{what} is NULL")))
 }
 
-fn split_tags(s: Option<&str>) -> Vec<&str> {
-    s.map(|s| {
-        s.split(',')
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
-            .collect()
-    })
-    .unwrap_or_default()
+/// Splits a C tag list. NULL means every tag (an empty list for the core); a string must name
+/// at least one tag, and every item between commas must be a tag: `""`, `" "`, `","` and
+/// `"a,,b"` are refused rather than read as "every tag".
+fn split_tags(s: Option<&str>) -> Result<Vec<&str>, Error> {
+    let Some(s) = s else {
+        return Ok(Vec::new());
+    };
+    let tags: Vec<&str> = s.split(',').map(str::trim).collect();
+    if tags.iter().any(|t| t.is_empty()) {
+        return Err(Error::InvalidArgument(format!(
+            "tag list {s:?} has an empty tag: name tags separated by commas (\"weights,kv_cache\"), \
+             or pass NULL for every tag"
+        )));
+    }
+    Ok(tags)
 }
 
 /// The message of the last failed call on this thread (empty if none). The pointer stays
@@ -174,7 +182,7 @@ pub extern "C" fn memsaver_free(ptr: *mut c_void) -> c_int {
     ffi(|| allocator()?.free(ptr as u64))
 }
 
-/// Pauses the given tags (comma-separated; NULL or "" for all).
+/// Pauses the given tags (comma-separated; NULL for all; an empty or blank item is an error).
 ///
 /// # Safety
 /// `tags` is NULL or a NUL-terminated string.
@@ -183,11 +191,11 @@ pub unsafe extern "C" fn memsaver_pause(tags: *const c_char) -> c_int {
     ffi(|| {
         // SAFETY: per this function's contract.
         let tags = unsafe { opt_str(tags, "tags") }?;
-        allocator()?.pause(&split_tags(tags)).map(drop)
+        allocator()?.pause(&split_tags(tags)?).map(drop)
     })
 }
 
-/// Resumes the given tags (comma-separated; NULL or "" for all).
+/// Resumes the given tags (comma-separated; NULL for all; an empty or blank item is an error).
 ///
 /// # Safety
 /// `tags` is NULL or a NUL-terminated string.
@@ -196,7 +204,7 @@ pub unsafe extern "C" fn memsaver_resume(tags: *const c_char) -> c_int {
     ffi(|| {
         // SAFETY: per this function's contract.
         let tags = unsafe { opt_str(tags, "tags") }?;
-        allocator()?.resume(&split_tags(tags)).map(drop)
+        allocator()?.resume(&split_tags(tags)?).map(drop)
     })
 }
 

@@ -69,7 +69,7 @@ fn pause_resume_and_stats_through_the_c_abi() {
     assert_eq!(tag(&s, "abi_weights")["backup_bytes"], 4 << 20);
 
     // SAFETY: C string argument.
-    let rc = unsafe { memsaver_resume(c(" abi_weights , ").as_ptr()) };
+    let rc = unsafe { memsaver_resume(c(" abi_weights ").as_ptr()) };
     assert_eq!(rc, 0, "{}", last_error());
     // SAFETY: resident again, at the same address.
     let bytes = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), 3 << 20) };
@@ -211,4 +211,43 @@ fn pluggable_allocator_entry_points() {
     );
     hooks::memsaver_torch_free(p, 3 << 20, 1, std::ptr::null_mut());
     assert_eq!(tag(&stats(), "pool_tag")["allocations"], 0);
+}
+
+#[test]
+fn empty_blank_and_separator_only_tag_lists_are_refused_not_read_as_every_tag() {
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and C strings.
+    let rc = unsafe {
+        memsaver_malloc(
+            &mut p,
+            2 << 20,
+            0,
+            c("abi_blank").as_ptr(),
+            c("discard").as_ptr(),
+        )
+    };
+    assert_eq!(rc, 0, "{}", last_error());
+    for list in ["", " ", ",", " , ", "abi_blank,,abi_blank", "abi_blank,"] {
+        for f in [memsaver_pause, memsaver_resume] {
+            // SAFETY: C string argument.
+            let rc = unsafe { f(c(list).as_ptr()) };
+            assert_eq!(rc, Status::InvalidArgument as i32, "{list:?}");
+            assert!(
+                last_error().contains("empty tag"),
+                "{list:?}: {}",
+                last_error()
+            );
+        }
+        assert_eq!(
+            tag(&stats(), "abi_blank")["paused"],
+            false,
+            "{list:?} paused something"
+        );
+    }
+    // A malformed name is named as such, not as an unknown tag.
+    // SAFETY: C string argument.
+    let rc = unsafe { memsaver_pause(c("abi blank").as_ptr()) };
+    assert_eq!(rc, Status::InvalidArgument as i32);
+    assert!(last_error().contains("invalid tag"), "{}", last_error());
+    assert_eq!(memsaver_free(p), 0);
 }
