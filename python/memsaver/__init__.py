@@ -150,16 +150,25 @@ def region(tag: str, backup: Literal["discard", "cpu"] = "discard") -> Iterator[
 @contextlib.contextmanager
 def disable() -> Iterator[None]:
     """Allocations on this thread inside the block are not tagged (never paused), even inside
-    a region. Under PyTorch they come from torch's default pool, not from the tag's pool."""
+    a region or in whole-process mode. Under PyTorch they come from torch's default pool, or,
+    in whole-process mode (where the default pool holds the process tag's memory, which may be
+    paused), from a pool of their own whose cached memory is returned when the block ends."""
     _core.ensure_loaded()
+    whole_process = _memsaver.region_current() is not None
     _memsaver.region_disable()
     try:
         torch = _torch.torch_module()
         if torch is None:
             yield
-        else:
+        elif not whole_process:
             with _torch.scope(torch, None, -1):
                 yield
+        else:
+            device = torch.cuda.current_device()
+            pool = _torch.private_pool(torch, device)
+            with _torch.scope(torch, pool, device):
+                yield
+            del pool  # torch frees the pool's unused segments when the pool goes
     finally:
         _memsaver.region_exit()
 

@@ -101,6 +101,13 @@ def _new_pool(torch: Any, kind: str, device: int) -> Any:
         return torch.cuda.MemPool(_pluggable_allocator(torch).allocator())
 
 
+def private_pool(torch: Any, device: int) -> Any:
+    """A fresh pool over torch's own allocator (``cudaMalloc`` outside any region), for a
+    ``disable()`` block in whole-process mode."""
+    with torch.cuda.device(device):
+        return torch.cuda.MemPool()
+
+
 def tag_pool(torch: Any, tag: str, policy: str, device: int) -> Any:
     """The pool of (tag, policy, device), created on first use."""
     key = (tag, policy, device, pool_kind())
