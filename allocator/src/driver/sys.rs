@@ -160,8 +160,11 @@ pub mod fns {
     pub type cuGraphCreate = unsafe extern "C" fn(graph: *mut CUgraph, flags: c_uint) -> CUresult;
     pub type cuGraphDestroy = unsafe extern "C" fn(graph: CUgraph) -> CUresult;
     /// What `cuGetProcAddress("cuGraphInstantiate")` hands out for CUDA >= 12.0.
-    pub type cuGraphInstantiateWithFlags =
-        unsafe extern "C" fn(exec: *mut CUgraphExec, graph: CUgraph, flags: c_ulonglong) -> CUresult;
+    pub type cuGraphInstantiateWithFlags = unsafe extern "C" fn(
+        exec: *mut CUgraphExec,
+        graph: CUgraph,
+        flags: c_ulonglong,
+    ) -> CUresult;
     /// The exported `cuGraphInstantiate` and `cuGraphInstantiate_v2`, and what
     /// `cuGetProcAddress("cuGraphInstantiate")` hands out below CUDA 12.0.
     pub type cuGraphInstantiate_v2 = unsafe extern "C" fn(

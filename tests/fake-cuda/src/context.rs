@@ -9,8 +9,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use memsaver_allocator::driver::sys::{
     CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_HANDLE,
-    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_LAUNCH_FAILED, CUDA_ERROR_NO_DEVICE, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_UNKNOWN,
-    CUcontext, CUdevice, CUevent, CUresult, CUstream,
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_LAUNCH_FAILED, CUDA_ERROR_NO_DEVICE,
+    CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_UNKNOWN, CUcontext, CUdevice, CUevent, CUresult,
+    CUstream,
 };
 use parking_lot::Mutex;
 

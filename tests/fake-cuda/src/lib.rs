@@ -80,10 +80,10 @@ use memsaver_allocator::driver::sys::fns;
 use memsaver_allocator::driver::sys::{
     CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
     CU_EVENT_DISABLE_TIMING, CU_LIMIT_STACK_SIZE, CU_STREAM_NON_BLOCKING,
-    CUDA_GRAPH_INSTANTIATE_PARAMS, CUgraph, CUgraphExec, CUgraphNode,
     CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_UNKNOWN,
-    CUDA_ERROR_UNSUPPORTED_LIMIT, CUDA_SUCCESS, CUcontext, CUdevice, CUdeviceptr, CUevent,
-    CUmemAccessDesc, CUmemAllocationProp, CUmemGenericAllocationHandle, CUresult, CUstream,
+    CUDA_ERROR_UNSUPPORTED_LIMIT, CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_SUCCESS, CUcontext, CUdevice,
+    CUdeviceptr, CUevent, CUgraph, CUgraphExec, CUgraphNode, CUmemAccessDesc, CUmemAllocationProp,
+    CUmemGenericAllocationHandle, CUresult, CUstream,
 };
 
 mod config;
@@ -966,7 +966,10 @@ pub extern "C" fn fakecuda_launch_kernel_needing_stack(bytes: usize) -> CUresult
 ///
 /// `exec` must be null or valid for a write.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn fakecuda_instantiate_unseen(exec: *mut CUgraphExec, graph: CUgraph) -> CUresult {
+pub unsafe extern "C" fn fakecuda_instantiate_unseen(
+    exec: *mut CUgraphExec,
+    graph: CUgraph,
+) -> CUresult {
     // SAFETY: per this function's contract.
     unsafe { cuGraphInstantiateWithFlags(exec, graph, 0) }
 }

@@ -81,9 +81,15 @@ fn a_graph_and_a_limit_the_application_set_keep_the_stack() {
         "instantiate_direct_from",
         "launch_direct_from",
     ] {
-        assert_eq!(r[f], "libmemsaver.so", "{f}: the application's graph calls are seen");
+        assert_eq!(
+            r[f], "libmemsaver.so",
+            "{f}: the application's graph calls are seen"
+        );
     }
-    assert_eq!(r["create_direct_from"], "libcuda.so.1", "nothing else is wrapped");
+    assert_eq!(
+        r["create_direct_from"], "libcuda.so.1",
+        "nothing else is wrapped"
+    );
     assert_eq!(r["app_set_rc"], "0");
     assert_eq!(r["stack_before"], "1744");
     assert_eq!(r["pause_rc"], "0");

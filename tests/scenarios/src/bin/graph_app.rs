@@ -111,7 +111,10 @@ impl Runtime {
         let mut status = 0;
         // SAFETY: valid out-pointers, NUL-terminated name.
         let r = unsafe { (self.gpa)(name.as_ptr(), &mut p, 12000, 0, &mut status) };
-        assert!(r == 0 && !p.is_null(), "cuGetProcAddress({name:?}) failed: {r}");
+        assert!(
+            r == 0 && !p.is_null(),
+            "cuGetProcAddress({name:?}) failed: {r}"
+        );
         // SAFETY: the caller names the function's CUDA 12 type.
         unsafe { std::mem::transmute_copy::<*mut c_void, T>(&p) }
     }
@@ -131,7 +134,10 @@ fn main() {
             libc::dlopen(cuda.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL),
         )
     };
-    assert!(!hn.is_null() && !hc.is_null(), "cannot open the fake libraries");
+    assert!(
+        !hn.is_null() && !hc.is_null(),
+        "cannot open the fake libraries"
+    );
     // Like cudart: look up cuGetProcAddress_v2, ask it for cuGetProcAddress, use that.
     let first = Runtime {
         gpa: sym(hc, c"cuGetProcAddress_v2"),
@@ -190,7 +196,10 @@ fn main() {
         if let Some(bytes) = c.app_sets {
             println!("app_set_rc={}", set_limit(0, bytes));
         }
-        println!("allreduce_rc={}", all_reduce(null, null, 0, 0, 0, null, null));
+        println!(
+            "allreduce_rc={}",
+            all_reduce(null, null, 0, 0, 0, null, null)
+        );
         println!("stack_before={}", stack());
 
         let mut graph = null;
@@ -219,7 +228,10 @@ fn main() {
         if let Some(bytes) = c.grow_while_paused {
             println!("kernel_paused_rc={}", kernel(bytes));
             println!("stack_grown={}", stack());
-            println!("instantiate_paused_rc={}", instantiate(&mut exec2, graph, 0));
+            println!(
+                "instantiate_paused_rc={}",
+                instantiate(&mut exec2, graph, 0)
+            );
             println!("launch2_paused_rc={}", launch(exec2, null));
         }
         println!("sync_paused_rc={}", synchronize());
@@ -227,7 +239,10 @@ fn main() {
 
         println!("resume_rc={}", resume(c"nccl".as_ptr()));
         println!("stack_resumed={}", stack());
-        println!("allreduce_resumed_rc={}", all_reduce(null, null, 0, 0, 0, null, null));
+        println!(
+            "allreduce_resumed_rc={}",
+            all_reduce(null, null, 0, 0, 0, null, null)
+        );
         for (key, e) in [("launch_resumed_rc", exec), ("launch2_resumed_rc", exec2)] {
             if !e.is_null() {
                 println!("{key}={}", launch(e, null));
