@@ -3,8 +3,12 @@
 //! libnccl links the CUDA runtime statically; that runtime opens `libcuda.so.1` with `dlopen`
 //! and looks up `cuGetProcAddress_v2` with `dlsym`, then resolves every driver function NCCL
 //! uses through it. When libmemsaver.so is preloaded its `dlsym` comes first, so for exactly
-//! those lookups *made from libnccl* it hands out [`crate::procaddr`]'s wrapper instead of the
-//! driver's function. Every other lookup is forwarded untouched.
+//! those lookups it hands out one of [`crate::procaddr`]'s wrappers instead of the driver's
+//! function: libnccl's pair (VMM and graph calls) to libnccl, the other pair (graph calls and
+//! `cuCtxSetLimit`, see [`crate::graphs`]) to every other object, the CUDA runtime included,
+//! but never to libmemsaver.so itself (its driver layer resolves through `dlsym` too). Direct
+//! lookups of those graph and limit names by objects other than libnccl and libmemsaver.so are
+//! answered with [`crate::graphs`]' wrappers. Every other lookup is forwarded untouched.
 //!
 //! Forwarding must be a tail jump: glibc derives what `RTLD_NEXT` means from the return
 //! address of its caller, so a plain call from here would make every other library's
@@ -70,15 +74,46 @@ pub(crate) fn object_at(addr: *const c_void) -> Option<libc::Dl_info> {
     (unsafe { libc::dladdr(addr, &mut info) } != 0).then_some(info)
 }
 
-/// Whether the code at `addr` belongs to a libnccl shared object.
-fn is_nccl_code(addr: *const c_void) -> bool {
-    let Some(info) = object_at(addr).filter(|i| !i.dli_fname.is_null()) else {
-        return false;
+/// Who looks a symbol up.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Caller {
+    Nccl,
+    /// libmemsaver.so itself (or an address no object contains).
+    Memsaver,
+    Other,
+}
+
+/// The base address of this library, found once (lock-free).
+fn own_base() -> usize {
+    static BASE: AtomicUsize = AtomicUsize::new(0);
+    let cur = BASE.load(Ordering::Relaxed);
+    if cur != 0 {
+        return cur;
+    }
+    let base = object_at(decide as *const c_void).map_or(usize::MAX, |i| i.dli_fbase as usize);
+    BASE.store(base, Ordering::Relaxed);
+    base
+}
+
+/// Which object the code at `addr` belongs to.
+fn caller(addr: *const c_void) -> Caller {
+    let Some(info) = object_at(addr) else {
+        return Caller::Memsaver;
     };
+    if info.dli_fbase as usize == own_base() {
+        return Caller::Memsaver;
+    }
+    if info.dli_fname.is_null() {
+        return Caller::Other;
+    }
     // SAFETY: dladdr gives a NUL-terminated file name.
     let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_bytes();
     let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
-    file.starts_with(b"libnccl")
+    if file.starts_with(b"libnccl") {
+        Caller::Nccl
+    } else {
+        Caller::Other
+    }
 }
 
 /// Decides whether the interposer answers a lookup itself. Returns the pointer to hand out,
@@ -113,7 +148,12 @@ extern "C" fn decide(
                 None => crate::guard::lookup(name, real).unwrap_or(std::ptr::null_mut()),
             };
         }
-        if !crate::procaddr::is_entry_name(name) || !is_nccl_code(caller) {
+        let entry = crate::procaddr::is_entry_name(name);
+        if !entry && !crate::graphs::is_direct_name(name) {
+            return std::ptr::null_mut();
+        }
+        let who = self::caller(caller);
+        if who == Caller::Memsaver || (!entry && who == Caller::Nccl) {
             return std::ptr::null_mut();
         }
         // SAFETY: an explicit handle from the caller's dlopen; NUL-terminated name.
@@ -121,7 +161,11 @@ extern "C" fn decide(
         if real.is_null() {
             return std::ptr::null_mut();
         }
-        crate::procaddr::wrap_entry(name, real)
+        if entry {
+            crate::procaddr::wrap_entry(name, real, who == Caller::Nccl)
+        } else {
+            crate::graphs::wrap(name, None, true, real).unwrap_or(std::ptr::null_mut())
+        }
     });
     r.unwrap_or(std::ptr::null_mut())
 }

@@ -19,8 +19,12 @@
 //!    release and rebuild exported buffers and imports together with the peer processes.
 //! 7. `guard`: NCCL's collectives and send/recv, interposed, return `ncclInvalidUsage` while the
 //!    tag is paused.
+//! 8. `graphs`: CUDA graph executables and explicit stack limits, seen through wrappers handed
+//!    to every caller (not only libnccl), so the pause lowers the kernel stack size only as far
+//!    as is safe for the graphs and kernels that run while it is paused.
 
 pub mod amem;
+mod graphs;
 mod guard;
 pub mod interpose;
 mod peer;

@@ -1,6 +1,10 @@
 //! `cuGetProcAddress` wrappers: the second door. NCCL's runtime asks the driver's
 //! `cuGetProcAddress(_v2)` for every entry point; ours asks the real one and swaps in
 //! [`crate::vmm`]'s wrapper for the VMM calls NCCL makes, leaving everything else as it is.
+//!
+//! Two pairs of wrappers, told apart by the const parameter `NCCL`: libnccl's (VMM calls and
+//! [`crate::graphs`]' graph calls, so graphs NCCL captures count) and everyone else's, the CUDA
+//! runtime's included (graph calls and `cuCtxSetLimit` only: the limits the application sets).
 
 use std::ffi::{CStr, c_char, c_int, c_ulonglong, c_void};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -33,24 +37,45 @@ pub(crate) fn is_entry_name(name: &[u8]) -> bool {
     name == b"cuGetProcAddress_v2" || name == b"cuGetProcAddress"
 }
 
-/// Our wrapper for the entry point `name` whose real address is `real`.
-pub(crate) fn wrap_entry(name: &[u8], real: *mut c_void) -> *mut c_void {
+/// Our wrapper for the entry point `name` whose real address is `real`, for libnccl (`nccl`)
+/// or another caller.
+pub(crate) fn wrap_entry(name: &[u8], real: *mut c_void, nccl: bool) -> *mut c_void {
     // Called on the dlsym path: nothing here may lock, allocate or log.
-    INSTALLED.store(true, Ordering::Relaxed);
-    if name == b"cuGetProcAddress_v2" {
-        REAL_V2.store(real as usize, Ordering::Release);
-        get_proc_address_v2 as *mut c_void
-    } else {
-        REAL_V1.store(real as usize, Ordering::Release);
-        get_proc_address_v1 as *mut c_void
+    if nccl {
+        INSTALLED.store(true, Ordering::Relaxed);
+    }
+    pair(name == b"cuGetProcAddress_v2", real, nccl)
+}
+
+/// Stores the driver's lookup function `real` (the CUDA 12 signature when `v2`) and returns
+/// the wrapper of the pair for libnccl (`nccl`) or another caller.
+fn pair(v2: bool, real: *mut c_void, nccl: bool) -> *mut c_void {
+    match (v2, nccl) {
+        (true, n) => {
+            REAL_V2.store(real as usize, Ordering::Release);
+            if n {
+                get_proc_address_v2::<true> as *mut c_void
+            } else {
+                get_proc_address_v2::<false> as *mut c_void
+            }
+        }
+        (false, n) => {
+            REAL_V1.store(real as usize, Ordering::Release);
+            if n {
+                get_proc_address_v1::<true> as *mut c_void
+            } else {
+                get_proc_address_v1::<false> as *mut c_void
+            }
+        }
     }
 }
 
-/// Replaces `*pfn` with a wrapper when `symbol` is one we interpose.
+/// Replaces `*pfn` with a wrapper when `symbol` is one we interpose for libnccl (`nccl`) or
+/// for another caller.
 ///
 /// # Safety
 /// `symbol` is NUL-terminated and `pfn` points to the driver's answer for it.
-unsafe fn substitute(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int) {
+unsafe fn substitute(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, nccl: bool) {
     // SAFETY: per this function's contract.
     let (name, real) = unsafe { (CStr::from_ptr(symbol).to_bytes(), *pfn) };
     if real.is_null() {
@@ -59,15 +84,12 @@ unsafe fn substitute(symbol: *const c_char, pfn: *mut *mut c_void, version: c_in
     crate::init_logging();
     let wrapper = if name == b"cuGetProcAddress" {
         // Asked for the lookup function itself: the _v2 signature from CUDA 12.0 on.
-        Some(if version >= 12000 {
-            REAL_V2.store(real as usize, Ordering::Release);
-            get_proc_address_v2 as *mut c_void
-        } else {
-            REAL_V1.store(real as usize, Ordering::Release);
-            get_proc_address_v1 as *mut c_void
-        })
-    } else {
+        Some(pair(version >= 12000, real, nccl))
+    } else if nccl {
         crate::vmm::wrap(name, version, real)
+            .or_else(|| crate::graphs::wrap(name, Some(version), false, real))
+    } else {
+        crate::graphs::wrap(name, Some(version), true, real)
     };
     if let Some(w) = wrapper {
         // SAFETY: `pfn` is the caller's valid out-pointer.
@@ -75,7 +97,7 @@ unsafe fn substitute(symbol: *const c_char, pfn: *mut *mut c_void, version: c_in
     }
 }
 
-unsafe extern "C" fn get_proc_address_v2(
+unsafe extern "C" fn get_proc_address_v2<const NCCL: bool>(
     symbol: *const c_char,
     pfn: *mut *mut c_void,
     version: c_int,
@@ -90,13 +112,13 @@ unsafe extern "C" fn get_proc_address_v2(
     if r == CUDA_SUCCESS && !symbol.is_null() && !pfn.is_null() {
         let _ = std::panic::catch_unwind(|| {
             // SAFETY: the driver filled `*pfn` for the NUL-terminated `symbol`.
-            unsafe { substitute(symbol, pfn, version) }
+            unsafe { substitute(symbol, pfn, version, NCCL) }
         });
     }
     r
 }
 
-unsafe extern "C" fn get_proc_address_v1(
+unsafe extern "C" fn get_proc_address_v1<const NCCL: bool>(
     symbol: *const c_char,
     pfn: *mut *mut c_void,
     version: c_int,
@@ -110,7 +132,7 @@ unsafe extern "C" fn get_proc_address_v1(
     if r == CUDA_SUCCESS && !symbol.is_null() && !pfn.is_null() {
         let _ = std::panic::catch_unwind(|| {
             // SAFETY: the driver filled `*pfn` for the NUL-terminated `symbol`.
-            unsafe { substitute(symbol, pfn, version) }
+            unsafe { substitute(symbol, pfn, version, NCCL) }
         });
     }
     r

@@ -11,8 +11,9 @@
 //! 3. wait until every importer of this process's exported buffers has let go, or fail after
 //!    the timeout naming the processes that did not (a dead process counts as let go).
 //!
-//! Pause also sets the kernel stack size NCCL raised back to CUDA's default, which frees the
-//! local memory the driver keeps for it; resume gives it back.
+//! Pause also lowers the kernel stack size NCCL's kernels made the driver raise, which frees the
+//! local memory the driver keeps for it, but only as far as is safe for CUDA graphs and the
+//! application's own limit (the rule is in [`crate::graphs`]); resume never lowers it.
 //!
 //! Resume: a thread asks each owner for the new generation of the buffers imported here while
 //! this process re-creates, maps and restores its own memory: first the buffers it exports
@@ -35,6 +36,7 @@ use memsaver_allocator::backup::HostBuffer;
 use memsaver_allocator::driver::{DriverError, Event, Handle};
 use memsaver_allocator::{Allocator, DeviceUsage, Error, ExternalTag, Report, Result, Usage};
 
+use crate::graphs::{self, DEFAULT_STACK_SIZE};
 use crate::peer;
 use crate::registry::{self, Kind, Range, Registry};
 
@@ -91,74 +93,96 @@ impl Backup {
     }
 }
 
-/// CUDA's default per-thread stack size (bytes).
-const DEFAULT_STACK_SIZE: usize = 1024;
-
 pub struct NcclTag {
     allocator: &'static Allocator,
-    /// Devices whose stack size pause lowered, with the size to give back at resume.
-    lowered_stacks: parking_lot::Mutex<BTreeMap<i32, usize>>,
 }
 
 impl NcclTag {
     pub fn new(allocator: &'static Allocator) -> Self {
-        Self {
-            allocator,
-            lowered_stacks: parking_lot::Mutex::new(BTreeMap::new()),
-        }
+        Self { allocator }
     }
 
-    /// NCCL raises the context's per-thread stack size for its kernels (to 1744 bytes with
-    /// NCCL 2.28), and the driver keeps local memory for it on every SM: 186 MiB on an H200.
-    /// Pause sets it back to CUDA's default on the devices NCCL uses, which frees that memory
-    /// (kernels that need more while paused grow it again, as the driver always does).
+    /// NCCL's kernels make the driver raise the context's per-thread stack size (to 1744 bytes
+    /// with NCCL 2.28 and 2+ ranks) and keep local memory for it on every SM: 186 MiB on an
+    /// H200. Pause lowers it on the devices NCCL uses, to the floor [`graphs`] gives (CUDA's
+    /// default unless a live graph or the application needs more), which frees that memory;
+    /// kernels that need more while paused grow it again, as the driver always does.
     fn lower_stacks(&self, devices: &[i32]) {
         let d = self.allocator.driver();
-        let mut lowered = self.lowered_stacks.lock();
+        // Held throughout: no graph is instantiated or limit set between reading the floor and
+        // setting the limit.
+        let mut g = graphs::lock();
         for &dev in devices {
+            let (floor, why) = g.floor(dev);
             let r = self.allocator.copy_stream(dev).and_then(|(ctx, _)| {
                 Ok(d.with_context(ctx, || {
                     let cur = d.stack_size()?;
-                    if cur <= DEFAULT_STACK_SIZE {
-                        return Ok(None);
+                    let to = floor.min(cur);
+                    if to < cur {
+                        d.set_stack_size(to)?;
                     }
-                    d.set_stack_size(DEFAULT_STACK_SIZE)?;
-                    Ok(Some(cur))
+                    Ok((cur, to))
                 })?)
             });
-            match r {
-                Ok(Some(cur)) => {
-                    lowered.entry(dev).or_insert(cur);
-                    tracing::info!(
+            let (cur, to) = match r {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::warn!(
                         device = dev,
-                        from = cur,
-                        to = DEFAULT_STACK_SIZE,
-                        "nccl pause: kernel stack size lowered"
+                        error = %e,
+                        "memsaver: could not lower the kernel stack size NCCL raised; its local memory stays"
                     );
+                    continue;
                 }
-                Ok(None) => {}
-                Err(e) => tracing::warn!(
-                    device = dev,
-                    error = %e,
-                    "memsaver: could not lower the kernel stack size NCCL raised; its local memory stays"
-                ),
+            };
+            if cur <= DEFAULT_STACK_SIZE {
+                continue; // nothing was raised
             }
+            let per_byte = d.stack_bytes_per_thread_byte(dev).unwrap_or_else(|e| {
+                tracing::warn!(device = dev, error = %e, "memsaver: cannot size local memory");
+                0
+            });
+            let kept = to.saturating_sub(DEFAULT_STACK_SIZE);
+            let why = why.filter(|_| kept > 0);
+            let p = g.paused.entry(dev).or_insert(graphs::StackPause {
+                saved: cur,
+                lowered_bytes: 0,
+                kept_bytes: 0,
+                why: None,
+            });
+            p.lowered_bytes += ((cur - to) as u64) * per_byte;
+            p.kept_bytes = kept as u64 * per_byte;
+            p.why = why;
+            tracing::info!(
+                device = dev,
+                from = cur,
+                to,
+                lowered_bytes = (cur - to) as u64 * per_byte,
+                kept_bytes = p.kept_bytes,
+                reason = why.map(graphs::Keep::reason),
+                "nccl pause: kernel stack size"
+            );
         }
     }
 
-    /// Resume: gives NCCL's kernels their stack size back now rather than at their next launch.
+    /// Resume: gives NCCL's kernels their stack size back now rather than at their next
+    /// launch, never lowering it (a graph instantiated while paused may have needed more).
     fn restore_stacks(&self) {
         let d = self.allocator.driver();
-        let lowered = std::mem::take(&mut *self.lowered_stacks.lock());
-        for (dev, bytes) in lowered {
-            let r = self
-                .allocator
-                .copy_stream(dev)
-                .and_then(|(ctx, _)| Ok(d.with_context(ctx, || d.set_stack_size(bytes))?));
+        let mut g = graphs::lock();
+        for (dev, p) in std::mem::take(&mut g.paused) {
+            let r = self.allocator.copy_stream(dev).and_then(|(ctx, _)| {
+                Ok(d.with_context(ctx, || {
+                    if d.stack_size()? < p.saved {
+                        d.set_stack_size(p.saved)?;
+                    }
+                    Ok(())
+                })?)
+            });
             if let Err(e) = r {
                 tracing::warn!(
                     device = dev,
-                    bytes,
+                    bytes = p.saved,
                     error = %e,
                     "memsaver: could not give NCCL's kernels their stack size back; the driver grows it again at their next launch"
                 );

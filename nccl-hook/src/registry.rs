@@ -220,6 +220,13 @@ pub struct NcclStats {
     /// Multicast (NVLS) objects created; they stay.
     pub multicast_objects: u64,
     pub mappings: u64,
+    /// Local memory the current pause freed by lowering the kernel stack size (per device:
+    /// (old - new limit) x multiprocessors x threads per multiprocessor).
+    pub stack_lowered_bytes: u64,
+    /// Local memory the current pause kept above CUDA's default stack size, and why (per
+    /// device, "device N: reason"; `None` when nothing was kept).
+    pub stack_kept_bytes: u64,
+    pub stack_kept_reason: Option<String>,
 }
 
 pub(crate) fn stats(hooked: bool, cumem_disabled: bool) -> NcclStats {
@@ -256,5 +263,15 @@ pub(crate) fn stats(hooked: bool, cumem_disabled: bool) -> NcclStats {
     }
     s.multicast_objects = r.multicast_objects;
     s.mappings = r.mappings.len() as u64;
+    drop(r);
+    let mut reasons = Vec::new();
+    for (dev, p) in &crate::graphs::lock().paused {
+        s.stack_lowered_bytes += p.lowered_bytes;
+        s.stack_kept_bytes += p.kept_bytes;
+        if let Some(why) = p.why {
+            reasons.push(format!("device {dev}: {}", why.reason()));
+        }
+    }
+    s.stack_kept_reason = (!reasons.is_empty()).then(|| reasons.join("; "));
     s
 }

@@ -260,16 +260,21 @@ def group() -> int:
     return int(_memsaver.nccl_group())
 
 
-def nccl_stats() -> dict[str, int | bool]:
+def nccl_stats() -> dict[str, int | bool | str | None]:
     """NCCL's device memory in this process as memsaver's NCCL hook sees it: ``hooked`` (NCCL
     resolved its driver calls through memsaver: the process was started with the preload),
     ``cumem_disabled`` (``NCCL_CUMEM_ENABLE=0``: NCCL then uses cudaMalloc and legacy IPC, which
     no VMM hook sees), bytes and handles NCCL owns, imported from peers and exported, and what
-    stays resident (host, FABRIC, NIC ranges, multicast objects)."""
+    stays resident (host, FABRIC, NIC ranges, multicast objects). While ``nccl`` is paused,
+    also the kernel stack's local memory: ``stack_lowered_bytes`` (freed by lowering the
+    per-thread stack limit NCCL's kernels raised), ``stack_kept_bytes`` and
+    ``stack_kept_reason`` (kept above CUDA's default because a live CUDA graph or the
+    application needs it, e.g. ``"device 0: a live CUDA graph was instantiated at 1744
+    B/thread"``; ``None`` when nothing was kept)."""
     import json
 
     _core.ensure_loaded()
-    result: dict[str, int | bool] = json.loads(_memsaver.nccl_stats_json())
+    result: dict[str, int | bool | str | None] = json.loads(_memsaver.nccl_stats_json())
     return result
 
 

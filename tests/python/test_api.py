@@ -304,6 +304,8 @@ def test_nccl_stats_without_nccl():
     assert s["hooked"] is False
     assert s["owned_bytes"] == 0 and s["imported_bytes"] == 0
     assert set(s) >= {"cumem_disabled", "paused", "exported_handles", "resident_pinned_bytes", "mappings"}
+    assert s["stack_lowered_bytes"] == 0 and s["stack_kept_bytes"] == 0
+    assert s["stack_kept_reason"] is None
 
 
 def test_nccl_is_a_tag_beside_the_others():

@@ -56,6 +56,7 @@ pub fn error_name(code: CUresult) -> &'static str {
         CUDA_ERROR_INVALID_HANDLE => "CUDA_ERROR_INVALID_HANDLE",
         CUDA_ERROR_NOT_FOUND => "CUDA_ERROR_NOT_FOUND",
         CUDA_ERROR_NOT_READY => "CUDA_ERROR_NOT_READY",
+        CUDA_ERROR_LAUNCH_FAILED => "CUDA_ERROR_LAUNCH_FAILED",
         CUDA_ERROR_NOT_PERMITTED => "CUDA_ERROR_NOT_PERMITTED",
         CUDA_ERROR_NOT_SUPPORTED => "CUDA_ERROR_NOT_SUPPORTED",
         CUDA_ERROR_UNKNOWN => "CUDA_ERROR_UNKNOWN",
@@ -145,6 +146,7 @@ entry_points!(
     cuCtxGetDevice,
     cuCtxGetLimit,
     cuCtxSetLimit,
+    cuDeviceGetAttribute,
     cuMemGetInfo_v2,
     cuMemGetAllocationGranularity,
     cuMemCreate,
@@ -340,6 +342,22 @@ impl Driver {
         check("cuCtxSetLimit", unsafe {
             (self.f.cuCtxSetLimit)(CU_LIMIT_STACK_SIZE, bytes)
         })
+    }
+
+    /// Bytes of local memory each byte of per-thread stack limit reserves on device `ordinal`:
+    /// one stack per thread that can be resident (multiprocessors x threads per
+    /// multiprocessor; 132 x 2048 on an H200).
+    pub fn stack_bytes_per_thread_byte(&self, ordinal: i32) -> Result<u64, DriverError> {
+        let attribute = |attr| {
+            let mut v = 0;
+            // SAFETY: `v` is a valid out-pointer; plain values otherwise.
+            check("cuDeviceGetAttribute", unsafe {
+                (self.f.cuDeviceGetAttribute)(&mut v, attr, ordinal)
+            })?;
+            Ok::<_, DriverError>(v.max(0) as u64)
+        };
+        Ok(attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            * attribute(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?)
     }
 
     /// Waits until all work queued in the current context has finished.

@@ -15,6 +15,9 @@ pub type CUmemGenericAllocationHandle = c_ulonglong;
 pub type CUcontext = *mut c_void;
 pub type CUstream = *mut c_void;
 pub type CUevent = *mut c_void;
+pub type CUgraph = *mut c_void;
+pub type CUgraphExec = *mut c_void;
+pub type CUgraphNode = *mut c_void;
 
 pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
@@ -29,6 +32,8 @@ pub const CUDA_ERROR_NOT_MAPPED: CUresult = 211;
 pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
 pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
+/// A kernel failed; the context is unusable afterwards (every later call returns it).
+pub const CUDA_ERROR_LAUNCH_FAILED: CUresult = 719;
 pub const CUDA_ERROR_NOT_PERMITTED: CUresult = 800;
 pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
@@ -44,6 +49,10 @@ pub const CU_MEM_LOCATION_TYPE_DEVICE: c_uint = 1;
 /// `CUlimit`: per-thread stack size of kernels (bytes); the driver sizes the context's local
 /// memory from it.
 pub const CU_LIMIT_STACK_SIZE: c_uint = 0;
+/// `CUdevice_attribute`: what sizes the local memory the stack limit reserves (one stack per
+/// thread that can be resident: multiprocessors x threads per multiprocessor).
+pub const CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 16;
+pub const CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: c_int = 39;
 pub const CU_MEM_LOCATION_TYPE_HOST: c_uint = 2;
 pub const CU_MEM_LOCATION_TYPE_HOST_NUMA: c_uint = 3;
 pub const CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: c_uint = 4;
@@ -112,7 +121,19 @@ pub struct CUmemAccessDesc {
     pub flags: c_uint,
 }
 
+/// `CUDA_GRAPH_INSTANTIATE_PARAMS` (`cuGraphInstantiateWithParams`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUDA_GRAPH_INSTANTIATE_PARAMS {
+    pub flags: u64,
+    pub hUploadStream: CUstream,
+    pub hErrNode_out: CUgraphNode,
+    /// `CUgraphInstantiateResult`: 0 is success.
+    pub result_out: c_uint,
+}
+
 // Layout checks against cuda.h (x86-64 and aarch64 alike).
+const _: () = assert!(std::mem::size_of::<CUDA_GRAPH_INSTANTIATE_PARAMS>() == 32);
 const _: () = assert!(std::mem::size_of::<CUmemAllocationProp>() == 32);
 const _: () = assert!(std::mem::size_of::<CUmemAccessDesc>() == 12);
 
@@ -134,6 +155,32 @@ pub mod fns {
     pub type cuCtxGetDevice = unsafe extern "C" fn(dev: *mut CUdevice) -> CUresult;
     pub type cuCtxGetLimit = unsafe extern "C" fn(value: *mut usize, limit: c_uint) -> CUresult;
     pub type cuCtxSetLimit = unsafe extern "C" fn(limit: c_uint, value: usize) -> CUresult;
+    pub type cuDeviceGetAttribute =
+        unsafe extern "C" fn(value: *mut c_int, attribute: c_int, dev: CUdevice) -> CUresult;
+    pub type cuGraphCreate = unsafe extern "C" fn(graph: *mut CUgraph, flags: c_uint) -> CUresult;
+    pub type cuGraphDestroy = unsafe extern "C" fn(graph: CUgraph) -> CUresult;
+    /// What `cuGetProcAddress("cuGraphInstantiate")` hands out for CUDA >= 12.0.
+    pub type cuGraphInstantiateWithFlags = unsafe extern "C" fn(
+        exec: *mut CUgraphExec,
+        graph: CUgraph,
+        flags: c_ulonglong,
+    ) -> CUresult;
+    /// The exported `cuGraphInstantiate` and `cuGraphInstantiate_v2`, and what
+    /// `cuGetProcAddress("cuGraphInstantiate")` hands out below CUDA 12.0.
+    pub type cuGraphInstantiate_v2 = unsafe extern "C" fn(
+        exec: *mut CUgraphExec,
+        graph: CUgraph,
+        error_node: *mut CUgraphNode,
+        log: *mut c_char,
+        log_size: usize,
+    ) -> CUresult;
+    pub type cuGraphInstantiateWithParams = unsafe extern "C" fn(
+        exec: *mut CUgraphExec,
+        graph: CUgraph,
+        params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS,
+    ) -> CUresult;
+    pub type cuGraphExecDestroy = unsafe extern "C" fn(exec: CUgraphExec) -> CUresult;
+    pub type cuGraphLaunch = unsafe extern "C" fn(exec: CUgraphExec, stream: CUstream) -> CUresult;
     pub type cuMemGetInfo_v2 =
         unsafe extern "C" fn(free: *mut usize, total: *mut usize) -> CUresult;
     pub type cuMemGetAllocationGranularity = unsafe extern "C" fn(

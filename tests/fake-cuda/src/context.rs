@@ -9,8 +9,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use memsaver_allocator::driver::sys::{
     CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_HANDLE,
-    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NO_DEVICE, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_UNKNOWN,
-    CUcontext, CUdevice, CUevent, CUresult, CUstream,
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_LAUNCH_FAILED, CUDA_ERROR_NO_DEVICE,
+    CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_UNKNOWN, CUcontext, CUdevice, CUevent, CUresult,
+    CUstream,
 };
 use parking_lot::Mutex;
 
@@ -142,6 +143,28 @@ pub fn set_stack_size(dev: CUdevice, bytes: usize) {
     STACK_SIZES.lock().insert(dev, bytes);
 }
 
+/// Devices whose context was lost (a graph launched below its stack limit): sticky.
+static LOST: [AtomicBool; MAX_DEVICES] = [const { AtomicBool::new(false) }; MAX_DEVICES];
+
+/// Marks the context of `dev` lost: every later call in it fails.
+pub fn lose(dev: CUdevice) {
+    LOST[dev as usize].store(true, Ordering::Relaxed);
+}
+
+/// `CUDA_ERROR_LAUNCH_FAILED` once the context of `dev` is lost.
+pub fn alive(dev: CUdevice) -> Result<(), CUresult> {
+    if LOST[dev as usize].load(Ordering::Relaxed) {
+        Err(CUDA_ERROR_LAUNCH_FAILED)
+    } else {
+        Ok(())
+    }
+}
+
+/// [`alive`] for the calling thread's current context, if it has one.
+pub fn current_alive() -> Result<(), CUresult> {
+    current().map_or(Ok(()), alive)
+}
+
 /// Registry of live streams and events, so that a destroyed or made-up one is rejected.
 pub struct Tokens {
     /// Guards the set of live token addresses of one kind.
@@ -157,7 +180,7 @@ pub static STREAMS: Tokens = Tokens::new(0x5757_0000_0000);
 pub static EVENTS: Tokens = Tokens::new(0xe7e7_0000_0000);
 
 impl Tokens {
-    const fn new(base: usize) -> Self {
+    pub const fn new(base: usize) -> Self {
         Self {
             live: Mutex::new(BTreeSet::new()),
             base,

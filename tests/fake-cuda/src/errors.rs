@@ -73,6 +73,11 @@ const TABLE: &[(CUresult, &CStr, &CStr)] = &[
         c"an illegal memory access was encountered",
     ),
     (
+        CUDA_ERROR_LAUNCH_FAILED,
+        c"CUDA_ERROR_LAUNCH_FAILED",
+        c"unspecified launch failure",
+    ),
+    (
         CUDA_ERROR_NOT_PERMITTED,
         c"CUDA_ERROR_NOT_PERMITTED",
         c"operation not permitted",

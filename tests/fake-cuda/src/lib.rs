@@ -18,7 +18,10 @@
 //! `fakecuda_fail_map_at(n)`, `fakecuda_fail_unmap_at(n)` (the nth call from now fails; 0
 //! disarms; replaces the knob),
 //! `fakecuda_reset_faults()`, and `fakecuda_live_handles()` (handle values of this process not
-//! yet released).
+//! yet released). `fakecuda_launch_kernel_needing_stack(bytes)` stands for a kernel launch whose
+//! kernel needs `bytes` of stack per thread (the limit grows if below, as the driver grows it;
+//! `tests/fake-nccl` calls it for collectives with 2+ ranks, like NCCL's kernels), and
+//! `fakecuda_instantiate_unseen(exec, graph)` for a graph instantiation that no wrapper saw.
 //!
 //! # Faithful
 //!
@@ -34,12 +37,25 @@
 //!   alive until unmapped, `cuMemRetainAllocationHandle` returns the mapping's handle value with
 //!   one more reference (NCCL then releases it twice), and fails with `CUDA_ERROR_INVALID_VALUE`
 //!   on an unmapped address, as `cuMemGetAddressRange` fails with `CUDA_ERROR_NOT_FOUND`.
-//! * `cuGetProcAddress(_v2)` resolves base names to the `_v2` variants by CUDA version.
+//! * `cuGetProcAddress(_v2)` resolves base names to the `_v2` variants by CUDA version, and
+//!   `cuGraphInstantiate` to `cuGraphInstantiateWithFlags` from CUDA 12.0 on
+//!   (`cuGraphInstantiate_v2`, five arguments, below).
+//! * The stack limit and CUDA graphs (`graphs.rs`): the per-thread stack limit
+//!   (`CU_LIMIT_STACK_SIZE`, default 1024) is per process and device; an executable graph
+//!   remembers the limit in force when it was instantiated, and `cuGraphLaunch` below that
+//!   limit fails with `CUDA_ERROR_LAUNCH_FAILED` (719) and loses the device's context: from
+//!   then on `cuGraphLaunch`, `cuCtxSynchronize`, `cuStreamSynchronize`, `cuMemCreate`,
+//!   `cuMemMap`, `cuCtxSetLimit` and the copies return 719 in it, as measured on H100/H200.
+//!   `cuDeviceGetAttribute` gives an H200's 132 multiprocessors and 2048 threads per
+//!   multiprocessor (the local memory a stack limit reserves is limit x 132 x 2048).
 //!
 //! # Simplified
 //!
 //! * Everything is synchronous: async copies complete before they return; streams and events
-//!   are validated tokens. There are no kernels.
+//!   are validated tokens. There are no kernels: graphs are empty, and a kernel's need for
+//!   stack is the test control above.
+//! * A lost context is checked for the calling thread's current context (and the graph's own
+//!   device at launch), not for whatever context a stream or handle belongs to.
 //! * One memory for all devices: access flags for any device apply to the whole process.
 //! * A copy or memset touching memory that is not mapped with the needed access fails with
 //!   `CUDA_ERROR_INVALID_VALUE` instead of a sticky `CUDA_ERROR_ILLEGAL_ADDRESS`.
@@ -62,16 +78,19 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use memsaver_allocator::driver::sys::fns;
 use memsaver_allocator::driver::sys::{
+    CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
     CU_EVENT_DISABLE_TIMING, CU_LIMIT_STACK_SIZE, CU_STREAM_NON_BLOCKING,
     CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_UNKNOWN,
-    CUDA_ERROR_UNSUPPORTED_LIMIT, CUDA_SUCCESS, CUcontext, CUdevice, CUdeviceptr, CUevent,
-    CUmemAccessDesc, CUmemAllocationProp, CUmemGenericAllocationHandle, CUresult, CUstream,
+    CUDA_ERROR_UNSUPPORTED_LIMIT, CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_SUCCESS, CUcontext, CUdevice,
+    CUdeviceptr, CUevent, CUgraph, CUgraphExec, CUgraphNode, CUmemAccessDesc, CUmemAllocationProp,
+    CUmemGenericAllocationHandle, CUresult, CUstream,
 };
 
 mod config;
 mod context;
 mod errors;
 mod faults;
+mod graphs;
 mod physical;
 mod procaddr;
 mod state;
@@ -287,6 +306,7 @@ cuda_exports! {
         if limit != CU_LIMIT_STACK_SIZE {
             return Err(CUDA_ERROR_UNSUPPORTED_LIMIT);
         }
+        context::alive(dev)?;
         context::set_stack_size(dev, value);
         Ok(())
     }
@@ -295,7 +315,7 @@ cuda_exports! {
     /// context, `CUDA_ERROR_INVALID_CONTEXT`, as on the real driver.
     fn cuCtxSynchronize() {
         context::initialised()?;
-        context::current().map(drop).ok_or(CUDA_ERROR_INVALID_CONTEXT)
+        context::current().map(context::alive).ok_or(CUDA_ERROR_INVALID_CONTEXT)?
     }
 
     /// Free and total memory of the current context's device; "used" is what live
@@ -337,6 +357,7 @@ cuda_exports! {
     ) {
         let out = non_null(handle)?;
         let cfg = context::initialised()?;
+        context::current_alive()?;
         // SAFETY: the caller passes null or a valid property struct.
         let prop = unsafe { read_in(prop) }?;
         let h = state::create(cfg, size, &prop, flags)?;
@@ -381,7 +402,9 @@ cuda_exports! {
         handle: CUmemGenericAllocationHandle,
         flags: c_ulonglong,
     ) {
-        state::map(context::initialised()?, ptr, size, offset, handle, flags)
+        let cfg = context::initialised()?;
+        context::current_alive()?;
+        state::map(cfg, ptr, size, offset, handle, flags)
     }
 
     /// Unmaps whole mappings; the range stays reserved.
@@ -486,6 +509,7 @@ cuda_exports! {
     /// Validates the stream (all work is already complete).
     fn cuStreamSynchronize(stream: CUstream) {
         context::initialised()?;
+        context::current_alive()?;
         context::check_stream(stream)
     }
 
@@ -530,7 +554,7 @@ cuda_exports! {
     /// Device to host copy, complete on return.
     fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, bytes: usize, stream: CUstream) {
         context::initialised()?;
-        context::require_current()?;
+        context::alive(context::require_current()?)?;
         context::check_stream(stream)?;
         // SAFETY: the caller passes a host destination valid for `bytes` writes.
         unsafe { copy_dtoh(dst, src, bytes) }
@@ -539,7 +563,7 @@ cuda_exports! {
     /// Host to device copy, complete on return.
     fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, bytes: usize, stream: CUstream) {
         context::initialised()?;
-        context::require_current()?;
+        context::alive(context::require_current()?)?;
         context::check_stream(stream)?;
         // SAFETY: the caller passes a host source valid for `bytes` reads.
         unsafe { copy_htod(dst, src, bytes) }
@@ -548,7 +572,7 @@ cuda_exports! {
     /// Device to host copy.
     fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, bytes: usize) {
         context::initialised()?;
-        context::require_current()?;
+        context::alive(context::require_current()?)?;
         // SAFETY: the caller passes a host destination valid for `bytes` writes.
         unsafe { copy_dtoh(dst, src, bytes) }
     }
@@ -556,7 +580,7 @@ cuda_exports! {
     /// Host to device copy.
     fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, bytes: usize) {
         context::initialised()?;
-        context::require_current()?;
+        context::alive(context::require_current()?)?;
         // SAFETY: the caller passes a host source valid for `bytes` reads.
         unsafe { copy_htod(dst, src, bytes) }
     }
@@ -593,6 +617,106 @@ cuda_exports! {
         context::initialised()?;
         context::require_current()?;
         state::host_free(p)
+    }
+
+    /// `CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT` (132) and
+    /// `CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR` (2048), an H200's; other
+    /// attributes are `CUDA_ERROR_INVALID_VALUE`.
+    fn cuDeviceGetAttribute(value: *mut c_int, attribute: c_int, dev: CUdevice) {
+        let out = non_null(value)?;
+        context::device(context::initialised()?, dev)?;
+        let v = match attribute {
+            CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT => 132,
+            CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR => 2048,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(v) };
+        Ok(())
+    }
+
+    /// An empty graph.
+    fn cuGraphCreate(graph: *mut CUgraph, flags: c_uint) {
+        let out = non_null(graph)?;
+        context::initialised()?;
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(graphs::GRAPHS.create()) };
+        Ok(())
+    }
+
+    /// Destroys a graph (its executables live on).
+    fn cuGraphDestroy(graph: CUgraph) {
+        context::initialised()?;
+        graphs::GRAPHS.destroy(graph)
+    }
+
+    /// Instantiates a graph in the current context at the stack limit in force (see
+    /// `graphs`). Also what `cuGetProcAddress("cuGraphInstantiate")` gives for CUDA >= 12.0.
+    fn cuGraphInstantiateWithFlags(exec: *mut CUgraphExec, graph: CUgraph, flags: c_ulonglong) {
+        let out = non_null(exec)?;
+        context::initialised()?;
+        let _ = flags; // auto-free on launch, upload, device launch: nothing to do here
+        let e = graphs::instantiate(graph)?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(e) };
+        Ok(())
+    }
+
+    /// The pre-12.0 form of [`cuGraphInstantiateWithFlags`] (no error node or log is ever
+    /// written).
+    fn cuGraphInstantiate_v2(
+        exec: *mut CUgraphExec,
+        graph: CUgraph,
+        error_node: *mut CUgraphNode,
+        log: *mut c_char,
+        log_size: usize,
+    ) {
+        let _ = (error_node, log, log_size);
+        // SAFETY: same contract as the called function.
+        check(unsafe { cuGraphInstantiateWithFlags(exec, graph, 0) })
+    }
+
+    /// The legacy export of [`cuGraphInstantiate_v2`] (same signature).
+    fn cuGraphInstantiate(
+        exec: *mut CUgraphExec,
+        graph: CUgraph,
+        error_node: *mut CUgraphNode,
+        log: *mut c_char,
+        log_size: usize,
+    ) {
+        // SAFETY: same contract as the aliased function.
+        check(unsafe { cuGraphInstantiate_v2(exec, graph, error_node, log, log_size) })
+    }
+
+    /// [`cuGraphInstantiateWithFlags`] taking a parameter struct; writes its result field.
+    fn cuGraphInstantiateWithParams(
+        exec: *mut CUgraphExec,
+        graph: CUgraph,
+        params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS,
+    ) {
+        let params = non_null(params)?;
+        // SAFETY: the caller passes a valid parameter struct.
+        check(unsafe { cuGraphInstantiateWithFlags(exec, graph, (*params).flags) })?;
+        // SAFETY: as above.
+        unsafe { (*params).result_out = 0 };
+        Ok(())
+    }
+
+    /// Destroys an executable.
+    fn cuGraphExecDestroy(exec: CUgraphExec) {
+        context::initialised()?;
+        graphs::exec_destroy(exec)
+    }
+
+    /// Launches an executable: `CUDA_ERROR_LAUNCH_FAILED`, and the context lost, when its
+    /// device's stack limit is below the one it was instantiated at (see `graphs`).
+    fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) {
+        context::initialised()?;
+        context::check_stream(stream)?;
+        graphs::launch(exec)
     }
 
     /// This library's entry point for `symbol` (base names resolve to the newest variant the
@@ -688,6 +812,11 @@ same_signature! {
     cuCtxPushCurrent_v2: cuCtxPushCurrent_v2, cuCtxPopCurrent_v2: cuCtxPopCurrent_v2,
     cuCtxSynchronize: cuCtxSynchronize,
     cuCtxGetLimit: cuCtxGetLimit, cuCtxSetLimit: cuCtxSetLimit,
+    cuDeviceGetAttribute: cuDeviceGetAttribute, cuGraphCreate: cuGraphCreate,
+    cuGraphDestroy: cuGraphDestroy, cuGraphInstantiateWithFlags: cuGraphInstantiateWithFlags,
+    cuGraphInstantiate_v2: cuGraphInstantiate_v2, cuGraphInstantiate: cuGraphInstantiate_v2,
+    cuGraphInstantiateWithParams: cuGraphInstantiateWithParams,
+    cuGraphExecDestroy: cuGraphExecDestroy, cuGraphLaunch: cuGraphLaunch,
     cuMemGetInfo_v2: cuMemGetInfo_v2,
     cuMemGetAllocationGranularity: cuMemGetAllocationGranularity, cuMemCreate: cuMemCreate,
     cuMemRelease: cuMemRelease, cuMemAddressReserve: cuMemAddressReserve,
@@ -816,6 +945,33 @@ pub extern "C" fn fakecuda_reset_faults() -> CUresult {
         faults::UNMAP.reset();
         Ok(())
     })
+}
+
+/// Test control standing for a kernel launch whose kernel needs `bytes` of stack per thread,
+/// in the current context: the limit grows to `bytes` if it is below, as the real driver grows
+/// it at launch (NCCL's kernels do this with 2+ ranks; `tests/fake-nccl` calls it then).
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_launch_kernel_needing_stack(bytes: usize) -> CUresult {
+    guard(|| {
+        context::initialised()?;
+        graphs::launch_kernel_needing_stack(bytes)
+    })
+}
+
+/// Test control standing for a graph instantiation that escaped memsaver's wrappers (for
+/// example through the CUDA runtime's private export tables): `cuGraphInstantiateWithFlags`
+/// reached without `cuGetProcAddress` or `dlsym`.
+///
+/// # Safety
+///
+/// `exec` must be null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fakecuda_instantiate_unseen(
+    exec: *mut CUgraphExec,
+    graph: CUgraph,
+) -> CUresult {
+    // SAFETY: per this function's contract.
+    unsafe { cuGraphInstantiateWithFlags(exec, graph, 0) }
 }
 
 /// Test probe: handle values of this process not yet released (`u64::MAX` on internal error).

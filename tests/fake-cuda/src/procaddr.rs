@@ -23,6 +23,14 @@ pub fn resolve(
     cuda_version: c_int,
     exported: impl Fn(&str) -> Option<*mut c_void>,
 ) -> Option<*mut c_void> {
+    // Renamed, not versioned: CUDA 12.0 made `cuGraphInstantiate` mean the flags form.
+    if symbol == "cuGraphInstantiate" {
+        return exported(if cuda_version >= 12000 {
+            "cuGraphInstantiateWithFlags"
+        } else {
+            "cuGraphInstantiate_v2"
+        });
+    }
     let versioned = symbol
         .rsplit_once("_v")
         .is_some_and(|(_, n)| n.parse::<u32>().is_ok());

@@ -266,8 +266,45 @@ pub unsafe extern "C" fn fake_nccl_free(cuda_lib: *const c_char, a: *const FakeN
     r.err().unwrap_or(0)
 }
 
+/// Stack per thread NCCL 2.28's kernels need (the driver grows the limit to it when they
+/// launch with 2+ ranks; with one rank NCCL launches no kernel that needs it).
+pub const KERNEL_STACK_BYTES: usize = 1744;
+
+/// The fake driver's `fakecuda_launch_kernel_needing_stack`, when a communicator of 2+ ranks
+/// was set up with [`fake_nccl_comm_init`].
+static KERNEL_LAUNCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Stands for `ncclCommInitRank`: remembers the communicator's size; with 2+ ranks, each
+/// `ncclAllReduce` then "launches NCCL's kernel" in the caller's current context, which grows
+/// the stack limit to [`KERNEL_STACK_BYTES`] as on a GPU. Returns 0 or an error code.
+///
+/// # Safety
+/// `cuda_lib` is NUL-terminated and names the fake driver.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_nccl_comm_init(cuda_lib: *const c_char, nranks: c_int) -> c_int {
+    if nranks < 2 {
+        KERNEL_LAUNCH.store(0, std::sync::atomic::Ordering::Relaxed);
+        return 0;
+    }
+    // SAFETY: NUL-terminated path; a live handle and a NUL-terminated name. A test control of
+    // the fake driver, not a driver function: looked up directly.
+    let f = unsafe {
+        let h = libc::dlopen(cuda_lib, libc::RTLD_NOW | libc::RTLD_LOCAL);
+        if h.is_null() {
+            return -1;
+        }
+        libc::dlsym(h, c"fakecuda_launch_kernel_needing_stack".as_ptr())
+    };
+    if f.is_null() {
+        return -2;
+    }
+    KERNEL_LAUNCH.store(f as usize, std::sync::atomic::Ordering::Relaxed);
+    0
+}
+
 /// NCCL's `ncclAllReduce`, reduced to what the tests need: it succeeds (returns 0) and counts
-/// its calls, so a test can tell a forwarded call from a refused one.
+/// its calls, so a test can tell a forwarded call from a refused one. With 2+ ranks it launches
+/// "NCCL's kernel" (see [`fake_nccl_comm_init`]).
 #[unsafe(no_mangle)]
 pub extern "C" fn ncclAllReduce(
     _send: *const c_void,
@@ -279,6 +316,16 @@ pub extern "C" fn ncclAllReduce(
     _stream: *mut c_void,
 ) -> c_int {
     ALL_REDUCE_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let launch = KERNEL_LAUNCH.load(std::sync::atomic::Ordering::Relaxed);
+    if launch != 0 {
+        // SAFETY: the fake driver's `fakecuda_launch_kernel_needing_stack(usize) -> CUresult`.
+        let launch =
+            unsafe { std::mem::transmute::<usize, extern "C" fn(usize) -> CUresult>(launch) };
+        let r = launch(KERNEL_STACK_BYTES);
+        if r != CUDA_SUCCESS {
+            return 1; // ncclUnhandledCudaError
+        }
+    }
     0
 }
 

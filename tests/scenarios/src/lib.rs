@@ -33,6 +33,21 @@ pub fn sym<T: Copy>(h: *mut c_void, name: &CStr) -> T {
     unsafe { std::mem::transmute_copy::<*mut c_void, T>(&p) }
 }
 
+/// The file name of the object containing `addr`.
+pub fn object_of(addr: usize) -> String {
+    // SAFETY: zeroed Dl_info is a valid out-parameter.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: any address may be asked about.
+    if unsafe { libc::dladdr(addr as *const c_void, &mut info) } == 0 || info.dli_fname.is_null() {
+        return "?".into();
+    }
+    // SAFETY: NUL-terminated file name from dladdr.
+    let path = unsafe { CStr::from_ptr(info.dli_fname) }
+        .to_string_lossy()
+        .into_owned();
+    path.rsplit('/').next().unwrap_or(&path).to_owned()
+}
+
 /// The repository root.
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")

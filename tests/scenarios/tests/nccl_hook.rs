@@ -1,6 +1,6 @@
 //! The NCCL hook on the fake driver and the fake libnccl.so.2: with libmemsaver.so preloaded,
-//! lookups made by libnccl get memsaver's wrappers and NCCL's memory is seen; lookups made by
-//! anyone else get the driver's own functions.
+//! lookups made by libnccl get memsaver's wrappers and NCCL's memory is seen; anyone else gets
+//! the driver's own VMM functions (and memsaver's graph and limit wrappers: tests/graph_stack.rs).
 
 use std::collections::HashMap;
 use std::process::Command;
@@ -36,11 +36,15 @@ fn run(preload: bool, extra_env: &[(&str, &str)]) -> HashMap<String, String> {
 }
 
 #[test]
-fn preloaded_hook_wraps_lookups_made_by_libnccl_only() {
+fn preloaded_hook_wraps_vmm_calls_for_libnccl_only() {
     let r = run(true, &[]);
     assert_eq!(
-        r["gpa_from_exe"], "libcuda.so.1",
-        "other callers get the driver's function"
+        r["gpa_from_exe"], "libmemsaver.so",
+        "other callers get memsaver's graph-and-limit cuGetProcAddress"
+    );
+    assert_eq!(
+        r["create_from_exe"], "libcuda.so.1",
+        "which hands them the driver's VMM calls"
     );
     assert_eq!(
         r["gpa_from_nccl"], "libmemsaver.so",
@@ -95,11 +99,20 @@ fn pausing_nccl_releases_its_memory_and_restores_it_in_place() {
     // Also when looked up in libnccl's own handle, as pynccl does.
     assert_eq!(r["allreduce_via_handle_paused_rc"], "5/0");
     assert_eq!(r["resume_rc"], "0");
-    // The kernel stack size NCCL raised (1744) goes down to CUDA's default while paused (its
-    // local memory is freed on a GPU) and comes back on resume.
+    // The kernel stack size NCCL's kernels made the driver raise (1744) goes down to CUDA's
+    // default while paused (no graph, no limit set by the application: its local memory is
+    // freed on a GPU, 720 B x 132 SMs x 2048 threads here) and comes back on resume.
     assert_eq!(
         (r["stack_paused"].as_str(), r["stack_resumed"].as_str()),
         ("1024", "1744")
+    );
+    has(
+        &r["stats_paused"],
+        &[
+            &format!(r#""stack_lowered_bytes":{}"#, 720 * 132 * 2048),
+            r#""stack_kept_bytes":0"#,
+            r#""stack_kept_reason":null"#,
+        ],
     );
     assert_eq!(r["allreduce_resumed_rc"], "0/1");
     assert_eq!(r["allreduce_via_handle_resumed_rc"], "0/2");
@@ -140,6 +153,7 @@ fn pausing_nccl_releases_its_memory_and_restores_it_in_place() {
 fn without_preload_nothing_is_wrapped() {
     let r = run(false, &[]);
     assert_eq!(r["amem_found"], "false", "stock NCCL has no ncclPause");
+    assert_eq!(r["gpa_from_exe"], "libcuda.so.1");
     assert_eq!(r["gpa_from_nccl"], "libcuda.so.1");
     assert_eq!(r["create_from_nccl"], "libcuda.so.1");
     assert_eq!(r["stats_after_alloc"], "none");

@@ -7,26 +7,11 @@
 //! memory; then pauses and resumes the `nccl` tag (device memory freed, contents and address
 //! kept), frees the private buffer while paused, and frees the rest.
 
-use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
+use std::ffi::{CString, c_char, c_int, c_uint, c_void};
 
-use memsaver_scenarios::{Alloc, FakeNcclAlloc, Free, TagCall, sym};
+use memsaver_scenarios::{Alloc, FakeNcclAlloc, Free, TagCall, object_of, sym};
 
 type StatsJson = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
-
-/// The file name of the object containing `addr`.
-fn object_of(addr: usize) -> String {
-    // SAFETY: zeroed Dl_info is a valid out-parameter.
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: any address may be asked about.
-    if unsafe { libc::dladdr(addr as *const c_void, &mut info) } == 0 || info.dli_fname.is_null() {
-        return "?".into();
-    }
-    // SAFETY: NUL-terminated file name from dladdr.
-    let path = unsafe { CStr::from_ptr(info.dli_fname) }
-        .to_string_lossy()
-        .into_owned();
-    path.rsplit('/').next().unwrap_or(&path).to_owned()
-}
 
 fn nccl_stats() -> String {
     // SAFETY: RTLD_DEFAULT lookup of a NUL-terminated name.
@@ -61,9 +46,16 @@ fn main() {
         !hn.is_null() && !hc.is_null(),
         "cannot open the fake libraries"
     );
-    // The same lookup from this executable: never wrapped (the caller is not libnccl).
-    let gpa: *mut c_void = sym(hc, c"cuGetProcAddress_v2");
+    // The same lookup from this executable (as the CUDA runtime makes it): memsaver's other
+    // wrapper, which wraps graph and limit calls only, so the VMM calls stay the driver's.
+    let gpa: memsaver_allocator::driver::sys::fns::cuGetProcAddress_v2 =
+        sym(hc, c"cuGetProcAddress_v2");
     println!("gpa_from_exe={}", object_of(gpa as usize));
+    let mut create = std::ptr::null_mut();
+    let mut status = 0;
+    // SAFETY: valid out-pointers, NUL-terminated name.
+    unsafe { gpa(c"cuMemCreate".as_ptr(), &mut create, 12000, 0, &mut status) };
+    println!("create_from_exe={}", object_of(create as usize));
 
     let alloc: Alloc = sym(hn, c"fake_nccl_alloc");
     let free: Free = sym(hn, c"fake_nccl_free");
@@ -107,19 +99,21 @@ fn main() {
         for (i, b) in bytes.iter_mut().enumerate() {
             *b = (i % 251) as u8;
         }
-        // NCCL raises the per-thread stack size for its kernels (its runtime calls
-        // cudaDeviceSetLimit); pause lowers it to CUDA's default, resume gives it back.
+        // NCCL's kernels make the driver raise the per-thread stack size (with 2+ ranks);
+        // pause lowers it to CUDA's default (no graph, no limit set by the application),
+        // resume gives it back.
         let get_limit: unsafe extern "C" fn(*mut usize, c_uint) -> c_int =
             sym(hc, c"cuCtxGetLimit");
-        let set_limit: unsafe extern "C" fn(c_uint, usize) -> c_int = sym(hc, c"cuCtxSetLimit");
+        let kernel: unsafe extern "C" fn(usize) -> c_int =
+            sym(hc, c"fakecuda_launch_kernel_needing_stack");
         let stack = || {
             let mut v = 0;
             // SAFETY: valid out-pointer; the context pushed by `device_memory` is current.
             unsafe { get_limit(&mut v, 0) };
             v
         };
-        // SAFETY: plain values, in the current context.
-        unsafe { set_limit(0, 1744) };
+        // SAFETY: a fake-driver test control, in the current context.
+        unsafe { kernel(1744) };
         let before = mem_info();
         // SAFETY: NUL-terminated tag list.
         println!("pause_rc={}", unsafe { pause(c"nccl".as_ptr()) });
