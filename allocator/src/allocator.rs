@@ -389,7 +389,12 @@ impl Allocator {
     }
 
     /// A fresh host backup of `len` bytes for a `cpu` (pinned) or `mmap` allocation.
-    pub(crate) fn new_host_backup(&self, dev: &Device, policy: Policy, len: usize) -> Result<Backup> {
+    pub(crate) fn new_host_backup(
+        &self,
+        dev: &Device,
+        policy: Policy,
+        len: usize,
+    ) -> Result<Backup> {
         let buf = match policy {
             Policy::Mmap => HostBuffer::mmap(len).map_err(|e| {
                 Error::Backup(format!(
@@ -426,7 +431,9 @@ impl Drop for Allocator {
 /// Whether a new allocation with `tag` is refused now: its tag is paused and is not the
 /// whole-process tag.
 fn refuses_malloc(t: &Table, tag: &str) -> bool {
-    t.tags.get(tag).is_some_and(|e| e.paused && !e.allocates_while_paused)
+    t.tags
+        .get(tag)
+        .is_some_and(|e| e.paused && !e.allocates_while_paused)
 }
 
 pub(crate) fn validate_tag(tag: &str) -> Result<()> {

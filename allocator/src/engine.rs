@@ -366,7 +366,8 @@ impl Allocator {
                     if j.backup.is_some() {
                         // The copy may not have completed: wait before dropping its target, and
                         // drop it (a backup must hold the contents of a completed pause).
-                        let _ = d.with_context(j.device.ctx, || d.stream_synchronize(j.device.stream));
+                        let _ =
+                            d.with_context(j.device.ctx, || d.stream_synchronize(j.device.stream));
                         j.backup = None;
                     }
                     j.error = Some(e.into());
@@ -381,8 +382,9 @@ impl Allocator {
     fn write_disk(&self, j: &mut Job, dir: &Path, staging: &mut Staging) -> Result<()> {
         let file = match j.backup.take() {
             Some(Backup::Disk(f)) => f,
-            _ => DiskFile::create(dir, j.ptr, j.size)
-                .map_err(|e| Error::Backup(format!("cannot create a file in {}: {e}", dir.display())))?,
+            _ => DiskFile::create(dir, j.ptr, j.size).map_err(|e| {
+                Error::Backup(format!("cannot create a file in {}: {e}", dir.display()))
+            })?,
         };
         let d = &self.driver;
         let dev = j.device.clone();

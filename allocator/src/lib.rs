@@ -31,10 +31,10 @@ mod table;
 use std::sync::{Arc, OnceLock};
 
 pub use allocator::Allocator;
+pub use backup::BackupKind;
 pub use engine::Report;
 pub use error::{Error, Result};
 pub use external::ExternalTag;
-pub use backup::BackupKind;
 pub use options::Options;
 pub use stats::{DeviceUsage, Stats, TagStats, Usage};
 pub use types::{Policy, State, human_bytes};

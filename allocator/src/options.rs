@@ -239,7 +239,9 @@ fn process_backup(first: Lookup<'_>) -> Setting<Policy> {
         None => Ok(Policy::Cpu),
         Some((_, v)) if v == "pinned" => Ok(Policy::Cpu),
         Some((_, v)) if v == "mmap" => Ok(Policy::Mmap),
-        Some((var, v)) => Err(format!("{var}={v:?} is not valid; expected 'pinned' or 'mmap'")),
+        Some((var, v)) => Err(format!(
+            "{var}={v:?} is not valid; expected 'pinned' or 'mmap'"
+        )),
     }
 }
 
@@ -345,13 +347,25 @@ mod tests {
             ("MEMSAVER_PROCESS_BACKUP", "tape"),
         ]);
         let e = o.retain_backups.unwrap_err();
-        assert!(e.contains("MEMSAVER_RETAIN_BACKUP") && e.contains("1 or 0"), "{e}");
+        assert!(
+            e.contains("MEMSAVER_RETAIN_BACKUP") && e.contains("1 or 0"),
+            "{e}"
+        );
         let e = o.memory_margin.unwrap_err();
-        assert!(e.contains("MEMSAVER_MEMORY_MARGIN_MB") && e.contains("MiB"), "{e}");
+        assert!(
+            e.contains("MEMSAVER_MEMORY_MARGIN_MB") && e.contains("MiB"),
+            "{e}"
+        );
         let e = o.disk_chunk.unwrap_err();
-        assert!(e.contains("MEMSAVER_DISK_CHUNK_MB") && e.contains("at least 1"), "{e}");
+        assert!(
+            e.contains("MEMSAVER_DISK_CHUNK_MB") && e.contains("at least 1"),
+            "{e}"
+        );
         let e = o.process.unwrap_err();
-        assert!(e.contains("MEMSAVER_PROCESS_BACKUP") && e.contains("'mmap'"), "{e}");
+        assert!(
+            e.contains("MEMSAVER_PROCESS_BACKUP") && e.contains("'mmap'"),
+            "{e}"
+        );
         let e = opts(&[
             ("TMS_INIT_ENABLE", "1"),
             ("TMS_INIT_ENABLE_CPU_BACKUP", "1"),
@@ -359,13 +373,19 @@ mod tests {
         ])
         .process
         .unwrap_err();
-        assert!(e.contains("TMS_INIT_CPU_BACKUP_BACKEND") && e.contains("'pinned'"), "{e}");
+        assert!(
+            e.contains("TMS_INIT_CPU_BACKUP_BACKEND") && e.contains("'pinned'"),
+            "{e}"
+        );
     }
 
     #[test]
     fn markdown_names_aliases() {
         let md = Options::markdown();
-        assert!(md.contains("`MEMSAVER_DISK_DIR` (alias `TMS_DISK_BACKUP_DIR`)"), "{md}");
+        assert!(
+            md.contains("`MEMSAVER_DISK_DIR` (alias `TMS_DISK_BACKUP_DIR`)"),
+            "{md}"
+        );
         for o in OPTIONS {
             assert!(md.contains(o.env));
         }
