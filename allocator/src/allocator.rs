@@ -402,7 +402,7 @@ impl Allocator {
                     crate::types::human_bytes(len as u64)
                 ))
             })?,
-            _ => HostBuffer::pinned(&self.driver, dev.ctx, len)?,
+            _ => HostBuffer::new(&self.driver, dev.ctx, len)?,
         };
         Ok(Backup::Host(buf))
     }

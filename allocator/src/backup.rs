@@ -36,7 +36,8 @@ pub enum HostBuffer {
 }
 
 impl HostBuffer {
-    pub fn pinned(driver: &Arc<Driver>, ctx: Context, len: usize) -> Result<Self, DriverError> {
+    /// Pinned memory (the `cpu` policy).
+    pub fn new(driver: &Arc<Driver>, ctx: Context, len: usize) -> Result<Self, DriverError> {
         PinnedBuffer::new(driver, ctx, len).map(HostBuffer::Pinned)
     }
 

@@ -644,7 +644,7 @@ impl Staging {
     /// The buffer's address and length, allocating it on first use.
     fn buffer(&mut self, a: &Allocator, dev: &Device) -> Result<(*mut u8, usize)> {
         if self.buf.is_none() {
-            self.buf = Some(HostBuffer::pinned(&a.driver, dev.ctx, self.len)?);
+            self.buf = Some(HostBuffer::new(&a.driver, dev.ctx, self.len)?);
         }
         let buf = self.buf.as_mut().expect("set above");
         Ok((buf.as_mut_ptr(), self.len))
