@@ -246,10 +246,10 @@ impl Allocator {
             .values()
             .any(|a| claims(a) && a.policy == Policy::Disk);
         if disk {
-            if let Err(e) = &plan.disk_dir {
-                if op == Op::Pause {
-                    return Err(e.clone());
-                }
+            if op == Op::Pause
+                && let Err(e) = &plan.disk_dir
+            {
+                return Err(e.clone());
             }
             plan.disk_chunk.clone()?;
         }

@@ -198,7 +198,9 @@ fn region_current_json() -> PyResult<String> {
 fn set_retain_backups(on: bool) -> PyResult<()> {
     let l = lib()?;
     // SAFETY: plain value argument.
-    check(l, unsafe { (l.memsaver_set_retain_backups)(c_int::from(on)) })
+    check(l, unsafe {
+        (l.memsaver_set_retain_backups)(c_int::from(on))
+    })
 }
 
 /// Whether backups are retained across cycles.
@@ -217,7 +219,9 @@ fn backup_pointer(ptr: u64, size: usize) -> PyResult<u64> {
     let l = lib()?;
     let mut out: *mut c_void = std::ptr::null_mut();
     // SAFETY: valid out-pointer.
-    check(l, unsafe { (l.memsaver_backup_pointer)(ptr, size, &mut out) })?;
+    check(l, unsafe {
+        (l.memsaver_backup_pointer)(ptr, size, &mut out)
+    })?;
     Ok(out as u64)
 }
 

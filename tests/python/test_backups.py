@@ -50,9 +50,10 @@ def test_each_policy_restores_contents_over_cycles(hooks, tag, disk_dir, backup)
 
 
 def test_stats_split_backup_bytes_by_kind(hooks, tag, disk_dir):
+    ptrs = []
     for backup, size in (("cpu", 2 * MiB), ("mmap", 4 * MiB), ("disk", 6 * MiB)):
-        with memsaver.region(f"{tag}_{backup}", backup=backup):
-            hooks.malloc_ok(size)
+        with memsaver.region(f"{tag}_{backup}", backup=backup):  # type: ignore[arg-type]
+            ptrs.append(hooks.malloc_ok(size))
     memsaver.pause(f"{tag}_cpu", f"{tag}_mmap", f"{tag}_disk")
     s = memsaver.stats().tags
     assert (s[f"{tag}_cpu"].pinned_backup_bytes, s[f"{tag}_cpu"].backup_bytes) == (2 * MiB,) * 2
@@ -62,6 +63,8 @@ def test_stats_split_backup_bytes_by_kind(hooks, tag, disk_dir):
     assert disk.usage.disk_backup_bytes == 6 * MiB
     assert memsaver.stats().total.disk_backup_bytes >= 6 * MiB
     memsaver.resume(f"{tag}_cpu", f"{tag}_mmap", f"{tag}_disk")
+    for p in ptrs:
+        assert hooks.free(p) == CUDA_SUCCESS
 
 
 def test_backup_pointer_is_stable_while_retained(hooks, tag):

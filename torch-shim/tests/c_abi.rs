@@ -227,20 +227,14 @@ fn backup_pointer_through_the_c_abi() {
     assert_eq!(rc, 0, "{}", last_error());
     // SAFETY: resident fake-driver memory.
     unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0x5A, 2 << 20) };
-    let mut out: *mut c_void = 0x1 as *mut c_void;
+    let mut out: *mut c_void = std::ptr::dangling_mut::<c_void>();
     // SAFETY: valid out-pointer.
-    assert_eq!(
-        unsafe { memsaver_backup_pointer(p as u64, 16, &mut out) },
-        0
-    );
+    let rc = unsafe { memsaver_backup_pointer(p as u64, 16, &mut out) };
+    assert_eq!(rc, 0);
     assert!(out.is_null(), "never paused: no backup, not an error");
     // SAFETY: C string argument.
-    assert_eq!(
-        unsafe { memsaver_pause(c("abi_bp").as_ptr()) },
-        0,
-        "{}",
-        last_error()
-    );
+    let rc = unsafe { memsaver_pause(c("abi_bp").as_ptr()) };
+    assert_eq!(rc, 0, "{}", last_error());
     // SAFETY: valid out-pointers.
     unsafe {
         assert_eq!(memsaver_backup_pointer(p as u64, 2 << 20, &mut out), 0);
@@ -277,12 +271,8 @@ fn disk_dir_through_the_c_abi() {
     let dir = base.join("d");
     let cdir = c(dir.to_str().unwrap());
     // SAFETY: C string argument.
-    assert_eq!(
-        unsafe { memsaver_set_disk_dir(cdir.as_ptr()) },
-        0,
-        "{}",
-        last_error()
-    );
+    let rc = unsafe { memsaver_set_disk_dir(cdir.as_ptr()) };
+    assert_eq!(rc, 0, "{}", last_error());
     assert!(dir.is_dir(), "created");
     let file = base.join("f");
     std::fs::write(&file, b"x").unwrap();

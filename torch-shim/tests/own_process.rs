@@ -117,24 +117,16 @@ fn scenario_whole_process_mode() {
     assert_eq!(rc, 0);
 
     // SAFETY: C string argument.
-    assert_eq!(
-        unsafe { memsaver_pause(c("proc").as_ptr()) },
-        0,
-        "{}",
-        last_error()
-    );
+    let rc = unsafe { memsaver_pause(c("proc").as_ptr()) };
+    assert_eq!(rc, 0, "{}", last_error());
     // torch's caching allocator may grow during a pause: allowed, and resident.
     let (rc, during) = malloc_hooked(2 << 20);
     assert_eq!(rc, 0, "{}", last_error());
     // SAFETY: resident fake-driver memory.
     unsafe { std::ptr::write_bytes(during.cast::<u8>(), 0x11, 2 << 20) };
     // SAFETY: C string argument.
-    assert_eq!(
-        unsafe { memsaver_resume(c("proc").as_ptr()) },
-        0,
-        "{}",
-        last_error()
-    );
+    let rc = unsafe { memsaver_resume(c("proc").as_ptr()) };
+    assert_eq!(rc, 0, "{}", last_error());
     // SAFETY: both resident.
     unsafe {
         assert!(
@@ -266,10 +258,8 @@ fn scenario_memory_margin() {
     assert_eq!(unsafe { memsaver_pause(c("m").as_ptr()) }, 0);
     let (mut free, mut total) = (0usize, 0usize);
     // SAFETY: valid out-pointers.
-    assert_eq!(
-        unsafe { memsaver_device_memory(0, &mut free, &mut total) },
-        0
-    );
+    let rc = unsafe { memsaver_device_memory(0, &mut free, &mut total) };
+    assert_eq!(rc, 0);
     assert_eq!(memsaver_set_memory_margin(free), 0);
     // SAFETY: C string argument.
     let rc = unsafe { memsaver_resume(c("m").as_ptr()) };
@@ -277,11 +267,7 @@ fn scenario_memory_margin() {
     assert!(last_error().contains("memory margin"), "{}", last_error());
     assert_eq!(memsaver_set_memory_margin(0), 0);
     // SAFETY: C string argument.
-    assert_eq!(
-        unsafe { memsaver_resume(c("m").as_ptr()) },
-        0,
-        "{}",
-        last_error()
-    );
+    let rc = unsafe { memsaver_resume(c("m").as_ptr()) };
+    assert_eq!(rc, 0, "{}", last_error());
     assert_eq!(memsaver_free(p), 0);
 }
