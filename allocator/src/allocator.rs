@@ -1,17 +1,17 @@
 //! The allocator: allocation, free, stats. Pause and resume live in `engine.rs`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-use std::collections::BTreeMap;
 
 use parking_lot::{Mutex, RwLock};
 
-use crate::backup::HostBuffer;
+use crate::backup::{Backup, HostBuffer};
 use crate::device::Device;
 use crate::driver::{Context, Driver, Handle, Stream};
 use crate::error::{Error, Result};
 use crate::external::ExternalTag;
+use crate::options::{Options, Setting};
 use crate::stats::Stats;
 use crate::table::{Allocation, Phase, Table};
 use crate::types::{Policy, State};
@@ -30,17 +30,134 @@ pub struct Allocator {
     pub(crate) transition: Mutex<()>,
     /// Guards the registry of external tags (written once per tag at start-up).
     pub(crate) external: RwLock<BTreeMap<String, Arc<dyn ExternalTag>>>,
+    /// Guards the run-time settings only; never held across a driver call or file I/O.
+    settings: Mutex<Settings>,
+}
+
+/// The settings a transition reads, started from the options and changed through the setters
+/// ([`Allocator::set_retain_backups`], ...). An invalid value from the environment stays an
+/// error until it is set again.
+struct Settings {
+    retain_backups: Setting<bool>,
+    memory_margin: Setting<u64>,
+    disk_dir: Setting<Option<PathBuf>>,
+    disk_chunk: Setting<usize>,
+}
+
+fn setting<T: Clone>(s: &Setting<T>) -> Result<T> {
+    s.clone().map_err(Error::InvalidArgument)
 }
 
 impl Allocator {
+    /// An allocator with the default options (not read from the environment).
     pub fn new(driver: Arc<Driver>) -> Self {
+        Self::with_options(driver, &Options::default())
+    }
+
+    pub fn with_options(driver: Arc<Driver>, opts: &Options) -> Self {
         Self {
             driver,
             devices: Mutex::new(HashMap::new()),
             table: Mutex::new(Table::default()),
             transition: Mutex::new(()),
             external: RwLock::new(BTreeMap::new()),
+            settings: Mutex::new(Settings {
+                retain_backups: opts.retain_backups.clone(),
+                memory_margin: opts.memory_margin.clone(),
+                disk_dir: opts.disk_dir.clone(),
+                disk_chunk: opts.disk_chunk.clone(),
+            }),
         }
+    }
+
+    /// Whether backups are kept across cycles (see [`Allocator::set_retain_backups`]).
+    pub fn retain_backups(&self) -> Result<bool> {
+        setting(&self.settings.lock().retain_backups)
+    }
+
+    /// On (the default): a backup stays attached to its allocation after resume, so the next
+    /// pause allocates nothing. Off: a backup is released as soon as its allocation has
+    /// resumed; the next resume also releases the retained backups of resident allocations of
+    /// the tags it names. Applies from the next resume.
+    pub fn set_retain_backups(&self, on: bool) {
+        self.settings.lock().retain_backups = Ok(on);
+        tracing::info!(retain = on, "backup retention set");
+    }
+
+    /// The bytes resume keeps free on each device.
+    pub fn memory_margin(&self) -> Result<u64> {
+        setting(&self.settings.lock().memory_margin)
+    }
+
+    /// Resume refuses to map an allocation that would leave less than `bytes` free on its
+    /// device ([`Error::ResumeOutOfMemory`]). 0 turns the check off.
+    pub fn set_memory_margin(&self, bytes: u64) {
+        self.settings.lock().memory_margin = Ok(bytes);
+    }
+
+    /// The directory of disk backup files, if one is set.
+    pub fn disk_dir(&self) -> Result<Option<PathBuf>> {
+        setting(&self.settings.lock().disk_dir)
+    }
+
+    /// Sets the directory of disk backup files (created with mode 0700 if missing; it must be a
+    /// directory), or unsets it with `None`. Files of backups already made stay where they are.
+    pub fn set_disk_dir(&self, dir: Option<&Path>) -> Result<()> {
+        let dir = dir
+            .map(|d| crate::disk::prepare_dir(d, "memsaver_set_disk_dir"))
+            .transpose()?;
+        self.settings.lock().disk_dir = Ok(dir);
+        Ok(())
+    }
+
+    /// The disk backup directory (prepared) and the staging chunk, for a pause of disk-backed
+    /// allocations.
+    pub(crate) fn disk_config(&self) -> Result<(PathBuf, usize)> {
+        let (dir, chunk) = {
+            let s = self.settings.lock();
+            (setting(&s.disk_dir)?, setting(&s.disk_chunk)?)
+        };
+        let dir = dir.ok_or_else(|| {
+            Error::InvalidArgument(
+                "backup='disk' needs a disk backup directory: set MEMSAVER_DISK_DIR or call \
+                 memsaver.set_disk_dir(path) (memsaver_set_disk_dir in C) before pausing"
+                    .into(),
+            )
+        })?;
+        Ok((crate::disk::prepare_dir(&dir, "MEMSAVER_DISK_DIR")?, chunk))
+    }
+
+    pub(crate) fn disk_chunk(&self) -> Result<usize> {
+        setting(&self.settings.lock().disk_chunk)
+    }
+
+    /// The host address of byte `ptr` in the host backup (`cpu` or `mmap`) of the allocation
+    /// holding `[ptr, ptr + size)`, when that backup exists; it holds the contents as of the
+    /// allocation's last pause. `None` when the range is not inside one allocation or the
+    /// allocation has no host backup (never paused, `discard` or `disk`, released because
+    /// retention is off, or a pause or resume holds it now). The address stays valid until the
+    /// backup is released: by a resume with retention off, or by free.
+    pub fn backup_pointer(&self, ptr: u64, size: usize) -> Option<*mut u8> {
+        let t = self.table.lock();
+        let (base, a) = t.containing(ptr)?;
+        let offset = ptr - base;
+        if offset.checked_add(size as u64)? > a.size as u64 {
+            return None;
+        }
+        let host = a.backup.as_ref()?.host()?;
+        // SAFETY: `offset < a.size == host.len()`: the result stays inside the buffer.
+        Some(unsafe { host.as_ptr().add(offset as usize) }.cast_mut())
+    }
+
+    /// Marks `tag` as a whole-process tag (registering it): new allocations with it are
+    /// accepted while it is paused, resident; a resume skips them (they are not paused).
+    pub fn allow_malloc_while_paused(&self, tag: &str) -> Result<()> {
+        validate_tag(tag)?;
+        self.check_not_external(tag)?;
+        let mut t = self.table.lock();
+        let k = t.intern(tag);
+        t.tags.get_mut(&k).expect("interned").allocates_while_paused = true;
+        Ok(())
     }
 
     pub fn driver(&self) -> &Arc<Driver> {
@@ -119,7 +236,7 @@ impl Allocator {
         let tag = {
             let mut t = self.table.lock();
             let tag = t.intern(tag);
-            if t.tags[&tag].paused {
+            if refuses_malloc(&t, &tag) {
                 return Err(Error::TagPaused {
                     tag: tag.to_string(),
                 });
@@ -173,7 +290,7 @@ impl Allocator {
             free_pending: false,
         };
         let mut t = self.table.lock();
-        if t.tags[&tag].paused {
+        if refuses_malloc(&t, &tag) {
             // The tag was paused while we were mapping: undo rather than hand out memory that
             // the pause did not see.
             drop(t);
@@ -271,8 +388,23 @@ impl Allocator {
             .with_context(dev.ctx, || self.driver.mem_info())?)
     }
 
-    pub(crate) fn new_backup(&self, dev: &Device, len: usize) -> Result<HostBuffer> {
-        Ok(HostBuffer::new(&self.driver, dev.ctx, len)?)
+    /// A fresh host backup of `len` bytes for a `cpu` (pinned) or `mmap` allocation.
+    pub(crate) fn new_host_backup(
+        &self,
+        dev: &Device,
+        policy: Policy,
+        len: usize,
+    ) -> Result<Backup> {
+        let buf = match policy {
+            Policy::Mmap => HostBuffer::mmap(len).map_err(|e| {
+                Error::Backup(format!(
+                    "cannot map {} of pageable host memory: {e}",
+                    crate::types::human_bytes(len as u64)
+                ))
+            })?,
+            _ => HostBuffer::new(&self.driver, dev.ctx, len)?,
+        };
+        Ok(Backup::Host(buf))
     }
 
     pub(crate) fn release_handle_logged(&self, h: Handle, ptr: u64) {
@@ -284,7 +416,7 @@ impl Allocator {
 
 impl Drop for Allocator {
     fn drop(&mut self) {
-        let allocations: Vec<_> = self.table.get_mut().allocations.drain().collect();
+        let allocations = std::mem::take(&mut self.table.get_mut().allocations);
         for (ptr, a) in allocations {
             self.release(a, ptr);
         }
@@ -294,6 +426,14 @@ impl Drop for Allocator {
                 .with_context(dev.ctx, || self.driver.stream_destroy(dev.stream));
         }
     }
+}
+
+/// Whether a new allocation with `tag` is refused now: its tag is paused and is not the
+/// whole-process tag.
+fn refuses_malloc(t: &Table, tag: &str) -> bool {
+    t.tags
+        .get(tag)
+        .is_some_and(|e| e.paused && !e.allocates_while_paused)
 }
 
 pub(crate) fn validate_tag(tag: &str) -> Result<()> {

@@ -12,16 +12,18 @@
 //! Pausing a paused allocation and resuming a resident one are no-ops: only `Resident`
 //! allocations are claimed by a pause and only `Paused` ones by a resume.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::allocator::Allocator;
-use crate::backup::HostBuffer;
+use crate::backup::{Backup, HostBuffer};
 use crate::device::Device;
+use crate::disk::DiskFile;
 use crate::driver::{DriverError, Event, Handle};
 use crate::error::{Error, Result};
 use crate::external::ExternalTag;
-use crate::table::{Phase, Table};
+use crate::table::{Allocation, Phase, Table};
 use crate::types::Policy;
 
 /// What one pause or resume did.
@@ -33,7 +35,7 @@ pub struct Report {
     pub allocations: usize,
     /// Device bytes released (pause) or mapped again (resume).
     pub bytes: u64,
-    /// Of those, bytes copied to or from pinned host backups.
+    /// Of those, bytes copied to or from backups (host memory or disk).
     pub copied_bytes: u64,
     pub elapsed: Duration,
 }
@@ -71,7 +73,7 @@ struct Job {
     policy: Policy,
     /// Some while physical memory is mapped: decides the state the job settles in.
     handle: Option<Handle>,
-    backup: Option<HostBuffer>,
+    backup: Option<Backup>,
     /// The copy queued for this job, waited on before the next step.
     copy_done: Option<Event>,
     error: Option<Error>,
@@ -79,13 +81,13 @@ struct Job {
 
 impl Job {
     fn copies(&self) -> bool {
-        self.policy == Policy::Cpu
+        self.policy.keeps_contents()
     }
 }
 
 impl Allocator {
-    /// Pauses every allocation of `tags` (all tags when empty): backs up `cpu`-policy contents
-    /// to pinned host memory, then unmaps and releases the physical memory. Addresses stay
+    /// Pauses every allocation of `tags` (all tags when empty): backs up the contents of `cpu`,
+    /// `mmap` and `disk` allocations, then unmaps and releases the physical memory. Addresses stay
     /// reserved. New allocations with these tags are refused until they are resumed.
     pub fn pause(&self, tags: &[&str]) -> Result<Report> {
         self.transition(Op::Pause, tags)
@@ -177,12 +179,18 @@ impl Allocator {
 
     /// Pause or resume of tags in the allocation table (all of them when `names` is empty).
     fn table_transition(&self, op: Op, names: &[&str]) -> Result<Report> {
-        let (tags, mut jobs) = self.claim(op, names)?;
+        let plan = self.plan(op)?;
+        let (tags, mut jobs, released) = self.claim(op, names, &plan)?;
+        // Backups of resident allocations that retention no longer keeps (outside the lock:
+        // freeing pinned memory is a driver call).
+        drop(released);
         jobs.sort_by_key(|j| (j.device.ordinal, j.copies(), j.ptr));
+        let mut staging = Staging::new(&jobs, plan.disk_chunk.as_ref().ok().copied());
         match op {
-            Op::Pause => self.pause_jobs(&mut jobs),
-            Op::Resume => self.resume_jobs(&mut jobs),
+            Op::Pause => self.pause_jobs(&mut jobs, &plan, &mut staging),
+            Op::Resume => self.resume_jobs(&mut jobs, &plan, &mut staging),
         }
+        drop(staging);
         let done = || jobs.iter().filter(|j| j.error.is_none());
         let report = Report {
             tags: tags.iter().map(|t| t.to_string()).collect(),
@@ -194,18 +202,68 @@ impl Allocator {
                 .sum(),
             elapsed: Duration::ZERO,
         };
-        self.settle(op, &tags, jobs).map(|()| report)
+        self.settle(op, &tags, jobs, &plan).map(|()| report)
     }
 
-    fn claim(&self, op: Op, names: &[&str]) -> Result<(Vec<Arc<str>>, Vec<Job>)> {
+    /// Reads the settings the transition needs, once. Retention and the margin are needed by
+    /// every resume, so an invalid value of theirs fails it before anything changes; the disk
+    /// settings only matter when a disk-backed allocation is claimed (checked in `claim`).
+    fn plan(&self, op: Op) -> Result<Plan> {
+        Ok(match op {
+            Op::Pause => Plan {
+                retain: true,
+                margin: 0,
+                disk_dir: self.disk_config().map(|(dir, _)| dir),
+                disk_chunk: self.disk_chunk(),
+            },
+            Op::Resume => Plan {
+                retain: self.retain_backups()?,
+                margin: self.memory_margin()?,
+                disk_dir: Ok(PathBuf::new()),
+                disk_chunk: self.disk_chunk(),
+            },
+        })
+    }
+
+    /// Claims the allocations of `names` (see the module documentation). A pause of disk-backed
+    /// allocations without a usable disk directory is refused here, before anything changes.
+    /// Also returns the backups of resident allocations that a resume with retention off
+    /// releases, for the caller to drop outside the lock.
+    #[allow(clippy::type_complexity)]
+    fn claim(
+        &self,
+        op: Op,
+        names: &[&str],
+        plan: &Plan,
+    ) -> Result<(Vec<Arc<str>>, Vec<Job>, Vec<Backup>)> {
         let mut t = self.table.lock();
         let tags = resolve(&t, names)?;
+        let claims = |a: &Allocation| {
+            tags.contains(&a.tag)
+                && matches!(
+                    (op, &a.phase),
+                    (Op::Pause, Phase::Resident(_)) | (Op::Resume, Phase::Paused)
+                )
+        };
+        let disk = t
+            .allocations
+            .values()
+            .any(|a| claims(a) && a.policy == Policy::Disk);
+        if disk {
+            if op == Op::Pause
+                && let Err(e) = &plan.disk_dir
+            {
+                return Err(e.clone());
+            }
+            plan.disk_chunk.clone()?;
+        }
         if op == Op::Pause {
             for tag in &tags {
                 t.tags.get_mut(tag).expect("resolved").paused = true;
             }
         }
         let mut jobs = Vec::new();
+        let mut released = Vec::new();
         for (&ptr, a) in t.allocations.iter_mut() {
             if !tags.contains(&a.tag) {
                 continue;
@@ -219,6 +277,10 @@ impl Allocator {
                 (Op::Resume, Phase::Paused) => {
                     a.phase = Phase::Resuming;
                     None
+                }
+                (Op::Resume, Phase::Resident(_)) if !plan.retain => {
+                    released.extend(a.backup.take());
+                    continue;
                 }
                 _ => continue,
             };
@@ -234,10 +296,10 @@ impl Allocator {
                 error: None,
             });
         }
-        Ok((tags, jobs))
+        Ok((tags, jobs, released))
     }
 
-    fn pause_jobs(&self, jobs: &mut [Job]) {
+    fn pause_jobs(&self, jobs: &mut [Job], plan: &Plan, staging: &mut Staging) {
         let d = &self.driver;
         // Nothing may still be running on memory we are about to copy or unmap.
         for dev in devices_of(jobs) {
@@ -247,10 +309,13 @@ impl Allocator {
                 }
             }
         }
-        // Queue every backup copy; they run while the discard jobs are unmapped below.
-        for j in jobs.iter_mut().filter(|j| j.error.is_none() && j.copies()) {
+        // Queue every host backup copy; they run while the discard jobs are unmapped below.
+        for j in jobs
+            .iter_mut()
+            .filter(|j| j.error.is_none() && matches!(j.policy, Policy::Cpu | Policy::Mmap))
+        {
             if j.backup.is_none() {
-                match self.new_backup(&j.device, j.size) {
+                match self.new_host_backup(&j.device, j.policy, j.size) {
                     Ok(b) => j.backup = Some(b),
                     Err(e) => {
                         j.error = Some(e);
@@ -258,20 +323,36 @@ impl Allocator {
                     }
                 }
             }
-            let dst = j.backup.as_mut().expect("set above").as_mut_ptr();
+            let Some(Backup::Host(buf)) = j.backup.as_mut() else {
+                unreachable!("cpu and mmap jobs hold a host backup")
+            };
+            let dst = buf.as_mut_ptr();
             let r = d.with_context(j.device.ctx, || {
                 // SAFETY: the allocation is mapped (we hold its handle) and the backup is
-                // `size` bytes of pinned memory that lives in the job until the copy is waited on.
+                // `size` bytes of host memory that lives in the job until the copy is waited on
+                // (for pageable memory the driver completes the copy before returning).
                 unsafe { d.copy_dtoh_async(dst, j.ptr, j.size, j.device.stream) }?;
                 d.event_record(j.device.stream)
             });
             match r {
                 Ok(e) => j.copy_done = Some(e),
-                Err(e) => j.error = Some(e.into()),
+                Err(e) => {
+                    // Nothing was queued, but the backup no longer matches the last pause.
+                    j.backup = None;
+                    j.error = Some(e.into());
+                }
             }
         }
-        // Unmap and release, discard jobs first (sorted so), each copy job after its copy.
+        // Write the disk backups, then unmap and release: discard jobs first (sorted so), each
+        // copy job after its copy.
         for j in jobs.iter_mut().filter(|j| j.error.is_none()) {
+            if j.policy == Policy::Disk {
+                let dir = plan.disk_dir.as_ref().expect("checked by claim");
+                if let Err(e) = self.write_disk(j, dir, staging) {
+                    j.error = Some(e);
+                    continue;
+                }
+            }
             let h = j.handle.expect("pause jobs hold the handle");
             let r = d.with_context(j.device.ctx, || {
                 if let Some(e) = j.copy_done.take() {
@@ -285,12 +366,113 @@ impl Allocator {
                     self.release_handle_logged(h, j.ptr);
                     j.handle = None;
                 }
-                Err(e) => j.error = Some(e.into()),
+                Err(e) => {
+                    if j.backup.is_some() {
+                        // The copy may not have completed: wait before dropping its target, and
+                        // drop it (a backup must hold the contents of a completed pause).
+                        let _ =
+                            d.with_context(j.device.ctx, || d.stream_synchronize(j.device.stream));
+                        j.backup = None;
+                    }
+                    j.error = Some(e.into());
+                }
             }
         }
     }
 
-    fn resume_jobs(&self, jobs: &mut [Job]) {
+    /// Copies a resident disk-backed allocation into its file, chunk by chunk through the
+    /// staging buffer. The file of an earlier cycle is overwritten in place; on failure it is
+    /// removed (the job keeps no backup) and the allocation stays resident.
+    fn write_disk(&self, j: &mut Job, dir: &Path, staging: &mut Staging) -> Result<()> {
+        let file = match j.backup.take() {
+            Some(Backup::Disk(f)) => f,
+            _ => DiskFile::create(dir, j.ptr, j.size).map_err(|e| {
+                Error::Backup(format!("cannot create a file in {}: {e}", dir.display()))
+            })?,
+        };
+        let d = &self.driver;
+        let dev = j.device.clone();
+        let (buf, chunk) = staging.buffer(self, &dev)?;
+        for off in (0..j.size).step_by(chunk) {
+            let n = chunk.min(j.size - off);
+            d.with_context(dev.ctx, || {
+                // SAFETY: the allocation is mapped (the job holds its handle) and the staging
+                // buffer has `chunk >= n` bytes; the stream is synchronised before it is read.
+                unsafe { d.copy_dtoh_async(buf, j.ptr + off as u64, n, dev.stream) }?;
+                d.stream_synchronize(dev.stream)
+            })?;
+            // SAFETY: the copy into `buf[..n]` has completed and nothing else uses the buffer.
+            let bytes = unsafe { std::slice::from_raw_parts(buf, n) };
+            file.write_at(bytes, off)
+                .map_err(|e| crate::disk::io_error("writing", file.path(), e))?;
+        }
+        tracing::debug!(tag = %j.tag, ptr = format_args!("{:#x}", j.ptr), bytes = j.size, path = %file.path().display(), "disk backup written");
+        j.backup = Some(Backup::Disk(file));
+        Ok(())
+    }
+
+    /// Queues the restore of a just mapped allocation from its backup. Disk backups are read
+    /// chunk by chunk into the staging buffer, waiting for the previous chunk's copy first.
+    fn restore(&self, j: &Job, staging: &mut Staging) -> Result<()> {
+        let d = &self.driver;
+        let dev = &j.device;
+        match &j.backup {
+            None => Ok(()),
+            Some(Backup::Host(buf)) => {
+                let src = buf.as_ptr();
+                d.with_context(dev.ctx, || {
+                    // SAFETY: just mapped; the backup stays in the job until the stream is
+                    // synchronised at the end of the resume.
+                    unsafe { d.copy_htod_async(j.ptr, src, j.size, dev.stream) }
+                })?;
+                Ok(())
+            }
+            Some(Backup::Disk(file)) => {
+                let (buf, chunk) = staging.buffer(self, dev)?;
+                for off in (0..j.size).step_by(chunk) {
+                    let n = chunk.min(j.size - off);
+                    // The previous copy out of the staging buffer must be done before it is
+                    // filled again.
+                    d.with_context(dev.ctx, || d.stream_synchronize(dev.stream))?;
+                    // SAFETY: `buf` has `chunk >= n` bytes and no copy uses it (synchronised).
+                    let bytes = unsafe { std::slice::from_raw_parts_mut(buf, n) };
+                    file.read_at(bytes, off)
+                        .map_err(|e| crate::disk::io_error("reading", file.path(), e))?;
+                    d.with_context(dev.ctx, || {
+                        // SAFETY: just mapped; the staging buffer is not touched again before the
+                        // stream is synchronised (next chunk, next job, or the end of resume).
+                        unsafe { d.copy_htod_async(j.ptr + off as u64, buf, n, dev.stream) }
+                    })?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Creates physical memory for a paused job and maps it at its address, unless that would
+    /// leave less than `margin` bytes free on the device (reported as out of memory).
+    fn map_fresh(&self, j: &Job, margin: u64) -> Result<Handle> {
+        let d = &self.driver;
+        let dev = &j.device;
+        Ok(d.with_context(dev.ctx, || {
+            if margin > 0 {
+                let (free, _) = d.mem_info()?;
+                if (free as u64) < j.size as u64 + margin {
+                    tracing::info!(tag = %j.tag, ptr = format_args!("{:#x}", j.ptr), bytes = j.size, free, margin, "resume stops at the memory margin");
+                    return Err(oom_error());
+                }
+            }
+            let h = d.create(dev.ordinal, j.size, false)?;
+            // SAFETY: the range is reserved by this allocation and unmapped while paused.
+            if let Err(e) = unsafe { d.map(j.ptr, j.size, h, dev.ordinal) } {
+                let _ = d.release(h);
+                return Err(e);
+            }
+            Ok(h)
+        })?)
+    }
+
+    fn resume_jobs(&self, jobs: &mut [Job], plan: &Plan, staging: &mut Staging) {
         let d = &self.driver;
         let mut out_of_memory: Vec<i32> = Vec::new();
         for j in jobs.iter_mut() {
@@ -299,37 +481,28 @@ impl Allocator {
                 j.error = Some(oom_error().into());
                 continue;
             }
-            let src = j
-                .backup
-                .as_ref()
-                .filter(|_| j.copies())
-                .map(HostBuffer::as_ptr);
-            let r = d.with_context(dev.ctx, || {
-                let h = d.create(dev.ordinal, j.size, false)?;
-                // SAFETY: the range is reserved by this allocation and unmapped while paused.
-                if let Err(e) = unsafe { d.map(j.ptr, j.size, h, dev.ordinal) } {
-                    let _ = d.release(h);
-                    return Err(e);
+            let r = self.map_fresh(j, plan.margin).and_then(|h| {
+                if !j.copies() {
+                    return Ok(h);
                 }
-                if let Some(src) = src {
-                    // SAFETY: just mapped; the backup stays in the job until the stream is
-                    // synchronised below.
-                    if let Err(e) = unsafe { d.copy_htod_async(j.ptr, src, j.size, dev.stream) } {
-                        // SAFETY: mapped above; no copy was queued.
+                self.restore(j, staging).inspect_err(|_| {
+                    let _ = d.with_context(dev.ctx, || {
+                        // Nothing of ours may still read or write the range once it is unmapped.
+                        let _ = d.stream_synchronize(dev.stream);
+                        // SAFETY: mapped by map_fresh; the stream was synchronised.
                         let _ = unsafe { d.unmap(j.ptr, j.size) };
-                        let _ = d.release(h);
-                        return Err(e);
-                    }
-                }
+                        d.release(h)
+                    });
+                })?;
                 Ok(h)
             });
             match r {
                 Ok(h) => j.handle = Some(h),
-                Err(e) if e.is_out_of_memory() => {
+                Err(Error::Driver(e)) if e.is_out_of_memory() => {
                     out_of_memory.push(dev.ordinal);
                     j.error = Some(oom_error().into());
                 }
-                Err(e) => j.error = Some(e.into()),
+                Err(e) => j.error = Some(e),
             }
         }
         // Wait for the restores; a device whose copies failed rolls its jobs back to paused.
@@ -348,9 +521,12 @@ impl Allocator {
         }
     }
 
-    /// Writes the jobs' outcomes back to the table and turns failures into one error.
-    fn settle(&self, op: Op, tags: &[Arc<str>], jobs: Vec<Job>) -> Result<()> {
+    /// Writes the jobs' outcomes back to the table and turns failures into one error. A resumed
+    /// allocation's backup goes back to the table with retention on and is released (outside
+    /// the lock) with retention off.
+    fn settle(&self, op: Op, tags: &[Arc<str>], jobs: Vec<Job>, plan: &Plan) -> Result<()> {
         let mut to_free = Vec::new();
+        let mut released: Vec<Backup> = Vec::new();
         let mut errors = Vec::new();
         let mut oom_device = None;
         let (mut done, mut still_paused, mut bytes_still_paused) = (0, 0, 0u64);
@@ -366,11 +542,16 @@ impl Allocator {
                     Some(h) => Phase::Resident(h),
                     None => Phase::Paused,
                 };
-                a.backup = j.backup;
+                let resumed = op == Op::Resume && j.error.is_none();
+                if resumed && !plan.retain {
+                    released.extend(j.backup);
+                } else {
+                    a.backup = j.backup;
+                }
                 match j.error {
                     None => {
                         done += 1;
-                        if op == Op::Resume {
+                        if resumed {
                             a.generation += 1;
                         }
                     }
@@ -403,6 +584,7 @@ impl Allocator {
                 }
             }
         }
+        drop(released);
         for (ptr, a) in to_free {
             self.release(a, ptr);
         }
@@ -413,6 +595,7 @@ impl Allocator {
                 resumed: done,
                 still_paused,
                 bytes_still_paused,
+                margin: plan.margin,
             });
         }
         if !errors.is_empty() {
@@ -424,6 +607,51 @@ impl Allocator {
             });
         }
         Ok(())
+    }
+}
+
+/// The settings one transition runs with, read once before it claims anything.
+struct Plan {
+    /// Resume: keep the backups of resumed allocations (else release them).
+    retain: bool,
+    /// Resume: bytes to keep free on each device.
+    margin: u64,
+    /// Pause: the disk backup directory, or why there is none (an error only if a disk-backed
+    /// allocation is paused).
+    disk_dir: Result<PathBuf>,
+    /// The staging chunk of disk backups, or why it is invalid (likewise).
+    disk_chunk: Result<usize>,
+}
+
+/// The pinned buffer disk backups are copied through: one per transition, allocated at the
+/// first disk job, of the chunk size (or the largest disk job, if smaller). Allocated
+/// `PORTABLE`, so it serves every device.
+struct Staging {
+    len: usize,
+    buf: Option<HostBuffer>,
+}
+
+impl Staging {
+    fn new(jobs: &[Job], chunk: Option<usize>) -> Self {
+        let largest = jobs
+            .iter()
+            .filter(|j| j.policy == Policy::Disk)
+            .map(|j| j.size)
+            .max()
+            .unwrap_or(0);
+        Self {
+            len: largest.min(chunk.unwrap_or(0)),
+            buf: None,
+        }
+    }
+
+    /// The buffer's address and length, allocating it on first use.
+    fn buffer(&mut self, a: &Allocator, dev: &Device) -> Result<(*mut u8, usize)> {
+        if self.buf.is_none() {
+            self.buf = Some(HostBuffer::new(&a.driver, dev.ctx, self.len)?);
+        }
+        let buf = self.buf.as_mut().expect("set above");
+        Ok((buf.as_mut_ptr(), self.len))
     }
 }
 

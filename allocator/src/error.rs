@@ -34,9 +34,10 @@ pub enum Error {
 
     #[error(
         "resume ran out of device memory on device {device}: {resumed} allocation(s) resumed, \
-         {still_paused} ({}) still paused in tag(s) {}; free device memory and call resume again",
+         {still_paused} ({}) still paused in tag(s) {}{}; free device memory and call resume again",
         human_bytes(*.bytes_still_paused),
-        .tags.join(", ")
+        .tags.join(", "),
+        margin_note(*.margin)
     )]
     ResumeOutOfMemory {
         device: i32,
@@ -44,6 +45,8 @@ pub enum Error {
         resumed: usize,
         still_paused: usize,
         bytes_still_paused: u64,
+        /// The memory margin in force (0: none): resume leaves at least this much free.
+        margin: u64,
     },
 
     #[error(
@@ -75,8 +78,24 @@ pub enum Error {
     #[error("{0}")]
     Profile(#[from] crate::profile::ProfileError),
 
+    /// Host memory or a file for a backup could not be made, written or read.
+    #[error("backup: {0}")]
+    Backup(String),
+
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+}
+
+fn margin_note(margin: u64) -> String {
+    if margin == 0 {
+        String::new()
+    } else {
+        format!(
+            " (resume keeps a memory margin of {} free: lower it with memsaver.set_memory_margin \
+             or MEMSAVER_MEMORY_MARGIN_MB)",
+            human_bytes(margin)
+        )
+    }
 }
 
 fn list_or_none(v: &[String]) -> String {

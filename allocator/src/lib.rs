@@ -9,7 +9,8 @@
 //! Modules, one topic each:
 //! * [`driver`]: the only code that calls the CUDA driver (loaded at run time).
 //! * `allocator`: malloc, free, stats; `engine`: pause and resume; `table`: the allocation
-//!   table; `device`: per-device context and copy stream; `backup`: pinned host buffers.
+//!   table; `device`: per-device context and copy stream; `backup`: host backups (pinned,
+//!   mmap) and the backup enum; `disk`: disk backup files.
 //! * [`options`]: every `MEMSAVER_*` option in one table.
 
 pub mod driver;
@@ -21,6 +22,7 @@ pub mod types;
 mod allocator;
 pub mod backup;
 mod device;
+mod disk;
 mod engine;
 mod error;
 mod external;
@@ -29,6 +31,7 @@ mod table;
 use std::sync::{Arc, OnceLock};
 
 pub use allocator::Allocator;
+pub use backup::BackupKind;
 pub use engine::Report;
 pub use error::{Error, Result};
 pub use external::ExternalTag;
@@ -51,7 +54,8 @@ pub fn global() -> Result<&'static Allocator> {
     GLOBAL
         .get_or_init(|| {
             let opts = Options::from_env();
-            driver::Driver::load(&opts.cuda_lib).map(|d| Allocator::new(Arc::new(d)))
+            driver::Driver::load(&opts.cuda_lib)
+                .map(|d| Allocator::with_options(Arc::new(d), &opts))
         })
         .as_ref()
         .map_err(|e| Error::Load(e.clone()))

@@ -4,7 +4,7 @@
 //! version: 1
 //! tags:                      # every tag the stages name, with its policy
 //!   weights: {backup: cpu}
-//!   kv_cache: {backup: discard}
+//!   kv_cache: {backup: discard}  # discard, cpu, mmap or disk
 //!   nccl: {}                 # NCCL's own memory (always backed up)
 //! stages:
 //!   wake:
@@ -180,8 +180,9 @@ pub fn parse(text: &str, file: &str) -> Result<Profile, ProfileError> {
             None => Policy::Discard,
             Some(b) => b.value.parse().map_err(|_: crate::Error| {
                 let msg = format!(
-                    "unknown backup policy '{}'; expected 'discard' or 'cpu'",
-                    b.value
+                    "unknown backup policy '{}'; expected {}",
+                    b.value,
+                    Policy::accepted()
                 );
                 at(file, b, msg)
             })?,
@@ -358,8 +359,8 @@ stages:
             "{e}"
         );
 
-        let e = err("version: 1\ntags: {a: {backup: disk}}\nstages: {s: [{pause: [a]}]}\n");
-        assert!(e.message.contains("unknown backup policy 'disk'"), "{e}");
+        let e = err("version: 1\ntags: {a: {backup: tape}}\nstages: {s: [{pause: [a]}]}\n");
+        assert!(e.message.contains("unknown backup policy 'tape'"), "{e}");
 
         let e = err("version: 1\nstages:\n  s:\n    - pauze: [a]\n");
         assert_eq!((e.line, e.column), (4, 7));

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use crate::backup::BackupKind;
 use crate::table::Table;
 
 /// Byte counts for a set of allocations.
@@ -14,10 +15,17 @@ pub struct Usage {
     pub reserved_bytes: u64,
     /// Physical device memory currently held.
     pub resident_bytes: u64,
-    /// Pinned host memory held by backups. A backup is kept after resume for the next pause
-    /// (allocating pinned memory is slow), so this stays at the tag's size once it has been
-    /// paused, until its allocations are freed.
+    /// Host memory held by backups (`cpu` and `mmap`): `pinned_backup_bytes +
+    /// mmap_backup_bytes`. With retention on (the default) a backup is kept after resume for the
+    /// next pause, so this stays at the tag's size once it has been paused, until its
+    /// allocations are freed; with retention off it drops to 0 at resume.
     pub backup_bytes: u64,
+    /// Of `backup_bytes`, pinned memory (`cpu`).
+    pub pinned_backup_bytes: u64,
+    /// Of `backup_bytes`, pageable anonymous memory (`mmap`).
+    pub mmap_backup_bytes: u64,
+    /// Bytes of disk backup files (`disk`; not host memory, not in `backup_bytes`).
+    pub disk_backup_bytes: u64,
 }
 
 impl Usage {
@@ -26,13 +34,26 @@ impl Usage {
         self.reserved_bytes += other.reserved_bytes;
         self.resident_bytes += other.resident_bytes;
         self.backup_bytes += other.backup_bytes;
+        self.pinned_backup_bytes += other.pinned_backup_bytes;
+        self.mmap_backup_bytes += other.mmap_backup_bytes;
+        self.disk_backup_bytes += other.disk_backup_bytes;
     }
 
-    fn add(&mut self, reserved: usize, resident: usize, backup: usize) {
+    fn add(&mut self, reserved: usize, resident: usize, backup: Option<(BackupKind, usize)>) {
         self.allocations += 1;
         self.reserved_bytes += reserved as u64;
         self.resident_bytes += resident as u64;
-        self.backup_bytes += backup as u64;
+        if let Some((kind, len)) = backup {
+            let len = len as u64;
+            match kind {
+                BackupKind::Pinned => self.pinned_backup_bytes += len,
+                BackupKind::Mmap => self.mmap_backup_bytes += len,
+                BackupKind::Disk => self.disk_backup_bytes += len,
+            }
+            if kind != BackupKind::Disk {
+                self.backup_bytes += len;
+            }
+        }
     }
 }
 
@@ -86,7 +107,7 @@ impl Stats {
             table.tags.keys().map(|k| (&**k, BTreeMap::new())).collect();
         let mut total = Usage::default();
         for a in table.allocations.values() {
-            let (reserved, resident, backup) = (a.size, a.resident_bytes(), a.backup_bytes());
+            let (reserved, resident, backup) = (a.size, a.resident_bytes(), a.backup_usage());
             total.add(reserved, resident, backup);
             per.entry(&a.tag)
                 .or_default()

@@ -1,10 +1,10 @@
 //! The allocation table: every allocation of the process, keyed by its base address, and the
 //! registry of tags. It is bookkeeping only; the driver work happens outside its lock.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::backup::HostBuffer;
+use crate::backup::{Backup, BackupKind};
 use crate::device::Device;
 use crate::driver::Handle;
 use crate::types::{Policy, State};
@@ -36,9 +36,10 @@ pub(crate) struct Allocation {
     pub size: usize,
     pub policy: Policy,
     pub phase: Phase,
-    /// The pinned copy of the contents (`cpu` policy only), kept across cycles once made.
-    /// `None` while the engine holds it during a transition.
-    pub backup: Option<HostBuffer>,
+    /// The copy of the contents (every policy but `discard`), made at the first pause; kept
+    /// across cycles while retention is on. When present it holds the contents as of the last
+    /// completed pause. `None` while the engine holds it during a transition.
+    pub backup: Option<Backup>,
     /// Incremented at every successful resume.
     pub generation: u64,
     /// `free` was called while a pause or resume held this allocation; the engine frees it when
@@ -54,21 +55,27 @@ impl Allocation {
         }
     }
 
-    pub(crate) fn backup_bytes(&self) -> usize {
-        self.backup.as_ref().map_or(0, HostBuffer::len)
+    /// The kind and size of the backup, if there is one.
+    pub(crate) fn backup_usage(&self) -> Option<(BackupKind, usize)> {
+        self.backup.as_ref().map(|b| (b.kind(), b.len()))
     }
 }
 
 #[derive(Default)]
 pub(crate) struct TagEntry {
     /// Set by pause and cleared by a resume that completed. While set, new allocations with
-    /// this tag are refused.
+    /// this tag are refused, unless `allocates_while_paused`.
     pub paused: bool,
+    /// The whole-process tag: new allocations are accepted (resident) while it is paused,
+    /// because torch's caching allocator may need memory during a pause; resume skips them.
+    pub allocates_while_paused: bool,
 }
 
 #[derive(Default)]
 pub(crate) struct Table {
-    pub allocations: HashMap<u64, Allocation>,
+    /// By base address, ordered so that the allocation holding an interior address is found
+    /// with one range lookup.
+    pub allocations: BTreeMap<u64, Allocation>,
     pub tags: BTreeMap<Arc<str>, TagEntry>,
 }
 
@@ -81,6 +88,12 @@ impl Table {
         let k: Arc<str> = Arc::from(tag);
         self.tags.insert(k.clone(), TagEntry::default());
         k
+    }
+
+    /// The allocation whose range holds `ptr`, with its base address.
+    pub(crate) fn containing(&self, ptr: u64) -> Option<(u64, &Allocation)> {
+        let (&base, a) = self.allocations.range(..=ptr).next_back()?;
+        (ptr - base < a.size as u64).then_some((base, a))
     }
 
     pub(crate) fn known_tags(&self) -> Vec<String> {

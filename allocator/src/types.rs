@@ -7,8 +7,9 @@
 //! * **region**: a scope (thread-local, entered by the caller) during which new allocations get
 //!   a tag and a policy.
 //! * **policy**: what happens to an allocation's contents across a pause: [`Policy::Discard`]
-//!   (dropped; resumed pages hold garbage) or [`Policy::Cpu`] (copied to pinned host memory on
-//!   pause and back on resume).
+//!   (dropped; resumed pages hold garbage), [`Policy::Cpu`] (copied to pinned host memory),
+//!   [`Policy::Mmap`] (copied to pageable anonymous host memory) or [`Policy::Disk`] (written to
+//!   a file in the disk backup directory); restored on resume.
 //! * **allocation**: one reserved virtual range with one physical handle mapped into it while
 //!   resident. Its address never changes, whatever its state.
 //! * **handle**: the driver's physical-memory object (`CUmemGenericAllocationHandle`).
@@ -22,9 +23,10 @@
 //!   reserved (after backing up its contents if its policy says so).
 //! * **resume**: create fresh physical memory, map it at the same address, and restore the
 //!   backup if there is one.
-//! * **backup**: the pinned host buffer holding a [`Policy::Cpu`] allocation's contents while it
-//!   is paused. It is kept across cycles and reused, so pausing never allocates pinned memory
-//!   after the first time.
+//! * **backup**: where an allocation's contents are kept while it is paused: a pinned (`cpu`) or
+//!   pageable (`mmap`) host buffer, or a file (`disk`). With **retention** on (the default) it
+//!   is kept across cycles and reused, so pausing allocates no host memory after the first
+//!   time; with retention off it is released as soon as its allocation has resumed.
 
 use std::fmt;
 use std::str::FromStr;
@@ -38,16 +40,41 @@ pub enum Policy {
     /// Contents are dropped on pause; after resume the memory holds arbitrary bytes.
     #[default]
     Discard,
-    /// Contents are copied to pinned host memory on pause and restored on resume.
+    /// Contents are copied to pinned host memory (`cuMemHostAlloc`) on pause and restored on
+    /// resume: the fastest copies, but pinned memory is slow to allocate and cannot be swapped.
     Cpu,
+    /// Contents are copied to pageable anonymous host memory (`mmap`) on pause and restored on
+    /// resume: cheap to allocate and release (the process RSS drops when it is released), slower
+    /// copies than pinned memory.
+    Mmap,
+    /// Contents are written to one file per allocation in the disk backup directory, through a
+    /// bounded staging buffer, and read back on resume.
+    Disk,
 }
 
 impl Policy {
+    /// Every policy, in the order messages list them.
+    pub const ALL: [Policy; 4] = [Policy::Discard, Policy::Cpu, Policy::Mmap, Policy::Disk];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Policy::Discard => "discard",
             Policy::Cpu => "cpu",
+            Policy::Mmap => "mmap",
+            Policy::Disk => "disk",
         }
+    }
+
+    /// Whether a pause keeps the contents (every policy but `discard`).
+    pub fn keeps_contents(self) -> bool {
+        self != Policy::Discard
+    }
+
+    /// The accepted names, quoted, for messages: `'discard', 'cpu', 'mmap' or 'disk'`.
+    pub fn accepted() -> String {
+        let names: Vec<String> = Self::ALL.iter().map(|p| format!("'{p}'")).collect();
+        let (last, rest) = names.split_last().expect("not empty");
+        format!("{} or {last}", rest.join(", "))
     }
 }
 
@@ -63,8 +90,11 @@ impl FromStr for Policy {
         match s {
             "discard" | "none" => Ok(Policy::Discard),
             "cpu" => Ok(Policy::Cpu),
+            "mmap" => Ok(Policy::Mmap),
+            "disk" => Ok(Policy::Disk),
             other => Err(crate::Error::InvalidArgument(format!(
-                "unknown backup policy '{other}'; expected 'discard' or 'cpu'"
+                "unknown backup policy '{other}'; expected {}",
+                Policy::accepted()
             ))),
         }
     }
@@ -120,8 +150,16 @@ mod tests {
     fn policy_parses_and_rejects() {
         assert_eq!("cpu".parse::<Policy>().unwrap(), Policy::Cpu);
         assert_eq!("discard".parse::<Policy>().unwrap(), Policy::Discard);
-        let err = "disk".parse::<Policy>().unwrap_err().to_string();
-        assert!(err.contains("'disk'") && err.contains("'cpu'"), "{err}");
+        assert_eq!("mmap".parse::<Policy>().unwrap(), Policy::Mmap);
+        assert_eq!("disk".parse::<Policy>().unwrap(), Policy::Disk);
+        for p in Policy::ALL {
+            assert_eq!(p.as_str().parse::<Policy>().unwrap(), p);
+        }
+        let err = "tape".parse::<Policy>().unwrap_err().to_string();
+        assert!(
+            err.contains("'tape'") && err.contains("'discard', 'cpu', 'mmap' or 'disk'"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -46,6 +46,7 @@ impl ExternalTag for Mock {
             reserved_bytes: 4 << 20,
             resident_bytes: resident,
             backup_bytes: 0,
+            ..Default::default()
         };
         vec![DeviceUsage { device: 0, usage }]
     }

@@ -26,6 +26,7 @@ fn resume_out_of_memory_reports_and_recovers() {
         still_paused,
         bytes_still_paused,
         ref tags,
+        margin: 0,
     } = e
     else {
         panic!("expected ResumeOutOfMemory, got {e}");

@@ -475,6 +475,7 @@ impl NcclTag {
                     resumed: total.handles,
                     still_paused,
                     bytes_still_paused,
+                    margin: 0,
                 })
             }
             Err(e) => Err(e.into()),

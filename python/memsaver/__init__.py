@@ -6,18 +6,23 @@
         model = build_model().cuda()       # contents kept in pinned host memory while paused
     with memsaver.region("kv_cache"):
         kv = torch.empty(...)              # "discard": contents are garbage after resume
+    with memsaver.region("optimizer", backup="mmap"):  # or "disk" (memsaver.set_disk_dir)
+        opt_state = ...                    # pageable host memory: the RSS drops at resume
     memsaver.pause("kv_cache", "weights")  # device memory released, addresses kept
     ...
     memsaver.resume("weights", "kv_cache")
 
-Memory of a ``discard`` tag holds garbage after resume: use ``backup="cpu"`` for anything that
-must survive. The library is loaded on first use; ``import memsaver`` touches no driver.
+Memory of a ``discard`` tag holds garbage after resume: use ``backup="cpu"`` (pinned host
+memory), ``"mmap"`` (pageable host memory) or ``"disk"`` (a file per allocation in the
+directory of ``set_disk_dir``) for anything that must survive. Backups are kept across cycles
+unless ``set_retain_backups(False)``. The library is loaded on first use; ``import memsaver`` touches no driver.
 Errors are ``MemsaverError`` subclasses whose messages say what to do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -54,6 +59,11 @@ __all__ = [
     "nccl_stats",
     "set_group",
     "group",
+    # backups
+    "set_retain_backups",
+    "retain_backups",
+    "set_disk_dir",
+    "set_memory_margin",
     "Stats",
     "TagStats",
     "Usage",
@@ -123,11 +133,13 @@ def _tag_names(fn: str, tags: tuple[Any, ...]) -> list[str]:
 
 
 @contextlib.contextmanager
-def region(tag: str, backup: Literal["discard", "cpu"] = "discard") -> Iterator[None]:
+def region(tag: str, backup: Literal["discard", "cpu", "mmap", "disk"] = "discard") -> Iterator[None]:
     """Tags the device memory allocated on this thread inside the block.
 
-    ``backup``: ``"discard"`` (contents are dropped on pause: garbage after resume) or
-    ``"cpu"`` (contents kept in pinned host memory while paused). Under PyTorch the block's
+    ``backup``: ``"discard"`` (contents are dropped on pause: garbage after resume),
+    ``"cpu"`` (contents kept in pinned host memory while paused), ``"mmap"`` (in pageable
+    anonymous host memory: cheap to allocate, and the process RSS drops when it is released) or
+    ``"disk"`` (in a file of the disk backup directory, see ``set_disk_dir``). Under PyTorch the block's
     tensors come from a caching-allocator pool of their own (tag, backup, current device), so
     a tag's memory is never reused for another tag's or untagged tensors. Allocate tensors for
     another device inside ``torch.cuda.device(d)``. Regions nest; the innermost one applies.
@@ -177,7 +189,7 @@ def disable() -> Iterator[None]:
 def cuda_graph(
     graph: Any,
     tag: str = "cuda_graph",
-    backup: Literal["discard", "cpu"] = "discard",
+    backup: Literal["discard", "cpu", "mmap", "disk"] = "discard",
     **kwargs: Any,
 ) -> Iterator[None]:
     """Like ``torch.cuda.graph(graph, **kwargs)``, with the memory of the capture tagged ``tag``
@@ -282,3 +294,36 @@ def device_memory(device: int = 0) -> tuple[int, int]:
     """(free, total) bytes of ``device`` as the CUDA driver reports them (all processes)."""
     _core.ensure_loaded()
     return _memsaver.device_memory(device)
+
+
+def set_retain_backups(on: bool) -> None:
+    """Backup retention (``MEMSAVER_RETAIN_BACKUP``, default on). On: a backup (host memory or
+    disk file) stays attached to its allocation after resume, so later pauses allocate nothing.
+    Off: it is released as soon as its allocation has resumed (the host memory or file is given
+    back), and the next resume also releases retained backups of resident allocations of the
+    tags it names. Backups are always released when their allocation is freed."""
+    _core.ensure_loaded()
+    _memsaver.set_retain_backups(bool(on))
+
+
+def retain_backups() -> bool:
+    """Whether backups are retained across cycles (see ``set_retain_backups``)."""
+    _core.ensure_loaded()
+    return bool(_memsaver.retain_backups())
+
+
+def set_disk_dir(path: str | os.PathLike[str] | None) -> None:
+    """Sets the directory of ``backup="disk"`` files (``MEMSAVER_DISK_DIR``), creating it with
+    mode 0700 if missing; ``None`` unsets it. Pausing a disk-backed tag without one raises
+    ``InvalidArgumentError`` and changes nothing. Files are named by pid and address, and
+    removed when released."""
+    _core.ensure_loaded()
+    _memsaver.set_disk_dir(None if path is None else os.fspath(path))
+
+
+def set_memory_margin(bytes: int) -> None:
+    """Resume keeps at least ``bytes`` free on each device (``MEMSAVER_MEMORY_MARGIN_MB``,
+    default 0): an allocation that would leave less stays paused and resume raises
+    ``ResumeOutOfMemoryError`` (what was resumed stays resumed)."""
+    _core.ensure_loaded()
+    _memsaver.set_memory_margin(int(bytes))

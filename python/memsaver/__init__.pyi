@@ -1,5 +1,6 @@
 """memsaver: pause and resume tagged GPU memory at fixed virtual addresses."""
 
+import os
 from collections.abc import Mapping
 from contextlib import _GeneratorContextManager
 from typing import Any, Literal
@@ -41,6 +42,11 @@ __all__ = [
     "nccl_stats",
     "set_group",
     "group",
+    # backups
+    "set_retain_backups",
+    "retain_backups",
+    "set_disk_dir",
+    "set_memory_margin",
     "Stats",
     "TagStats",
     "Usage",
@@ -72,13 +78,13 @@ __all__ = [
 ]
 
 def region(
-    tag: str, backup: Literal["discard", "cpu"] = "discard"
+    tag: str, backup: Literal["discard", "cpu", "mmap", "disk"] = "discard"
 ) -> _GeneratorContextManager[None]: ...
 def disable() -> _GeneratorContextManager[None]: ...
 def cuda_graph(
     graph: Any,
     tag: str = "cuda_graph",
-    backup: Literal["discard", "cpu"] = "discard",
+    backup: Literal["discard", "cpu", "mmap", "disk"] = "discard",
     **kwargs: Any,
 ) -> _GeneratorContextManager[None]: ...
 def pause(*tags: str) -> None: ...
@@ -94,3 +100,7 @@ def preload_path() -> str: ...
 def subprocess_env(environ: Mapping[str, str] | None = None) -> dict[str, str]: ...
 def configure_subprocess() -> _GeneratorContextManager[dict[str, str]]: ...
 def device_memory(device: int = 0) -> tuple[int, int]: ...
+def set_retain_backups(on: bool) -> None: ...
+def retain_backups() -> bool: ...
+def set_disk_dir(path: str | os.PathLike[str] | None) -> None: ...
+def set_memory_margin(bytes: int) -> None: ...

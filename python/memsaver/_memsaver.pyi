@@ -13,6 +13,12 @@ __all__ = [
     "region_enter",
     "region_disable",
     "region_exit",
+    "region_current_json",
+    "set_retain_backups",
+    "retain_backups",
+    "backup_pointer",
+    "set_disk_dir",
+    "set_memory_margin",
     "malloc",
     "free",
     "MemsaverError",
@@ -52,13 +58,33 @@ def stats_json() -> str:
 
 def register_tag(tag: str) -> None: ...
 def region_enter(tag: str, policy: str) -> None:
-    """Enters a region on the calling thread (policy "discard" or "cpu")."""
+    """Enters a region on the calling thread (policy "discard", "cpu", "mmap" or "disk")."""
 
 def region_disable() -> None:
     """Enters a scope in which allocations on this thread are not tagged."""
 
 def region_exit() -> None:
     """Leaves the innermost region or disabled scope of the calling thread."""
+
+def region_current_json() -> str:
+    """What applies to an allocation on this thread now, as JSON: {"tag", "policy", "disabled",
+    "process", "depth"} (tag and policy null when allocations are not tagged)."""
+
+def set_retain_backups(on: bool) -> None:
+    """Backup retention on (keep backups across cycles) or off (release at resume)."""
+
+def retain_backups() -> bool:
+    """Whether backups are retained across cycles."""
+
+def backup_pointer(ptr: int, size: int) -> int:
+    """Host address of byte ``ptr`` in the host backup (cpu or mmap) of the allocation holding
+    ``[ptr, ptr + size)``, holding the contents as of its last pause; 0 if there is none."""
+
+def set_disk_dir(path: str | None) -> None:
+    """Sets (creating it, mode 0700) or unsets the directory of disk backup files."""
+
+def set_memory_margin(bytes: int) -> None:
+    """Bytes resume keeps free on each device (0: no check)."""
 
 def malloc(size: int, device: int, tag: str, policy: str) -> int:
     """Allocates tagged device memory directly; returns the device address."""

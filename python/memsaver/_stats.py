@@ -11,14 +11,19 @@ class Usage:
     """Memory of a set of allocations.
 
     ``reserved_bytes`` is virtual address space (kept while paused), ``resident_bytes`` the
-    device memory mapped now, ``backup_bytes`` the pinned host memory of ``backup="cpu"``
-    allocations (kept after resume, to be reused by the next pause).
+    device memory mapped now, ``backup_bytes`` the host memory held by backups (``cpu`` and
+    ``mmap``; kept after resume while retention is on, to be reused by the next pause), split
+    into ``pinned_backup_bytes`` and ``mmap_backup_bytes``. ``disk_backup_bytes`` is the size of
+    disk backup files (not host memory, not in ``backup_bytes``).
     """
 
     allocations: int
     reserved_bytes: int
     resident_bytes: int
     backup_bytes: int
+    pinned_backup_bytes: int = 0
+    mmap_backup_bytes: int = 0
+    disk_backup_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -32,10 +37,21 @@ class TagStats:
     resident_bytes: int
     backup_bytes: int
     devices: dict[int, Usage] = field(default_factory=dict)
+    pinned_backup_bytes: int = 0
+    mmap_backup_bytes: int = 0
+    disk_backup_bytes: int = 0
 
     @property
     def usage(self) -> Usage:
-        return Usage(self.allocations, self.reserved_bytes, self.resident_bytes, self.backup_bytes)
+        return Usage(
+            self.allocations,
+            self.reserved_bytes,
+            self.resident_bytes,
+            self.backup_bytes,
+            self.pinned_backup_bytes,
+            self.mmap_backup_bytes,
+            self.disk_backup_bytes,
+        )
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,10 @@ def _usage(d: dict) -> Usage:
         reserved_bytes=int(d["reserved_bytes"]),
         resident_bytes=int(d["resident_bytes"]),
         backup_bytes=int(d["backup_bytes"]),
+        # Absent from the stats of an older libmemsaver.so.
+        pinned_backup_bytes=int(d.get("pinned_backup_bytes", 0)),
+        mmap_backup_bytes=int(d.get("mmap_backup_bytes", 0)),
+        disk_backup_bytes=int(d.get("disk_backup_bytes", 0)),
     )
 
 
@@ -71,6 +91,9 @@ def parse(text: str) -> Stats:
             reserved_bytes=u.reserved_bytes,
             resident_bytes=u.resident_bytes,
             backup_bytes=u.backup_bytes,
+            pinned_backup_bytes=u.pinned_backup_bytes,
+            mmap_backup_bytes=u.mmap_backup_bytes,
+            disk_backup_bytes=u.disk_backup_bytes,
             devices={int(d["device"]): _usage(d) for d in t.get("devices", [])},
         )
     return Stats(tags=tags, total=_usage(doc["total"]))

@@ -93,6 +93,7 @@ pub fn from_status(code: i32, message: String) -> PyErr {
         9 => IncompleteError::new_err(message),
         11 => PeerError::new_err(message),
         12 => ProfileError::new_err(message),
+        13 => MemsaverError::new_err(message),
         _ => MemsaverError::new_err(format!("{message} (status {code})")),
     }
 }

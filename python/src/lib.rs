@@ -173,7 +173,7 @@ fn register_tag(tag: &str) -> PyResult<()> {
     check(l, unsafe { (l.memsaver_register_tag)(t.as_ptr()) })
 }
 
-/// Enters a region on the calling thread (`policy`: "discard" or "cpu").
+/// Enters a region on the calling thread (`policy`: "discard", "cpu", "mmap" or "disk").
 #[pyfunction]
 fn region_enter(tag: &str, policy: &str) -> PyResult<()> {
     let (l, t, p) = (lib()?, cstr(tag, "tag")?, cstr(policy, "policy")?);
@@ -196,6 +196,68 @@ fn region_exit() -> PyResult<()> {
     let l = lib()?;
     // SAFETY: no arguments.
     check(l, unsafe { (l.memsaver_region_exit)() })
+}
+
+/// What applies to an allocation on this thread now, as JSON: {"tag", "policy", "disabled",
+/// "process", "depth"}.
+#[pyfunction]
+fn region_current_json() -> PyResult<String> {
+    let l = lib()?;
+    // SAFETY: the buffer protocol of read_json.
+    read_json(l, |b, n, nd| unsafe {
+        (l.memsaver_region_current_json)(b, n, nd)
+    })
+}
+
+/// Turns backup retention on or off.
+#[pyfunction]
+fn set_retain_backups(on: bool) -> PyResult<()> {
+    let l = lib()?;
+    // SAFETY: plain value argument.
+    check(l, unsafe {
+        (l.memsaver_set_retain_backups)(c_int::from(on))
+    })
+}
+
+/// Whether backups are retained across cycles.
+#[pyfunction]
+fn retain_backups() -> PyResult<bool> {
+    let l = lib()?;
+    let mut on: c_int = 0;
+    // SAFETY: valid out-pointer.
+    check(l, unsafe { (l.memsaver_retain_backups)(&mut on) })?;
+    Ok(on != 0)
+}
+
+/// The host address of byte `ptr` in the host backup of its allocation, or 0 if none.
+#[pyfunction]
+fn backup_pointer(ptr: u64, size: usize) -> PyResult<u64> {
+    let l = lib()?;
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    check(l, unsafe {
+        (l.memsaver_backup_pointer)(ptr, size, &mut out)
+    })?;
+    Ok(out as u64)
+}
+
+/// Sets the disk backup directory (None unsets it).
+#[pyfunction]
+#[pyo3(signature = (path))]
+fn set_disk_dir(path: Option<&str>) -> PyResult<()> {
+    let l = lib()?;
+    let p = path.map(|p| cstr(p, "path")).transpose()?;
+    let ptr = p.as_ref().map_or(std::ptr::null(), |p| p.as_ptr());
+    // SAFETY: NULL or a NUL-terminated string that outlives the call.
+    check(l, unsafe { (l.memsaver_set_disk_dir)(ptr) })
+}
+
+/// Sets the memory margin resume keeps free on each device, in bytes.
+#[pyfunction]
+fn set_memory_margin(bytes: usize) -> PyResult<()> {
+    let l = lib()?;
+    // SAFETY: plain value argument.
+    check(l, unsafe { (l.memsaver_set_memory_margin)(bytes) })
 }
 
 /// Allocates tagged device memory directly (no torch); returns the device address.
@@ -234,6 +296,12 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(region_enter, m)?)?;
     m.add_function(wrap_pyfunction!(region_disable, m)?)?;
     m.add_function(wrap_pyfunction!(region_exit, m)?)?;
+    m.add_function(wrap_pyfunction!(region_current_json, m)?)?;
+    m.add_function(wrap_pyfunction!(set_retain_backups, m)?)?;
+    m.add_function(wrap_pyfunction!(retain_backups, m)?)?;
+    m.add_function(wrap_pyfunction!(backup_pointer, m)?)?;
+    m.add_function(wrap_pyfunction!(set_disk_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(set_memory_margin, m)?)?;
     m.add_function(wrap_pyfunction!(malloc, m)?)?;
     m.add_function(wrap_pyfunction!(free, m)?)?;
     Ok(())

@@ -51,6 +51,12 @@ c_abi! {
     memsaver_region_enter: unsafe extern "C" fn(*const c_char, *const c_char) -> c_int,
     memsaver_region_disable: unsafe extern "C" fn() -> c_int,
     memsaver_region_exit: unsafe extern "C" fn() -> c_int,
+    memsaver_region_current_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
+    memsaver_set_retain_backups: unsafe extern "C" fn(c_int) -> c_int,
+    memsaver_retain_backups: unsafe extern "C" fn(*mut c_int) -> c_int,
+    memsaver_backup_pointer: unsafe extern "C" fn(u64, usize, *mut *mut c_void) -> c_int,
+    memsaver_set_disk_dir: unsafe extern "C" fn(*const c_char) -> c_int,
+    memsaver_set_memory_margin: unsafe extern "C" fn(usize) -> c_int,
 }
 
 static LIBRARY: OnceLock<Library> = OnceLock::new();

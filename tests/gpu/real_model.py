@@ -47,13 +47,16 @@ Hook modes (``--mode``, default ``all``: reference, then preload, then inprocess
   memory is not hooked in that mode, so ``nccl`` is not paused there (the output says so).
 
 Kernel stack (``--raise-stack BYTES``, default 1744, 0 turns it off): with two or more ranks
-NCCL raises the CUDA per-thread stack limit (cudaLimitStackSize) at communicator init; with one
-rank it does not. The script emulates the two-rank situation by calling
-``cudaDeviceSetLimit(cudaLimitStackSize, BYTES)`` through ctypes on the libcudart torch loaded,
-right after ``init_process_group`` and so before the decode graph is captured. ``pause("nccl")``
-lowers that limit; the decode graph, captured with the higher limit, is then replayed with
-NCCL paused: the scenario in which the replay died with 'unspecified launch failure'. The limit
-is read back at each phase and reported.
+NCCL's kernels make the driver raise the CUDA per-thread stack limit (cudaLimitStackSize); with
+one rank they do not. The script raises it itself, ``cudaDeviceSetLimit(cudaLimitStackSize,
+BYTES)`` through ctypes on the libcudart torch loaded, right after ``init_process_group`` and so
+before the decode graph is captured: the graph is instantiated at that limit and then replayed
+while ``nccl`` is paused, the scenario in which a pause that lowered the limit killed the replay
+with 'unspecified launch failure' (docs/nccl.md, "The kernel stack"). The limit is read back at
+each phase, and ``nccl_stats()``'s ``stack_*`` figures (lowered, kept, why) are reported after
+each pause of ``nccl``. memsaver counts a limit set with cudaDeviceSetLimit as the
+application's, which alone keeps it; ``tests/gpu/graph_stack.py`` separates that reason from the
+live graph's.
 
 Run from the repository root on a machine with one GPU (torch, transformers and memsaver
 installed, e.g. after ``. tests/gpu/setup_device.sh``)::
@@ -210,9 +213,11 @@ class Memory:
         return self.ms.region(tag, backup=backup)
 
     def cuda_graph(self, graph, tag, stream):
+        # thread_local: CUDA calls of other threads (NCCL's watchdog) cannot break the capture.
+        kwargs = dict(stream=stream, capture_error_mode="thread_local")
         if not self.enabled:
-            return self.torch.cuda.graph(graph, stream=stream)
-        return self.ms.cuda_graph(graph, tag=tag, stream=stream)
+            return self.torch.cuda.graph(graph, **kwargs)
+        return self.ms.cuda_graph(graph, tag=tag, **kwargs)
 
     def pause(self, *tags):
         if self.enabled and tags:
@@ -259,10 +264,14 @@ class Run:
             "nccl_paused": False,
             "failures": [],
             "error": None,
+            "at": "start",  # the step running now: where an error happened
             "complete": False,
         }
 
     # -- bookkeeping ------------------------------------------------------------------------
+
+    def at(self, cycle, step):
+        self.result["at"] = f"cycle {cycle}: {step}" if cycle else step
 
     def check(self, cond, msg):
         if not cond:
@@ -295,8 +304,13 @@ class Run:
             self.read_stack(phase)
 
     def read_stack(self, where):
-        if not self.cpu and self.args.raise_stack:
-            self.result["stack"].append([where, stack_limit()])
+        if self.cpu:
+            return
+        try:
+            value = stack_limit()
+        except (OSError, RuntimeError) as e:  # a diagnostic only: never fail the run for it
+            value = f"unreadable: {e}"
+        self.result["stack"].append([where, value])
 
     def pause(self, cycle, tags, nccl=False):
         """Pauses ``tags`` and records what was freed against what the tags held."""
@@ -314,7 +328,11 @@ class Run:
         self.result["pauses"].append(rec)
         if nccl:
             # With one rank NCCL owns only a few MiB; freed also includes the local memory of
-            # the kernel stack that pause lowers. Reported, not asserted.
+            # the kernel stack that pause lowers. Reported, not asserted. While paused,
+            # nccl_stats() says whether the stack was lowered or kept, and why.
+            st = self.mem.ms.nccl_stats()
+            for key in ("stack_lowered_bytes", "stack_kept_bytes", "stack_kept_reason"):
+                rec[key] = st.get(key)
             return
         left = self.mem.resident(tags)
         self.check(left == 0, f"cycle {cycle}: {left} bytes of {tags} still resident after pause")
@@ -358,12 +376,14 @@ class Run:
             self.result["hook_mode"] = mode
             self.check(mode == self.kind, f"runs in hook mode {mode!r}, expected {self.kind!r}")
 
+        self.at(0, "set-up")
         # One collective, so that NCCL has set up its communicator and buffers.
         x = torch.ones(1024, device=self.device)
         dist.all_reduce(x)
         self.sync()
 
         # NCCL with 2+ ranks raises the kernel stack at init; emulate it (see the docstring).
+        self.read_stack("after NCCL init")
         if not self.cpu and args.raise_stack:
             path = raise_stack_limit(args.raise_stack)
             print(f"[{self.kind}] cudaLimitStackSize set to {args.raise_stack} via {path}", flush=True)
@@ -418,7 +438,7 @@ class Run:
 
         # Static KV cache, allocated up front inside its region (no compute in the region).
         head_dim = config.hidden_size // config.num_attention_heads
-        cache = StaticCache(config=config, max_cache_len=MAX_CACHE_LEN)
+        cache = StaticCache(config=rollout_config, max_cache_len=MAX_CACHE_LEN)
         with self.mem.region("kv_cache"):
             cache.early_initialization(
                 batch_size=BATCH,
@@ -439,6 +459,7 @@ class Run:
         # Static buffers of the decode step (untagged: they belong to the engine's process).
         self.step_ids = torch.zeros((BATCH, 1), dtype=torch.long, device=self.device)
         self.step_next = torch.zeros((BATCH,), dtype=torch.long, device=self.device)
+        self.at(0, "capture of the decode graph")
         self.capture_decode()
 
         # Addresses that must survive pause/resume.
@@ -449,6 +470,7 @@ class Run:
         self.rollout_snapshot = None
 
         # The rollout engine sleeps after start-up, as verl's does.
+        self.at(0, "pause of the rollout after set-up")
         self.record_setup = self.used() if not self.cpu else None
         self.pause(0, ROLLOUT_TAGS)
 
@@ -536,6 +558,8 @@ class Run:
             out = self.rollout(input_ids=self.prompts, past_key_values=self.cache, use_cache=True,
                                logits_to_keep=1)
             tokens[:, 0] = out.logits[:, -1].argmax(dim=-1)
+            self.sync()  # so that an error is placed: prefill or replays
+            self.result["at"] += ": after the prefill, in the decode graph replays"
             for i in range(1, n):
                 self.step_ids.copy_(tokens[:, i - 1 : i])
                 if self.graph is not None:
@@ -559,18 +583,20 @@ class Run:
     def cycle(self, c):
         torch = self.torch
         # 1. Train step (trainer resident, rollout asleep).
+        self.at(c, "train step")
         loss = self.train_step()
         self.result["losses"].append(loss)
         self.record("trained")
 
         # 2. Wake the rollout weights and sync them from the trainer (NCCL active).
+        self.at(c, "resume rollout_weights, sync from the trainer")
         self.mem.resume("rollout_weights")
+        params = list(self.rollout.parameters())
+        self.check(
+            [p.data_ptr() for p in params] == self.ptrs["rollout_weights"],
+            f"cycle {c}: rollout weights moved after resume",
+        )
         if self.rollout_snapshot is not None:
-            params = list(self.rollout.parameters())
-            self.check(
-                [p.data_ptr() for p in params] == self.ptrs["rollout_weights"],
-                f"cycle {c}: rollout weights moved after resume",
-            )
             self.check(
                 self.same(params, self.rollout_snapshot),
                 f"cycle {c}: rollout weights differ after pause/resume (cpu backup)",
@@ -580,6 +606,7 @@ class Run:
         self.record("synced")
 
         # 3. Offload the trainer: its tags, then NCCL's memory.
+        self.at(c, "pause of the trainer tags and nccl")
         trainer_snapshot = self.snapshot(self.trainer_tensors())
         self.pause(c, TRAINER_TAGS)
         if self.pause_nccl:
@@ -587,11 +614,14 @@ class Run:
         self.record("trainer_paused")
 
         # 4. Rollout with NCCL paused: wake the KV cache and the graph's memory, generate.
+        self.at(c, "resume kv_cache, cuda_graph")
         self.mem.resume("kv_cache", "cuda_graph")
         self.check(
             [layer.keys.data_ptr() for layer in self.cache.layers] == self.ptrs["kv_cache"],
             f"cycle {c}: KV cache moved after resume",
         )
+        self.at(c, "rollout (prefill, decode graph replays) with nccl "
+                + ("paused" if self.pause_nccl else "active"))
         tokens = self.generate()
         self.result["tokens"].append(tokens.cpu().tolist())
         agree = self.agreement(tokens)
@@ -604,6 +634,7 @@ class Run:
         self.record("generated")
 
         # 5. Rollout back to sleep, trainer (and NCCL) back.
+        self.at(c, "pause of the rollout tags, resume of the trainer tags and nccl")
         self.pause(c, ROLLOUT_TAGS)
         self.record("rollout_paused")
         self.mem.resume(*TRAINER_TAGS, *(("nccl",) if self.pause_nccl else ()))
@@ -617,13 +648,18 @@ class Run:
         self.batch = torch.cat([self.prompts, tokens], dim=1)
         self.result["cycles_done"] = c
         self.save()
+        # Info: the weight sync reaches the rollout when its tokens change between cycles.
+        toks = self.result["tokens"]
+        changed = "" if c == 1 else ", changed from cycle {}: {}/{}".format(
+            c - 1, sum(x != y for a, b in zip(toks[-2], toks[-1]) for x, y in zip(a, b)), tokens.numel())
         print(f"[{self.kind}] cycle {c}: loss {loss!r}, decode/full-forward agreement "
-              f"{agree:.1%}, tokens[0][:8] {tokens[0, :8].tolist()}", flush=True)
+              f"{agree:.1%}, tokens[0][:8] {tokens[0, :8].tolist()}{changed}", flush=True)
 
     def run(self):
         self.setup()
         for c in range(1, self.args.cycles + 1):
             self.cycle(c)
+        self.at(0, "end")
         self.check_growth()
         self.report()
         self.result["complete"] = True
@@ -664,9 +700,15 @@ class Run:
                 pct = 100.0 * p["freed"] / p["expected"] if p["expected"] else float("nan")
                 print(f"{p['cycle']:>5}  {','.join(p['tags']):<40}{mib(p['expected']):>10.1f}"
                       f"{mib(p['freed']):>10.1f}{pct:>9.1f}{p['ms']:>8.1f}")
+                if "stack_kept_reason" in p:
+                    print(f"{'':>7}stack: lowered {mib(p['stack_lowered_bytes'] or 0):.1f} MiB, "
+                          f"kept {mib(p['stack_kept_bytes'] or 0):.1f} MiB "
+                          f"({p['stack_kept_reason']})")
         if r["stack"]:
-            print(f"\n[{self.kind}] cudaLimitStackSize: "
-                  + ", ".join(f"{w}={v}" for w, v in r["stack"][:1 + len(PHASES)]))
+            # Set-up and cycle 1 (later cycles repeat it; all of them are in the JSON file).
+            first = [w for w, _ in r["stack"]].index(PHASES[-1]) + 1
+            print(f"\n[{self.kind}] cudaLimitStackSize (bytes) at set-up and in cycle 1: "
+                  + ", ".join(f"{w}={v}" for w, v in r["stack"][:first]))
         if self.use_memsaver:
             print(f"\n[{self.kind}] memsaver.stats() at the end:\n{self.mem.ms.stats()}")
             if self.pause_nccl:
@@ -688,7 +730,7 @@ def child_main(args):
     try:
         run.run()
     except BaseException as e:  # noqa: BLE001 - a CUDA error poisons the context: report it
-        run.result["error"] = f"{type(e).__name__}: {e}"
+        run.result["error"] = f"{run.result['at']}: {type(e).__name__}: {e}"
         run.result["traceback"] = traceback.format_exc()
         traceback.print_exc()
         run.save()
@@ -830,9 +872,9 @@ def main():
             ref = res
             continue
         diffs = compare(ref, res, label)
-        n = len(res["losses"]) if res else 0
-        lines.append((not diffs, f"{label}: losses and tokens identical to {plan[0][1]} "
-                      f"({n} cycles)" + ("" if not diffs else ": " + "; ".join(diffs[:5]))))
+        counts = f" ({len(res['losses'])} losses, {len(res['tokens'])} rollouts)" if res else ""
+        lines.append((not diffs, f"{label}: losses and tokens identical to {plan[0][1]}{counts}"
+                      + ("" if not diffs else ": " + "; ".join(diffs[:5]))))
 
     print("\n=== summary (results in " + workdir + ")")
     for ok, text in lines:

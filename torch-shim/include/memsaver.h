@@ -7,8 +7,9 @@
  * Tags: 1 to 64 characters from letters, digits, '_', '-' and '.' ("nccl" is memsaver's own).
  * Tag lists are comma-separated ("weights,kv_cache"; whitespace around a tag is ignored).
  * Only NULL means every tag: "", " ", "," or "a,,b" give MEMSAVER_ERR_INVALID_ARGUMENT.
- * Policies: "discard" (contents dropped on
- * pause) or "cpu" (contents kept in pinned host memory).
+ * Policies: "discard" (contents dropped on pause), "cpu" (kept in pinned host memory), "mmap"
+ * (kept in pageable anonymous host memory, unmapped when released so the RSS drops) or "disk"
+ * (kept in a file of the disk backup directory, copied through a bounded staging buffer).
  */
 #ifndef MEMSAVER_H
 #define MEMSAVER_H
@@ -34,6 +35,7 @@ typedef enum memsaver_status {
     MEMSAVER_ERR_BUFFER_TOO_SMALL = 10,
     MEMSAVER_ERR_PEER = 11,                /* a peer process did not take part (nccl tag) */
     MEMSAVER_ERR_PROFILE = 12,             /* an invalid profile: file:line:column: reason */
+    MEMSAVER_ERR_BACKUP = 13,              /* host memory or a file for a backup failed */
     MEMSAVER_ERR_INTERNAL = 99
 } memsaver_status;
 
@@ -48,7 +50,9 @@ int memsaver_pause(const char *tags);
 int memsaver_resume(const char *tags);
 
 /* Stats as JSON: {"tags":[{"tag","paused","allocations","reserved_bytes","resident_bytes",
- * "backup_bytes","devices":[...]}],"total":{...}}. *needed gets the size including the NUL. */
+ * "backup_bytes","pinned_backup_bytes","mmap_backup_bytes","disk_backup_bytes","devices":[...]}],
+ * "total":{...}}. backup_bytes is host memory (pinned + mmap); disk files are counted apart.
+ * *needed gets the size including the NUL. */
 int memsaver_stats_json(char *buf, size_t len, size_t *needed);
 
 /* NCCL's memory as the hook sees it (JSON), like memsaver_stats_json. */
@@ -69,9 +73,39 @@ int memsaver_device_memory(int device, size_t *free, size_t *total);
 int memsaver_region_enter(const char *tag, const char *policy);
 int memsaver_region_disable(void); /* allocations inside are not tagged; close with region_exit */
 int memsaver_region_exit(void);
+/* What applies to an allocation on this thread now, as JSON like memsaver_stats_json:
+ * {"tag","policy","disabled","process","depth"} (tag and policy null when untagged; process:
+ * the whole-process tag of MEMSAVER_PROCESS_TAG / TMS_INIT_ENABLE applies, no region is open). */
+int memsaver_region_current_json(char *buf, size_t len, size_t *needed);
+
+/* Backups. Retention (default on; MEMSAVER_RETAIN_BACKUP): on, a backup (host memory or disk
+ * file) is kept after its allocation resumed, for the next pause; off, it is released when its
+ * allocation has resumed, and the next resume also releases retained backups of resident
+ * allocations of the tags it names. Backups are always released with their allocation. */
+int memsaver_set_retain_backups(int on);
+int memsaver_retain_backups(int *out);
+
+/* For a device range [ptr, ptr+size) inside one allocation (ptr may point inside it) whose host
+ * backup ("cpu" or "mmap") exists, writes the host address of byte ptr in it to *out: it holds
+ * the contents as of the last pause and stays valid until the backup is released (resume
+ * without retention, or free). Otherwise writes NULL, which is not an error. */
+int memsaver_backup_pointer(uint64_t ptr, size_t size, void **out);
+
+/* Directory of "disk" backup files (MEMSAVER_DISK_DIR): created with mode 0700 if missing, must
+ * be a directory; NULL or "" unsets it. Pausing a disk-backed allocation without one fails with
+ * MEMSAVER_ERR_INVALID_ARGUMENT and changes nothing. Files are named memsaver-<pid>-<addr>.bin. */
+int memsaver_set_disk_dir(const char *dir);
+
+/* Resume refuses to map an allocation that would leave less than bytes free on its device
+ * (MEMSAVER_ERR_RESUME_OUT_OF_MEMORY; what was resumed stays resumed). 0 (the default) turns
+ * the check off. MEMSAVER_MEMORY_MARGIN_MB sets it at start. */
+int memsaver_set_memory_margin(size_t bytes);
 
 /* Hooks. Under LD_PRELOAD this library defines cudaMalloc and cudaFree: inside a region the
- * memory comes from memsaver, outside the call goes to libcudart untouched. For
+ * memory comes from memsaver, outside the call goes to libcudart untouched, unless
+ * MEMSAVER_PROCESS_TAG (or TMS_INIT_ENABLE=1: tag "default") is set: then allocations outside
+ * any region get that tag and MEMSAVER_PROCESS_BACKUP's policy (whole-process mode; the process
+ * tag accepts new, resident allocations while paused, and resume skips them). For
  * torch.cuda.memory.CUDAPluggableAllocator (no preload), inside regions only: */
 void *memsaver_torch_malloc(ptrdiff_t size, int device, void *stream);
 void memsaver_torch_free(void *ptr, ptrdiff_t size, int device, void *stream);

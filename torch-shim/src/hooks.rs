@@ -3,7 +3,8 @@
 //! * **Preload mode** (`LD_PRELOAD=libmemsaver.so`): this library defines `cudaMalloc` and
 //!   `cudaFree`. libc10_cuda imports them dynamically from libcudart, so these definitions win.
 //!   Inside a region the allocation goes to memsaver with the region's tag and policy; outside,
-//!   the call is forwarded untouched to the real function of libcudart.
+//!   the call is forwarded untouched to the real function of libcudart, unless whole-process
+//!   mode (`MEMSAVER_PROCESS_TAG`, see [`crate::region`]) gives it the process tag.
 //! * **Pluggable mode** (no preload): `torch.cuda.memory.CUDAPluggableAllocator` is pointed at
 //!   `memsaver_torch_malloc` / `memsaver_torch_free` and used through one `MemPool` per
 //!   (tag, policy, device), entered only inside regions.
@@ -77,9 +78,13 @@ fn current_device(a: &Allocator) -> i32 {
     a.driver().current_device().unwrap_or(0)
 }
 
-/// Allocates `size` bytes for the calling thread's region; `None` when no region applies.
+/// Allocates `size` bytes for the calling thread's region (or the whole-process tag); `None`
+/// when neither applies.
 fn region_alloc(size: usize, device: Option<i32>) -> Option<Result<u64, Error>> {
-    let (tag, policy) = region::current()?;
+    let (tag, policy) = match region::lookup() {
+        Ok(current) => current?,
+        Err(e) => return Some(Err(e)),
+    };
     Some(crate::allocator().and_then(|a| {
         let device = device.unwrap_or_else(|| current_device(a));
         a.malloc(size, device, &tag, policy)

@@ -34,6 +34,7 @@ pub enum Status {
     BufferTooSmall = 10,
     Peer = 11,
     Profile = 12,
+    Backup = 13,
     Internal = 99,
 }
 
@@ -51,6 +52,7 @@ impl Status {
             Error::InvalidArgument(_) => Status::InvalidArgument,
             Error::PeersHoldMemory { .. } | Error::Peer { .. } => Status::Peer,
             Error::Profile(_) => Status::Profile,
+            Error::Backup(_) => Status::Backup,
         }
     }
 }
@@ -103,7 +105,8 @@ unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>, E
         .map_err(|_| Error::InvalidArgument(format!("{what} is not valid UTF-8")))
 }
 
-/// Reads a backup policy argument (`"discard"` or `"cpu"`); NULL means discard.
+/// Reads a backup policy argument (`"discard"`, `"cpu"`, `"mmap"` or `"disk"`); NULL means
+/// discard.
 ///
 /// # Safety
 /// As [`opt_str`].
@@ -148,8 +151,8 @@ pub extern "C" fn memsaver_last_error() -> *const c_char {
         .unwrap_or(c"".as_ptr())
 }
 
-/// Allocates `size` bytes on `device` with an explicit tag and policy (`"discard"` or `"cpu"`;
-/// NULL means discard) and writes the device address to `*ptr`.
+/// Allocates `size` bytes on `device` with an explicit tag and policy (`"discard"`, `"cpu"`,
+/// `"mmap"` or `"disk"`; NULL means discard) and writes the device address to `*ptr`.
 ///
 /// # Safety
 /// `ptr` is a valid out-pointer; `tag` and `policy` are NULL or NUL-terminated strings.
@@ -408,4 +411,105 @@ pub extern "C" fn memsaver_region_disable() -> c_int {
 #[unsafe(no_mangle)]
 pub extern "C" fn memsaver_region_exit() -> c_int {
     ffi(region::exit)
+}
+
+/// Sets backup retention (non-zero: on). On, a backup is kept after its allocation resumed,
+/// for the next pause; off, it is released when its allocation has resumed, and the next
+/// resume also releases the retained backups of resident allocations of the tags it names.
+#[unsafe(no_mangle)]
+pub extern "C" fn memsaver_set_retain_backups(on: c_int) -> c_int {
+    ffi(|| {
+        allocator()?.set_retain_backups(on != 0);
+        Ok(())
+    })
+}
+
+/// Writes 1 to `*out` if backups are retained, else 0. An invalid `MEMSAVER_RETAIN_BACKUP`
+/// (or `TMS_RETAIN_CPU_BACKUP`) not overridden by `memsaver_set_retain_backups` is an error.
+///
+/// # Safety
+/// `out` is NULL (an error) or a valid out-pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_retain_backups(out: *mut c_int) -> c_int {
+    ffi(|| {
+        if out.is_null() {
+            return Err(Error::InvalidArgument("out is NULL".into()));
+        }
+        let on = allocator()?.retain_backups()?;
+        // SAFETY: non-null out-pointer per the contract.
+        unsafe { *out = c_int::from(on) };
+        Ok(())
+    })
+}
+
+/// For the device range `[ptr, ptr + size)` inside one memsaver allocation (`ptr` may point
+/// inside it) whose host backup (`cpu` or `mmap`) exists, writes the host address of byte `ptr`
+/// in that backup to `*out`; it holds the contents as of the allocation's last pause and stays
+/// valid until the backup is released (a resume with retention off, or free). Otherwise
+/// writes NULL: that is not an error.
+///
+/// # Safety
+/// `out` is NULL (an error) or a valid out-pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_backup_pointer(
+    ptr: u64,
+    size: usize,
+    out: *mut *mut c_void,
+) -> c_int {
+    ffi(|| {
+        if out.is_null() {
+            return Err(Error::InvalidArgument("out is NULL".into()));
+        }
+        let p = allocator()?
+            .backup_pointer(ptr, size)
+            .map_or(std::ptr::null_mut(), |p| p.cast::<c_void>());
+        // SAFETY: non-null out-pointer per the contract.
+        unsafe { *out = p };
+        Ok(())
+    })
+}
+
+/// Sets the directory of disk backup files (`backup="disk"`), creating it with mode 0700 if
+/// missing; it must be a directory. NULL or `""` unsets it (pausing disk-backed allocations is
+/// then refused).
+///
+/// # Safety
+/// `dir` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_set_disk_dir(dir: *const c_char) -> c_int {
+    ffi(|| {
+        // SAFETY: per this function's contract.
+        let dir = unsafe { opt_str(dir, "dir") }?.filter(|d| !d.is_empty());
+        allocator()?.set_disk_dir(dir.map(std::path::Path::new))
+    })
+}
+
+/// Resume refuses to map an allocation that would leave less than `bytes` free on its device
+/// (`MEMSAVER_ERR_RESUME_OUT_OF_MEMORY`; what was resumed stays resumed). 0 turns it off.
+#[unsafe(no_mangle)]
+pub extern "C" fn memsaver_set_memory_margin(bytes: usize) -> c_int {
+    ffi(|| {
+        allocator()?.set_memory_margin(bytes as u64);
+        Ok(())
+    })
+}
+
+/// Writes what applies to an allocation on the calling thread now, as JSON
+/// (`{"tag","policy","disabled","process","depth"}`; tag and policy are null when allocations
+/// are not tagged), with the protocol of [`memsaver_stats_json`].
+///
+/// # Safety
+/// As [`memsaver_stats_json`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_region_current_json(
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe {
+        write_json(buf, len, needed, || {
+            Ok(serde_json::to_string(&region::describe()?))
+        })
+    }
 }

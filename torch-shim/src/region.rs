@@ -3,14 +3,42 @@
 //!
 //! An entry is either a tag with its policy or "disabled" (allocations inside go to the real
 //! allocator and are never paused). The innermost entry wins.
+//!
+//! **Whole-process mode** (`MEMSAVER_PROCESS_TAG`, or torch_memory_saver's `TMS_INIT_ENABLE=1`
+//! meaning the tag `default`): on a thread with no open region, allocations get the process
+//! tag and its policy (`MEMSAVER_PROCESS_BACKUP`) instead of going to the real allocator. A
+//! disabled scope still means untagged. The process tag accepts new allocations while it is
+//! paused (torch's caching allocator may grow during a pause): they are resident, and resume
+//! skips them.
 
 use std::cell::RefCell;
+use std::sync::OnceLock;
 
+use memsaver_allocator::options::{Options, Setting};
 use memsaver_allocator::{Error, Policy};
+use serde::Serialize;
 
 thread_local! {
     /// The calling thread's open regions, innermost last; `None` marks a disabled scope.
     static STACK: RefCell<Vec<Option<(String, Policy)>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The whole-process tag and policy from the environment, read once.
+fn process() -> &'static Setting<Option<(String, Policy)>> {
+    static PROCESS: OnceLock<Setting<Option<(String, Policy)>>> = OnceLock::new();
+    PROCESS.get_or_init(|| Options::from_env().process)
+}
+
+/// The process tag, registered (once) as one that allocates while paused.
+fn process_tag() -> Result<Option<(String, Policy)>, Error> {
+    static REGISTERED: OnceLock<Result<(), Error>> = OnceLock::new();
+    let Some((tag, policy)) = process().clone().map_err(Error::InvalidArgument)? else {
+        return Ok(None);
+    };
+    REGISTERED
+        .get_or_init(|| crate::allocator()?.allow_malloc_while_paused(&tag))
+        .clone()?;
+    Ok(Some((tag, policy)))
 }
 
 /// Opens a region tagging allocations with `tag` and `policy`. A paused tag is refused: a
@@ -44,7 +72,65 @@ pub fn exit() -> Result<(), Error> {
         })
 }
 
-/// The tag and policy that apply to an allocation on this thread now, if any.
+/// What applies to an allocation on this thread now.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Current {
+    /// The tag, or `None` when allocations are not tagged (no region and no process tag, or a
+    /// disabled scope).
+    pub tag: Option<String>,
+    pub policy: Option<Policy>,
+    /// A disabled scope is the innermost entry.
+    pub disabled: bool,
+    /// The tag is the whole-process tag (no region is open on the thread).
+    pub process: bool,
+    /// Open regions and disabled scopes on this thread.
+    pub depth: usize,
+}
+
+/// The tag and policy that apply to an allocation on this thread now: the innermost region,
+/// else the whole-process tag. An invalid whole-process option is an error here, so the
+/// allocation that needs it fails with the variable named.
+pub fn lookup() -> Result<Option<(String, Policy)>, Error> {
+    let c = describe()?;
+    Ok(c.tag.zip(c.policy))
+}
+
+/// The full picture of [`lookup`], for `memsaver_region_current_json`.
+pub fn describe() -> Result<Current, Error> {
+    let (top, depth) = STACK.with(|s| {
+        let s = s.borrow();
+        (s.last().cloned(), s.len())
+    });
+    Ok(match top {
+        Some(Some((tag, policy))) => Current {
+            tag: Some(tag),
+            policy: Some(policy),
+            disabled: false,
+            process: false,
+            depth,
+        },
+        Some(None) => Current {
+            tag: None,
+            policy: None,
+            disabled: true,
+            process: false,
+            depth,
+        },
+        None => {
+            let p = process_tag()?;
+            Current {
+                process: p.is_some(),
+                policy: p.as_ref().map(|(_, policy)| *policy),
+                tag: p.map(|(tag, _)| tag),
+                disabled: false,
+                depth,
+            }
+        }
+    })
+}
+
+/// The tag and policy that apply now, if any; `None` also when the whole-process options are
+/// invalid (use [`lookup`] to see why).
 pub fn current() -> Option<(String, Policy)> {
-    STACK.with(|s| s.borrow().last().cloned().flatten())
+    lookup().ok().flatten()
 }

@@ -96,9 +96,14 @@ fn errors_return_codes_and_messages() {
 
     let mut p: *mut c_void = std::ptr::null_mut();
     // SAFETY: valid out-pointer and C strings.
-    let rc = unsafe { memsaver_malloc(&mut p, 1 << 20, 0, c("x").as_ptr(), c("disk").as_ptr()) };
+    let rc = unsafe { memsaver_malloc(&mut p, 1 << 20, 0, c("x").as_ptr(), c("tape").as_ptr()) };
     assert_eq!(rc, Status::InvalidArgument as i32);
-    assert!(last_error().contains("unknown backup policy 'disk'"));
+    assert!(
+        last_error()
+            .contains("unknown backup policy 'tape'; expected 'discard', 'cpu', 'mmap' or 'disk'"),
+        "{}",
+        last_error()
+    );
     // SAFETY: NULL tag is rejected, not dereferenced.
     let rc = unsafe { memsaver_malloc(&mut p, 1 << 20, 0, std::ptr::null(), std::ptr::null()) };
     assert_eq!(rc, Status::InvalidArgument as i32);
@@ -211,6 +216,156 @@ fn pluggable_allocator_entry_points() {
     );
     hooks::memsaver_torch_free(p, 3 << 20, 1, std::ptr::null_mut());
     assert_eq!(tag(&stats(), "pool_tag")["allocations"], 0);
+}
+
+#[test]
+fn backup_pointer_through_the_c_abi() {
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and C strings.
+    let rc =
+        unsafe { memsaver_malloc(&mut p, 2 << 20, 0, c("abi_bp").as_ptr(), c("mmap").as_ptr()) };
+    assert_eq!(rc, 0, "{}", last_error());
+    // SAFETY: resident fake-driver memory.
+    unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0x5A, 2 << 20) };
+    let mut out: *mut c_void = std::ptr::dangling_mut::<c_void>();
+    // SAFETY: valid out-pointer.
+    let rc = unsafe { memsaver_backup_pointer(p as u64, 16, &mut out) };
+    assert_eq!(rc, 0);
+    assert!(out.is_null(), "never paused: no backup, not an error");
+    // SAFETY: C string argument.
+    let rc = unsafe { memsaver_pause(c("abi_bp").as_ptr()) };
+    assert_eq!(rc, 0, "{}", last_error());
+    // SAFETY: valid out-pointers.
+    unsafe {
+        assert_eq!(memsaver_backup_pointer(p as u64, 2 << 20, &mut out), 0);
+        assert!(!out.is_null());
+        let base = out.cast::<u8>();
+        assert_eq!(
+            *base.add(12345),
+            0x5A,
+            "the backup holds the paused contents"
+        );
+        assert_eq!(memsaver_backup_pointer(p as u64 + 4096, 8, &mut out), 0);
+        assert_eq!(
+            out.cast::<u8>(),
+            base.add(4096),
+            "interior pointers are offset"
+        );
+        assert_eq!(
+            memsaver_backup_pointer(p as u64 + 4096, 2 << 20, &mut out),
+            0
+        );
+        assert!(out.is_null(), "range past the end");
+        assert_eq!(
+            memsaver_backup_pointer(p as u64, 1, std::ptr::null_mut()),
+            Status::InvalidArgument as i32
+        );
+    }
+    assert_eq!(memsaver_free(p), 0);
+}
+
+#[test]
+fn disk_dir_through_the_c_abi() {
+    let base = std::env::temp_dir().join(format!("memsaver-abi-disk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let dir = base.join("d");
+    let cdir = c(dir.to_str().unwrap());
+    // SAFETY: C string argument.
+    let rc = unsafe { memsaver_set_disk_dir(cdir.as_ptr()) };
+    assert_eq!(rc, 0, "{}", last_error());
+    assert!(dir.is_dir(), "created");
+    let file = base.join("f");
+    std::fs::write(&file, b"x").unwrap();
+    let cfile = c(file.to_str().unwrap());
+    // SAFETY: C string argument.
+    let rc = unsafe { memsaver_set_disk_dir(cfile.as_ptr()) };
+    assert_eq!(rc, Status::InvalidArgument as i32);
+    assert!(last_error().contains("not a directory"), "{}", last_error());
+
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and C strings.
+    let rc = unsafe {
+        memsaver_malloc(
+            &mut p,
+            2 << 20,
+            0,
+            c("abi_disk").as_ptr(),
+            c("disk").as_ptr(),
+        )
+    };
+    assert_eq!(rc, 0, "{}", last_error());
+    // SAFETY: resident fake-driver memory.
+    unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0x3C, 2 << 20) };
+    // SAFETY: C string arguments.
+    unsafe {
+        assert_eq!(
+            memsaver_pause(c("abi_disk").as_ptr()),
+            0,
+            "{}",
+            last_error()
+        );
+        assert_eq!(tag(&stats(), "abi_disk")["disk_backup_bytes"], 2 << 20);
+        assert_eq!(
+            memsaver_resume(c("abi_disk").as_ptr()),
+            0,
+            "{}",
+            last_error()
+        );
+    }
+    // SAFETY: resident again.
+    let bytes = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), 2 << 20) };
+    assert!(bytes.iter().all(|b| *b == 0x3C));
+    assert_eq!(memsaver_free(p), 0);
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "free removes the file"
+    );
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+#[test]
+fn region_current_json_reports_the_thread_region() {
+    fn current() -> serde_json::Value {
+        let mut buf = vec![0u8; 256];
+        let mut needed = 0usize;
+        // SAFETY: `buf` has 256 bytes.
+        let rc = unsafe {
+            memsaver_region_current_json(buf.as_mut_ptr().cast(), buf.len(), &mut needed)
+        };
+        assert_eq!(rc, 0, "{}", last_error());
+        serde_json::from_slice(&buf[..needed - 1]).unwrap()
+    }
+    let none = current();
+    assert_eq!(
+        (none["tag"].is_null(), none["depth"].as_u64()),
+        (true, Some(0))
+    );
+    assert_eq!(
+        none["process"], false,
+        "no MEMSAVER_PROCESS_TAG in this test process"
+    );
+    // SAFETY: C string arguments.
+    unsafe {
+        assert_eq!(
+            memsaver_region_enter(c("abi_cur").as_ptr(), c("mmap").as_ptr()),
+            0
+        )
+    };
+    let r = current();
+    assert_eq!(
+        (r["tag"].as_str(), r["policy"].as_str()),
+        (Some("abi_cur"), Some("mmap"))
+    );
+    assert_eq!(memsaver_region_disable(), 0);
+    let d = current();
+    assert_eq!(
+        (d["disabled"].as_bool(), d["depth"].as_u64()),
+        (Some(true), Some(2))
+    );
+    assert!(d["tag"].is_null());
+    assert_eq!(memsaver_region_exit(), 0);
+    assert_eq!(memsaver_region_exit(), 0);
 }
 
 #[test]

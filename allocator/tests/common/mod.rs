@@ -47,10 +47,15 @@ impl std::ops::Deref for TestAllocator {
 }
 
 pub fn allocator() -> TestAllocator {
+    allocator_with(&memsaver_allocator::Options::default())
+}
+
+/// Like [`allocator`], with the given options.
+pub fn allocator_with(opts: &memsaver_allocator::Options) -> TestAllocator {
     static SERIAL: Mutex<()> = Mutex::new(());
     let _serial = SERIAL.lock();
     TestAllocator {
-        alloc: Allocator::new(driver()),
+        alloc: Allocator::with_options(driver(), opts),
         _serial,
     }
 }

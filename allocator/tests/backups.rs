@@ -1,0 +1,427 @@
+//! Backup policies (cpu, mmap, disk, discard), retention, backup pointers and the memory
+//! margin, on the fake driver.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use memsaver_allocator::{Error, Options, Policy, State};
+
+/// A fresh directory for one test's disk backups.
+fn disk_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("memsaver-disk-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// The files in `dir` and their total size.
+fn files(dir: &Path) -> (usize, u64) {
+    std::fs::read_dir(dir).map_or((0, 0), |rd| {
+        rd.map(|e| e.unwrap().metadata().unwrap().len())
+            .fold((0, 0), |(n, b), len| (n + 1, b + len))
+    })
+}
+
+#[test]
+fn every_keeping_policy_restores_contents_across_cycles() {
+    let dir = disk_dir("cycles");
+    // A 1 MiB staging chunk, so a 5 MiB allocation (6 MiB rounded) takes several chunks.
+    let opts = Options {
+        disk_chunk: Ok(MIB),
+        ..Options::default()
+    };
+    let a = allocator_with(&opts);
+    a.set_disk_dir(Some(&dir)).unwrap();
+    for policy in [Policy::Cpu, Policy::Mmap, Policy::Disk] {
+        let tag = format!("keep_{policy}");
+        let p = a.malloc(5 * MIB, 0, &tag, policy).unwrap();
+        for seed in 0..3u8 {
+            fill(p, 6 * MIB, seed);
+            a.pause(&[&tag]).unwrap();
+            assert_eq!(a.state(p), Some(State::Paused));
+            a.resume(&[&tag]).unwrap();
+            assert!(check(p, 6 * MIB, seed), "{policy}, cycle {seed}");
+        }
+        a.free(p).unwrap();
+    }
+    assert_eq!(files(&dir), (0, 0), "free removes the disk file");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn stats_count_backup_bytes_by_kind() {
+    let dir = disk_dir("stats");
+    let a = allocator();
+    a.set_disk_dir(Some(&dir)).unwrap();
+    let p = a.malloc(2 * MIB, 0, "k_cpu", Policy::Cpu).unwrap();
+    let q = a.malloc(4 * MIB, 0, "k_mmap", Policy::Mmap).unwrap();
+    let r = a.malloc(6 * MIB, 0, "k_disk", Policy::Disk).unwrap();
+    let d = a.malloc(2 * MIB, 0, "k_discard", Policy::Discard).unwrap();
+    a.pause(&[]).unwrap();
+    let s = a.stats();
+    let u = |t: &str| s.tag(t).unwrap().usage;
+    assert_eq!(
+        (u("k_cpu").pinned_backup_bytes, u("k_cpu").backup_bytes),
+        (2 * MIB as u64, 2 * MIB as u64)
+    );
+    assert_eq!(
+        (u("k_mmap").mmap_backup_bytes, u("k_mmap").backup_bytes),
+        (4 * MIB as u64, 4 * MIB as u64)
+    );
+    // Disk files are not host memory: counted apart from backup_bytes.
+    assert_eq!(
+        (u("k_disk").disk_backup_bytes, u("k_disk").backup_bytes),
+        (6 * MIB as u64, 0)
+    );
+    assert_eq!(u("k_discard").backup_bytes, 0);
+    assert_eq!(s.total.backup_bytes, 6 * MIB as u64);
+    assert_eq!(s.total.disk_backup_bytes, 6 * MIB as u64);
+    assert_eq!(files(&dir), (1, 6 * MIB as u64));
+    a.resume(&[]).unwrap();
+    for x in [p, q, r, d] {
+        a.free(x).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn retained_backups_keep_their_address_across_cycles() {
+    let a = allocator();
+    assert!(a.retain_backups().unwrap(), "retention is on by default");
+    for policy in [Policy::Cpu, Policy::Mmap] {
+        let tag = format!("stable_{policy}");
+        let p = a.malloc(4 * MIB, 0, &tag, policy).unwrap();
+        assert!(a.backup_pointer(p, 4 * MIB).is_none(), "never paused");
+        fill(p, 4 * MIB, 3);
+        a.pause(&[&tag]).unwrap();
+        let b = a.backup_pointer(p, 4 * MIB).expect("paused: backup exists");
+        // SAFETY: the backup holds 4 MiB and stays alive while the allocation is paused.
+        assert!(
+            check(b as u64, 4 * MIB, 3),
+            "{policy}: the backup holds the contents"
+        );
+        a.resume(&[&tag]).unwrap();
+        assert_eq!(
+            a.backup_pointer(p, 4 * MIB),
+            Some(b),
+            "retained after resume"
+        );
+        a.pause(&[&tag]).unwrap();
+        assert_eq!(
+            a.backup_pointer(p, 4 * MIB),
+            Some(b),
+            "reused by the next pause"
+        );
+        a.resume(&[&tag]).unwrap();
+        a.free(p).unwrap();
+        assert!(a.backup_pointer(p, 4 * MIB).is_none(), "freed");
+    }
+}
+
+#[test]
+fn backups_are_released_at_resume_without_retention() {
+    let dir = disk_dir("noretain");
+    let a = allocator();
+    a.set_disk_dir(Some(&dir)).unwrap();
+    a.set_retain_backups(false);
+    assert!(!a.retain_backups().unwrap());
+    let p = a.malloc(4 * MIB, 0, "nr_cpu", Policy::Cpu).unwrap();
+    let q = a.malloc(4 * MIB, 0, "nr_mmap", Policy::Mmap).unwrap();
+    let r = a.malloc(4 * MIB, 0, "nr_disk", Policy::Disk).unwrap();
+    for seed in 0..2u8 {
+        for x in [p, q, r] {
+            fill(x, 4 * MIB, seed);
+        }
+        a.pause(&[]).unwrap();
+        assert!(a.backup_pointer(p, MIB).is_some() && a.backup_pointer(q, MIB).is_some());
+        assert!(
+            a.backup_pointer(r, MIB).is_none(),
+            "disk backups have no host pointer"
+        );
+        assert_eq!(files(&dir), (1, 4 * MIB as u64));
+        a.resume(&[]).unwrap();
+        for x in [p, q, r] {
+            assert!(check(x, 4 * MIB, seed));
+            assert!(a.backup_pointer(x, MIB).is_none(), "released at resume");
+        }
+        let t = a.stats().total;
+        assert_eq!((t.backup_bytes, t.disk_backup_bytes), (0, 0));
+        assert_eq!(files(&dir), (0, 0), "the disk file is gone after resume");
+    }
+    for x in [p, q, r] {
+        a.free(x).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn turning_retention_off_releases_at_the_next_resume() {
+    let a = allocator();
+    let p = a.malloc(2 * MIB, 0, "toggle", Policy::Cpu).unwrap();
+    let q = a.malloc(2 * MIB, 0, "toggle_other", Policy::Mmap).unwrap();
+    a.pause(&[]).unwrap();
+    a.resume(&[]).unwrap();
+    assert!(a.backup_pointer(p, 1).is_some() && a.backup_pointer(q, 1).is_some());
+    // Off: the next resume releases retained backups of resident allocations of its tags.
+    a.set_retain_backups(false);
+    a.resume(&["toggle"]).unwrap();
+    assert!(a.backup_pointer(p, 1).is_none());
+    assert!(
+        a.backup_pointer(q, 1).is_some(),
+        "a tag the resume did not name keeps it"
+    );
+    a.resume(&[]).unwrap();
+    assert!(a.backup_pointer(q, 1).is_none());
+    assert_eq!(a.stats().total.backup_bytes, 0);
+    // On again: the next cycle keeps its backup.
+    a.set_retain_backups(true);
+    a.pause(&["toggle"]).unwrap();
+    a.resume(&["toggle"]).unwrap();
+    assert!(a.backup_pointer(p, 1).is_some());
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+}
+
+#[test]
+fn free_while_paused_releases_every_kind_of_backup() {
+    let dir = disk_dir("freepaused");
+    let a = allocator();
+    a.set_disk_dir(Some(&dir)).unwrap();
+    let ptrs: Vec<u64> = [Policy::Cpu, Policy::Mmap, Policy::Disk]
+        .into_iter()
+        .map(|p| a.malloc(2 * MIB, 0, "fp", p).unwrap())
+        .collect();
+    a.pause(&["fp"]).unwrap();
+    assert_eq!(files(&dir).0, 1);
+    for p in ptrs {
+        a.free(p).unwrap();
+    }
+    let t = a.stats().total;
+    assert_eq!((t.backup_bytes, t.disk_backup_bytes), (0, 0));
+    assert_eq!(files(&dir), (0, 0));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn disk_usage_stays_constant_over_cycles() {
+    let dir = disk_dir("constant");
+    let a = allocator();
+    a.set_disk_dir(Some(&dir)).unwrap();
+    let p = a.malloc(8 * MIB, 0, "disk_cycles", Policy::Disk).unwrap();
+    let mut seen = Vec::new();
+    for seed in 0..3u8 {
+        fill(p, 8 * MIB, seed);
+        a.pause(&["disk_cycles"]).unwrap();
+        seen.push(files(&dir));
+        a.resume(&["disk_cycles"]).unwrap();
+        assert!(check(p, 8 * MIB, seed));
+        seen.push(files(&dir));
+    }
+    assert!(seen.iter().all(|f| *f == (1, 8 * MIB as u64)), "{seen:?}");
+    // The file is named by pid and address, so processes sharing a directory never collide.
+    let name = std::fs::read_dir(&dir)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .file_name();
+    let name = name.to_string_lossy();
+    assert!(
+        name.contains(&std::process::id().to_string()) && name.contains(&format!("{p:x}")),
+        "{name}"
+    );
+    a.free(p).unwrap();
+    assert_eq!(files(&dir), (0, 0));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn disk_pause_without_a_directory_is_refused_and_changes_nothing() {
+    let a = allocator();
+    let p = a.malloc(2 * MIB, 0, "nodir", Policy::Disk).unwrap();
+    fill(p, 2 * MIB, 9);
+    let e = a.pause(&["nodir"]).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("MEMSAVER_DISK_DIR") && msg.contains("memsaver.set_disk_dir"),
+        "{msg}"
+    );
+    assert_eq!(a.state(p), Some(State::Resident));
+    assert!(!a.is_paused("nodir"));
+    assert!(check(p, 2 * MIB, 9));
+    // New allocations with the tag are still accepted: the pause did not happen.
+    let q = a.malloc(MIB, 0, "nodir", Policy::Discard).unwrap();
+    let dir = disk_dir("late");
+    a.set_disk_dir(Some(&dir)).unwrap();
+    a.pause(&["nodir"]).unwrap();
+    a.resume(&["nodir"]).unwrap();
+    assert!(check(p, 2 * MIB, 9));
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn set_disk_dir_creates_a_private_directory_and_refuses_files() {
+    use std::os::unix::fs::PermissionsExt;
+    let a = allocator();
+    let dir = disk_dir("mkdir").join("nested");
+    a.set_disk_dir(Some(&dir)).unwrap();
+    let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700);
+    assert_eq!(a.disk_dir().unwrap(), Some(dir.clone()));
+    let file = dir.join("plain");
+    std::fs::write(&file, b"x").unwrap();
+    let e = a.set_disk_dir(Some(&file)).unwrap_err().to_string();
+    assert!(e.contains("not a directory"), "{e}");
+    assert_eq!(
+        a.disk_dir().unwrap(),
+        Some(dir.clone()),
+        "unchanged by the failure"
+    );
+    a.set_disk_dir(None).unwrap();
+    assert_eq!(a.disk_dir().unwrap(), None);
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
+#[test]
+fn memory_margin_stops_resume_until_lowered() {
+    let a = allocator();
+    let p = a.malloc(4 * MIB, 0, "margin", Policy::Cpu).unwrap();
+    let q = a.malloc(4 * MIB, 0, "margin", Policy::Cpu).unwrap();
+    fill(p, 4 * MIB, 1);
+    fill(q, 4 * MIB, 2);
+    a.pause(&["margin"]).unwrap();
+    // Room for exactly one allocation above the margin.
+    let margin = (free_bytes(&a, 0) - 6 * MIB) as u64;
+    a.set_memory_margin(margin);
+    assert_eq!(a.memory_margin().unwrap(), margin);
+    let e = a.resume(&["margin"]).unwrap_err();
+    let Error::ResumeOutOfMemory {
+        resumed,
+        still_paused,
+        margin: m,
+        ..
+    } = e
+    else {
+        panic!("expected ResumeOutOfMemory, got {e}");
+    };
+    assert_eq!((resumed, still_paused, m), (1, 1, margin));
+    assert!(e.to_string().contains("memory margin"), "{e}");
+    assert!(a.is_paused("margin"));
+    a.set_memory_margin(0);
+    a.resume(&["margin"]).unwrap();
+    assert!(check(p, 4 * MIB, 1) && check(q, 4 * MIB, 2));
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+}
+
+#[test]
+fn backup_pointer_takes_interior_pointers_and_checks_the_range() {
+    let a = allocator();
+    let p = a.malloc(4 * MIB, 0, "interior", Policy::Mmap).unwrap();
+    let d = a
+        .malloc(2 * MIB, 0, "interior_discard", Policy::Discard)
+        .unwrap();
+    fill(p, 4 * MIB, 5);
+    a.pause(&[]).unwrap();
+    let base = a.backup_pointer(p, 4 * MIB).unwrap();
+    // SAFETY: offsets inside the 4 MiB backup.
+    unsafe {
+        assert_eq!(a.backup_pointer(p + 4096, 100), Some(base.add(4096)));
+        assert_eq!(
+            a.backup_pointer(p + (4 * MIB - 1) as u64, 1),
+            Some(base.add(4 * MIB - 1))
+        );
+    }
+    assert_eq!(
+        a.backup_pointer(p + 4096, 4 * MIB),
+        None,
+        "runs past the end"
+    );
+    assert_eq!(
+        a.backup_pointer(p + (4 * MIB) as u64, 1),
+        None,
+        "one past the end"
+    );
+    assert_eq!(a.backup_pointer(p - 1, 1), None, "before the start");
+    assert_eq!(a.backup_pointer(p, usize::MAX), None, "overflowing size");
+    assert_eq!(a.backup_pointer(d, 1), None, "discard has no backup");
+    assert_eq!(a.backup_pointer(0x10, 1), None, "not ours");
+    a.resume(&[]).unwrap();
+    a.free(p).unwrap();
+    a.free(d).unwrap();
+}
+
+#[test]
+fn discard_makes_no_backup_and_no_promise() {
+    let a = allocator();
+    let p = a.malloc(2 * MIB, 0, "no_promise", Policy::Discard).unwrap();
+    fill(p, 2 * MIB, 4);
+    a.pause(&["no_promise"]).unwrap();
+    let r = a.resume(&["no_promise"]).unwrap();
+    assert_eq!(r.copied_bytes, 0);
+    let t = a.stats().tag("no_promise").unwrap().usage;
+    assert_eq!(
+        (t.backup_bytes, t.disk_backup_bytes, t.resident_bytes),
+        (0, 0, 2 * MIB as u64)
+    );
+    fill(p, 2 * MIB, 6); // usable; its old contents are not promised
+    assert!(check(p, 2 * MIB, 6));
+    a.free(p).unwrap();
+}
+
+#[test]
+fn invalid_environment_values_fail_the_operations_that_need_them() {
+    let opts = Options::from_lookup(|n| match n {
+        "MEMSAVER_RETAIN_BACKUP" => Some("sometimes".into()),
+        "MEMSAVER_DISK_CHUNK_MB" => Some("big".into()),
+        _ => None,
+    });
+    let a = allocator_with(&opts);
+    let p = a.malloc(2 * MIB, 0, "badenv", Policy::Cpu).unwrap();
+    a.pause(&["badenv"]).unwrap(); // needs neither
+    let e = a.resume(&["badenv"]).unwrap_err().to_string();
+    assert!(
+        e.contains("MEMSAVER_RETAIN_BACKUP") && e.contains("1 or 0"),
+        "{e}"
+    );
+    assert!(a.is_paused("badenv"));
+    a.set_retain_backups(true);
+    a.resume(&["badenv"]).unwrap();
+    let dir = disk_dir("badchunk");
+    a.set_disk_dir(Some(&dir)).unwrap();
+    let q = a.malloc(2 * MIB, 0, "badenv_disk", Policy::Disk).unwrap();
+    let e = a.pause(&["badenv_disk"]).unwrap_err().to_string();
+    assert!(e.contains("MEMSAVER_DISK_CHUNK_MB"), "{e}");
+    assert_eq!(a.state(q), Some(State::Resident));
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_whole_process_tag_allocates_while_paused_and_resume_skips_those() {
+    let a = allocator();
+    a.allow_malloc_while_paused("process").unwrap();
+    let p = a.malloc(2 * MIB, 0, "process", Policy::Cpu).unwrap();
+    fill(p, 2 * MIB, 8);
+    a.pause(&["process"]).unwrap();
+    let q = a.malloc(2 * MIB, 0, "process", Policy::Cpu).unwrap();
+    assert_eq!(a.state(q), Some(State::Resident));
+    fill(q, 2 * MIB, 9);
+    let r = a.resume(&["process"]).unwrap();
+    assert_eq!(r.allocations, 1, "only the paused one was resumed");
+    assert!(check(p, 2 * MIB, 8) && check(q, 2 * MIB, 9));
+    // An ordinary tag still refuses.
+    a.malloc(MIB, 0, "ordinary", Policy::Discard).unwrap();
+    a.pause(&["ordinary"]).unwrap();
+    assert!(matches!(
+        a.malloc(MIB, 0, "ordinary", Policy::Discard),
+        Err(Error::TagPaused { .. })
+    ));
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+}
