@@ -22,6 +22,7 @@ Errors are ``MemsaverError`` subclasses whose messages say what to do.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -166,7 +167,7 @@ def disable() -> Iterator[None]:
     in whole-process mode (where the default pool holds the process tag's memory, which may be
     paused), from a pool of their own whose cached memory is returned when the block ends."""
     _core.ensure_loaded()
-    whole_process = _memsaver.region_current() is not None
+    whole_process = json.loads(_memsaver.region_current_json())["process_tag"] is not None
     _memsaver.region_disable()
     try:
         torch = _torch.torch_module()
@@ -283,7 +284,6 @@ def nccl_stats() -> dict[str, int | bool | str | None]:
     ``stack_kept_reason`` (kept above CUDA's default because a live CUDA graph or the
     application needs it, e.g. ``"device 0: a live CUDA graph was instantiated at 1744
     B/thread"``; ``None`` when nothing was kept)."""
-    import json
 
     _core.ensure_loaded()
     result: dict[str, int | bool | str | None] = json.loads(_memsaver.nccl_stats_json())

@@ -74,8 +74,9 @@ int memsaver_region_enter(const char *tag, const char *policy);
 int memsaver_region_disable(void); /* allocations inside are not tagged; close with region_exit */
 int memsaver_region_exit(void);
 /* What applies to an allocation on this thread now, as JSON like memsaver_stats_json:
- * {"tag","policy","disabled","process","depth"} (tag and policy null when untagged; process:
- * the whole-process tag of MEMSAVER_PROCESS_TAG / TMS_INIT_ENABLE applies, no region is open). */
+ * {"tag","policy","disabled","process","depth","process_tag"} (tag and policy null when
+ * untagged; process: the whole-process tag of MEMSAVER_PROCESS_TAG / TMS_INIT_ENABLE applies, no
+ * region is open; process_tag: that tag if one is configured, whether or not it applies now). */
 int memsaver_region_current_json(char *buf, size_t len, size_t *needed);
 
 /* Backups. Retention (default on; MEMSAVER_RETAIN_BACKUP): on, a backup (host memory or disk

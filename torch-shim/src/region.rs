@@ -85,6 +85,9 @@ pub struct Current {
     pub process: bool,
     /// Open regions and disabled scopes on this thread.
     pub depth: usize,
+    /// The whole-process tag configured for the process (`MEMSAVER_PROCESS_TAG`), whether or
+    /// not it applies on this thread now.
+    pub process_tag: Option<String>,
 }
 
 /// The tag and policy that apply to an allocation on this thread now: the innermost region,
@@ -101,6 +104,8 @@ pub fn describe() -> Result<Current, Error> {
         let s = s.borrow();
         (s.last().cloned(), s.len())
     });
+    let process = process_tag()?;
+    let process_tag = process.as_ref().map(|(tag, _)| tag.clone());
     Ok(match top {
         Some(Some((tag, policy))) => Current {
             tag: Some(tag),
@@ -108,6 +113,7 @@ pub fn describe() -> Result<Current, Error> {
             disabled: false,
             process: false,
             depth,
+            process_tag,
         },
         Some(None) => Current {
             tag: None,
@@ -115,17 +121,16 @@ pub fn describe() -> Result<Current, Error> {
             disabled: true,
             process: false,
             depth,
+            process_tag,
         },
-        None => {
-            let p = process_tag()?;
-            Current {
-                process: p.is_some(),
-                policy: p.as_ref().map(|(_, policy)| *policy),
-                tag: p.map(|(tag, _)| tag),
-                disabled: false,
-                depth,
-            }
-        }
+        None => Current {
+            process: process.is_some(),
+            policy: process.as_ref().map(|(_, policy)| *policy),
+            tag: process_tag.clone(),
+            disabled: false,
+            depth,
+            process_tag,
+        },
     })
 }
 
