@@ -36,6 +36,12 @@ pub const OPTIONS: &[OptionDoc] = &[
         doc: "Python package: auto (preload if libmemsaver.so is preloaded, else inprocess), preload (fail with instructions unless preloaded) or inprocess",
     },
     OptionDoc {
+        env: "MEMSAVER_TORCH_MEMORY_SAVER",
+        aliases: &[],
+        default: "0",
+        doc: "Python: 1 makes `import torch_memory_saver` give memsaver.compat in every Python process that sees it (read at interpreter start by the wheel's .pth file; says so on stderr when it shadows an installed torch_memory_saver)",
+    },
+    OptionDoc {
         env: "MEMSAVER_GROUP",
         aliases: &[],
         default: "0",

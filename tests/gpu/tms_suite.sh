@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # torch_memory_saver's own test suite, run unchanged against memsaver (ONE GPU is enough; the
 # multi-device tests skip). `import torch_memory_saver` is served by memsaver.compat through the
-# opt-in alias (MEMSAVER_TORCH_MEMORY_SAVER=1), installed the way a user installs the wheel: into
-# a virtual environment over the machine's torch.
+# opt-in alias (MEMSAVER_TORCH_MEMORY_SAVER=1), with the wheel installed the way a user installs
+# it: into the Python environment that has torch (PY, default python3).
 #
 #   TMS=<checkout of fzyzcjy/torch_memory_saver>/test  tests/gpu/tms_suite.sh [.dist]
 #
@@ -16,11 +16,10 @@ TMS=${TMS:-.tms/test}
 [ -f "$TMS/test_examples.py" ] || { echo "FAIL: no torch_memory_saver tests at $TMS (set TMS)"; exit 2; }
 DIST=$(cd "$DIST" && pwd)
 
-venv=/tmp/tms-venv
-rm -rf "$venv"
-python3 -m venv --system-site-packages --without-pip "$venv" || exit 2
-site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$DIST"/memsaver-*.whl || exit 2
+# Into the environment that has torch, as a user installs it (the .pth file of the wheel, which
+# serves the alias, is read only from a site directory, not from PYTHONPATH).
+PY=${PY:-python3}
+"$PY" -m pip install -q --no-index --no-deps --force-reinstall "$DIST"/memsaver-*.whl || exit 2
 export MEMSAVER_TORCH_MEMORY_SAVER=1 NCCL_NVLS_ENABLE=0
 
 # test id -> why it is out
@@ -41,13 +40,13 @@ for id in "${!EXCLUDED[@]}"; do args+=(--deselect "$id"); done
 echo "== torch_memory_saver suite at $TMS against memsaver ($(ls "$DIST"/memsaver-*.whl | xargs -n1 basename))"
 for id in "${!EXCLUDED[@]}"; do echo "   excluded: $id: ${EXCLUDED[$id]}"; done
 log=$(mktemp)
-(cd "$TMS" && timeout 1500 "$venv/bin/python" -m pytest -rA -p no:cacheprovider \
+(cd "$TMS" && timeout 1500 "$PY" -m pytest -rA -p no:cacheprovider \
     test_examples.py test_utils.py test_configure_subprocess.py "${args[@]}") 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 
 echo "== pass counts per hook mode"
 for mode in preload torch none; do
-  if [ $mode = none ]; then sel='grep -v -e \[preload\] -e \[torch\]'; else sel="grep -F [$mode]"; fi
+  if [ $mode = none ]; then sel="grep -v -F -e '[preload]' -e '[torch]'"; else sel="grep -F '[$mode]'"; fi
   p=$(grep -E '^PASSED ' "$log" | eval "$sel" | wc -l)
   f=$(grep -E '^(FAILED|ERROR) ' "$log" | eval "$sel" | wc -l)
   echo "   $mode: $p passed, $f failed"

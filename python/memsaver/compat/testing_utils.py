@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["get_device", "empty_cache", "get_and_print_gpu_memory"]
+from .utils import is_xpu
+
+__all__ = ["get_device", "empty_cache", "get_and_print_gpu_memory", "is_xpu"]
 
 
 def _torch() -> Any:
