@@ -1,20 +1,12 @@
 //! The C ABI of libmemsaver.so over the process-wide allocator (fake driver, via
 //! MEMSAVER_CUDA_LIB as set by `make test`).
 
-use std::ffi::{CStr, CString, c_void};
+use std::ffi::c_void;
 
 use memsaver::*;
 
-fn c(s: &str) -> CString {
-    CString::new(s).unwrap()
-}
-
-fn last_error() -> String {
-    // SAFETY: memsaver_last_error returns a NUL-terminated thread-local string.
-    unsafe { CStr::from_ptr(memsaver_last_error()) }
-        .to_string_lossy()
-        .into_owned()
-}
+mod common;
+use common::{c, last_error};
 
 fn stats() -> serde_json::Value {
     let mut needed = 0usize;

@@ -4,21 +4,13 @@
 //! run; the `run_*` tests start this test binary again with the scenario's environment and only
 //! that scenario selected.
 
-use std::ffi::{CStr, CString, c_void};
+use std::ffi::c_void;
 use std::process::Command;
 
 use memsaver::*;
 
-fn c(s: &str) -> CString {
-    CString::new(s).unwrap()
-}
-
-fn last_error() -> String {
-    // SAFETY: memsaver_last_error returns a NUL-terminated thread-local string.
-    unsafe { CStr::from_ptr(memsaver_last_error()) }
-        .to_string_lossy()
-        .into_owned()
-}
+mod common;
+use common::{c, last_error};
 
 /// Runs the ignored test `name` in a child process with `env` added, its own fake-driver
 /// state and no inherited MEMSAVER_*/TMS_* options.

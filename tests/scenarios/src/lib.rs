@@ -102,3 +102,48 @@ pub fn tempdir(what: &str) -> PathBuf {
         .expect("make the temp dir private");
     d
 }
+
+/// Runs a scenario program with `FAKE_CUDA_DIR` set to a fresh directory (removed afterwards),
+/// asserts that it succeeded, and returns the `key=value` lines it printed.
+pub fn run_lines(
+    cmd: &mut std::process::Command,
+    what: &str,
+) -> std::collections::HashMap<String, String> {
+    let dir = tempdir(what);
+    let out = cmd
+        .env("FAKE_CUDA_DIR", &dir)
+        .output()
+        .expect("start the scenario program");
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text.lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+/// Opens the fake libnccl.so.2 and libcuda.so.1 at the paths a scenario program was given
+/// (`RTLD_LOCAL`, as the CUDA runtime opens the driver); panics if either cannot be opened.
+pub fn open_fake_libs(nccl: &str, cuda: &str) -> (*mut c_void, *mut c_void) {
+    let (nccl, cuda) = (
+        std::ffi::CString::new(nccl).expect("a path without NUL"),
+        std::ffi::CString::new(cuda).expect("a path without NUL"),
+    );
+    // SAFETY: NUL-terminated paths.
+    let (hn, hc) = unsafe {
+        (
+            libc::dlopen(nccl.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL),
+            libc::dlopen(cuda.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL),
+        )
+    };
+    assert!(
+        !hn.is_null() && !hc.is_null(),
+        "cannot open the fake libraries"
+    );
+    (hn, hc)
+}

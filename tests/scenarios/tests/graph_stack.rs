@@ -6,32 +6,20 @@
 use std::collections::HashMap;
 use std::process::Command;
 
-use memsaver_scenarios::{cuda_lib, fake_nccl, preload_lib, tempdir};
+use memsaver_scenarios::{cuda_lib, fake_nccl, preload_lib, run_lines};
 
 /// Local memory one byte of per-thread stack reserves on the fake's "H200".
 const PER_BYTE: u64 = 132 * 2048;
 
 fn run(case: &str) -> HashMap<String, String> {
-    let dir = tempdir("graph");
-    let out = Command::new(env!("CARGO_BIN_EXE_graph-app"))
-        .arg(fake_nccl())
-        .arg(cuda_lib())
-        .arg(case)
-        .env("FAKE_CUDA_DIR", &dir)
-        .env("LD_PRELOAD", preload_lib())
-        .output()
-        .unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    text.lines()
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect()
+    run_lines(
+        Command::new(env!("CARGO_BIN_EXE_graph-app"))
+            .arg(fake_nccl())
+            .arg(cuda_lib())
+            .arg(case)
+            .env("LD_PRELOAD", preload_lib()),
+        "graph",
+    )
 }
 
 fn has(json: &str, fields: &[&str]) {

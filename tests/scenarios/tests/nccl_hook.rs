@@ -5,15 +5,13 @@
 use std::collections::HashMap;
 use std::process::Command;
 
-use memsaver_scenarios::{cuda_lib, fake_nccl, preload_lib, tempdir};
+use memsaver_scenarios::{cuda_lib, fake_nccl, preload_lib, run_lines};
 
 /// Runs `nccl-like`, optionally under LD_PRELOAD of libmemsaver.so, and returns its lines.
 fn run(preload: bool, extra_env: &[(&str, &str)]) -> HashMap<String, String> {
-    let dir = tempdir("nccl");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_nccl-like"));
     cmd.arg(fake_nccl())
         .arg(cuda_lib())
-        .env("FAKE_CUDA_DIR", &dir)
         .env_remove("LD_PRELOAD");
     if preload {
         cmd.env("LD_PRELOAD", preload_lib());
@@ -21,18 +19,7 @@ fn run(preload: bool, extra_env: &[(&str, &str)]) -> HashMap<String, String> {
     for (k, v) in extra_env {
         cmd.env(k, v);
     }
-    let out = cmd.output().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    text.lines()
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect()
+    run_lines(&mut cmd, "nccl")
 }
 
 #[test]

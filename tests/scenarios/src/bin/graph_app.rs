@@ -12,7 +12,7 @@
 use std::ffi::{CString, c_char, c_int, c_uint, c_void};
 
 use memsaver_allocator::driver::sys::{CUgraph, CUgraphExec, fns};
-use memsaver_scenarios::{Alloc, FakeNcclAlloc, TagCall, object_of, sym};
+use memsaver_scenarios::{Alloc, FakeNcclAlloc, TagCall, object_of, open_fake_libs, sym};
 
 type StatsJson = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
 type CommInit = unsafe extern "C" fn(*const c_char, c_int) -> c_int;
@@ -122,22 +122,9 @@ impl Runtime {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let (nccl, cuda) = (
-        CString::new(args[1].as_str()).unwrap(),
-        CString::new(args[2].as_str()).unwrap(),
-    );
     let c = case(&args[3]);
-    // SAFETY: NUL-terminated paths.
-    let (hn, hc) = unsafe {
-        (
-            libc::dlopen(nccl.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL),
-            libc::dlopen(cuda.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL),
-        )
-    };
-    assert!(
-        !hn.is_null() && !hc.is_null(),
-        "cannot open the fake libraries"
-    );
+    let (hn, hc) = open_fake_libs(&args[1], &args[2]);
+    let cuda = CString::new(args[2].as_str()).unwrap();
     // Like cudart: look up cuGetProcAddress_v2, ask it for cuGetProcAddress, use that.
     let first = Runtime {
         gpa: sym(hc, c"cuGetProcAddress_v2"),

@@ -9,7 +9,7 @@
 
 use std::ffi::{CString, c_char, c_int, c_uint, c_void};
 
-use memsaver_scenarios::{Alloc, FakeNcclAlloc, Free, TagCall, object_of, sym};
+use memsaver_scenarios::{Alloc, FakeNcclAlloc, Free, TagCall, object_of, open_fake_libs, sym};
 
 type StatsJson = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
 
@@ -31,21 +31,8 @@ fn nccl_stats() -> String {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let (nccl, cuda) = (
-        CString::new(args[1].as_str()).unwrap(),
-        CString::new(args[2].as_str()).unwrap(),
-    );
-    // SAFETY: NUL-terminated paths.
-    let (hn, hc) = unsafe {
-        (
-            libc::dlopen(nccl.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL),
-            libc::dlopen(cuda.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL),
-        )
-    };
-    assert!(
-        !hn.is_null() && !hc.is_null(),
-        "cannot open the fake libraries"
-    );
+    let (hn, hc) = open_fake_libs(&args[1], &args[2]);
+    let cuda = CString::new(args[2].as_str()).unwrap();
     // The same lookup from this executable (as the CUDA runtime makes it): memsaver's other
     // wrapper, which wraps graph and limit calls only, so the VMM calls stay the driver's.
     let gpa: memsaver_allocator::driver::sys::fns::cuGetProcAddress_v2 =
