@@ -6,7 +6,7 @@ CARGO ?= cargo
 FAKE_DIR := target/fake-cuda
 FAKE_LIB := $(FAKE_DIR)/libcuda.so.1
 
-.PHONY: all build fake-cuda python demo test test-rust test-python lint fmt gpu-dist clean
+.PHONY: all build fake-cuda python demo test test-rust test-python lint lint-rust lint-python fmt gpu-dist clean
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -64,9 +64,25 @@ test-python: fake-cuda python
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state \
 	$(PY) -m pytest tests/python -q
 
-lint:
+lint: lint-rust lint-python
+
+lint-rust:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+
+# Python: ruff (ruff.toml), mypy --strict on the package, and stubtest of the hand-written .pyi
+# stubs against the installed wheel (run outside the source tree, which has no extension).
+LINT_TOOLS := $(VENV)/.lint-tools
+$(LINT_TOOLS): | $(PY)
+	$(PY) -m pip install -q "ruff==0.17.6" "mypy==2.4.1"
+	touch $@
+
+lint-python: $(LINT_TOOLS) python
+	$(VENV)/bin/ruff check python/memsaver tests/python tests/gpu bench
+	$(VENV)/bin/mypy --config-file python/pyproject.toml python/memsaver
+	cd /tmp && $(CURDIR)/$(PY) -m mypy.stubtest memsaver \
+		--mypy-config-file $(CURDIR)/python/pyproject.toml \
+		--allowlist $(CURDIR)/python/stubtest-allowlist.txt
 
 fmt:
 	$(CARGO) fmt --all

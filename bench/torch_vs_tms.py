@@ -81,13 +81,17 @@ def child(lib_name, cycles, cpu_gib, discard_gib):
         lib.resume(tag)
         p, r = [], []
         for _ in range(cycles):
-            p.append(timed(lambda: lib.pause(tag)))
-            r.append(timed(lambda: lib.resume(tag)))
+            p.append(timed(lambda tag=tag: lib.pause(tag)))
+            r.append(timed(lambda tag=tag: lib.resume(tag)))
         if cpu:
             for i, t in enumerate(ts):
                 if int(t[::65536].float().mean().item()) != i + 1:
                     raise SystemExit(f"{lib_name}: tensor {i} differs after resume")
-        out[tag] = {"bytes": gib * GIB, "pause_s": statistics.median(p), "resume_s": statistics.median(r)}
+        out[tag] = {
+            "bytes": gib * GIB,
+            "pause_s": statistics.median(p),
+            "resume_s": statistics.median(r),
+        }
         del ts
     allocs = {}
     for size, n in ALLOC_SIZES:
@@ -125,7 +129,7 @@ def main():
         p = subprocess.run([sys.executable, __file__, "--child", key, "--cycles", str(a.cycles),
                             "--cpu-gib", str(a.cpu_gib), "--discard-gib", str(a.discard_gib)],
                            env=env, capture_output=True, text=True, timeout=580)
-        line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+        line = next((s for s in p.stdout.splitlines() if s.startswith("RESULT ")), None)
         if line is None or (p.returncode != 0 and key == "memsaver"):
             print(f"{name} failed (exit {p.returncode}):\n{p.stdout}\n{p.stderr}")
             sys.exit(1)
@@ -141,12 +145,15 @@ def main():
     for name, r in runs.items():
         for tag in ("bench_cpu", "bench_discard"):
             x = r[tag]
-            print(f"{name:<28} {tag:<14} {x['pause_s']*1e3:>9.2f} {x['bytes']/x['pause_s']/1e9:>8.1f} "
-                  f"{x['resume_s']*1e3:>10.2f} {x['bytes']/x['resume_s']/1e9:>8.1f}")
+            pause_gbs = x["bytes"] / x["pause_s"] / 1e9
+            resume_gbs = x["bytes"] / x["resume_s"] / 1e9
+            print(f"{name:<28} {tag:<14} {x['pause_s']*1e3:>9.2f} {pause_gbs:>8.1f} "
+                  f"{x['resume_s']*1e3:>10.2f} {resume_gbs:>8.1f}")
     print("\nallocations per second inside a region (new tensors kept alive)")
     print(f"{'library':<28}" + "".join(f"{s // MIB:>10} MiB" for s, _ in ALLOC_SIZES))
     for name, r in runs.items():
-        print(f"{name:<28}" + "".join(f"{r['allocs_per_s'][str(s)]:>14.0f}" for s, _ in ALLOC_SIZES))
+        rates = "".join(f"{r['allocs_per_s'][str(s)]:>14.0f}" for s, _ in ALLOC_SIZES)
+        print(f"{name:<28}" + rates)
     ms, tms = runs["memsaver (in-process)"], runs["torch_memory_saver 0.0.10"]
     print("\nspeed-up of memsaver (in-process) over torch_memory_saver:")
     for tag in ("bench_cpu", "bench_discard"):

@@ -6,6 +6,20 @@ from contextlib import _GeneratorContextManager
 from typing import Any, Literal
 
 from . import timeline as timeline
+from ._memsaver import (
+    DriverError,
+    DriverNotLoadedError,
+    IncompleteError,
+    InvalidArgumentError,
+    MemsaverError,
+    OutOfMemoryError,
+    PeerError,
+    ProfileError,
+    ResumeOutOfMemoryError,
+    TagPausedError,
+    UnknownPointerError,
+    UnknownTagError,
+)
 from ._stats import Stats as Stats
 from ._stats import TagStats as TagStats
 from ._stats import Usage as Usage
@@ -15,20 +29,6 @@ from .profile import StageReport as StageReport
 from .profile import StepReport as StepReport
 from .profile import load_profile as load_profile
 from .profile import parse_profile as parse_profile
-from ._memsaver import (
-    DriverError,
-    DriverNotLoadedError,
-    IncompleteError,
-    InvalidArgumentError,
-    MemsaverError,
-    PeerError,
-    ProfileError,
-    OutOfMemoryError,
-    ResumeOutOfMemoryError,
-    TagPausedError,
-    UnknownPointerError,
-    UnknownTagError,
-)
 
 __version__: str
 __all__ = [

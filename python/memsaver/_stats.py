@@ -65,7 +65,7 @@ class Stats:
         return format_table(self)
 
 
-def _usage(d: dict) -> Usage:
+def _usage(d: dict[str, int]) -> Usage:
     return Usage(
         allocations=int(d["allocations"]),
         reserved_bytes=int(d["reserved_bytes"]),

@@ -134,7 +134,9 @@ def _mib(n: float) -> str:
 def _row(e: Mapping[str, Any]) -> str:
     ms = "" if e.get("seconds") is None else f"{e['seconds'] * 1e3:.2f}"
     free = "" if e.get("device_free") is None else _mib(e["device_free"])
-    cells = [str(e["pid"]), str(e.get("device", "")), str(e.get("stage") or ""), e["label"], ms, free]
+    cells = [
+        str(e["pid"]), str(e.get("device", "")), str(e.get("stage") or ""), e["label"], ms, free
+    ]
     return "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
 
 
@@ -193,7 +195,8 @@ def render_html(evts: list[dict[str, Any]], title: str = "memsaver timeline") ->
 <style>
 body {{ font-family: sans-serif; margin: 24px; color: #222; }}
 .key {{ margin-right: 18px; font-size: 14px; }}
-.swatch {{ display: inline-block; width: 14px; height: 14px; margin-right: 6px; vertical-align: middle; }}
+.swatch {{ display: inline-block; width: 14px; height: 14px; margin-right: 6px;
+  vertical-align: middle; }}
 table {{ border-collapse: collapse; font-size: 12px; margin-top: 24px; }}
 td, th {{ border: 1px solid #ccc; padding: 2px 8px; }}
 </style></head>
@@ -202,7 +205,8 @@ td, th {{ border: 1px solid #ccc; padding: 2px 8px; }}
 <p>Resident device memory per tag after each pause, resume and profile step (stacked bars).</p>
 <div id="legend">{legend}</div>
 {"".join(charts)}
-<table><tr><th>pid</th><th>device</th><th>stage</th><th>event</th><th>ms</th><th>device free</th></tr>{rows}</table>
+<table><tr><th>pid</th><th>device</th><th>stage</th><th>event</th><th>ms</th>
+<th>device free</th></tr>{rows}</table>
 </body></html>
 """
 

@@ -27,10 +27,9 @@ import subprocess
 import sys
 import tempfile
 
+import memsaver
 import torch
 import torch.distributed as dist
-
-import memsaver
 
 MIB = 1 << 20
 CUDA_LIMIT_STACK_SIZE = 0

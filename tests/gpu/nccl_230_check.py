@@ -8,10 +8,9 @@ import statistics
 import sys
 import time
 
+import memsaver
 import torch
 import torch.distributed as dist
-
-import memsaver
 
 MIB = 1 << 20
 
@@ -65,8 +64,10 @@ def main():
     print("NCCL_230 " + json.dumps({
         "rank": rank, "nccl_version": nccl_runtime_version(),
         "hooked": s["hooked"], "correct": ok, "footprint_mib": round(footprint / MIB, 1),
-        "owned_mib": round(s["owned_bytes"] / MIB, 1), "freed_mib_median": round(statistics.median(freed) / MIB, 1),
-        "pause_ms_median": round(statistics.median(tp), 1), "resume_ms_median": round(statistics.median(tr), 1),
+        "owned_mib": round(s["owned_bytes"] / MIB, 1),
+        "freed_mib_median": round(statistics.median(freed) / MIB, 1),
+        "pause_ms_median": round(statistics.median(tp), 1),
+        "resume_ms_median": round(statistics.median(tr), 1),
     }), flush=True)
     dist.destroy_process_group()
     sys.exit(0 if ok and s["hooked"] and min(freed) > 0 else 1)

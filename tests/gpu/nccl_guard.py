@@ -10,10 +10,9 @@ import json
 import os
 import sys
 
+import memsaver
 import torch
 import torch.distributed as dist
-
-import memsaver
 
 
 def main():
@@ -37,8 +36,9 @@ def main():
     dist.all_reduce(y)
     torch.cuda.synchronize()
     ok_after = bool(torch.all(y == sum(range(1, world + 1))).item())
-    print("NCCL_GUARD " + json.dumps({"rank": rank, "refused_while_paused": refused,
-                                      "error": message, "correct_after_resume": ok_after}), flush=True)
+    result = {"rank": rank, "refused_while_paused": refused, "error": message,
+              "correct_after_resume": ok_after}
+    print("NCCL_GUARD " + json.dumps(result), flush=True)
     dist.destroy_process_group()
     if not (refused and ok_after):
         sys.exit(1)

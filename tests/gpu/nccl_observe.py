@@ -16,10 +16,9 @@ import json
 import os
 import sys
 
+import memsaver
 import torch
 import torch.distributed as dist
-
-import memsaver
 
 MIB = 1 << 20
 

@@ -22,10 +22,9 @@ import statistics
 import sys
 import time
 
+import memsaver
 import torch
 import torch.distributed as dist
-
-import memsaver
 
 MIB = 1 << 20
 
@@ -73,7 +72,8 @@ def main():
     free_start = torch.cuda.mem_get_info()[0]
     reserved_start = torch.cuda.memory_reserved()
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    groups = [dist.group.WORLD, dist.new_group(list(range(world))), dist.new_group(list(range(world)))]
+    ranks = list(range(world))
+    groups = [dist.group.WORLD, dist.new_group(ranks), dist.new_group(ranks)]
     ok = collectives(groups, rank, world, 0)
     with memsaver.region("kv_cache"):
         kv = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")

@@ -20,10 +20,9 @@ import json
 import os
 import sys
 
+import memsaver
 import torch
 import torch.distributed as dist
-
-import memsaver
 
 NCCL_FLOAT32, NCCL_SUM, NCCL_INVALID_USAGE = 7, 0, 5
 

@@ -15,10 +15,9 @@ import os
 import pathlib
 import sys
 
+import memsaver
 import torch
 import torch.distributed as dist
-
-import memsaver
 
 GIB = 1 << 30
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "examples" / "verl_grpo.yaml"
@@ -76,8 +75,8 @@ def main():
         c_ok = bool(torch.all(y == sum(range(world))).item())
         ok &= w_ok and g_ok and c_ok and freed >= 5 * GIB
         if rank == 0:
-            print(f"cycle {cycle}: sleep freed {freed / GIB:.2f} GiB; weights ok {w_ok}, graph ok {g_ok}, "
-                  f"collectives ok {c_ok}")
+            print(f"cycle {cycle}: sleep freed {freed / GIB:.2f} GiB; weights ok {w_ok}, "
+                  f"graph ok {g_ok}, collectives ok {c_ok}")
             print(sleep)
             print(wake)
     dist.destroy_process_group()

@@ -542,7 +542,7 @@ class Run:
 
     def same(self, tensors, snap):
         return len(tensors) == len(snap) and all(
-            self.torch.equal(t.detach().cpu(), s) for t, s in zip(tensors, snap)
+            self.torch.equal(t.detach().cpu(), s) for t, s in zip(tensors, snap, strict=True)
         )
 
     def sync_weights(self):
@@ -661,7 +661,8 @@ class Run:
         toks = self.result["tokens"]
         changed = ""
         if c > 1:
-            n = sum(x != y for a, b in zip(toks[-2], toks[-1]) for x, y in zip(a, b))
+            pairs = zip(toks[-2], toks[-1], strict=True)
+            n = sum(x != y for a, b in pairs for x, y in zip(a, b, strict=True))
             changed = f", changed from cycle {c - 1}: {n}/{tokens.numel()}"
         print(f"[{self.kind}] cycle {c}: loss {loss!r}, decode/full-forward agreement "
               f"{agree:.1%}, tokens[0][:8] {tokens[0, :8].tolist()}{changed}", flush=True)
@@ -838,8 +839,8 @@ def compare(ref, res, label):
         if a != b:
             where = next(
                 ((i, j)
-                 for i, (ra, rb) in enumerate(zip(a, b))
-                 for j, (x, y) in enumerate(zip(ra, rb))
+                 for i, (ra, rb) in enumerate(zip(a, b, strict=True))
+                 for j, (x, y) in enumerate(zip(ra, rb, strict=True))
                  if x != y),
                 None,
             )
@@ -904,7 +905,9 @@ def parse_args():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("all", "preload", "inprocess", "reference"), default="all",
                    help="memsaver hook mode(s) to run after the reference run (default: all)")
-    p.add_argument("--cycles", type=int, default=5, help="train/rollout cycles (default 5, at least 3)")
+    p.add_argument(
+        "--cycles", type=int, default=5, help="train/rollout cycles (default 5, at least 3)"
+    )
     p.add_argument("--tokens", type=int, default=64,
                    help="tokens generated per sequence (default 64)")
     p.add_argument("--raise-stack", type=int, default=1744, metavar="BYTES",

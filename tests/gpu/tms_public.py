@@ -97,7 +97,8 @@ def _run(case: str, hook_mode: str) -> None:
         rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
         rt.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         rt.cudaFree.argtypes = [ctypes.c_void_p]
-        malloc, memcpy, free = ctypes.CDLL(None).cudaMalloc, rt.cudaMemcpy, ctypes.CDLL(None).cudaFree
+        hooked = ctypes.CDLL(None)  # the preloaded cudaMalloc/cudaFree come first
+        malloc, memcpy, free = hooked.cudaMalloc, rt.cudaMemcpy, hooked.cudaFree
         malloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
         free.argtypes = [ctypes.c_void_p]
         torch.cuda.init()

@@ -28,8 +28,8 @@ def check(cond, msg):
 
 
 def scenario_tensors():
-    import torch
     import memsaver
+    import torch
 
     torch.cuda.init()
     untagged = torch.arange(64 << 20, device="cuda", dtype=torch.int32)
@@ -60,22 +60,22 @@ def scenario_tensors():
     memsaver.resume("weights", "kv_cache")
     resume_ms = (time.perf_counter() - t0) * 1e3
     check([w.data_ptr() for w in weights] + [kv.data_ptr()] == ptrs, "data_ptr changed")
-    for w, r in zip(weights, reference):
+    for w, r in zip(weights, reference, strict=True):
         check(torch.equal(w.cpu(), r), "weights differ after resume")
     kv.fill_(7)
     check(int(kv[-1].item()) == 7, "kv_cache unusable after resume")
     # A second cycle, and pause/resume of everything.
     memsaver.pause()
     memsaver.resume()
-    for w, r in zip(weights, reference):
+    for w, r in zip(weights, reference, strict=True):
         check(torch.equal(w.cpu(), r), "weights differ after second cycle")
     return {"tagged_bytes": tagged, "freed_bytes": freed, "freed_pct": 100.0 * freed / tagged,
             "pause_ms": pause_ms, "resume_ms": resume_ms}
 
 
 def scenario_graph():
-    import torch
     import memsaver
+    import torch
 
     torch.cuda.init()
     static_in = torch.randn(16 << 20, device="cuda")
@@ -172,7 +172,7 @@ def main():
         for name in SCENARIOS:
             p = subprocess.run([sys.executable, __file__, "--child", name], env=env,
                                capture_output=True, text=True, timeout=300)
-            line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+            line = next((s for s in p.stdout.splitlines() if s.startswith("RESULT ")), None)
             if p.returncode != 0 or line is None:
                 failures.append(f"{mode}/{name}")
                 print(f"FAIL {mode}/{name} (exit {p.returncode})\n{p.stdout}\n{p.stderr}")

@@ -17,7 +17,9 @@ EXAMPLES = sorted(p for p in DIR.glob("*.py") if not p.name.startswith("_"))
 def test_example_runs(path, tmp_path):
     env = dict(os.environ, FAKE_CUDA_DIR=str(tmp_path))
     env.pop("LD_PRELOAD", None)
-    r = subprocess.run([sys.executable, path.name], cwd=DIR, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, path.name], cwd=DIR, env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "example: ok" in r.stdout
 

@@ -80,7 +80,8 @@ stages:
 def test_recording_is_off_by_default_and_env_turns_it_on(tmp_path):
     code = (
         "import memsaver; from memsaver import timeline; "
-        "print(timeline.enabled()); memsaver.register_tag('x'); memsaver.pause('x'); memsaver.resume('x')"
+        "print(timeline.enabled()); memsaver.register_tag('x'); "
+        "memsaver.pause('x'); memsaver.resume('x')"
     )
     env = dict(__import__("os").environ)
     env.pop("MEMSAVER_TIMELINE", None)

@@ -1,0 +1,237 @@
+"""The public functions of the ``memsaver`` package (re-exported by ``memsaver/__init__.py``):
+regions, pause and resume, stats, backup settings and the ``nccl`` group. Each is a thin layer
+over the C ABI of libmemsaver.so, reached through the ``_memsaver`` extension; torch is used only
+when the application has imported it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from . import _core, _memsaver, _stats, _torch, timeline
+from ._memsaver import MemsaverError
+from ._stats import Stats
+
+Policy = Literal["discard", "cpu", "mmap", "disk"]
+
+
+def hook_mode() -> str:
+    """How torch reaches memsaver in this process.
+
+    ``"preload"``: the process was started with ``LD_PRELOAD`` of libmemsaver.so, which
+    interposes ``cudaMalloc``/``cudaFree`` (and is what NCCL's memory needs).
+    ``"inprocess"``: libmemsaver.so was loaded by this package; torch allocates through a
+    ``CUDAPluggableAllocator`` pool per tag.
+    """
+    return _core.hook_mode()
+
+
+def _tag_names(fn: str, tags: tuple[Any, ...]) -> list[str]:
+    for t in tags:
+        if not isinstance(t, str):
+            raise TypeError(
+                f"memsaver.{fn}() takes tag names as separate str arguments, e.g. "
+                f"memsaver.{fn}('weights', 'kv_cache'); got {t!r}"
+            )
+    return list(tags)
+
+
+@contextlib.contextmanager
+def region(tag: str, backup: Policy = "discard") -> Iterator[None]:
+    """Tags the device memory allocated on this thread inside the block.
+
+    ``backup``: ``"discard"`` (contents are dropped on pause: garbage after resume),
+    ``"cpu"`` (contents kept in pinned host memory while paused), ``"mmap"`` (in pageable
+    anonymous host memory: cheap to allocate, and the process RSS drops when it is released) or
+    ``"disk"`` (in a file of the disk backup directory, see ``set_disk_dir``). Under PyTorch the
+    block's tensors come from a caching-allocator pool of their own (tag, backup, current
+    device), so a tag's memory is never reused for another tag's or untagged tensors. Allocate
+    tensors for another device inside ``torch.cuda.device(d)``. Regions nest; the innermost one
+    applies.
+    """
+    _core.ensure_loaded()
+    torch = _torch.torch_module()
+    # A paused tag is refused here (TagPausedError): torch would reuse its unmapped blocks.
+    _memsaver.region_enter(tag, backup)
+    try:
+        if torch is None:
+            yield
+        else:
+            device = torch.cuda.current_device()
+            with _torch.scope(torch, _torch.tag_pool(torch, tag, backup, device), device):
+                yield
+    finally:
+        _memsaver.region_exit()
+
+
+@contextlib.contextmanager
+def disable() -> Iterator[None]:
+    """Allocations on this thread inside the block are not tagged (never paused), even inside
+    a region or in whole-process mode. Under PyTorch they come from torch's default pool, or,
+    in whole-process mode (where the default pool holds the process tag's memory, which may be
+    paused), from a pool of their own whose cached memory is returned when the block ends."""
+    _core.ensure_loaded()
+    whole_process = json.loads(_memsaver.region_current_json())["process_tag"] is not None
+    _memsaver.region_disable()
+    try:
+        torch = _torch.torch_module()
+        if torch is None:
+            yield
+        elif not whole_process:
+            with _torch.scope(torch, None, -1):
+                yield
+        else:
+            device = torch.cuda.current_device()
+            pool = _torch.private_pool(torch, device)
+            with _torch.scope(torch, pool, device):
+                yield
+            del pool  # torch frees the pool's unused segments when the pool goes
+    finally:
+        _memsaver.region_exit()
+
+
+@contextlib.contextmanager
+def cuda_graph(
+    graph: Any,
+    tag: str = "cuda_graph",
+    backup: Policy = "discard",
+    **kwargs: Any,
+) -> Iterator[None]:
+    """Like ``torch.cuda.graph(graph, **kwargs)``, with the memory of the capture tagged ``tag``
+    so that ``pause(tag)`` releases it and the graph replays correctly after ``resume(tag)``.
+
+    ``kwargs`` are those of ``torch.cuda.graph`` (``pool``, ``stream``,
+    ``capture_error_mode``). Graphs that share a ``pool`` share memory as with torch.
+    """
+    torch = _torch.torch_module()
+    if torch is None:
+        raise MemsaverError(
+            "memsaver.cuda_graph needs PyTorch with CUDA available (import torch first)"
+        )
+    _core.ensure_loaded()
+    user_pool = kwargs.pop("pool", None)
+    # The capture allocates from the graph's pool: suspend any enclosing region's pool, which
+    # torch would otherwise prefer.
+    with _torch.scope(torch, None, -1):
+        _memsaver.region_enter(tag, backup)
+        try:
+            pool = _torch.graph_pool(torch, user_pool, tag, backup, graph)
+            with torch.cuda.graph(graph, pool=pool, **kwargs):
+                yield
+        finally:
+            _memsaver.region_exit()
+
+
+def pause(*tags: str) -> None:
+    """Releases the device memory of ``tags`` (every tag when none is given), keeping their
+    virtual addresses. Pausing a paused tag does nothing. An unknown tag raises
+    ``UnknownTagError`` listing the known ones."""
+    names = _tag_names("pause", tags)
+    _core.ensure_loaded()
+    torch = _torch.cuda_initialized()
+    if torch is not None:
+        # Kernels queued on torch's streams may still use the memory.
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    _memsaver.pause(names)
+    timeline.record("pause", "pause " + (", ".join(names) or "all"), time.perf_counter() - t0)
+
+
+def resume(*tags: str) -> None:
+    """Maps device memory again for ``tags`` (every tag when none is given) at the same
+    addresses, restoring ``backup="cpu"`` contents. Resuming an active tag does nothing. Out
+    of memory raises ``ResumeOutOfMemoryError``: what was resumed stays resumed; free memory
+    and call resume again."""
+    names = _tag_names("resume", tags)
+    _core.ensure_loaded()
+    t0 = time.perf_counter()
+    _memsaver.resume(names)
+    timeline.record("resume", "resume " + (", ".join(names) or "all"), time.perf_counter() - t0)
+
+
+def register_tag(tag: str) -> None:
+    """Declares a tag without allocating, so that it can be paused and is listed in stats."""
+    _core.ensure_loaded()
+    _memsaver.register_tag(tag)
+
+
+def stats() -> Stats:
+    """Per-tag and total figures of this process (reserved, resident and backup bytes)."""
+    _core.ensure_loaded()
+    return _stats.parse(_memsaver.stats_json())
+
+
+def set_group(group: int) -> None:
+    """Sets this process's group for the ``nccl`` tag: processes pause and resume NCCL's memory
+    together with peers of the same group only, so co-located training and inference
+    processes on the same GPUs never mix (also ``MEMSAVER_GROUP``, AMem's ``AMEM_GROUPID`` and
+    ``ncclSetGroupID``). Call it before NCCL initialises: once NCCL has shared memory with a
+    peer the group is fixed, and another value raises ``InvalidArgumentError``."""
+    _core.ensure_loaded()
+    _memsaver.nccl_set_group(int(group))
+
+
+def group() -> int:
+    """This process's group for the ``nccl`` tag (0 unless set)."""
+    _core.ensure_loaded()
+    return int(_memsaver.nccl_group())
+
+
+def nccl_stats() -> dict[str, int | bool | str | None]:
+    """NCCL's device memory in this process as memsaver's NCCL hook sees it: ``hooked`` (NCCL
+    resolved its driver calls through memsaver: the process was started with the preload),
+    ``cumem_disabled`` (``NCCL_CUMEM_ENABLE=0``: NCCL then uses cudaMalloc and legacy IPC, which
+    no VMM hook sees), bytes and handles NCCL owns, imported from peers and exported, and what
+    stays resident (host, FABRIC, NIC ranges, multicast objects). While ``nccl`` is paused,
+    also the kernel stack's local memory: ``stack_lowered_bytes`` (freed by lowering the
+    per-thread stack limit NCCL's kernels raised), ``stack_kept_bytes`` and
+    ``stack_kept_reason`` (kept above CUDA's default because a live CUDA graph or the
+    application needs it, e.g. ``"device 0: a live CUDA graph was instantiated at 1744
+    B/thread"``; ``None`` when nothing was kept)."""
+
+    _core.ensure_loaded()
+    result: dict[str, int | bool | str | None] = json.loads(_memsaver.nccl_stats_json())
+    return result
+
+
+def device_memory(device: int = 0) -> tuple[int, int]:
+    """(free, total) bytes of ``device`` as the CUDA driver reports them (all processes)."""
+    _core.ensure_loaded()
+    return _memsaver.device_memory(device)
+
+
+def set_retain_backups(on: bool) -> None:
+    """Backup retention (``MEMSAVER_RETAIN_BACKUP``, default on). On: a backup (host memory or
+    disk file) stays attached to its allocation after resume, so later pauses allocate nothing.
+    Off: it is released as soon as its allocation has resumed (the host memory or file is given
+    back), and the next resume also releases retained backups of resident allocations of the
+    tags it names. Backups are always released when their allocation is freed."""
+    _core.ensure_loaded()
+    _memsaver.set_retain_backups(bool(on))
+
+
+def retain_backups() -> bool:
+    """Whether backups are retained across cycles (see ``set_retain_backups``)."""
+    _core.ensure_loaded()
+    return bool(_memsaver.retain_backups())
+
+
+def set_disk_dir(path: str | os.PathLike[str] | None) -> None:
+    """Sets the directory of ``backup="disk"`` files (``MEMSAVER_DISK_DIR``), creating it with
+    mode 0700 if missing; ``None`` unsets it. Pausing a disk-backed tag without one raises
+    ``InvalidArgumentError`` and changes nothing. Files are named by pid and address, and
+    removed when released."""
+    _core.ensure_loaded()
+    _memsaver.set_disk_dir(None if path is None else os.fspath(path))
+
+
+def set_memory_margin(bytes: int) -> None:
+    """Resume keeps at least ``bytes`` free on each device (``MEMSAVER_MEMORY_MARGIN_MB``,
+    default 0): an allocation that would leave less stays paused and resume raises
+    ``ResumeOutOfMemoryError`` (what was resumed stays resumed)."""
+    _core.ensure_loaded()
+    _memsaver.set_memory_margin(int(bytes))
