@@ -32,6 +32,7 @@ from . import _core, _memsaver, _stats, _torch, timeline
 from ._core import require_preload
 from ._launch import configure_subprocess, preload_path, subprocess_env
 from ._memsaver import (
+    BackupError,
     DriverError,
     DriverNotLoadedError,
     IncompleteError,
@@ -87,6 +88,7 @@ __all__ = [
     "IncompleteError",
     "PeerError",
     "ProfileError",
+    "BackupError",
     "ProfileStepError",
     # profiles
     "load_profile",

@@ -16,6 +16,7 @@ from .profile import StepReport as StepReport
 from .profile import load_profile as load_profile
 from .profile import parse_profile as parse_profile
 from ._memsaver import (
+    BackupError,
     DriverError,
     DriverNotLoadedError,
     IncompleteError,
@@ -67,6 +68,7 @@ __all__ = [
     "IncompleteError",
     "PeerError",
     "ProfileError",
+    "BackupError",
     "ProfileStepError",
     "load_profile",
     "parse_profile",
