@@ -286,7 +286,6 @@ impl Allocator {
             policy,
             phase: Phase::Resident(handle),
             backup: None,
-            generation: 0,
             free_pending: false,
         };
         let mut t = self.table.lock();
