@@ -16,8 +16,8 @@ use crate::stats::Stats;
 use crate::table::{Allocation, Phase, Table};
 use crate::types::{Policy, State};
 
-/// One tag-based VMM allocator. A process normally has exactly one, [`crate::global`]; tests
-/// may build more over the same driver.
+/// One tag-based VMM allocator. A process normally has exactly one, started by
+/// [`crate::start_global`]; tests may build more over the same driver.
 pub struct Allocator {
     pub(crate) driver: Arc<Driver>,
     /// Guards the map of opened devices only; a device is opened once and never closed.

@@ -137,9 +137,10 @@ impl Graphs {
 }
 
 /// The calling thread's current device and its stack limit, through memsaver's driver (the
-/// same libcuda as the caller's).
+/// same libcuda as the caller's). May start the allocator (under `GRAPHS`, which comes before
+/// the locks the start takes).
 fn current() -> Option<(i32, usize)> {
-    let d = memsaver_allocator::global().ok()?.driver();
+    let d = crate::allocator().ok()?.driver();
     Some((d.current_device()?, d.stack_size().ok()?))
 }
 

@@ -42,12 +42,12 @@ use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use memsaver_allocator::{Allocator, Error, Policy};
+use memsaver_allocator::{Error, Policy};
 
-/// The process-wide allocator, with memsaver's external tags registered (`nccl`).
-pub fn allocator() -> Result<&'static Allocator, Error> {
-    memsaver_nccl_hook::allocator()
-}
+/// The process-wide allocator, started on first use with memsaver's external tags (`nccl`):
+/// the one entry point, re-exported. The hooks' `cudaFree` path uses
+/// `memsaver_allocator::global_if_started` instead, which never starts it.
+pub use memsaver_nccl_hook::allocator;
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
