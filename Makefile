@@ -6,7 +6,7 @@ CARGO ?= cargo
 FAKE_DIR := target/fake-cuda
 FAKE_LIB := $(FAKE_DIR)/libcuda.so.1
 
-.PHONY: all build fake-cuda python demo test test-rust test-python lint lint-rust lint-python fmt gpu-dist clean
+.PHONY: all build fake-cuda python demo test test-rust test-python lint lint-rust lint-python fmt abi gpu-dist clean
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -86,6 +86,12 @@ lint-python: $(LINT_TOOLS) python
 
 fmt:
 	$(CARGO) fmt --all
+
+# The C ABI is defined in torch-shim/src (crate doc, exported functions, status.rs). This
+# regenerates the files made from it, torch-shim/include/memsaver.h (cbindgen) and
+# python/src/abi.rs; `make test` fails while a checked-in copy differs.
+abi:
+	WRITE_ABI_FILES=1 $(CARGO) test --release -p memsaver-shim --test abi_files
 
 # Binaries for a lent GPU machine (no Rust toolchain there): carry .dist in the device call.
 gpu-dist: build fake-cuda python

@@ -16,21 +16,34 @@ use crate::stats::Stats;
 use crate::table::{Allocation, Phase, Table};
 use crate::types::{Policy, State};
 
-/// One tag-based VMM allocator. A process normally has exactly one, [`crate::global`]; tests
-/// may build more over the same driver.
+/// One tag-based VMM allocator. A process normally has exactly one, started by
+/// [`crate::start_global`]; tests may build more over the same driver.
+///
+/// Lock order (docs/architecture.md, "Locks"): `transition`, then nccl-hook's `GRAPHS`, then
+/// `external`, then nccl-hook's `REGISTRY`, then `table`, `devices`, `settings`; a thread
+/// holding one of them takes only locks after it.
 pub struct Allocator {
     pub(crate) driver: Arc<Driver>,
-    /// Guards the map of opened devices only; a device is opened once and never closed.
+    /// Guards the map of opened devices only; a device is opened once and never closed. Held
+    /// across the driver calls that open a device (the first use of it), and nothing is taken
+    /// under it. Taken under `REGISTRY` and `GRAPHS` (the `nccl` tag's `copy_stream`).
     devices: Mutex<HashMap<i32, Arc<Device>>>,
     /// Guards the allocation table and the tag registry. Held for bookkeeping only, never
-    /// across a driver call, so allocations proceed while a pause copies or unmaps.
+    /// across a driver call, so allocations proceed while a pause copies or unmaps; nothing is
+    /// taken under it. Taken under `external` when tag names are resolved.
     pub(crate) table: Mutex<Table>,
-    /// Serialises pause and resume: one transition at a time per allocator. malloc and free
+    /// Serialises pause and resume: one transition at a time per allocator, held across the
+    /// whole transition (driver calls and the external tags' steps included). malloc and free
     /// never take it.
     pub(crate) transition: Mutex<()>,
-    /// Guards the registry of external tags (written once per tag at start-up).
+    /// Guards the registry of external tags (written once per tag, when the process-wide
+    /// allocator starts). Read while tag names are resolved (the table lock is taken under it)
+    /// and while external tags report `paused` and `usage` (the `nccl` tag's takes
+    /// `REGISTRY`); never held while an external tag pauses or resumes: the transition clones
+    /// them out first.
     pub(crate) external: RwLock<BTreeMap<String, Arc<dyn ExternalTag>>>,
-    /// Guards the run-time settings only; never held across a driver call or file I/O.
+    /// Guards the run-time settings only; never held across a driver call or file I/O, and
+    /// nothing is taken under it.
     settings: Mutex<Settings>,
 }
 
@@ -286,7 +299,6 @@ impl Allocator {
             policy,
             phase: Phase::Resident(handle),
             backup: None,
-            generation: 0,
             free_pending: false,
         };
         let mut t = self.table.lock();

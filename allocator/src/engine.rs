@@ -549,12 +549,7 @@ impl Allocator {
                     a.backup = j.backup;
                 }
                 match j.error {
-                    None => {
-                        done += 1;
-                        if resumed {
-                            a.generation += 1;
-                        }
-                    }
+                    None => done += 1,
                     Some(e) => {
                         if op == Op::Resume {
                             still_paused += 1;

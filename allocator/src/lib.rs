@@ -28,7 +28,7 @@ mod error;
 mod external;
 mod table;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Once, OnceLock};
 
 pub use allocator::Allocator;
 pub use backup::BackupKind;
@@ -39,24 +39,42 @@ pub use options::Options;
 pub use stats::{DeviceUsage, Stats, TagStats, Usage};
 pub use types::{Policy, State, human_bytes};
 
+/// The process-wide allocator, or why the driver did not load; set once by [`start_global`].
 static GLOBAL: OnceLock<std::result::Result<Allocator, driver::LoadError>> = OnceLock::new();
+/// Completed once the external tags of the process-wide allocator are registered.
+static EXTERNAL_TAGS: Once = Once::new();
 
-/// The process-wide allocator if something has already started it; never loads the driver.
-/// Hooks on hot paths (every `cudaFree` of the process) use this to stay out of the way of
-/// processes that never allocate through memsaver.
+/// The process-wide allocator if it has been started (external tags registered); never starts
+/// it, so never loads the driver. The accessor for hooks on hot paths (every `cudaFree` of the
+/// process), which must stay out of the way of processes that never allocate through memsaver.
 pub fn global_if_started() -> Option<&'static Allocator> {
+    if !EXTERNAL_TAGS.is_completed() {
+        return None;
+    }
     GLOBAL.get().and_then(|r| r.as_ref().ok())
 }
 
-/// The process-wide allocator, created on first use from [`Options::from_env`]. A driver that
-/// fails to load is reported by every call, never by a panic.
-pub fn global() -> Result<&'static Allocator> {
-    GLOBAL
+/// Starts the process-wide allocator, the one entry point that creates it: the first call loads
+/// the driver and creates the allocator from [`Options::from_env`], then runs
+/// `register_external_tags` with it, once; no call returns the allocator before that is done.
+/// Later calls return the same allocator, or the same error: a driver that fails to load is
+/// reported by every call, never by a panic.
+///
+/// Its only caller is `memsaver_nccl_hook::allocator()`, which registers the `nccl` tag (the
+/// core knows nothing of NCCL); everything in libmemsaver.so starts the allocator through that
+/// function, so none of it can see the allocator without its external tags. The start takes
+/// the `table` and `external` locks: see the lock order in `docs/architecture.md`.
+pub fn start_global(
+    register_external_tags: impl FnOnce(&'static Allocator),
+) -> Result<&'static Allocator> {
+    let a = GLOBAL
         .get_or_init(|| {
             let opts = Options::from_env();
             driver::Driver::load(&opts.cuda_lib)
                 .map(|d| Allocator::with_options(Arc::new(d), &opts))
         })
         .as_ref()
-        .map_err(|e| Error::Load(e.clone()))
+        .map_err(|e| Error::Load(e.clone()))?;
+    EXTERNAL_TAGS.call_once(|| register_external_tags(a));
+    Ok(a)
 }

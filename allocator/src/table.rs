@@ -40,8 +40,6 @@ pub(crate) struct Allocation {
     /// across cycles while retention is on. When present it holds the contents as of the last
     /// completed pause. `None` while the engine holds it during a transition.
     pub backup: Option<Backup>,
-    /// Incremented at every successful resume.
-    pub generation: u64,
     /// `free` was called while a pause or resume held this allocation; the engine frees it when
     /// it is done.
     pub free_pending: bool,

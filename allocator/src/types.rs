@@ -17,8 +17,10 @@
 //! * **export / import**: turning a handle into a POSIX fd another process can import as its own
 //!   handle to the same physical memory. The exporter of an allocation is its **owner**, a
 //!   process that imported it is an **importer**.
-//! * **generation**: how many times an allocation has been resumed; it names which physical
-//!   incarnation a cross-process reference points at.
+//! * **generation**: how many times an exported buffer's physical memory has been re-created by
+//!   a resume; it names which incarnation a cross-process reference points at. Only NCCL's
+//!   buffers are exported, so only the `nccl` tag's registry keeps one (per handle, in
+//!   nccl-hook); the core's allocations are never exported and have none.
 //! * **pause**: unmap and release an allocation's physical memory, keeping its virtual range
 //!   reserved (after backing up its contents if its policy says so).
 //! * **resume**: create fresh physical memory, map it at the same address, and restore the

@@ -94,8 +94,11 @@ pub(crate) struct Graphs {
 
 /// Guards all of the above. Held by the instantiate, destroy and `cuCtxSetLimit` wrappers
 /// across their driver call (so a pause cannot lower the limit between an instantiation and its
-/// record), by the launch wrapper for one map lookup, and by the `nccl` pause and resume while
-/// they read the floor and set the limit. Never taken on the `dlsym` path.
+/// record), by the launch wrapper for one map lookup, by the `nccl` pause and resume while
+/// they read the floor and set the limit (taking the allocator's `devices` for the copy
+/// stream), and by `stats` after it dropped `REGISTRY`. Never taken on the `dlsym` path, never
+/// with `REGISTRY` held. `current` may start the allocator under it (the start takes
+/// `external` and `table`, which come after this lock).
 static GRAPHS: Mutex<Graphs> = Mutex::new(Graphs {
     execs: BTreeMap::new(),
     devices: BTreeMap::new(),
@@ -137,9 +140,10 @@ impl Graphs {
 }
 
 /// The calling thread's current device and its stack limit, through memsaver's driver (the
-/// same libcuda as the caller's).
+/// same libcuda as the caller's). May start the allocator (under `GRAPHS`, which comes before
+/// the locks the start takes).
 fn current() -> Option<(i32, usize)> {
-    let d = memsaver_allocator::global().ok()?.driver();
+    let d = crate::allocator().ok()?.driver();
     Some((d.current_device()?, d.stack_size().ok()?))
 }
 

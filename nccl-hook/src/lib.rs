@@ -54,17 +54,18 @@ pub fn init_logging() {
     });
 }
 
-/// The process-wide allocator with the `nccl` tag registered.
+/// The process-wide allocator, started on first use with the `nccl` tag registered: the one
+/// entry point of libmemsaver.so that starts it (through [`memsaver_allocator::start_global`]);
+/// [`memsaver_allocator::global_if_started`] is the accessor that never does. The first call
+/// takes the allocator's `table` and `external` locks: call it with no lock held but `GRAPHS`
+/// (lock order in docs/architecture.md), never under `REGISTRY`.
 pub fn allocator() -> Result<&'static Allocator> {
     init_logging();
-    static NCCL: Once = Once::new();
-    let a = memsaver_allocator::global()?;
-    NCCL.call_once(|| {
+    memsaver_allocator::start_global(|a| {
         if let Err(e) = a.register_external("nccl", Arc::new(NcclTag::new(a))) {
             tracing::warn!(error = %e, "the nccl tag is not available");
         }
-    });
-    Ok(a)
+    })
 }
 
 /// NCCL's memory in this process as the hook has seen it.

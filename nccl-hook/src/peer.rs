@@ -286,6 +286,8 @@ fn serve(stream: UnixStream) {
 /// `pid` as an importer. `REL`: `pid` let go of its import of that generation.
 fn answer(stream: &UnixStream, batch: &[Request]) -> nix::Result<()> {
     let deadline = Instant::now() + timeout();
+    // Before the registry lock: this may start the allocator.
+    let allocator = crate::allocator();
     let mut next = 0;
     while next < batch.len() {
         let mut replies: Vec<(u32, u64, Option<OwnedFd>)> = Vec::new();
@@ -310,7 +312,8 @@ fn answer(stream: &UnixStream, batch: &[Request]) -> nix::Result<()> {
                 let Some(h) = p.real.filter(|_| stays || p.generation >= r.generation) else {
                     break; // not restored yet: answers go out in order, wait
                 };
-                match memsaver_allocator::global()
+                match allocator
+                    .clone()
                     .and_then(|a| Ok(a.driver().export_fd(Handle(h))?))
                 {
                     Ok(fd) => {

@@ -143,8 +143,13 @@ pub(crate) struct Registry {
     pub multicast_objects: u64,
 }
 
-/// Guards the registry. Held by the wrappers for bookkeeping and by pause/resume for their
-/// whole duration, so that NCCL cannot map or unmap memory while it is being paused.
+/// Guards the registry. Held by NCCL's wrapped calls (one call each, bookkeeping and their
+/// driver call), by the `nccl` pause for its whole local step (so NCCL cannot map or unmap
+/// memory while it is being paused), by resume per batch of handles (handed over fairly
+/// between batches so the peer server can answer), by the peer server per batch of answers,
+/// and by `stats`; never while waiting for a peer. Under it only the allocator's `devices`
+/// (the copy stream) is taken; never `GRAPHS`, and never the start of the allocator (which
+/// takes `external`, a lock before this one).
 static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
 
 pub(crate) fn lock() -> parking_lot::MappedMutexGuard<'static, Registry> {

@@ -367,7 +367,8 @@ unsafe extern "C" fn mem_import(
         let h = unsafe { *handle };
         // Where the memory lives (a peer's device, or host memory for NCCL's shared-memory
         // transport), asked of the driver directly: NCCL may never have looked the query up.
-        let prop = memsaver_allocator::global()
+        // Before the registry lock: this may start the allocator.
+        let prop = crate::allocator()
             .ok()
             .and_then(|a| a.driver().properties(Handle(h)).ok())
             .unwrap_or_default();

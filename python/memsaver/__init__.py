@@ -46,6 +46,7 @@ from ._api import (
 from ._core import require_preload
 from ._launch import configure_subprocess, preload_path, subprocess_env
 from ._memsaver import (
+    BackupError,
     DriverError,
     DriverNotLoadedError,
     IncompleteError,
@@ -101,6 +102,7 @@ __all__ = [
     "IncompleteError",
     "PeerError",
     "ProfileError",
+    "BackupError",
     "ProfileStepError",
     # profiles
     "load_profile",

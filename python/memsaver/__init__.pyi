@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from . import timeline as timeline
 from ._memsaver import (
+    BackupError,
     DriverError,
     DriverNotLoadedError,
     IncompleteError,
@@ -67,6 +68,7 @@ __all__ = [
     "IncompleteError",
     "PeerError",
     "ProfileError",
+    "BackupError",
     "ProfileStepError",
     "load_profile",
     "parse_profile",

@@ -1,8 +1,12 @@
-//! Python exceptions, one per status code of the C ABI, all subclasses of MemsaverError.
+//! Python exceptions for the status codes of the C ABI, all subclasses of MemsaverError: one per
+//! error a caller can act on; `from_status` matches every status of `abi::Status` (generated
+//! from libmemsaver.so's source), so a new status does not compile until it is mapped here.
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
+
+use crate::abi::Status;
 
 create_exception!(
     memsaver,
@@ -79,22 +83,39 @@ create_exception!(
     "An invalid pause/resume profile; the message gives file:line:column and what was expected."
 );
 
-/// The exception for a status code of the C ABI, carrying `message`.
+create_exception!(
+    memsaver,
+    BackupError,
+    MemsaverError,
+    "Host memory or a file for a backup could not be made, written or read."
+);
+
+/// The exception for a failed call's status code, carrying `message`.
 pub fn from_status(code: i32, message: String) -> PyErr {
-    match code {
-        1 => InvalidArgumentError::new_err(message),
-        2 => UnknownTagError::new_err(message),
-        3 => TagPausedError::new_err(message),
-        4 => UnknownPointerError::new_err(message),
-        5 => OutOfMemoryError::new_err(message),
-        6 => ResumeOutOfMemoryError::new_err(message),
-        7 => DriverError::new_err(message),
-        8 => DriverNotLoadedError::new_err(message),
-        9 => IncompleteError::new_err(message),
-        11 => PeerError::new_err(message),
-        12 => ProfileError::new_err(message),
-        13 => MemsaverError::new_err(message),
-        _ => MemsaverError::new_err(format!("{message} (status {code})")),
+    let Some(status) = Status::from_code(code) else {
+        return MemsaverError::new_err(format!(
+            "{message} (status {code}, unknown to this memsaver package: is libmemsaver.so of \
+             another version?)"
+        ));
+    };
+    match status {
+        Status::InvalidArgument => InvalidArgumentError::new_err(message),
+        Status::UnknownTag => UnknownTagError::new_err(message),
+        Status::TagPaused => TagPausedError::new_err(message),
+        Status::UnknownPointer => UnknownPointerError::new_err(message),
+        Status::OutOfMemory => OutOfMemoryError::new_err(message),
+        Status::ResumeOutOfMemory => ResumeOutOfMemoryError::new_err(message),
+        Status::Driver => DriverError::new_err(message),
+        Status::DriverNotLoaded => DriverNotLoadedError::new_err(message),
+        Status::Incomplete => IncompleteError::new_err(message),
+        Status::Peer => PeerError::new_err(message),
+        Status::Profile => ProfileError::new_err(message),
+        Status::Backup => BackupError::new_err(message),
+        // Not errors a caller can act on by type: the binding retries a short buffer itself,
+        // an internal error is a bug whose message says so, and success is never raised.
+        Status::BufferTooSmall | Status::Internal | Status::Ok => {
+            MemsaverError::new_err(format!("{message} ({status:?})"))
+        }
     }
 }
 
@@ -121,5 +142,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("IncompleteError", py.get_type::<IncompleteError>())?;
     m.add("PeerError", py.get_type::<PeerError>())?;
     m.add("ProfileError", py.get_type::<ProfileError>())?;
+    m.add("BackupError", py.get_type::<BackupError>())?;
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! copy, or the one bundled in the wheel) and calls its C ABI, turning status codes into
 //! exceptions. The Python package (`python/memsaver`) builds the user API on top.
 
+mod abi;
 mod error;
 mod library;
 
@@ -133,7 +134,7 @@ fn read_json(l: &Library, f: impl Fn(*mut c_char, usize, *mut usize) -> c_int) -
     loop {
         // `f` gets a buffer of `buf.len()` writable bytes and a valid out-pointer.
         let code = f(buf.as_mut_ptr().cast::<c_char>(), buf.len(), &mut needed);
-        if code == 10 && needed > buf.len() {
+        if abi::Status::from_code(code) == Some(abi::Status::BufferTooSmall) && needed > buf.len() {
             buf.resize(needed, 0);
             continue;
         }

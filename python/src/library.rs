@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 macro_rules! c_abi {
     ($($name:ident: $ty:ty,)*) => {
-        /// The C functions of libmemsaver.so (see torch-shim/include/memsaver.h).
+        /// The C functions of libmemsaver.so (torch-shim/include/memsaver.h), resolved by name.
         #[allow(non_snake_case)]
         pub struct Library {
             pub path: String,
@@ -27,7 +27,8 @@ macro_rules! c_abi {
                     if p.is_null() {
                         return Err(format!("{} has no symbol {}: is it a libmemsaver.so of the same version?", path, stringify!($name)));
                     }
-                    // SAFETY: the symbol is the function declared in memsaver.h with this signature.
+                    // SAFETY: the symbol is the function of this name, whose signature abi.rs
+                    // copies from its definition (checked by torch-shim/tests/abi_files.rs).
                     unsafe { std::mem::transmute::<*mut c_void, $ty>(p) }
                 },)* path, mode })
             }
@@ -35,29 +36,9 @@ macro_rules! c_abi {
     };
 }
 
-c_abi! {
-    memsaver_last_error: unsafe extern "C" fn() -> *const c_char,
-    memsaver_malloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_int, *const c_char, *const c_char) -> c_int,
-    memsaver_free: unsafe extern "C" fn(*mut c_void) -> c_int,
-    memsaver_register_tag: unsafe extern "C" fn(*const c_char) -> c_int,
-    memsaver_pause: unsafe extern "C" fn(*const c_char) -> c_int,
-    memsaver_resume: unsafe extern "C" fn(*const c_char) -> c_int,
-    memsaver_stats_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
-    memsaver_nccl_stats_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
-    memsaver_nccl_set_group: unsafe extern "C" fn(i64) -> c_int,
-    memsaver_nccl_group: unsafe extern "C" fn(*mut i64) -> c_int,
-    memsaver_profile_parse: unsafe extern "C" fn(*const c_char, *const c_char, *mut c_char, usize, *mut usize) -> c_int,
-    memsaver_device_memory: unsafe extern "C" fn(c_int, *mut usize, *mut usize) -> c_int,
-    memsaver_region_enter: unsafe extern "C" fn(*const c_char, *const c_char) -> c_int,
-    memsaver_region_disable: unsafe extern "C" fn() -> c_int,
-    memsaver_region_exit: unsafe extern "C" fn() -> c_int,
-    memsaver_region_current_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
-    memsaver_set_retain_backups: unsafe extern "C" fn(c_int) -> c_int,
-    memsaver_retain_backups: unsafe extern "C" fn(*mut c_int) -> c_int,
-    memsaver_backup_pointer: unsafe extern "C" fn(u64, usize, *mut *mut c_void) -> c_int,
-    memsaver_set_disk_dir: unsafe extern "C" fn(*const c_char) -> c_int,
-    memsaver_set_memory_margin: unsafe extern "C" fn(usize) -> c_int,
-}
+// Every function of the C ABI, with the signature of its Rust definition: the list is
+// generated from torch-shim's source into abi.rs.
+crate::abi::with_functions!(c_abi);
 
 static LIBRARY: OnceLock<Library> = OnceLock::new();
 

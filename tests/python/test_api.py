@@ -279,13 +279,16 @@ def test_exceptions_and_all():
     for name in memsaver.__all__:
         assert hasattr(memsaver, name), name
     errors = [getattr(memsaver, n) for n in memsaver.__all__ if n.endswith("Error")]
-    assert len(errors) == 13
+    # One per status a caller can act on (python/src/error.rs), plus MemsaverError and
+    # ProfileStepError.
+    assert len(errors) == 14
     for cls in errors:
         assert issubclass(cls, memsaver.MemsaverError)
         # Raised by the extension, except ProfileStepError (raised by the profile runner).
         if cls is not memsaver.ProfileStepError:
             assert cls is getattr(_memsaver, cls.__name__)
     assert issubclass(memsaver.ResumeOutOfMemoryError, memsaver.OutOfMemoryError)
+    assert memsaver.BackupError in errors  # MEMSAVER_ERR_BACKUP
 
 
 def test_cuda_graph_needs_torch():

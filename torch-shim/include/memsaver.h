@@ -1,118 +1,277 @@
-/* memsaver: the C ABI of libmemsaver.so.
+/*
+ * memsaver: the C ABI of libmemsaver.so, for LD_PRELOAD and for dlopen by the Python package,
+ * over the process-wide allocator.
  *
- * Every function returns a memsaver_status (MEMSAVER_OK on success). On failure the calling
- * thread's last error message, read with memsaver_last_error(), says what went wrong and what
- * to do. No function aborts or exits the process.
+ * Every function returns a `memsaver_status` code as an int (`MEMSAVER_OK`, 0, on success).
+ * On failure the calling thread's last error message, read with `memsaver_last_error()`, says
+ * what went wrong and what to do. No function aborts, exits the process or unwinds into C: a
+ * panic is caught and reported as `MEMSAVER_ERR_INTERNAL`.
  *
  * Tags: 1 to 64 characters from letters, digits, '_', '-' and '.' ("nccl" is memsaver's own).
  * Tag lists are comma-separated ("weights,kv_cache"; whitespace around a tag is ignored).
- * Only NULL means every tag: "", " ", "," or "a,,b" give MEMSAVER_ERR_INVALID_ARGUMENT.
+ * Only NULL means every tag: "", " ", "," or "a,,b" give `MEMSAVER_ERR_INVALID_ARGUMENT`.
+ *
  * Policies: "discard" (contents dropped on pause), "cpu" (kept in pinned host memory), "mmap"
  * (kept in pageable anonymous host memory, unmapped when released so the RSS drops) or "disk"
  * (kept in a file of the disk backup directory, copied through a bounded staging buffer).
+ *
+ * JSON out-parameters (`*_json`, `memsaver_profile_parse`): the text, NUL-terminated, is
+ * written into `buf` of `len` bytes and the size needed, NUL included, into `*needed` (may be
+ * NULL); a NULL or short buffer gives `MEMSAVER_ERR_BUFFER_TOO_SMALL`: call again with a buffer
+ * of `*needed` bytes.
+ *
+ * Hooks: under LD_PRELOAD this library also defines cudaMalloc and cudaFree (not declared
+ * here): inside a region the memory comes from memsaver, outside the call goes to libcudart
+ * untouched, unless `MEMSAVER_PROCESS_TAG` (or `TMS_INIT_ENABLE=1`: tag "default") is set:
+ * then allocations outside any region get that tag and `MEMSAVER_PROCESS_BACKUP`'s policy
+ * (whole-process mode; the process tag accepts new, resident allocations while paused, and
+ * resume skips them). Without preload, torch's CUDAPluggableAllocator calls
+ * `memsaver_torch_malloc` and `memsaver_torch_free`, inside regions only.
+ *
+ * This text, the doc comment of each exported function and the status codes (`Status`) are
+ * the only definition of the C ABI: `include/memsaver.h` and the Python binding's table
+ * (`python/src/abi.rs`) are generated from them by `tests/abi_files.rs` (`make abi`), which
+ * fails when a checked-in copy differs: edit the Rust source, not those files.
  */
+
 #ifndef MEMSAVER_H
 #define MEMSAVER_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#ifdef __cplusplus
-extern "C" {
-#endif
-
+/* Status codes (`Status` in status.rs). Stable: new codes are added, never renumbered. */
 typedef enum memsaver_status {
+    /* Success. */
     MEMSAVER_OK = 0,
+    /* A bad argument: tag name, tag list, policy, size, NULL pointer, option value. */
     MEMSAVER_ERR_INVALID_ARGUMENT = 1,
+    /* A tag that was never used or registered. */
     MEMSAVER_ERR_UNKNOWN_TAG = 2,
+    /* An allocation with a tag that is paused. */
     MEMSAVER_ERR_TAG_PAUSED = 3,
+    /* A pointer memsaver did not allocate. */
     MEMSAVER_ERR_UNKNOWN_POINTER = 4,
+    /* The device ran out of memory. */
     MEMSAVER_ERR_OUT_OF_MEMORY = 5,
-    MEMSAVER_ERR_RESUME_OUT_OF_MEMORY = 6, /* partly resumed; free memory and resume again */
+    /* Resume ran out of device memory: partly resumed; free memory and resume again. */
+    MEMSAVER_ERR_RESUME_OUT_OF_MEMORY = 6,
+    /* A CUDA driver call failed. */
     MEMSAVER_ERR_DRIVER = 7,
+    /* The CUDA driver could not be loaded. */
     MEMSAVER_ERR_DRIVER_NOT_LOADED = 8,
-    MEMSAVER_ERR_INCOMPLETE = 9,           /* some allocations kept their previous state */
+    /* A pause or resume left some allocations in their previous state. */
+    MEMSAVER_ERR_INCOMPLETE = 9,
+    /* The caller's buffer is too small; call again with the size written to `*needed`. */
     MEMSAVER_ERR_BUFFER_TOO_SMALL = 10,
-    MEMSAVER_ERR_PEER = 11,                /* a peer process did not take part (nccl tag) */
-    MEMSAVER_ERR_PROFILE = 12,             /* an invalid profile: file:line:column: reason */
-    MEMSAVER_ERR_BACKUP = 13,              /* host memory or a file for a backup failed */
-    MEMSAVER_ERR_INTERNAL = 99
+    /* A peer process did not take part in a pause or resume (nccl tag). */
+    MEMSAVER_ERR_PEER = 11,
+    /* An invalid profile: file:line:column: what was expected. */
+    MEMSAVER_ERR_PROFILE = 12,
+    /* Host memory or a file for a backup failed. */
+    MEMSAVER_ERR_BACKUP = 13,
+    /* A bug in memsaver (a caught panic): please report it with MEMSAVER_LOG=debug output. */
+    MEMSAVER_ERR_INTERNAL = 99,
 } memsaver_status;
 
-/* Message of the last failed call on this thread; valid until the next call on this thread. */
+#ifdef __cplusplus
+extern "C" {
+#endif // __cplusplus
+
+/**
+ * The message of the last failed call on this thread (empty if none). The pointer stays
+ * valid until the next memsaver call on this thread.
+ */
 const char *memsaver_last_error(void);
 
+/**
+ * Allocates `size` bytes on `device` with an explicit tag and policy (`"discard"`, `"cpu"`,
+ * `"mmap"` or `"disk"`; NULL means discard) and writes the device address to `*ptr`.
+ *
+ * # Safety
+ * `ptr` is a valid out-pointer; `tag` and `policy` are NULL or NUL-terminated strings.
+ */
 int memsaver_malloc(void **ptr, size_t size, int device, const char *tag, const char *policy);
-int memsaver_free(void *ptr);
-int memsaver_register_tag(const char *tag);
 
+/**
+ * Frees memory returned by `memsaver_malloc`, in any state (paused included).
+ */
+int memsaver_free(void *ptr);
+
+/**
+ * Pauses the given tags (comma-separated; NULL for all; an empty or blank item is an error).
+ *
+ * # Safety
+ * `tags` is NULL or a NUL-terminated string.
+ */
 int memsaver_pause(const char *tags);
+
+/**
+ * Resumes the given tags (comma-separated; NULL for all; an empty or blank item is an error).
+ *
+ * # Safety
+ * `tags` is NULL or a NUL-terminated string.
+ */
 int memsaver_resume(const char *tags);
 
-/* Stats as JSON: {"tags":[{"tag","paused","allocations","reserved_bytes","resident_bytes",
- * "backup_bytes","pinned_backup_bytes","mmap_backup_bytes","disk_backup_bytes","devices":[...]}],
- * "total":{...}}. backup_bytes is host memory (pinned + mmap); disk files are counted apart.
- * *needed gets the size including the NUL. */
+/**
+ * Registers a tag without allocating, so that it can be paused and listed.
+ *
+ * # Safety
+ * `tag` is a NUL-terminated string.
+ */
+int memsaver_register_tag(const char *tag);
+
+/**
+ * Writes the stats as JSON (see "JSON out-parameters" above): {"tags":[{"tag","paused",
+ * "allocations","reserved_bytes","resident_bytes","backup_bytes","pinned_backup_bytes",
+ * "mmap_backup_bytes","disk_backup_bytes","devices":[...]}],"total":{...}}. backup_bytes is
+ * host memory (pinned + mmap); disk files are counted apart.
+ *
+ * # Safety
+ * `buf` is valid for `len` bytes of writes (or NULL with `len == 0`); `needed` is NULL or a
+ * valid out-pointer.
+ */
 int memsaver_stats_json(char *buf, size_t len, size_t *needed);
 
-/* NCCL's memory as the hook sees it (JSON), like memsaver_stats_json. */
+/**
+ * Writes NCCL's memory, as the hook sees it, as JSON like `memsaver_stats_json`; the fields
+ * are those of `memsaver_nccl_hook::NcclStats`.
+ *
+ * # Safety
+ * As `memsaver_stats_json`.
+ */
 int memsaver_nccl_stats_json(char *buf, size_t len, size_t *needed);
 
-/* Group id of the nccl tag (processes coordinate NCCL memory within one group). Set it before
- * NCCL initialises: once NCCL shared memory with a peer, another value is refused. */
+/**
+ * Sets the group id of the `nccl` tag: processes coordinate NCCL's memory with peers of the
+ * same group only. Call it before NCCL initialises; once NCCL has shared memory with a peer
+ * the group is fixed and another value gives `MEMSAVER_ERR_INVALID_ARGUMENT`.
+ */
 int memsaver_nccl_set_group(int64_t group);
+
+/**
+ * Writes the group id of the `nccl` tag (`MEMSAVER_GROUP`, `AMEM_GROUPID`, a set value, or 0)
+ * into `*group`.
+ *
+ * # Safety
+ * `group` is NULL (an error) or a valid out-pointer.
+ */
 int memsaver_nccl_group(int64_t *group);
 
-/* Parses and validates a YAML pause/resume profile; writes it as JSON like memsaver_stats_json. */
+/**
+ * Parses and validates a staged pause/resume profile (YAML text; `file` names it in
+ * messages) and writes it as JSON, like `memsaver_stats_json`.
+ * An invalid profile gives `MEMSAVER_ERR_PROFILE` with `file:line:column: what was expected`.
+ *
+ * # Safety
+ * `text` is a NUL-terminated string, `file` NULL or one; `buf` and `needed` as for
+ * `memsaver_stats_json`.
+ */
 int memsaver_profile_parse(const char *text, const char *file, char *buf, size_t len, size_t *needed);
 
-/* Free and total bytes of a device, as the driver reports them. */
+/**
+ * Free and total bytes of `device` as the driver reports them.
+ *
+ * # Safety
+ * `free` and `total` are valid out-pointers.
+ */
 int memsaver_device_memory(int device, size_t *free, size_t *total);
 
-/* Thread-local regions: allocations made through the hooks inside get this tag and policy. */
+/**
+ * Enters a region on the calling thread: allocations made through the hooks on this thread
+ * get `tag` and `policy` until the matching `memsaver_region_exit`. Regions nest.
+ *
+ * # Safety
+ * `tag` is a NUL-terminated string; `policy` is NULL or a NUL-terminated string.
+ */
 int memsaver_region_enter(const char *tag, const char *policy);
-int memsaver_region_disable(void); /* allocations inside are not tagged; close with region_exit */
-int memsaver_region_exit(void);
-/* What applies to an allocation on this thread now, as JSON like memsaver_stats_json:
- * {"tag","policy","disabled","process","depth","process_tag"} (tag and policy null when
- * untagged; process: the whole-process tag of MEMSAVER_PROCESS_TAG / TMS_INIT_ENABLE applies, no
- * region is open; process_tag: that tag if one is configured, whether or not it applies now). */
-int memsaver_region_current_json(char *buf, size_t len, size_t *needed);
 
-/* Backups. Retention (default on; MEMSAVER_RETAIN_BACKUP): on, a backup (host memory or disk
- * file) is kept after its allocation resumed, for the next pause; off, it is released when its
- * allocation has resumed, and the next resume also releases retained backups of resident
- * allocations of the tags it names. Backups are always released with their allocation. */
+/**
+ * Opens a scope on the calling thread in which hooked allocations are not tagged (they go to
+ * the real allocator and are never paused), even inside a region. Close it with
+ * `memsaver_region_exit`.
+ */
+int memsaver_region_disable(void);
+
+/**
+ * Leaves the innermost region (or disabled scope) of the calling thread.
+ */
+int memsaver_region_exit(void);
+
+/**
+ * Sets backup retention (non-zero: on; default on, `MEMSAVER_RETAIN_BACKUP`). On, a backup
+ * (host memory or disk file) is kept after its allocation resumed, for the next pause; off, it
+ * is released when its allocation has resumed, and the next resume also releases the retained
+ * backups of resident allocations of the tags it names. Backups are always released with their
+ * allocation.
+ */
 int memsaver_set_retain_backups(int on);
+
+/**
+ * Writes 1 to `*out` if backups are retained, else 0. An invalid `MEMSAVER_RETAIN_BACKUP`
+ * (or `TMS_RETAIN_CPU_BACKUP`) not overridden by `memsaver_set_retain_backups` is an error.
+ *
+ * # Safety
+ * `out` is NULL (an error) or a valid out-pointer.
+ */
 int memsaver_retain_backups(int *out);
 
-/* For a device range [ptr, ptr+size) inside one allocation (ptr may point inside it) whose host
- * backup ("cpu" or "mmap") exists, writes the host address of byte ptr in it to *out: it holds
- * the contents as of the last pause and stays valid until the backup is released (resume
- * without retention, or free). Otherwise writes NULL, which is not an error. */
+/**
+ * For the device range `[ptr, ptr + size)` inside one memsaver allocation (`ptr` may point
+ * inside it) whose host backup (`cpu` or `mmap`) exists, writes the host address of byte `ptr`
+ * in that backup to `*out`; it holds the contents as of the allocation's last pause and stays
+ * valid until the backup is released (a resume with retention off, or free). Otherwise
+ * writes NULL: that is not an error.
+ *
+ * # Safety
+ * `out` is NULL (an error) or a valid out-pointer.
+ */
 int memsaver_backup_pointer(uint64_t ptr, size_t size, void **out);
 
-/* Directory of "disk" backup files (MEMSAVER_DISK_DIR): created with mode 0700 if missing, must
- * be a directory; NULL or "" unsets it. Pausing a disk-backed allocation without one fails with
- * MEMSAVER_ERR_INVALID_ARGUMENT and changes nothing. Files are named memsaver-<pid>-<addr>.bin. */
+/**
+ * Sets the directory of "disk" backup files (`MEMSAVER_DISK_DIR` at start), creating it with
+ * mode 0700 if missing; it must be a directory. NULL or "" unsets it. Pausing a disk-backed
+ * allocation without one fails with `MEMSAVER_ERR_INVALID_ARGUMENT` and changes nothing. Files
+ * are named memsaver-<pid>-<addr>.bin.
+ *
+ * # Safety
+ * `dir` is NULL or a NUL-terminated string.
+ */
 int memsaver_set_disk_dir(const char *dir);
 
-/* Resume refuses to map an allocation that would leave less than bytes free on its device
- * (MEMSAVER_ERR_RESUME_OUT_OF_MEMORY; what was resumed stays resumed). 0 (the default) turns
- * the check off. MEMSAVER_MEMORY_MARGIN_MB sets it at start. */
+/**
+ * Resume refuses to map an allocation that would leave less than `bytes` free on its device
+ * (`MEMSAVER_ERR_RESUME_OUT_OF_MEMORY`; what was resumed stays resumed). 0 (the default) turns
+ * the check off. `MEMSAVER_MEMORY_MARGIN_MB` sets it at start.
+ */
 int memsaver_set_memory_margin(size_t bytes);
 
-/* Hooks. Under LD_PRELOAD this library defines cudaMalloc and cudaFree: inside a region the
- * memory comes from memsaver, outside the call goes to libcudart untouched, unless
- * MEMSAVER_PROCESS_TAG (or TMS_INIT_ENABLE=1: tag "default") is set: then allocations outside
- * any region get that tag and MEMSAVER_PROCESS_BACKUP's policy (whole-process mode; the process
- * tag accepts new, resident allocations while paused, and resume skips them). For
- * torch.cuda.memory.CUDAPluggableAllocator (no preload), inside regions only: */
+/**
+ * Writes what applies to an allocation on the calling thread now, as JSON like
+ * `memsaver_stats_json`: {"tag","policy","disabled","process","depth","process_tag"} (tag and
+ * policy are null when allocations are not tagged; process: the whole-process tag of
+ * `MEMSAVER_PROCESS_TAG` / `TMS_INIT_ENABLE` applies, no region is open; process_tag: that tag
+ * if one is configured, whether or not it applies now).
+ *
+ * # Safety
+ * As `memsaver_stats_json`.
+ */
+int memsaver_region_current_json(char *buf, size_t len, size_t *needed);
+
+/**
+ * Allocation entry point for `CUDAPluggableAllocator`. Returns NULL (torch reports out of
+ * memory) with the reason in `memsaver_last_error` when outside a region or on failure.
+ */
 void *memsaver_torch_malloc(ptrdiff_t size, int device, void *stream);
+
+/**
+ * Free entry point for `CUDAPluggableAllocator`.
+ */
 void memsaver_torch_free(void *ptr, ptrdiff_t size, int device, void *stream);
 
 #ifdef __cplusplus
-}
-#endif
+}  // extern "C"
+#endif  // __cplusplus
 
-#endif /* MEMSAVER_H */
+#endif  /* MEMSAVER_H */

@@ -157,8 +157,10 @@ pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
 pub extern "C" fn memsaver_torch_malloc(
     size: isize,
     device: c_int,
-    _stream: *mut c_void,
+    stream: *mut c_void,
 ) -> *mut c_void {
+    // Memsaver's memory is not stream-ordered: any stream may use it once it is returned.
+    let _ = stream;
     let r = catch_unwind(|| {
         let size = usize::try_from(size)
             .map_err(|_| Error::InvalidArgument(format!("negative allocation size {size}")))?;
@@ -185,10 +187,12 @@ pub extern "C" fn memsaver_torch_malloc(
 #[unsafe(no_mangle)]
 pub extern "C" fn memsaver_torch_free(
     ptr: *mut c_void,
-    _size: isize,
-    _device: c_int,
-    _stream: *mut c_void,
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
 ) {
+    // The allocation is found by its address; torch's size, device and stream add nothing.
+    let _ = (size, device, stream);
     let r = catch_unwind(|| owned_free(ptr));
     match r {
         Ok(Some(Ok(()))) => {}

@@ -1,66 +1,53 @@
-//! `libmemsaver.so`: the C ABI of memsaver, for `LD_PRELOAD` and for `dlopen` by the Python
-//! package, over the process-wide allocator ([`allocator`]).
+//! memsaver: the C ABI of libmemsaver.so, for LD_PRELOAD and for dlopen by the Python package,
+//! over the process-wide allocator.
 //!
-//! Conventions of every exported function (declared in `include/memsaver.h`):
-//! * returns a [`Status`] code, `MEMSAVER_OK` (0) on success;
-//! * on failure, stores a message for the calling thread, read with [`memsaver_last_error`];
-//! * never unwinds into C: a panic is caught and reported as `MEMSAVER_ERR_INTERNAL`;
-//! * tag lists are comma-separated (`"weights,kv_cache"`, whitespace around a tag ignored);
-//!   only NULL means every tag: `""`, `" "` or `","` are `MEMSAVER_ERR_INVALID_ARGUMENT`.
+//! Every function returns a `memsaver_status` code as an int (`MEMSAVER_OK`, 0, on success).
+//! On failure the calling thread's last error message, read with `memsaver_last_error()`, says
+//! what went wrong and what to do. No function aborts, exits the process or unwinds into C: a
+//! panic is caught and reported as `MEMSAVER_ERR_INTERNAL`.
+//!
+//! Tags: 1 to 64 characters from letters, digits, '_', '-' and '.' ("nccl" is memsaver's own).
+//! Tag lists are comma-separated ("weights,kv_cache"; whitespace around a tag is ignored).
+//! Only NULL means every tag: "", " ", "," or "a,,b" give `MEMSAVER_ERR_INVALID_ARGUMENT`.
+//!
+//! Policies: "discard" (contents dropped on pause), "cpu" (kept in pinned host memory), "mmap"
+//! (kept in pageable anonymous host memory, unmapped when released so the RSS drops) or "disk"
+//! (kept in a file of the disk backup directory, copied through a bounded staging buffer).
+//!
+//! JSON out-parameters (`*_json`, `memsaver_profile_parse`): the text, NUL-terminated, is
+//! written into `buf` of `len` bytes and the size needed, NUL included, into `*needed` (may be
+//! NULL); a NULL or short buffer gives `MEMSAVER_ERR_BUFFER_TOO_SMALL`: call again with a buffer
+//! of `*needed` bytes.
+//!
+//! Hooks: under LD_PRELOAD this library also defines cudaMalloc and cudaFree (not declared
+//! here): inside a region the memory comes from memsaver, outside the call goes to libcudart
+//! untouched, unless `MEMSAVER_PROCESS_TAG` (or `TMS_INIT_ENABLE=1`: tag "default") is set:
+//! then allocations outside any region get that tag and `MEMSAVER_PROCESS_BACKUP`'s policy
+//! (whole-process mode; the process tag accepts new, resident allocations while paused, and
+//! resume skips them). Without preload, torch's CUDAPluggableAllocator calls
+//! `memsaver_torch_malloc` and `memsaver_torch_free`, inside regions only.
+//!
+//! This text, the doc comment of each exported function and the status codes (`Status`) are
+//! the only definition of the C ABI: `include/memsaver.h` and the Python binding's table
+//! (`python/src/abi.rs`) are generated from them by `tests/abi_files.rs` (`make abi`), which
+//! fails when a checked-in copy differs: edit the Rust source, not those files.
 
 pub mod hooks;
 pub mod region;
+mod status;
+
+pub use status::Status;
 
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use memsaver_allocator::{Allocator, Error, Policy};
+use memsaver_allocator::{Error, Policy};
 
-/// Status codes of the C ABI. Stable: add new codes, never renumber.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Status {
-    Ok = 0,
-    InvalidArgument = 1,
-    UnknownTag = 2,
-    TagPaused = 3,
-    UnknownPointer = 4,
-    OutOfMemory = 5,
-    ResumeOutOfMemory = 6,
-    Driver = 7,
-    DriverNotLoaded = 8,
-    Incomplete = 9,
-    BufferTooSmall = 10,
-    Peer = 11,
-    Profile = 12,
-    Backup = 13,
-    Internal = 99,
-}
-
-impl Status {
-    pub fn of(e: &Error) -> Self {
-        match e {
-            Error::Load(_) => Status::DriverNotLoaded,
-            Error::Driver(_) => Status::Driver,
-            Error::UnknownTag { .. } => Status::UnknownTag,
-            Error::TagPaused { .. } => Status::TagPaused,
-            Error::UnknownPointer { .. } => Status::UnknownPointer,
-            Error::OutOfMemory { .. } => Status::OutOfMemory,
-            Error::ResumeOutOfMemory { .. } => Status::ResumeOutOfMemory,
-            Error::Incomplete { .. } => Status::Incomplete,
-            Error::InvalidArgument(_) => Status::InvalidArgument,
-            Error::PeersHoldMemory { .. } | Error::Peer { .. } => Status::Peer,
-            Error::Profile(_) => Status::Profile,
-            Error::Backup(_) => Status::Backup,
-        }
-    }
-}
-
-/// The process-wide allocator, with memsaver's external tags registered (`nccl`).
-pub fn allocator() -> Result<&'static Allocator, Error> {
-    memsaver_nccl_hook::allocator()
-}
+/// The process-wide allocator, started on first use with memsaver's external tags (`nccl`):
+/// the one entry point, re-exported. The hooks' `cudaFree` path uses
+/// `memsaver_allocator::global_if_started` instead, which never starts it.
+pub use memsaver_nccl_hook::allocator;
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
@@ -224,9 +211,10 @@ pub unsafe extern "C" fn memsaver_register_tag(tag: *const c_char) -> c_int {
     })
 }
 
-/// Writes the stats as JSON (NUL-terminated) into `buf` of `len` bytes and the length needed,
-/// terminator included, into `*needed` (may be NULL). Returns `MEMSAVER_ERR_BUFFER_TOO_SMALL`
-/// if `len` is less than that; call again with a larger buffer.
+/// Writes the stats as JSON (see "JSON out-parameters" above): {"tags":[{"tag","paused",
+/// "allocations","reserved_bytes","resident_bytes","backup_bytes","pinned_backup_bytes",
+/// "mmap_backup_bytes","disk_backup_bytes","devices":[...]}],"total":{...}}. backup_bytes is
+/// host memory (pinned + mmap); disk files are counted apart.
 ///
 /// # Safety
 /// `buf` is valid for `len` bytes of writes (or NULL with `len == 0`); `needed` is NULL or a
@@ -285,11 +273,11 @@ unsafe fn write_json(
     code
 }
 
-/// Writes NCCL's memory as the hook sees it (JSON, NUL-terminated) into `buf`, like
-/// [`memsaver_stats_json`]; the fields are those of `memsaver_nccl_hook::NcclStats`.
+/// Writes NCCL's memory, as the hook sees it, as JSON like `memsaver_stats_json`; the fields
+/// are those of `memsaver_nccl_hook::NcclStats`.
 ///
 /// # Safety
-/// As [`memsaver_stats_json`].
+/// As `memsaver_stats_json`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn memsaver_nccl_stats_json(
     buf: *mut c_char,
@@ -330,11 +318,12 @@ pub unsafe extern "C" fn memsaver_nccl_group(group: *mut i64) -> c_int {
 }
 
 /// Parses and validates a staged pause/resume profile (YAML text; `file` names it in
-/// messages) and writes it as JSON into `buf`, with the protocol of [`memsaver_stats_json`].
+/// messages) and writes it as JSON, like `memsaver_stats_json`.
 /// An invalid profile gives `MEMSAVER_ERR_PROFILE` with `file:line:column: what was expected`.
 ///
 /// # Safety
-/// `text` and `file` are NUL-terminated; `buf`/`needed` as for [`memsaver_stats_json`].
+/// `text` is a NUL-terminated string, `file` NULL or one; `buf` and `needed` as for
+/// `memsaver_stats_json`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn memsaver_profile_parse(
     text: *const c_char,
@@ -413,9 +402,11 @@ pub extern "C" fn memsaver_region_exit() -> c_int {
     ffi(region::exit)
 }
 
-/// Sets backup retention (non-zero: on). On, a backup is kept after its allocation resumed,
-/// for the next pause; off, it is released when its allocation has resumed, and the next
-/// resume also releases the retained backups of resident allocations of the tags it names.
+/// Sets backup retention (non-zero: on; default on, `MEMSAVER_RETAIN_BACKUP`). On, a backup
+/// (host memory or disk file) is kept after its allocation resumed, for the next pause; off, it
+/// is released when its allocation has resumed, and the next resume also releases the retained
+/// backups of resident allocations of the tags it names. Backups are always released with their
+/// allocation.
 #[unsafe(no_mangle)]
 pub extern "C" fn memsaver_set_retain_backups(on: c_int) -> c_int {
     ffi(|| {
@@ -469,9 +460,10 @@ pub unsafe extern "C" fn memsaver_backup_pointer(
     })
 }
 
-/// Sets the directory of disk backup files (`backup="disk"`), creating it with mode 0700 if
-/// missing; it must be a directory. NULL or `""` unsets it (pausing disk-backed allocations is
-/// then refused).
+/// Sets the directory of "disk" backup files (`MEMSAVER_DISK_DIR` at start), creating it with
+/// mode 0700 if missing; it must be a directory. NULL or "" unsets it. Pausing a disk-backed
+/// allocation without one fails with `MEMSAVER_ERR_INVALID_ARGUMENT` and changes nothing. Files
+/// are named memsaver-<pid>-<addr>.bin.
 ///
 /// # Safety
 /// `dir` is NULL or a NUL-terminated string.
@@ -485,7 +477,8 @@ pub unsafe extern "C" fn memsaver_set_disk_dir(dir: *const c_char) -> c_int {
 }
 
 /// Resume refuses to map an allocation that would leave less than `bytes` free on its device
-/// (`MEMSAVER_ERR_RESUME_OUT_OF_MEMORY`; what was resumed stays resumed). 0 turns it off.
+/// (`MEMSAVER_ERR_RESUME_OUT_OF_MEMORY`; what was resumed stays resumed). 0 (the default) turns
+/// the check off. `MEMSAVER_MEMORY_MARGIN_MB` sets it at start.
 #[unsafe(no_mangle)]
 pub extern "C" fn memsaver_set_memory_margin(bytes: usize) -> c_int {
     ffi(|| {
@@ -494,12 +487,14 @@ pub extern "C" fn memsaver_set_memory_margin(bytes: usize) -> c_int {
     })
 }
 
-/// Writes what applies to an allocation on the calling thread now, as JSON
-/// (`{"tag","policy","disabled","process","depth"}`; tag and policy are null when allocations
-/// are not tagged), with the protocol of [`memsaver_stats_json`].
+/// Writes what applies to an allocation on the calling thread now, as JSON like
+/// `memsaver_stats_json`: {"tag","policy","disabled","process","depth","process_tag"} (tag and
+/// policy are null when allocations are not tagged; process: the whole-process tag of
+/// `MEMSAVER_PROCESS_TAG` / `TMS_INIT_ENABLE` applies, no region is open; process_tag: that tag
+/// if one is configured, whether or not it applies now).
 ///
 /// # Safety
-/// As [`memsaver_stats_json`].
+/// As `memsaver_stats_json`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn memsaver_region_current_json(
     buf: *mut c_char,
