@@ -111,6 +111,22 @@ int memsaver_set_memory_margin(size_t bytes);
 void *memsaver_torch_malloc(ptrdiff_t size, int device, void *stream);
 void memsaver_torch_free(void *ptr, ptrdiff_t size, int device, void *stream);
 
+/* Reads the profile file at path (at most 1 MiB of UTF-8 YAML), validates it and writes it as
+ * JSON into buf, like memsaver_profile_parse. An invalid file (too large and not UTF-8
+ * included) gives MEMSAVER_ERR_PROFILE with "path:line:column: what was expected"; a file that
+ * cannot be read, "path: cannot read the profile: why". */
+int memsaver_profile_load(const char *path, char *buf, size_t len, size_t *needed);
+
+/* Runs one of the allocator core's commands of the memsaver command line ("demo", "bench",
+ * "options"; argv[0] is the command) and returns its exit status (0 done, 1 failed, 2 usage
+ * error). It prints to stdout and stderr: for the memsaver command only. */
+int memsaver_cli_main(int argc, const char *const *argv);
+
+/* Writes the path of the runtime directory (sockets of processes coordinating the nccl tag:
+ * MEMSAVER_RUNTIME_DIR, else $XDG_RUNTIME_DIR/memsaver, else /tmp/memsaver-<uid>) into buf,
+ * with the protocol of memsaver_stats_json. Creates nothing. */
+int memsaver_runtime_dir(char *buf, size_t len, size_t *needed);
+
 #ifdef __cplusplus
 }
 #endif
