@@ -27,6 +27,7 @@ from typing import Any
 from . import _core, _memsaver, timeline
 from ._memsaver import MemsaverError
 
+
 class ProfileStepError(MemsaverError):
     """A step of a profile stage failed; the message names the stage, step and line."""
 
