@@ -40,10 +40,12 @@ python: $(PY)
 
 # A staged pause/resume cycle: on the GPU when there is one, else on the fake driver. Then the
 # verl GRPO profile (docs/examples) through the Python package, with its timeline page.
+# Both through the `memsaver` command the wheel installs.
 demo: build fake-cuda python
-	target/release/memsaver demo
 	@if nvidia-smi -L >/dev/null 2>&1; then lib=; else lib=$(CURDIR)/$(FAKE_LIB); fi; \
-	MEMSAVER_CUDA_LIB=$$lib $(PY) -m memsaver demo docs/examples/verl_grpo.yaml -o target/demo
+	set -x; \
+	MEMSAVER_CUDA_LIB=$$lib $(VENV)/bin/memsaver demo && \
+	MEMSAVER_CUDA_LIB=$$lib $(VENV)/bin/memsaver demo docs/examples/verl_grpo.yaml -o target/demo
 
 # Everything CI runs. Each run gets its own fake-driver state directory, so concurrent runs
 # and other users of the fake driver do not see each other's memory.
@@ -96,7 +98,7 @@ abi:
 # Binaries for a lent GPU machine (no Rust toolchain there): carry .dist in the device call.
 gpu-dist: build fake-cuda python
 	rm -rf .dist && mkdir -p .dist
-	cp target/release/memsaver target/release/libmemsaver.so target/wheels/memsaver-*.whl .dist/
+	cp target/release/libmemsaver.so target/wheels/memsaver-*.whl .dist/
 	cp -r tests/gpu .dist/
 
 clean:

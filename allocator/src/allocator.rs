@@ -448,7 +448,9 @@ fn refuses_malloc(t: &Table, tag: &str) -> bool {
         .is_some_and(|e| e.paused && !e.allocates_while_paused)
 }
 
-pub(crate) fn validate_tag(tag: &str) -> Result<()> {
+/// Checks the tag grammar (1 to 64 of ASCII letters, digits, `_`, `-`, `.`): the one definition,
+/// used by every entry point that takes a tag and by profiles.
+pub fn validate_tag(tag: &str) -> Result<()> {
     let ok = !tag.is_empty()
         && tag.len() <= 64
         && tag

@@ -75,9 +75,6 @@ pub enum Error {
     #[error("{tag}: {message}")]
     Peer { tag: String, message: String },
 
-    #[error("{0}")]
-    Profile(#[from] crate::profile::ProfileError),
-
     /// Host memory or a file for a backup could not be made, written or read.
     #[error("backup: {0}")]
     Backup(String),

@@ -15,7 +15,6 @@
 
 pub mod driver;
 pub mod options;
-pub mod profile;
 pub mod stats;
 pub mod types;
 
@@ -30,7 +29,7 @@ mod table;
 
 use std::sync::{Arc, Once, OnceLock};
 
-pub use allocator::Allocator;
+pub use allocator::{Allocator, validate_tag};
 pub use backup::BackupKind;
 pub use engine::Report;
 pub use error::{Error, Result};

@@ -68,6 +68,12 @@ pub fn allocator() -> Result<&'static Allocator> {
     })
 }
 
+/// The directory of the sockets processes use to coordinate the `nccl` tag (created, mode
+/// 0700, by the first process that serves a peer).
+pub fn runtime_dir() -> std::path::PathBuf {
+    peer::runtime_dir()
+}
+
 /// NCCL's memory in this process as the hook has seen it.
 pub fn stats() -> NcclStats {
     let cumem_disabled = std::env::var("NCCL_CUMEM_ENABLE").is_ok_and(|v| v.trim() == "0");

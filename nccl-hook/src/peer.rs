@@ -126,17 +126,25 @@ pub(crate) fn read_token(fd: RawFd) -> Option<Token> {
     })
 }
 
-/// `<base>/g<group>`, created mode 0700 and checked to be ours.
-fn group_dir(group: i64) -> std::io::Result<PathBuf> {
+/// The runtime directory (`MEMSAVER_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/memsaver`, else
+/// `/tmp/memsaver-<uid>`); nothing is created.
+pub(crate) fn runtime_dir() -> PathBuf {
     // SAFETY: getuid cannot fail.
     let uid = unsafe { libc::getuid() };
-    let base = match std::env::var_os("MEMSAVER_RUNTIME_DIR") {
+    match std::env::var_os("MEMSAVER_RUNTIME_DIR") {
         Some(d) => PathBuf::from(d),
         None => match std::env::var_os("XDG_RUNTIME_DIR") {
             Some(d) => PathBuf::from(d).join("memsaver"),
             None => PathBuf::from(format!("/tmp/memsaver-{uid}")),
         },
-    };
+    }
+}
+
+/// `<base>/g<group>`, created mode 0700 and checked to be ours.
+fn group_dir(group: i64) -> std::io::Result<PathBuf> {
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let base = runtime_dir();
     let dir = base.join(format!("g{group}"));
     for d in [&base, &dir] {
         match std::fs::DirBuilder::new().mode(0o700).create(d) {

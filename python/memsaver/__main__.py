@@ -1,16 +1,8 @@
-"""``python -m memsaver``: launch helpers.
+"""The ``memsaver`` command (also ``python -m memsaver``): every subcommand, one entry point.
 
-python -m memsaver env            shell lines for preload mode (eval "$(python -m memsaver env)")
-python -m memsaver env --json     the same variables as JSON (e.g. for Ray's runtime_env)
-python -m memsaver preload-path   the libmemsaver.so to preload
-python -m memsaver stats          hook mode, library and stats of this process (a load check)
-python -m memsaver check FILE...  validate pause/resume profiles (no GPU needed)
-python -m memsaver run FILE STAGE run one stage of a profile (call steps are skipped)
-python -m memsaver demo PROFILE [-o DIR]
-                                  run a profile's sleep and wake stages on tagged memory and
-                                  write its timeline page (GPU, or the fake driver)
-python -m memsaver timeline EVENTS.json... -o OUT.html [--png OUT.png]
-                                  chart recorded events (MEMSAVER_TIMELINE=PATH records them)
+``demo`` without a profile, ``bench`` and ``options`` run on the allocator core inside
+libmemsaver.so (``memsaver_cli_main``); the others are Python. ``memsaver --help`` lists them,
+``memsaver COMMAND --help`` describes one.
 """
 
 from __future__ import annotations
@@ -20,39 +12,112 @@ import json
 import os
 import sys
 
+#: Commands the allocator core implements (their options are parsed there, once).
+_CORE_COMMANDS = ("bench", "options")
+
 
 def _prog() -> str:
     return "python -m memsaver" if sys.argv[0].endswith("__main__.py") else "memsaver"
 
 
 def _parser() -> argparse.ArgumentParser:
+    from memsaver import __version__
+
     p = argparse.ArgumentParser(
         prog=_prog(),
-        description="Launch helpers of memsaver (pause and resume tagged GPU memory).",
+        description="memsaver: pause and resume tagged GPU memory at fixed addresses.",
+        epilog="'COMMAND --help' describes a command. Docs: README.md, docs/profiles.md, docs/options.md.",
     )
+    p.add_argument("--version", action="version", version=f"memsaver {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    env = sub.add_parser(
-        "env",
-        help="print the environment a launcher needs for preload mode",
-        description='Print shell lines for preload mode: eval "$(python -m memsaver env)".',
+
+    demo = sub.add_parser(
+        "demo",
+        help="a staged pause/resume cycle (core), or a profile's sleep and wake with its timeline",
+        description="Without PROFILE: a staged pause/resume cycle of tagged memory on the allocator "
+        "core, printing resident memory per tag per stage and checking that kept contents come "
+        "back bit-exact. With PROFILE: its sleep and wake stages on tagged memory through the "
+        "Python package, writing the timeline page to DIR. Real GPU when one is present, else "
+        "the fake driver.",
     )
-    env.add_argument("--json", action="store_true", help="print the variables as a JSON object")
-    sub.add_parser("preload-path", help="print the path of the libmemsaver.so to preload")
-    sub.add_parser("stats", help="load memsaver in this process and print its hook mode and stats")
-    check = sub.add_parser("check", help="validate pause/resume profiles (YAML)")
+    demo.add_argument("profile", nargs="?", metavar="PROFILE", help="a profile with sleep and wake stages")
+    demo.add_argument("-o", "--output", default=".", metavar="DIR", help="where the profile demo writes its timeline")
+    demo.add_argument("--device", type=int, default=0, metavar="N", help="device of the core demo (default 0)")
+    demo.add_argument("--fake", action="store_true", help="core demo on the fake driver even if a GPU is present")
+
+    check = sub.add_parser(
+        "check",
+        help="validate pause/resume profiles (YAML); no GPU needed",
+        description="Validate profiles; errors name file:line:column (exit status 1 if any is invalid).",
+    )
     check.add_argument("files", nargs="+", metavar="FILE")
-    run = sub.add_parser("run", help="run one stage of a profile in this process")
+
+    run = sub.add_parser(
+        "run",
+        help="run one stage of a profile in this process (call steps skipped)",
+        description="Run one stage of a profile in this process; call steps are skipped.",
+    )
     run.add_argument("file", metavar="FILE")
     run.add_argument("stage", metavar="STAGE")
-    demo = sub.add_parser("demo", help="run a profile's sleep and wake stages and chart them")
-    demo.add_argument("profile", metavar="PROFILE")
-    demo.add_argument("-o", "--output", default=".", metavar="DIR")
-    tl = sub.add_parser("timeline", help="render recorded events into a self-contained HTML page")
+
+    sub.add_parser(
+        "stats",
+        help="load memsaver in this process and print its hook mode and stats",
+        description="Load libmemsaver.so in this process and print its hook mode, library and stats.",
+    )
+
+    tl = sub.add_parser(
+        "timeline",
+        help="render recorded events into a self-contained HTML page",
+        description="Chart events recorded with MEMSAVER_TIMELINE=PATH or memsaver.timeline.enable().",
+    )
     tl.add_argument("events", nargs="+", metavar="EVENTS.json")
     tl.add_argument("-o", "--output", required=True, metavar="OUT.html")
     tl.add_argument("--png", metavar="OUT.png", help="also a screenshot, with headless Chromium")
     tl.add_argument("--title", default="memsaver timeline")
+
+    env = sub.add_parser(
+        "env",
+        help="print the environment a launcher needs for preload mode",
+        description='Print shell lines for preload mode: eval "$(memsaver env)".',
+    )
+    env.add_argument("--json", action="store_true", help="print the variables as a JSON object")
+
+    sub.add_parser(
+        "preload-path",
+        help="print the path of the libmemsaver.so to preload",
+        description="Print the path of the libmemsaver.so to preload (LD_PRELOAD).",
+    )
+    # The core parses these commands' options itself (memsaver_cli_main); listed here for --help.
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="pause/resume throughput of the allocator core, checking freed memory and contents",
+    )
+    sub.add_parser("options", add_help=False, help="print the table of MEMSAVER_* options (Markdown)")
+    sub.add_parser(
+        "diagnostics",
+        help="check the installation: library, driver, devices, variables, runtime directory",
+        description="Print the version, library and hook mode, driver and devices, the MEMSAVER_* "
+        "variables, the runtime directory and nccl_stats(), going on past problems; exit status 1 "
+        "if something is wrong, with a line saying what to do.",
+    )
     return p
+
+
+def _core(args: list[str]) -> int:
+    """Runs a command of the allocator core (in libmemsaver.so) and returns its exit status."""
+    from memsaver import _core as core
+    from memsaver import _memsaver
+
+    try:
+        core.library()
+    except _memsaver.MemsaverError as e:
+        print(f"memsaver: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return int(_memsaver.cli_main(args))
 
 
 def _timeline(events: list[str], out: str, png: str | None, title: str) -> int:
@@ -88,10 +153,11 @@ def _demo(profile_path: str, out_dir: str) -> int:
     unit = 32 << 20 if total > (32 << 30) and "fake" not in os.environ.get("MEMSAVER_CUDA_LIB", "") else 1 << 20
     sizes = {"weights": 64, "kv_cache": 256, "cuda_graph": 8}
     timeline.enable()
+    known = set(memsaver.stats().tags)  # memsaver's own tags (nccl) are there already
     ptrs = [
         _memsaver.malloc(sizes.get(tag, 16) * unit, 0, tag, backup)
         for tag, backup in profile.tags.items()
-        if tag != "nccl"
+        if tag not in known
     ]
     print(f"{profile_path}: {len(ptrs)} tags allocated on device 0 ({free / (1 << 30):.1f} GiB free of "
           f"{total / (1 << 30):.1f} GiB)")
@@ -122,7 +188,7 @@ def _check(files: list[str]) -> int:
     for f in files:
         try:
             p = memsaver.load_profile(f)
-        except (OSError, memsaver.MemsaverError) as e:
+        except memsaver.MemsaverError as e:
             print(f"{e}", file=sys.stderr)
             status = 1
             continue
@@ -140,7 +206,7 @@ def _run(file: str, stage: str) -> int:
 
     try:
         report = memsaver.load_profile(file).run(stage, skip_calls=True)
-    except (OSError, memsaver.MemsaverError) as e:
+    except memsaver.MemsaverError as e:
         print(f"memsaver: {e}", file=sys.stderr)
         return 1
     print(report)
@@ -167,18 +233,20 @@ def _stats() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m memsaver`` and of the ``memsaver`` console script."""
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    if args_list and args_list[0] in _CORE_COMMANDS:
+        return _core(args_list)
     parser = _parser()
-    args = parser.parse_args(argv)  # exits with status 2 on an unknown command
+    args = parser.parse_args(args_list)  # exits with status 2 on an unknown command
     if args.command is None:
-        parser.print_usage(sys.stderr)
-        print(
-            f"{parser.prog}: error: a command is required (env, preload-path, stats, check, run, demo, timeline)",
-            file=sys.stderr,
-        )
+        parser.print_help(sys.stderr)
+        print(f"{parser.prog}: error: a command is required", file=sys.stderr)
         return 2
     from memsaver import _launch
 
     if args.command == "demo":
+        if args.profile is None:
+            return _core(["demo", "--device", str(args.device)] + (["--fake"] if args.fake else []))
         return _demo(args.profile, args.output)
     if args.command == "timeline":
         return _timeline(args.events, args.output, args.png, args.title)
@@ -186,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         return _check(args.files)
     if args.command == "run":
         return _run(args.file, args.stage)
+    if args.command == "diagnostics":
+        from memsaver import _diagnostics
+
+        return _diagnostics.main()
     if args.command == "env":
         if args.json:
             print(json.dumps(_launch.subprocess_env(), indent=2))

@@ -35,6 +35,9 @@ __all__ = [
     "ProfileError",
     "BackupError",
     "parse_profile",
+    "load_profile",
+    "cli_main",
+    "runtime_dir",
     "device_memory",
 ]
 
@@ -107,4 +110,12 @@ class ProfileError(MemsaverError): ...
 class BackupError(MemsaverError): ...
 
 def parse_profile(text: str, file: str) -> str: ...
+def load_profile(path: str) -> str:
+    """Reads (at most 1 MiB) and validates the profile file at ``path``; returns its JSON."""
+
+def cli_main(args: list[str]) -> int:
+    """Runs a core command of the memsaver command line (demo, bench, options); its exit status."""
+
+def runtime_dir() -> str:
+    """The runtime directory of the nccl tag's sockets (not created)."""
 def device_memory(device: int) -> tuple[int, int]: ...

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -25,9 +26,6 @@ from typing import Any
 
 from . import _core, _memsaver, timeline
 from ._memsaver import MemsaverError
-
-#: Tags memsaver manages itself; a profile may name them, they are not registered.
-_EXTERNAL_TAGS = frozenset({"nccl"})
 
 
 class ProfileStepError(MemsaverError):
@@ -67,21 +65,62 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _describe(step: Mapping[str, Any]) -> str:
-    op = step["op"]
-    if op in ("pause", "resume"):
-        return f"{op} {', '.join(step['tags'])}"
-    if op == "call":
-        return f"call {step['name']}"
-    if op == "assert_free":
-        return f"assert free >= {step['bytes'] / (1 << 30):.2f} GiB on device {step['device']}"
-    return f"assert {step['tag']} released"
-
-
 def _resident() -> dict[str, int]:
     from . import stats
 
     return {name: t.resident_bytes for name, t in stats().tags.items()}
+
+
+# What each kind of step does. The steps arrive typed and validated from libmemsaver.so (the
+# schema: the `Action` enum of profile/src/lib.rs), with their `description`, `line` and
+# `column`; this table only executes them.
+_Step = Mapping[str, Any]
+_Callbacks = Mapping[str, Callable[[], Any]]
+
+
+def _pause(s: _Step, callbacks: _Callbacks, skip_calls: bool) -> None:
+    from . import pause
+
+    pause(*s["tags"])
+
+
+def _resume(s: _Step, callbacks: _Callbacks, skip_calls: bool) -> None:
+    from . import resume
+
+    resume(*s["tags"])
+
+
+def _call(s: _Step, callbacks: _Callbacks, skip_calls: bool) -> None:
+    if not skip_calls:
+        callbacks[s["name"]]()
+
+
+def _assert_free(s: _Step, callbacks: _Callbacks, skip_calls: bool) -> None:
+    free, _ = _memsaver.device_memory(s["device"])
+    if free < s["bytes"]:
+        raise ProfileStepError(
+            f"device {s['device']} has {free / (1 << 30):.2f} GiB free, "
+            f"expected at least {s['bytes'] / (1 << 30):.2f} GiB"
+        )
+
+
+def _assert_released(s: _Step, callbacks: _Callbacks, skip_calls: bool) -> None:
+    from . import stats
+
+    t = stats().tags.get(s["tag"])
+    if t is not None and t.resident_bytes:
+        raise ProfileStepError(f"tag '{s['tag']}' still holds {t.resident_bytes} resident bytes")
+
+
+_EXECUTE: dict[str, Callable[[_Step, _Callbacks, bool], None]] = {
+    "pause": _pause,
+    "resume": _resume,
+    "call": _call,
+    "assert_free": _assert_free,
+    "assert_released": _assert_released,
+}
+# pause and resume record their own timeline events.
+_RECORDS_ITSELF = frozenset({"pause", "resume"})
 
 
 class Profile:
@@ -92,18 +131,15 @@ class Profile:
         self.version: int = data["version"]
         self.tags: dict[str, str] = {t["name"]: t["backup"] for t in data["tags"]}
         self.stages: dict[str, list[dict[str, Any]]] = {s["name"]: s["steps"] for s in data["stages"]}
+        self._callbacks: list[str] = list(data["callbacks"])
+        self._stage_callbacks: dict[str, list[str]] = {s["name"]: s["callbacks"] for s in data["stages"]}
 
     def __repr__(self) -> str:
         return f"Profile({self.source!r}, tags={sorted(self.tags)}, stages={sorted(self.stages)})"
 
     def callbacks(self) -> list[str]:
         """Names of the callbacks the stages call, in order of first use."""
-        names: list[str] = []
-        for steps in self.stages.values():
-            for s in steps:
-                if s["op"] == "call" and s["name"] not in names:
-                    names.append(s["name"])
-        return names
+        return list(self._callbacks)
 
     @contextlib.contextmanager
     def region(self, tag: str) -> Iterator[None]:
@@ -127,35 +163,40 @@ class Profile:
 
         ``callbacks`` maps the names of ``call`` steps to functions taking no argument;
         ``skip_calls`` skips ``call`` steps (for scripts that only move memory)."""
-        from . import pause, register_tag, resume, stats
+        from . import register_tag, stats
 
         if stage not in self.stages:
             raise ProfileStepError(
                 f"{self.source} has no stage '{stage}' (stages: {', '.join(sorted(self.stages))})"
             )
         callbacks = dict(callbacks or {})
-        steps = self.stages[stage]
-        missing = [s["name"] for s in steps if s["op"] == "call" and s["name"] not in callbacks]
+        missing = [n for n in self._stage_callbacks[stage] if n not in callbacks]
         if missing and not skip_calls:
             raise ProfileStepError(
                 f"stage '{stage}' of {self.source} calls {', '.join(missing)} but no such callback "
                 "was given (pass callbacks={...}, or skip_calls=True)"
             )
         _core.ensure_loaded()
-        known = set(stats().tags)
+        known = set(stats().tags)  # includes memsaver's own tags (nccl), never registered here
         for tag in self.tags:
-            if tag not in known and tag not in _EXTERNAL_TAGS:
+            if tag not in known:
                 register_tag(tag)
         report = StageReport(stage)
         after = _resident()
-        for i, s in enumerate(steps, 1):
-            what = _describe(s)
+        for i, s in enumerate(self.stages[stage], 1):
+            what = s["description"]
+            execute = _EXECUTE.get(s["op"])
+            if execute is None:  # a libmemsaver.so newer than this package
+                raise ProfileStepError(
+                    f"stage '{stage}' step {i} ({what}, {self.source} line {s['line']}): this memsaver "
+                    f"package cannot run '{s['op']}' steps; install the package and library of one version"
+                )
             before = after  # the previous step's "after": nothing runs in between
             t0 = time.perf_counter()
             try:
                 with timeline.stage_context(stage):
-                    self._step(s, callbacks, skip_calls, pause, resume)
-                    if s["op"] not in ("pause", "resume"):  # those record themselves
+                    execute(s, callbacks, skip_calls)
+                    if s["op"] not in _RECORDS_ITSELF:
                         timeline.record("step", what, time.perf_counter() - t0)
             except Exception as e:
                 raise ProfileStepError(
@@ -166,38 +207,6 @@ class Profile:
             report.steps.append(StepReport(i, s["line"], what, elapsed, before, after))
         return report
 
-    @staticmethod
-    def _step(
-        s: Mapping[str, Any],
-        callbacks: Mapping[str, Callable[[], Any]],
-        skip_calls: bool,
-        pause: Callable[..., None],
-        resume: Callable[..., None],
-    ) -> None:
-        op = s["op"]
-        if op == "pause":
-            pause(*s["tags"])
-        elif op == "resume":
-            resume(*s["tags"])
-        elif op == "call":
-            if not skip_calls:
-                callbacks[s["name"]]()
-        elif op == "assert_free":
-            free, _ = _memsaver.device_memory(s["device"])
-            if free < s["bytes"]:
-                raise ProfileStepError(
-                    f"device {s['device']} has {free / (1 << 30):.2f} GiB free, "
-                    f"expected at least {s['bytes'] / (1 << 30):.2f} GiB"
-                )
-        elif op == "assert_released":
-            from . import stats
-
-            t = stats().tags.get(s["tag"])
-            if t is not None and t.resident_bytes:
-                raise ProfileStepError(
-                    f"tag '{s['tag']}' still holds {t.resident_bytes} resident bytes"
-                )
-
 
 def parse_profile(text: str, source: str = "<profile>") -> Profile:
     """Parses and validates profile text (``source`` names it in messages)."""
@@ -205,8 +214,10 @@ def parse_profile(text: str, source: str = "<profile>") -> Profile:
     return Profile(json.loads(_memsaver.parse_profile(text, source)), source)
 
 
-def load_profile(path: str) -> Profile:
-    """Loads and validates the YAML profile at ``path``; raises ``ProfileError`` with
-    ``path:line:column: what was expected`` if it is invalid."""
-    with open(path, encoding="utf-8") as f:
-        return parse_profile(f.read(), str(path))
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    """Loads and validates the YAML profile at ``path`` (read in libmemsaver.so, at most 1 MiB);
+    raises ``ProfileError`` with ``path:line:column: what was expected`` if it is invalid, or
+    ``path: cannot read the profile: why`` if it cannot be read."""
+    _core.ensure_loaded()
+    source = os.fspath(path)
+    return Profile(json.loads(_memsaver.load_profile(source)), source)

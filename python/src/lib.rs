@@ -155,6 +155,41 @@ fn parse_profile(text: &str, file: &str) -> PyResult<String> {
     })
 }
 
+/// Reads and validates the profile file at `path`; returns it as JSON.
+#[pyfunction]
+fn load_profile(path: &str) -> PyResult<String> {
+    let l = lib()?;
+    let p = cstr(path, "path")?;
+    read_json(l, |buf, len, needed| {
+        // SAFETY: a NUL-terminated string that outlives the call; the buffer protocol of read_json.
+        unsafe { (l.memsaver_profile_load)(p.as_ptr(), buf, len, needed) }
+    })
+}
+
+/// Runs one of the core's commands (`["bench", "--cycles", "3"]`); returns its exit status.
+/// It prints to the process's stdout and stderr; the GIL is released while it runs.
+#[pyfunction]
+fn cli_main(py: Python<'_>, args: Vec<String>) -> PyResult<i32> {
+    let l = lib()?;
+    let args = args
+        .iter()
+        .map(|a| cstr(a, "argument"))
+        .collect::<PyResult<Vec<_>>>()?;
+    let ptrs: Vec<usize> = args.iter().map(|a| a.as_ptr() as usize).collect();
+    let argc = c_int::try_from(ptrs.len())
+        .map_err(|_| error::InvalidArgumentError::new_err("too many arguments"))?;
+    // SAFETY: `ptrs` holds `argc` NUL-terminated strings that outlive the call.
+    Ok(py.detach(|| unsafe { (l.memsaver_cli_main)(argc, ptrs.as_ptr().cast::<*const c_char>()) }))
+}
+
+/// The runtime directory of the `nccl` tag's sockets (not created).
+#[pyfunction]
+fn runtime_dir() -> PyResult<String> {
+    let l = lib()?;
+    // SAFETY: the buffer protocol of read_json.
+    read_json(l, |b, n, nd| unsafe { (l.memsaver_runtime_dir)(b, n, nd) })
+}
+
 /// (free, total) bytes of `device`.
 #[pyfunction]
 fn device_memory(device: i32) -> PyResult<(usize, usize)> {
@@ -292,6 +327,9 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nccl_set_group, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_group, m)?)?;
     m.add_function(wrap_pyfunction!(parse_profile, m)?)?;
+    m.add_function(wrap_pyfunction!(load_profile, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime_dir, m)?)?;
     m.add_function(wrap_pyfunction!(device_memory, m)?)?;
     m.add_function(wrap_pyfunction!(register_tag, m)?)?;
     m.add_function(wrap_pyfunction!(region_enter, m)?)?;

@@ -161,8 +161,9 @@ int memsaver_nccl_group(int64_t *group);
 
 /**
  * Parses and validates a staged pause/resume profile (YAML text; `file` names it in
- * messages) and writes it as JSON, like `memsaver_stats_json`.
- * An invalid profile gives `MEMSAVER_ERR_PROFILE` with `file:line:column: what was expected`.
+ * messages) and writes it as JSON, like `memsaver_stats_json`; the JSON is
+ * `memsaver_profile::Profile::to_json`'s. An invalid profile gives `MEMSAVER_ERR_PROFILE` with
+ * `file:line:column: what was expected`.
  *
  * # Safety
  * `text` is a NUL-terminated string, `file` NULL or one; `buf` and `needed` as for
@@ -258,6 +259,39 @@ int memsaver_set_memory_margin(size_t bytes);
  * As `memsaver_stats_json`.
  */
 int memsaver_region_current_json(char *buf, size_t len, size_t *needed);
+
+/**
+ * Reads the profile file at `path` (at most 1 MiB; UTF-8), validates it and writes it as
+ * JSON into `buf`, like [`memsaver_profile_parse`]. Every invalid file, a too large or not
+ * UTF-8 one included, gives `MEMSAVER_ERR_PROFILE` with `path:line:column: what was
+ * expected`; a file that cannot be read gives `path: cannot read the profile: why`.
+ *
+ * # Safety
+ * `path` is NUL-terminated; `buf`/`needed` as for [`memsaver_stats_json`].
+ */
+int memsaver_profile_load(const char *path, char *buf, size_t len, size_t *needed);
+
+/**
+ * Runs one of the allocator core's commands of the `memsaver` command line (`demo`,
+ * `bench`, `options`; `argv[0]` is the command) and returns its exit status: 0 done, 1
+ * failed, 2 a usage error. It prints to stdout and stderr: only the `memsaver` command
+ * calls it.
+ *
+ * # Safety
+ * `argv` holds `argc` NUL-terminated strings.
+ */
+int memsaver_cli_main(int argc, const char *const *argv);
+
+/**
+ * Writes the path of the runtime directory (where processes coordinating the `nccl` tag put
+ * their sockets: `MEMSAVER_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/memsaver`, else
+ * `/tmp/memsaver-<uid>`) into `buf`, with the protocol of [`memsaver_stats_json`]. It
+ * creates nothing.
+ *
+ * # Safety
+ * As [`memsaver_stats_json`].
+ */
+int memsaver_runtime_dir(char *buf, size_t len, size_t *needed);
 
 /**
  * Allocation entry point for `CUDAPluggableAllocator`. Returns NULL (torch reports out of

@@ -32,6 +32,7 @@
 //! (`python/src/abi.rs`) are generated from them by `tests/abi_files.rs` (`make abi`), which
 //! fails when a checked-in copy differs: edit the Rust source, not those files.
 
+pub mod cli;
 pub mod hooks;
 pub mod region;
 mod status;
@@ -60,13 +61,43 @@ pub(crate) fn set_last_error(msg: &str) {
     let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
 }
 
+/// What a failed C function reports: its status code and the message
+/// [`memsaver_last_error`] gives.
+struct Failure {
+    status: Status,
+    message: String,
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        Failure {
+            status: Status::of(&e),
+            message: e.to_string(),
+        }
+    }
+}
+
+impl From<memsaver_profile::ProfileError> for Failure {
+    fn from(e: memsaver_profile::ProfileError) -> Self {
+        Failure {
+            status: Status::Profile,
+            message: e.to_string(),
+        }
+    }
+}
+
 /// Runs `f`, turning errors and panics into a status code and a stored message.
 fn ffi(f: impl FnOnce() -> Result<(), Error>) -> c_int {
+    ffi_with(|| f().map_err(Failure::from))
+}
+
+/// [`ffi`] for functions whose errors are not all the core's.
+fn ffi_with(f: impl FnOnce() -> Result<(), Failure>) -> c_int {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => Status::Ok as c_int,
         Ok(Err(e)) => {
-            set_last_error(&e.to_string());
-            Status::of(&e) as c_int
+            set_last_error(&e.message);
+            e.status as c_int
         }
         Err(_) => {
             set_last_error(
@@ -246,10 +277,27 @@ unsafe fn write_json(
     needed: *mut usize,
     make: impl FnOnce() -> Result<serde_json::Result<String>, Error>,
 ) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe { write_json_with(buf, len, needed, || make().map_err(Failure::from)) }
+}
+
+/// [`write_json`] for functions whose errors are not all the core's.
+///
+/// # Safety
+/// As [`write_json`].
+unsafe fn write_json_with(
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+    make: impl FnOnce() -> Result<serde_json::Result<String>, Failure>,
+) -> c_int {
     let mut too_small = false;
-    let code = ffi(|| {
-        let json =
-            make()?.map_err(|e| Error::InvalidArgument(format!("cannot encode stats: {e}")))?;
+    let code = ffi_with(|| {
+        let json = make()?.map_err(|e| {
+            Failure::from(Error::InvalidArgument(format!(
+                "cannot encode the JSON: {e}"
+            )))
+        })?;
         let n = json.len() + 1;
         if !needed.is_null() {
             // SAFETY: non-null out-pointer per the contract.
@@ -318,8 +366,9 @@ pub unsafe extern "C" fn memsaver_nccl_group(group: *mut i64) -> c_int {
 }
 
 /// Parses and validates a staged pause/resume profile (YAML text; `file` names it in
-/// messages) and writes it as JSON, like `memsaver_stats_json`.
-/// An invalid profile gives `MEMSAVER_ERR_PROFILE` with `file:line:column: what was expected`.
+/// messages) and writes it as JSON, like `memsaver_stats_json`; the JSON is
+/// `memsaver_profile::Profile::to_json`'s. An invalid profile gives `MEMSAVER_ERR_PROFILE` with
+/// `file:line:column: what was expected`.
 ///
 /// # Safety
 /// `text` is a NUL-terminated string, `file` NULL or one; `buf` and `needed` as for
@@ -334,11 +383,11 @@ pub unsafe extern "C" fn memsaver_profile_parse(
 ) -> c_int {
     // SAFETY: forwarded contract.
     unsafe {
-        write_json(buf, len, needed, || {
+        write_json_with(buf, len, needed, || {
             let text = req_str(text, "text")?;
             let file = opt_str(file, "file")?.unwrap_or("<profile>");
-            let p = memsaver_allocator::profile::parse(text, file)?;
-            Ok(serde_json::to_string(&p))
+            let p = memsaver_profile::parse(text, file)?;
+            Ok(serde_json::to_string(&p.to_json()))
         })
     }
 }
@@ -505,6 +554,85 @@ pub unsafe extern "C" fn memsaver_region_current_json(
     unsafe {
         write_json(buf, len, needed, || {
             Ok(serde_json::to_string(&region::describe()?))
+        })
+    }
+}
+
+/// Reads the profile file at `path` (at most 1 MiB; UTF-8), validates it and writes it as
+/// JSON into `buf`, like [`memsaver_profile_parse`]. Every invalid file, a too large or not
+/// UTF-8 one included, gives `MEMSAVER_ERR_PROFILE` with `path:line:column: what was
+/// expected`; a file that cannot be read gives `path: cannot read the profile: why`.
+///
+/// # Safety
+/// `path` is NUL-terminated; `buf`/`needed` as for [`memsaver_stats_json`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_profile_load(
+    path: *const c_char,
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe {
+        write_json_with(buf, len, needed, || {
+            let path = req_str(path, "path")?;
+            let p = memsaver_profile::load(std::path::Path::new(path))?;
+            Ok(serde_json::to_string(&p.to_json()))
+        })
+    }
+}
+
+/// Runs one of the allocator core's commands of the `memsaver` command line (`demo`,
+/// `bench`, `options`; `argv[0]` is the command) and returns its exit status: 0 done, 1
+/// failed, 2 a usage error. It prints to stdout and stderr: only the `memsaver` command
+/// calls it.
+///
+/// # Safety
+/// `argv` holds `argc` NUL-terminated strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_cli_main(argc: c_int, argv: *const *const c_char) -> c_int {
+    let run = || {
+        let mut args = Vec::new();
+        for i in 0..usize::try_from(argc).unwrap_or(0) {
+            // SAFETY: `argv` holds `argc` pointers per the contract.
+            let p = unsafe { *argv.add(i) };
+            // SAFETY: each is a NUL-terminated string per the contract.
+            args.push(unsafe { opt_str(p, "argument") }?.unwrap_or("").to_owned());
+        }
+        Ok::<_, Error>(cli::main(&args, &mut std::io::stdout().lock()))
+    };
+    match catch_unwind(AssertUnwindSafe(run)) {
+        Ok(Ok(code)) => code,
+        Ok(Err(e)) => {
+            eprintln!("memsaver: error: {e}");
+            2
+        }
+        Err(_) => {
+            eprintln!("memsaver: internal error (a bug: please report it with MEMSAVER_LOG=debug)");
+            1
+        }
+    }
+}
+
+/// Writes the path of the runtime directory (where processes coordinating the `nccl` tag put
+/// their sockets: `MEMSAVER_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/memsaver`, else
+/// `/tmp/memsaver-<uid>`) into `buf`, with the protocol of [`memsaver_stats_json`]. It
+/// creates nothing.
+///
+/// # Safety
+/// As [`memsaver_stats_json`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_runtime_dir(
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe {
+        write_json(buf, len, needed, || {
+            Ok(Ok(memsaver_nccl_hook::runtime_dir()
+                .to_string_lossy()
+                .into_owned()))
         })
     }
 }

@@ -91,7 +91,6 @@ impl Status {
             Error::Incomplete { .. } => Status::Incomplete,
             Error::InvalidArgument(_) => Status::InvalidArgument,
             Error::PeersHoldMemory { .. } | Error::Peer { .. } => Status::Peer,
-            Error::Profile(_) => Status::Profile,
             Error::Backup(_) => Status::Backup,
         }
     }

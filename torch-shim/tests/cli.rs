@@ -1,35 +1,25 @@
-//! The `memsaver` command, run as a real process on the fake driver.
+//! The core's commands of the `memsaver` command line (`memsaver::cli::main`, what
+//! `memsaver_cli_main` runs), on the fake driver. The Python tests run the same commands
+//! through the `memsaver` console script (tests/python/test_cli.py).
 
-use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
 
-/// Runs the command with its own fake-driver state directory, so the device memory it
-/// measures is not disturbed by other tests running at the same time.
-fn memsaver(args: &[&str]) -> (bool, String) {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "memsaver-cli-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let out = Command::new(env!("CARGO_BIN_EXE_memsaver"))
-        .args(args)
-        .env("FAKE_CUDA_DIR", &dir)
-        .output()
-        .unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
+/// One command at a time: bench measures the device's free memory, which another command
+/// allocating on the same fake device at the same time would disturb.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn memsaver(args: &[&str]) -> (i32, String) {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let mut out = Vec::new();
+    let code = memsaver::cli::main(&args, &mut out);
+    (code, String::from_utf8_lossy(&out).into_owned())
 }
 
 #[test]
 fn demo_runs_a_staged_cycle_and_verifies_contents() {
-    let (ok, out) = memsaver(&["demo", "--fake"]);
-    assert!(ok, "{out}");
+    let (code, out) = memsaver(&["demo", "--fake"]);
+    assert_eq!(code, 0, "{out}");
     for stage in [
         "allocated and filled",
         "sleep 1",
@@ -47,7 +37,7 @@ fn demo_runs_a_staged_cycle_and_verifies_contents() {
 
 #[test]
 fn bench_checks_memory_and_contents() {
-    let (ok, out) = memsaver(&[
+    let (code, out) = memsaver(&[
         "bench",
         "--fake",
         "--cpu-gib",
@@ -59,7 +49,7 @@ fn bench_checks_memory_and_contents() {
         "--chunk-mib",
         "16",
     ]);
-    assert!(ok, "{out}");
+    assert_eq!(code, 0, "{out}");
     assert!(out.contains("all checks passed"), "{out}");
     assert_eq!(
         out.lines().filter(|l| l.contains("bench_cpu")).count(),
@@ -69,10 +59,17 @@ fn bench_checks_memory_and_contents() {
 }
 
 #[test]
-fn bad_arguments_are_reported() {
-    let (ok, out) = memsaver(&["bench", "--fake", "--cyles", "3"]);
-    assert!(!ok);
-    assert!(out.contains("unknown option --cyles"), "{out}");
-    let (ok, out) = memsaver(&["frobnicate"]);
-    assert!(!ok && out.contains("unknown command 'frobnicate'"), "{out}");
+fn help_options_and_bad_arguments() {
+    let (code, out) = memsaver(&["bench", "--help"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("--cpu-gib") && out.contains("options "),
+        "{out}"
+    );
+    let (code, out) = memsaver(&["options"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("`MEMSAVER_CUDA_LIB`"), "{out}");
+    assert_eq!(memsaver(&["bench", "--fake", "--cyles", "3"]).0, 2);
+    assert_eq!(memsaver(&["frobnicate"]).0, 2);
+    assert_eq!(memsaver(&[]).0, 2);
 }

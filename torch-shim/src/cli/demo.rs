@@ -1,4 +1,4 @@
-//! `memsaver demo`: a verl-style staged sleep and wake of tagged memory.
+//! `memsaver demo` (without a profile): a verl-style staged sleep and wake of tagged memory.
 //!
 //! Allocates `weights` and `cuda_graph` (cpu policy: contents kept) and `kv_cache` (discard),
 //! fills them with a known pattern, then sleeps in two stages and wakes in two stages, printing
@@ -9,8 +9,10 @@ use std::time::Duration;
 
 use memsaver_allocator::{Allocator, Policy, human_bytes};
 
-use crate::devmem::Staging;
-use crate::{Flags, open_driver};
+use std::io::Write;
+
+use super::devmem::Staging;
+use super::{Flags, open_driver};
 
 const MIB: usize = 1 << 20;
 
@@ -21,7 +23,7 @@ struct TagSpec {
     bytes: usize,
 }
 
-pub fn run(args: &[String]) -> Result<(), String> {
+pub fn run(args: &[String], out: &mut dyn Write) -> Result<(), String> {
     let flags = Flags::new(args, &["--device", "--fake"])?;
     let device: i32 = flags.get("--device", 0)?;
     let driver = open_driver(flags.has("--fake"))?;
@@ -33,7 +35,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
     } else {
         MIB
     };
-    println!(
+    outln!(
+        out,
         "memsaver demo on device {device} via {} (CUDA {}.{}): {} free of {}\n",
         driver.path(),
         driver.version() / 1000,
@@ -77,24 +80,24 @@ pub fn run(args: &[String]) -> Result<(), String> {
     }
 
     let tags: Vec<&str> = specs.iter().map(|s| s.tag).collect();
-    print!("{:<34} {:>9}", "stage", "time");
+    out!(out, "{:<34} {:>9}", "stage", "time");
     for t in &tags {
-        print!(" {t:>12}");
+        out!(out, " {t:>12}");
     }
-    println!(" {:>12}", "device free");
-    let row = |stage: &str, took: Option<Duration>| -> Result<(), String> {
+    outln!(out, " {:>12}", "device free");
+    let row = |out: &mut dyn Write, stage: &str, took: Option<Duration>| -> Result<(), String> {
         let stats = alloc.stats();
         let (free, _) = alloc.device_memory(device).map_err(|e| e.to_string())?;
         let took = took.map_or("-".into(), |d| format!("{:.2} ms", d.as_secs_f64() * 1e3));
-        print!("{stage:<34} {took:>9}");
+        out!(out, "{stage:<34} {took:>9}");
         for t in &tags {
             let r = stats.tag(t).map_or(0, |s| s.usage.resident_bytes);
-            print!(" {:>12}", human_bytes(r));
+            out!(out, " {:>12}", human_bytes(r));
         }
-        println!(" {:>12}", human_bytes(free as u64));
+        outln!(out, " {:>12}", human_bytes(free as u64));
         Ok(())
     };
-    row("allocated and filled", None)?;
+    row(out, "allocated and filled", None)?;
 
     type Step<'a> = (&'a str, bool, &'a [&'a str]);
     let stages: [Step; 4] = [
@@ -118,7 +121,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
             alloc.resume(tags)
         }
         .map_err(|e| e.to_string())?;
-        row(name, Some(report.elapsed))?;
+        row(out, name, Some(report.elapsed))?;
         if !pause {
             for (tag, ptr, bytes, seed) in kept.iter().filter(|k| tags.contains(&k.0)) {
                 staging
@@ -128,7 +131,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
         }
     }
     let (free_end, _) = alloc.device_memory(device).map_err(|e| e.to_string())?;
-    println!(
+    outln!(
+        out,
         "\ncontents of the cpu-policy tags (weights, cuda_graph) verified bit-exact after resume; \
          device free at the end: {}",
         human_bytes(free_end as u64)

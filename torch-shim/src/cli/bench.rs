@@ -11,8 +11,10 @@ use std::time::Duration;
 
 use memsaver_allocator::{Allocator, Policy, human_bytes};
 
-use crate::devmem::Staging;
-use crate::{Flags, open_driver};
+use std::io::Write;
+
+use super::devmem::Staging;
+use super::{Flags, open_driver};
 
 const MIB: usize = 1 << 20;
 
@@ -35,7 +37,7 @@ fn median(v: &[Duration]) -> Duration {
     v[v.len() / 2]
 }
 
-pub fn run(args: &[String]) -> Result<(), String> {
+pub fn run(args: &[String], out: &mut dyn Write) -> Result<(), String> {
     let flags = Flags::new(
         args,
         &[
@@ -60,7 +62,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let driver = open_driver(flags.has("--fake"))?;
     let alloc = Allocator::new(driver.clone());
     let (free0, total) = alloc.device_memory(device).map_err(|e| e.to_string())?;
-    println!(
+    outln!(
+        out,
         "memsaver bench: device {device} via {}, {} free of {}; {cycles} cycles, {} MiB allocations",
         driver.path(),
         human_bytes(free0 as u64),
@@ -107,9 +110,16 @@ pub fn run(args: &[String]) -> Result<(), String> {
         }
     }
 
-    println!(
+    outln!(
+        out,
         "{:>5} {:<14} {:>10} {:>10} {:>10} {:>10} {:>12}",
-        "cycle", "tag", "pause ms", "GB/s", "resume ms", "GB/s", "freed"
+        "cycle",
+        "tag",
+        "pause ms",
+        "GB/s",
+        "resume ms",
+        "GB/s",
+        "freed"
     );
     for cycle in 1..=cycles {
         for s in series.iter_mut() {
@@ -118,7 +128,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
             let (after, _) = alloc.device_memory(device).map_err(|e| e.to_string())?;
             let freed = after.saturating_sub(before);
             let r = alloc.resume(&[s.tag]).map_err(|e| e.to_string())?;
-            println!(
+            outln!(
+                out,
                 "{cycle:>5} {:<14} {:>10.2} {:>10.1} {:>10.2} {:>10.1} {:>12}",
                 s.tag,
                 p.elapsed.as_secs_f64() * 1e3,
@@ -147,13 +158,15 @@ pub fn run(args: &[String]) -> Result<(), String> {
         }
     }
 
-    println!(
+    outln!(
+        out,
         "\nsummary (median of cycles 2..{cycles}; first cycle in brackets, it allocates pinned backups):"
     );
     for s in &series {
         let later = |v: &[Duration]| if v.len() > 1 { median(&v[1..]) } else { v[0] };
         let (p, r) = (later(&s.pause), later(&s.resume));
-        println!(
+        outln!(
+            out,
             "  {:<8} {:>10}: pause {:>8.2} ms {:>7.1} GB/s [{:.2} ms]   resume {:>8.2} ms {:>7.1} GB/s [{:.2} ms]",
             s.policy.as_str(),
             human_bytes(s.bytes as u64),
@@ -170,7 +183,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
             alloc.free(p).map_err(|e| e.to_string())?;
         }
     }
-    println!(
+    outln!(
+        out,
         "{}",
         if verify {
             "all checks passed (memory freed, contents bit-exact)"

@@ -1,0 +1,141 @@
+"""``memsaver diagnostics``: what this installation sees, going on past every problem.
+
+Prints the version, the library and its hook mode, the CUDA driver (real or fake) or why it did
+not load, the devices with free and total memory, the ``MEMSAVER_*`` variables that are set,
+the runtime directory of the ``nccl`` tag's sockets and ``nccl_stats()``. Each problem found
+adds a line saying what to do; the exit status is 1 if there was any.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import stat
+import sys
+
+
+class _Report:
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def line(self, key: str, value: str) -> None:
+        print(f"{key + ':':<14}{value}")
+
+    def problem(self, key: str, what: str, todo: str) -> None:
+        self.line(key, f"PROBLEM: {what}")
+        self.problems.append(f"{key}: {todo}")
+
+
+def _driver_kind(path: str) -> str:
+    """"fake" for tests/fake-cuda's libcuda.so.1, else "real" (or why it cannot be opened)."""
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        return f"cannot be opened: {e}"
+    return "fake driver (host memory)" if hasattr(lib, "fakecuda_reset_faults") else "real driver"
+
+
+def _device_count(path: str) -> int:
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return 0  # memsaver.device_memory says why
+    n = ctypes.c_int(0)
+    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(n)) != 0:
+        return 0
+    return n.value
+
+
+def _runtime_dir(r: _Report, path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        r.line("runtime dir", f"{path}: does not exist yet (created with mode 0700 when NCCL memory is first shared)")
+        return
+    except OSError as e:
+        r.problem("runtime dir", f"{path}: {e}", "make it readable or set MEMSAVER_RUNTIME_DIR to a private directory")
+        return
+    link = stat.S_ISLNK(st.st_mode)
+    if link:
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            r.problem("runtime dir", f"{path} is a dangling symlink ({e})",
+                      "remove it or set MEMSAVER_RUNTIME_DIR to a private directory")
+            return
+    desc = (f"{path}: exists, owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}, "
+            + (f"a symlink to {os.path.realpath(path)}" if link else "not a symlink"))
+    if not stat.S_ISDIR(st.st_mode):
+        r.problem("runtime dir", f"{desc}; not a directory",
+                  "remove it or set MEMSAVER_RUNTIME_DIR to a private directory")
+    elif st.st_uid != os.getuid() or st.st_mode & 0o077:
+        r.problem("runtime dir", f"{desc}; it must belong to uid {os.getuid()} with mode 0700",
+                  f"chmod 700 {path} (as its owner) or set MEMSAVER_RUNTIME_DIR to a private directory")
+    else:
+        r.line("runtime dir", desc)
+
+
+def main() -> int:
+    import memsaver
+    from memsaver import _core, _memsaver
+
+    r = _Report()
+    r.line("version", f"memsaver {memsaver.__version__} (Python {sys.version.split()[0]}, {sys.executable})")
+
+    loaded = False
+    try:
+        mode, path = _core.ensure_loaded()
+        r.line("library", f"{path} (hook mode: {mode})")
+        loaded = True
+    except memsaver.MemsaverError as e:
+        r.problem("library", str(e), "reinstall memsaver (pip install --force-reinstall memsaver) or fix the mode above")
+
+    driver = os.environ.get("MEMSAVER_CUDA_LIB") or "libcuda.so.1"
+    kind = _driver_kind(driver)
+    devices = 0
+    driver_ok = False
+    if loaded:
+        try:
+            devices = _device_count(driver)
+            memsaver.device_memory(0)
+            driver_ok = True
+            r.line("driver", f"{driver}: loaded, {kind}")
+        except memsaver.MemsaverError as e:
+            what = f"{driver}: not usable: {e}" if kind.startswith("cannot") else f"{driver} ({kind}): not usable: {e}"
+            r.problem("driver", what,
+                      "install the NVIDIA driver, or set MEMSAVER_CUDA_LIB to libcuda.so.1's path "
+                      "(the fake driver for tests: target/fake-cuda/libcuda.so.1)")
+    if driver_ok and devices:
+        r.line("devices", str(devices))
+        for d in range(devices):
+            try:
+                free, total = memsaver.device_memory(d)
+                r.line(f"  device {d}", f"{free / (1 << 30):.2f} GiB free of {total / (1 << 30):.2f} GiB")
+            except memsaver.MemsaverError as e:
+                r.problem(f"  device {d}", str(e), "check the device with nvidia-smi")
+    elif driver_ok:
+        r.problem("devices", "none", "check CUDA_VISIBLE_DEVICES and nvidia-smi")
+
+    names = sorted(k for k in os.environ if k.startswith("MEMSAVER_"))
+    r.line("variables", "none set" if not names else names[0] + "=" + os.environ[names[0]])
+    for k in names[1:]:
+        r.line("", f"{k}={os.environ[k]}")
+
+    if loaded:
+        try:
+            _runtime_dir(r, _memsaver.runtime_dir())
+        except memsaver.MemsaverError as e:
+            r.problem("runtime dir", str(e), "set MEMSAVER_RUNTIME_DIR to a private directory")
+        try:
+            r.line("nccl_stats", json.dumps(memsaver.nccl_stats(), sort_keys=True))
+        except memsaver.MemsaverError as e:
+            r.problem("nccl_stats", str(e), "run with MEMSAVER_LOG=debug and report it")
+
+    if r.problems:
+        print(f"\n{len(r.problems)} problem(s); what to do:")
+        for p in r.problems:
+            print(f"  {p}")
+        return 1
+    print("\nno problems found")
+    return 0

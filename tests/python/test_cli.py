@@ -1,0 +1,151 @@
+"""The `memsaver` command (python -m memsaver, the console script's entry point) as a user runs
+it: every subcommand and its help, profile checks that agree with load_profile, the core's
+demo and bench, and diagnostics on the fake driver."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import memsaver
+import pytest
+
+BAD = sorted((pathlib.Path(__file__).parent / "profiles" / "bad").glob("*.yaml"))
+EXAMPLE = pathlib.Path(__file__).parents[2] / "docs" / "examples" / "verl_grpo.yaml"
+COMMANDS = ["demo", "check", "run", "stats", "timeline", "env", "preload-path", "bench", "options", "diagnostics"]
+
+
+def memsaver_cmd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "memsaver", *args], capture_output=True, text=True, env=env)
+
+
+def test_help_lists_every_command_with_a_line_of_help():
+    r = memsaver_cmd("--help")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for c in COMMANDS:
+        i = next((i for i, l in enumerate(lines) if l.split()[:1] == [c]), None)
+        assert i is not None, f"{c} missing from:\n{r.stdout}"
+        # the help is on the same line, or on the next one for long names
+        assert len(lines[i].split()) > 1 or len(lines[i + 1].split()) > 1, r.stdout
+
+
+def test_version():
+    r = memsaver_cmd("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"memsaver {memsaver.__version__}"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_command_has_help(command):
+    r = memsaver_cmd(command, "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), command
+
+
+def test_no_command_and_unknown_command_are_usage_errors():
+    r = memsaver_cmd()
+    assert r.returncode == 2 and "a command is required" in r.stderr
+    r = memsaver_cmd("frobnicate")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_check_good_profile():
+    r = memsaver_cmd("check", str(EXAMPLE))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"{EXAMPLE}: ok (version 1; tags: cuda_graph, kv_cache, nccl, weights")
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.name for p in BAD])
+def test_check_and_load_profile_report_the_same_error(path):
+    r = memsaver_cmd("check", str(path))
+    assert r.returncode == 1
+    with pytest.raises(memsaver.ProfileError) as e:
+        memsaver.load_profile(str(path))
+    assert r.stderr.strip() == str(e.value).strip()
+    first = r.stderr.splitlines()[0]
+    expected = path.read_text().splitlines()[0].removeprefix("# expect: ")
+    assert first.startswith(f"{path.parent}/{expected}"), first
+    assert ":0:" not in first
+
+
+def test_unreadable_huge_and_binary_files_give_clear_errors(tmp_path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"version: 1\nstages:\n  s\xff\xfe: []\n")
+    missing = tmp_path / "missing.yaml"
+    r = memsaver_cmd("check", "/dev/zero", str(binary), str(missing), str(tmp_path))
+    assert r.returncode == 1
+    err = r.stderr.splitlines()
+    assert err[0] == (
+        "/dev/zero:1:1048577: the file is larger than 1024 KiB, the most a profile may have; "
+        "is it the right file?"
+    )
+    assert err[1].startswith(f"{binary}:3:4: not UTF-8 text (byte 0xff at offset 22)")
+    assert err[2].startswith(f"{missing}: cannot read the profile: No such file or directory")
+    assert err[3].startswith(f"{tmp_path}: cannot read the profile: Is a directory")
+    assert "Traceback" not in r.stderr
+    with pytest.raises(memsaver.ProfileError, match="larger than 1024 KiB"):
+        memsaver.load_profile("/dev/zero")
+
+
+def test_run_a_stage(child_env):
+    r = memsaver_cmd("run", str(EXAMPLE), "sleep", env=child_env)
+    assert r.returncode == 0, r.stderr
+    assert "stage 'sleep'" in r.stdout and "pause kv_cache, cuda_graph" in r.stdout
+
+
+def test_core_demo_and_bench_run_through_the_command(child_env):
+    r = memsaver_cmd("demo", env=child_env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "wake 2: resume kv_cache+cuda_graph" in r.stdout and "verified bit-exact" in r.stdout
+    r = memsaver_cmd(
+        "bench", "--cpu-gib", "0.03125", "--discard-gib", "0.0625", "--cycles", "2", "--chunk-mib", "16",
+        env=child_env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all checks passed" in r.stdout
+    r = memsaver_cmd("bench", "--cyles", "2", env=child_env)
+    assert r.returncode == 2 and "unknown option --cyles" in r.stderr
+    r = memsaver_cmd("options", env=child_env)
+    assert r.returncode == 0 and "`MEMSAVER_CUDA_LIB`" in r.stdout
+
+
+def test_profile_demo_writes_its_timeline(child_env, tmp_path):
+    r = memsaver_cmd("demo", str(EXAMPLE), "-o", str(tmp_path), env=child_env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "demo-timeline.html").is_file()
+
+
+def test_diagnostics_on_the_fake_driver(child_env, tmp_path):
+    child_env["MEMSAVER_RUNTIME_DIR"] = str(tmp_path / "rt")
+    r = memsaver_cmd("diagnostics", env=child_env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    for needle in (
+        f"memsaver {memsaver.__version__}",
+        "hook mode: inprocess",
+        "loaded, fake driver (host memory)",
+        "device 0:",
+        f"MEMSAVER_CUDA_LIB={child_env['MEMSAVER_CUDA_LIB']}",
+        f"{tmp_path / 'rt'}: does not exist yet",
+        '"owned_bytes": 0',
+        "no problems found",
+    ):
+        assert needle in out, f"{needle!r} missing from:\n{out}"
+
+
+def test_diagnostics_reports_every_problem_and_what_to_do(child_env, tmp_path):
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o755)
+    os.chmod(rt, 0o755)
+    child_env["MEMSAVER_RUNTIME_DIR"] = str(rt)
+    child_env["MEMSAVER_CUDA_LIB"] = str(tmp_path / "no-such-libcuda.so.1")
+    r = memsaver_cmd("diagnostics", env=child_env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = r.stdout
+    assert "driver:" in out and "PROBLEM" in out
+    assert "mode 0755" in out and "must belong to uid" in out
+    assert "nccl_stats:" in out  # it went on past the problems
+    assert "2 problem(s); what to do:" in out
+    assert "set MEMSAVER_CUDA_LIB" in out and f"chmod 700 {rt}" in out
