@@ -6,7 +6,7 @@ CARGO ?= cargo
 FAKE_DIR := target/fake-cuda
 FAKE_LIB := $(FAKE_DIR)/libcuda.so.1
 
-.PHONY: all build fake-cuda python demo test test-rust test-python lint fmt gpu-dist clean
+.PHONY: all build fake-cuda python demo test test-rust test-python lint fmt options-doc gpu-dist clean
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -70,6 +70,12 @@ lint:
 
 fmt:
 	$(CARGO) fmt --all
+
+# docs/options.md, generated from the option table in allocator/src/options.rs (a test of the
+# allocator fails when they differ).
+options-doc:
+	$(CARGO) run --release -q -p memsaver-shim --bin memsaver -- options --markdown > docs/options.md.tmp
+	mv docs/options.md.tmp docs/options.md
 
 # Binaries for a lent GPU machine (no Rust toolchain there): carry .dist in the device call.
 gpu-dist: build fake-cuda python

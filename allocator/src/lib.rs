@@ -48,14 +48,25 @@ pub fn global_if_started() -> Option<&'static Allocator> {
     GLOBAL.get().and_then(|r| r.as_ref().ok())
 }
 
-/// The process-wide allocator, created on first use from [`Options::from_env`]. A driver that
-/// fails to load is reported by every call, never by a panic.
+/// The process-wide allocator, created on first use from [`options::get`]. A driver that fails
+/// to load, or an invalid option (see [`Options::check`]), is reported by every call, never by
+/// a panic.
 pub fn global() -> Result<&'static Allocator> {
+    options::get().check()?;
+    started()
+}
+
+/// The process-wide driver, also when an option is invalid: for the hooks that must answer
+/// NCCL's driver calls whatever the options say (an import's properties, a peer's fd).
+pub fn global_driver() -> Result<&'static driver::Driver> {
+    Ok(started()?.driver())
+}
+
+fn started() -> Result<&'static Allocator> {
     GLOBAL
         .get_or_init(|| {
-            let opts = Options::from_env();
-            driver::Driver::load(&opts.cuda_lib)
-                .map(|d| Allocator::with_options(Arc::new(d), &opts))
+            let opts = options::get();
+            driver::Driver::load(&opts.cuda_lib).map(|d| Allocator::with_options(Arc::new(d), opts))
         })
         .as_ref()
         .map_err(|e| Error::Load(e.clone()))

@@ -139,7 +139,7 @@ impl Graphs {
 /// The calling thread's current device and its stack limit, through memsaver's driver (the
 /// same libcuda as the caller's).
 fn current() -> Option<(i32, usize)> {
-    let d = memsaver_allocator::global().ok()?.driver();
+    let d = memsaver_allocator::global_driver().ok()?;
     Some((d.current_device()?, d.stack_size().ok()?))
 }
 

@@ -30,6 +30,7 @@ use nix::sys::socket::{
 };
 
 use memsaver_allocator::driver::Handle;
+use memsaver_allocator::options;
 
 use crate::registry;
 
@@ -53,23 +54,16 @@ pub(crate) struct Token {
 
 /// Whether exports hand out tokens (every process of the job must then be preloaded).
 /// `MEMSAVER_NCCL_TOKENS=0` turns them off: NCCL gets driver fds, and exported buffers and
-/// imports stay resident on pause.
+/// imports stay resident on pause. An invalid value means the default here (an export cannot
+/// fail on our account) and fails every pause.
 pub(crate) fn tokens_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MEMSAVER_NCCL_TOKENS").map_or(true, |v| v.trim() != "0"))
+    options::get().nccl_tokens
 }
 
 /// How long pause waits for importers to let go and resume for owners to come back
-/// (`MEMSAVER_NCCL_TIMEOUT_MS`, read once).
+/// (`MEMSAVER_NCCL_TIMEOUT_MS`).
 pub(crate) fn timeout() -> Duration {
-    static TIMEOUT: OnceLock<Duration> = OnceLock::new();
-    *TIMEOUT.get_or_init(|| {
-        let ms = std::env::var("MEMSAVER_NCCL_TIMEOUT_MS")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(30_000);
-        Duration::from_millis(ms)
-    })
+    options::get().nccl_timeout
 }
 
 /// A sealed memfd holding `t`.
@@ -130,13 +124,7 @@ pub(crate) fn read_token(fd: RawFd) -> Option<Token> {
 fn group_dir(group: i64) -> std::io::Result<PathBuf> {
     // SAFETY: getuid cannot fail.
     let uid = unsafe { libc::getuid() };
-    let base = match std::env::var_os("MEMSAVER_RUNTIME_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => match std::env::var_os("XDG_RUNTIME_DIR") {
-            Some(d) => PathBuf::from(d).join("memsaver"),
-            None => PathBuf::from(format!("/tmp/memsaver-{uid}")),
-        },
-    };
+    let base = options::get().runtime_dir.clone();
     let dir = base.join(format!("g{group}"));
     for d in [&base, &dir] {
         match std::fs::DirBuilder::new().mode(0o700).create(d) {
@@ -310,8 +298,7 @@ fn answer(stream: &UnixStream, batch: &[Request]) -> nix::Result<()> {
                 let Some(h) = p.real.filter(|_| stays || p.generation >= r.generation) else {
                     break; // not restored yet: answers go out in order, wait
                 };
-                match memsaver_allocator::global()
-                    .and_then(|a| Ok(a.driver().export_fd(Handle(h))?))
+                match memsaver_allocator::global_driver().and_then(|d| Ok(d.export_fd(Handle(h))?))
                 {
                     Ok(fd) => {
                         p.importers.insert(r.pid);
