@@ -6,7 +6,7 @@ CARGO ?= cargo
 FAKE_DIR := target/fake-cuda
 FAKE_LIB := $(FAKE_DIR)/libcuda.so.1
 
-.PHONY: all build fake-cuda python demo test test-rust test-python lint lint-rust lint-python fmt abi gpu-dist clean
+.PHONY: all build fake-cuda python demo test test-rust test-python lint lint-rust lint-python fmt abi options-doc gpu-dist clean
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -94,6 +94,12 @@ fmt:
 # python/src/abi.rs; `make test` fails while a checked-in copy differs.
 abi:
 	WRITE_ABI_FILES=1 $(CARGO) test --release -p memsaver-shim --test abi_files
+
+# docs/options.md, generated from the option table in allocator/src/options.rs (a test of the
+# allocator fails when they differ).
+options-doc:
+	WRITE_OPTIONS_DOC=1 $(CARGO) test --release -q -p memsaver-allocator --lib \
+		options::tests::docs_options_md_is_generated_from_the_table
 
 # Binaries for a lent GPU machine (no Rust toolchain there): carry .dist in the device call.
 gpu-dist: build fake-cuda python

@@ -11,7 +11,7 @@ use crate::device::Device;
 use crate::driver::{Context, Driver, Handle, Stream};
 use crate::error::{Error, Result};
 use crate::external::ExternalTag;
-use crate::options::{Options, Setting};
+use crate::options::Options;
 use crate::stats::Stats;
 use crate::table::{Allocation, Phase, Table};
 use crate::types::{Policy, State};
@@ -48,17 +48,12 @@ pub struct Allocator {
 }
 
 /// The settings a transition reads, started from the options and changed through the setters
-/// ([`Allocator::set_retain_backups`], ...). An invalid value from the environment stays an
-/// error until it is set again.
+/// ([`Allocator::set_retain_backups`], ...).
 struct Settings {
-    retain_backups: Setting<bool>,
-    memory_margin: Setting<u64>,
-    disk_dir: Setting<Option<PathBuf>>,
-    disk_chunk: Setting<usize>,
-}
-
-fn setting<T: Clone>(s: &Setting<T>) -> Result<T> {
-    s.clone().map_err(Error::InvalidArgument)
+    retain_backups: bool,
+    memory_margin: u64,
+    disk_dir: Option<PathBuf>,
+    disk_chunk: usize,
 }
 
 impl Allocator {
@@ -75,17 +70,17 @@ impl Allocator {
             transition: Mutex::new(()),
             external: RwLock::new(BTreeMap::new()),
             settings: Mutex::new(Settings {
-                retain_backups: opts.retain_backups.clone(),
-                memory_margin: opts.memory_margin.clone(),
+                retain_backups: opts.retain_backups,
+                memory_margin: opts.memory_margin,
                 disk_dir: opts.disk_dir.clone(),
-                disk_chunk: opts.disk_chunk.clone(),
+                disk_chunk: opts.disk_chunk,
             }),
         }
     }
 
     /// Whether backups are kept across cycles (see [`Allocator::set_retain_backups`]).
-    pub fn retain_backups(&self) -> Result<bool> {
-        setting(&self.settings.lock().retain_backups)
+    pub fn retain_backups(&self) -> bool {
+        self.settings.lock().retain_backups
     }
 
     /// On (the default): a backup stays attached to its allocation after resume, so the next
@@ -93,24 +88,24 @@ impl Allocator {
     /// resumed; the next resume also releases the retained backups of resident allocations of
     /// the tags it names. Applies from the next resume.
     pub fn set_retain_backups(&self, on: bool) {
-        self.settings.lock().retain_backups = Ok(on);
+        self.settings.lock().retain_backups = on;
         tracing::info!(retain = on, "backup retention set");
     }
 
     /// The bytes resume keeps free on each device.
-    pub fn memory_margin(&self) -> Result<u64> {
-        setting(&self.settings.lock().memory_margin)
+    pub fn memory_margin(&self) -> u64 {
+        self.settings.lock().memory_margin
     }
 
     /// Resume refuses to map an allocation that would leave less than `bytes` free on its
     /// device ([`Error::ResumeOutOfMemory`]). 0 turns the check off.
     pub fn set_memory_margin(&self, bytes: u64) {
-        self.settings.lock().memory_margin = Ok(bytes);
+        self.settings.lock().memory_margin = bytes;
     }
 
     /// The directory of disk backup files, if one is set.
-    pub fn disk_dir(&self) -> Result<Option<PathBuf>> {
-        setting(&self.settings.lock().disk_dir)
+    pub fn disk_dir(&self) -> Option<PathBuf> {
+        self.settings.lock().disk_dir.clone()
     }
 
     /// Sets the directory of disk backup files (created with mode 0700 if missing; it must be a
@@ -119,7 +114,7 @@ impl Allocator {
         let dir = dir
             .map(|d| crate::disk::prepare_dir(d, "memsaver_set_disk_dir"))
             .transpose()?;
-        self.settings.lock().disk_dir = Ok(dir);
+        self.settings.lock().disk_dir = dir;
         Ok(())
     }
 
@@ -128,7 +123,7 @@ impl Allocator {
     pub(crate) fn disk_config(&self) -> Result<(PathBuf, usize)> {
         let (dir, chunk) = {
             let s = self.settings.lock();
-            (setting(&s.disk_dir)?, setting(&s.disk_chunk)?)
+            (s.disk_dir.clone(), s.disk_chunk)
         };
         let dir = dir.ok_or_else(|| {
             Error::InvalidArgument(
@@ -140,8 +135,8 @@ impl Allocator {
         Ok((crate::disk::prepare_dir(&dir, "MEMSAVER_DISK_DIR")?, chunk))
     }
 
-    pub(crate) fn disk_chunk(&self) -> Result<usize> {
-        setting(&self.settings.lock().disk_chunk)
+    pub(crate) fn disk_chunk(&self) -> usize {
+        self.settings.lock().disk_chunk
     }
 
     /// The host address of byte `ptr` in the host backup (`cpu` or `mmap`) of the allocation

@@ -185,7 +185,7 @@ impl Allocator {
         // freeing pinned memory is a driver call).
         drop(released);
         jobs.sort_by_key(|j| (j.device.ordinal, j.copies(), j.ptr));
-        let mut staging = Staging::new(&jobs, plan.disk_chunk.as_ref().ok().copied());
+        let mut staging = Staging::new(&jobs, Some(plan.disk_chunk));
         match op {
             Op::Pause => self.pause_jobs(&mut jobs, &plan, &mut staging),
             Op::Resume => self.resume_jobs(&mut jobs, &plan, &mut staging),
@@ -205,9 +205,8 @@ impl Allocator {
         self.settle(op, &tags, jobs, &plan).map(|()| report)
     }
 
-    /// Reads the settings the transition needs, once. Retention and the margin are needed by
-    /// every resume, so an invalid value of theirs fails it before anything changes; the disk
-    /// settings only matter when a disk-backed allocation is claimed (checked in `claim`).
+    /// Reads the settings the transition needs, once. The disk directory only matters when a
+    /// disk-backed allocation is claimed (checked in `claim`).
     fn plan(&self, op: Op) -> Result<Plan> {
         Ok(match op {
             Op::Pause => Plan {
@@ -217,8 +216,8 @@ impl Allocator {
                 disk_chunk: self.disk_chunk(),
             },
             Op::Resume => Plan {
-                retain: self.retain_backups()?,
-                margin: self.memory_margin()?,
+                retain: self.retain_backups(),
+                margin: self.memory_margin(),
                 disk_dir: Ok(PathBuf::new()),
                 disk_chunk: self.disk_chunk(),
             },
@@ -249,13 +248,11 @@ impl Allocator {
             .allocations
             .values()
             .any(|a| claims(a) && a.policy == Policy::Disk);
-        if disk {
-            if op == Op::Pause
-                && let Err(e) = &plan.disk_dir
-            {
-                return Err(e.clone());
-            }
-            plan.disk_chunk.clone()?;
+        if disk
+            && op == Op::Pause
+            && let Err(e) = &plan.disk_dir
+        {
+            return Err(e.clone());
         }
         if op == Op::Pause {
             for tag in &tags {
@@ -614,8 +611,8 @@ struct Plan {
     /// Pause: the disk backup directory, or why there is none (an error only if a disk-backed
     /// allocation is paused).
     disk_dir: Result<PathBuf>,
-    /// The staging chunk of disk backups, or why it is invalid (likewise).
-    disk_chunk: Result<usize>,
+    /// The staging chunk of disk backups.
+    disk_chunk: usize,
 }
 
 /// The pinned buffer disk backups are copied through: one per transition, allocated at the

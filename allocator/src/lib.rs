@@ -54,23 +54,25 @@ pub fn global_if_started() -> Option<&'static Allocator> {
 }
 
 /// Starts the process-wide allocator, the one entry point that creates it: the first call loads
-/// the driver and creates the allocator from [`Options::from_env`], then runs
+/// the driver and creates the allocator from [`options::get`], then runs
 /// `register_external_tags` with it, once; no call returns the allocator before that is done.
 /// Later calls return the same allocator, or the same error: a driver that fails to load is
 /// reported by every call, never by a panic.
 ///
-/// Its only caller is `memsaver_nccl_hook::allocator()`, which registers the `nccl` tag (the
-/// core knows nothing of NCCL); everything in libmemsaver.so starts the allocator through that
-/// function, so none of it can see the allocator without its external tags. The start takes
-/// the `table` and `external` locks: see the lock order in `docs/architecture.md`.
+/// Its only caller is `memsaver_nccl_hook`, which registers the `nccl` tag (the core knows
+/// nothing of NCCL); everything in libmemsaver.so starts the allocator through it, so none of
+/// it can see the allocator without its external tags. An invalid option does not stop the
+/// start: the hooks that answer NCCL's driver calls need the driver whatever the options say,
+/// and what acts for the application (`memsaver_nccl_hook::allocator`) checks
+/// [`Options::check`] first. The start takes the `table` and `external` locks: see the lock
+/// order in `docs/architecture.md`.
 pub fn start_global(
     register_external_tags: impl FnOnce(&'static Allocator),
 ) -> Result<&'static Allocator> {
     let a = GLOBAL
         .get_or_init(|| {
-            let opts = Options::from_env();
-            driver::Driver::load(&opts.cuda_lib)
-                .map(|d| Allocator::with_options(Arc::new(d), &opts))
+            let opts = options::get();
+            driver::Driver::load(&opts.cuda_lib).map(|d| Allocator::with_options(Arc::new(d), opts))
         })
         .as_ref()
         .map_err(|e| Error::Load(e.clone()))?;

@@ -28,7 +28,7 @@ fn every_keeping_policy_restores_contents_across_cycles() {
     let dir = disk_dir("cycles");
     // A 1 MiB staging chunk, so a 5 MiB allocation (6 MiB rounded) takes several chunks.
     let opts = Options {
-        disk_chunk: Ok(MIB),
+        disk_chunk: MIB,
         ..Options::default()
     };
     let a = allocator_with(&opts);
@@ -88,7 +88,7 @@ fn stats_count_backup_bytes_by_kind() {
 #[test]
 fn retained_backups_keep_their_address_across_cycles() {
     let a = allocator();
-    assert!(a.retain_backups().unwrap(), "retention is on by default");
+    assert!(a.retain_backups(), "retention is on by default");
     for policy in [Policy::Cpu, Policy::Mmap] {
         let tag = format!("stable_{policy}");
         let p = a.malloc(4 * MIB, 0, &tag, policy).unwrap();
@@ -125,7 +125,7 @@ fn backups_are_released_at_resume_without_retention() {
     let a = allocator();
     a.set_disk_dir(Some(&dir)).unwrap();
     a.set_retain_backups(false);
-    assert!(!a.retain_backups().unwrap());
+    assert!(!a.retain_backups());
     let p = a.malloc(4 * MIB, 0, "nr_cpu", Policy::Cpu).unwrap();
     let q = a.malloc(4 * MIB, 0, "nr_mmap", Policy::Mmap).unwrap();
     let r = a.malloc(4 * MIB, 0, "nr_disk", Policy::Disk).unwrap();
@@ -271,18 +271,14 @@ fn set_disk_dir_creates_a_private_directory_and_refuses_files() {
     a.set_disk_dir(Some(&dir)).unwrap();
     let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o700);
-    assert_eq!(a.disk_dir().unwrap(), Some(dir.clone()));
+    assert_eq!(a.disk_dir(), Some(dir.clone()));
     let file = dir.join("plain");
     std::fs::write(&file, b"x").unwrap();
     let e = a.set_disk_dir(Some(&file)).unwrap_err().to_string();
     assert!(e.contains("not a directory"), "{e}");
-    assert_eq!(
-        a.disk_dir().unwrap(),
-        Some(dir.clone()),
-        "unchanged by the failure"
-    );
+    assert_eq!(a.disk_dir(), Some(dir.clone()), "unchanged by the failure");
     a.set_disk_dir(None).unwrap();
-    assert_eq!(a.disk_dir().unwrap(), None);
+    assert_eq!(a.disk_dir(), None);
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
 
@@ -297,7 +293,7 @@ fn memory_margin_stops_resume_until_lowered() {
     // Room for exactly one allocation above the margin.
     let margin = (free_bytes(&a, 0) - 6 * MIB) as u64;
     a.set_memory_margin(margin);
-    assert_eq!(a.memory_margin().unwrap(), margin);
+    assert_eq!(a.memory_margin(), margin);
     let e = a.resume(&["margin"]).unwrap_err();
     let Error::ResumeOutOfMemory {
         resumed,
@@ -374,32 +370,21 @@ fn discard_makes_no_backup_and_no_promise() {
 }
 
 #[test]
-fn invalid_environment_values_fail_the_operations_that_need_them() {
+fn invalid_environment_values_are_errors_naming_the_variable() {
     let opts = Options::from_lookup(|n| match n {
         "MEMSAVER_RETAIN_BACKUP" => Some("sometimes".into()),
         "MEMSAVER_DISK_CHUNK_MB" => Some("big".into()),
         _ => None,
     });
-    let a = allocator_with(&opts);
-    let p = a.malloc(2 * MIB, 0, "badenv", Policy::Cpu).unwrap();
-    a.pause(&["badenv"]).unwrap(); // needs neither
-    let e = a.resume(&["badenv"]).unwrap_err().to_string();
+    let e = opts.check().unwrap_err().to_string();
     assert!(
-        e.contains("MEMSAVER_RETAIN_BACKUP") && e.contains("1 or 0"),
+        e.contains("MEMSAVER_RETAIN_BACKUP='sometimes': expected 0 or 1")
+            && e.contains("MEMSAVER_DISK_CHUNK_MB='big': expected a whole number from 1"),
         "{e}"
     );
-    assert!(a.is_paused("badenv"));
-    a.set_retain_backups(true);
-    a.resume(&["badenv"]).unwrap();
-    let dir = disk_dir("badchunk");
-    a.set_disk_dir(Some(&dir)).unwrap();
-    let q = a.malloc(2 * MIB, 0, "badenv_disk", Policy::Disk).unwrap();
-    let e = a.pause(&["badenv_disk"]).unwrap_err().to_string();
-    assert!(e.contains("MEMSAVER_DISK_CHUNK_MB"), "{e}");
-    assert_eq!(a.state(q), Some(State::Resident));
-    a.free(p).unwrap();
-    a.free(q).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    // The defaults stand in meanwhile (for the hooks that cannot fail).
+    assert!(opts.retain_backups);
+    assert_eq!(opts.disk_chunk, 64 << 20);
 }
 
 #[test]

@@ -18,26 +18,18 @@ const NCCL_INTERNAL_ERROR: c_int = 3;
 const NCCL_INVALID_ARGUMENT: c_int = 4;
 pub(crate) const NCCL_INVALID_USAGE: c_int = 5;
 
-/// The process group id (AMem's), from `MEMSAVER_GROUP` or `AMEM_GROUPID`, or set by
-/// `ncclSetGroupID`. It will namespace the cross-process coordination of the `nccl` tag.
+/// The process group id (AMem's), set by `ncclSetGroupID`; `i64::MIN` until then, meaning
+/// the option's (`MEMSAVER_GROUP` or `AMEM_GROUPID`). It namespaces the cross-process
+/// coordination of the `nccl` tag.
 static GROUP: AtomicI64 = AtomicI64::new(i64::MIN);
 
-/// The group id in force (0 when none was given).
+/// The group id in force (0 when none was given; also, until pauses fail on it, when the
+/// variable is invalid).
 pub fn group_id() -> i64 {
-    let g = GROUP.load(Ordering::Relaxed);
-    if g != i64::MIN {
-        return g;
+    match GROUP.load(Ordering::Relaxed) {
+        i64::MIN => memsaver_allocator::options::get().group,
+        g => g,
     }
-    let from_env = ["MEMSAVER_GROUP", "AMEM_GROUPID"]
-        .iter()
-        .find_map(|v| {
-            std::env::var(v)
-                .ok()
-                .and_then(|s| s.trim().parse::<i64>().ok())
-        })
-        .unwrap_or(0);
-    GROUP.store(from_env, Ordering::Relaxed);
-    from_env
 }
 
 /// Sets the group id. It is fixed once NCCL has shared memory with a peer (the tokens and the

@@ -143,7 +143,7 @@ impl Graphs {
 /// same libcuda as the caller's). May start the allocator (under `GRAPHS`, which comes before
 /// the locks the start takes).
 fn current() -> Option<(i32, usize)> {
-    let d = crate::allocator().ok()?.driver();
+    let d = crate::driver().ok()?;
     Some((d.current_device()?, d.stack_size().ok()?))
 }
 

@@ -41,16 +41,21 @@ use std::sync::{Arc, Once};
 use memsaver_allocator::{Allocator, Result};
 
 /// Sends memsaver's log to stderr, at the level `MEMSAVER_LOG` gives (default `warn`), once
-/// per process; a host application's own subscriber, if it has one, is left alone.
+/// per process; a host application's own subscriber, if it has one, is left alone. An invalid
+/// filter cannot be returned as an error from here (hooks call this): it is one warning line
+/// naming the variable, and the default.
 pub fn init_logging() {
     static LOG: Once = Once::new();
     LOG.call_once(|| {
-        let filter = std::env::var("MEMSAVER_LOG").unwrap_or_else(|_| "warn".into());
+        let opts = memsaver_allocator::options::get();
         let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_env_filter(tracing_subscriber::EnvFilter::new(&opts.log))
             .with_writer(std::io::stderr)
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .try_init();
+        if let Some(w) = &opts.log_warning {
+            tracing::warn!("memsaver: {w}; logging at '{}'", opts.log);
+        }
     });
 }
 
@@ -59,7 +64,22 @@ pub fn init_logging() {
 /// [`memsaver_allocator::global_if_started`] is the accessor that never does. The first call
 /// takes the allocator's `table` and `external` locks: call it with no lock held but `GRAPHS`
 /// (lock order in docs/architecture.md), never under `REGISTRY`.
+///
+/// An invalid `MEMSAVER_*` option is an error here (every operation done for the application
+/// names it); the hooks that must answer NCCL's driver calls whatever the options say use
+/// [`driver`] instead.
 pub fn allocator() -> Result<&'static Allocator> {
+    memsaver_allocator::options::get().check()?;
+    started()
+}
+
+/// The process-wide driver, also when an option is invalid (an import's properties, a peer's
+/// fd). Starts the allocator like [`allocator`].
+pub(crate) fn driver() -> Result<&'static memsaver_allocator::driver::Driver> {
+    Ok(started()?.driver())
+}
+
+fn started() -> Result<&'static Allocator> {
     init_logging();
     memsaver_allocator::start_global(|a| {
         if let Err(e) = a.register_external("nccl", Arc::new(NcclTag::new(a))) {
@@ -76,6 +96,7 @@ pub fn runtime_dir() -> std::path::PathBuf {
 
 /// NCCL's memory in this process as the hook has seen it.
 pub fn stats() -> NcclStats {
+    // NCCL's own variable, not an option of memsaver's (see `options`).
     let cumem_disabled = std::env::var("NCCL_CUMEM_ENABLE").is_ok_and(|v| v.trim() == "0");
     registry::stats(procaddr::installed(), cumem_disabled)
 }

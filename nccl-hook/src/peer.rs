@@ -30,6 +30,7 @@ use nix::sys::socket::{
 };
 
 use memsaver_allocator::driver::Handle;
+use memsaver_allocator::options;
 
 use crate::registry;
 
@@ -53,23 +54,16 @@ pub(crate) struct Token {
 
 /// Whether exports hand out tokens (every process of the job must then be preloaded).
 /// `MEMSAVER_NCCL_TOKENS=0` turns them off: NCCL gets driver fds, and exported buffers and
-/// imports stay resident on pause.
+/// imports stay resident on pause. An invalid value means the default here (an export cannot
+/// fail on our account) and fails every pause.
 pub(crate) fn tokens_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MEMSAVER_NCCL_TOKENS").map_or(true, |v| v.trim() != "0"))
+    options::get().nccl_tokens
 }
 
 /// How long pause waits for importers to let go and resume for owners to come back
-/// (`MEMSAVER_NCCL_TIMEOUT_MS`, read once).
+/// (`MEMSAVER_NCCL_TIMEOUT_MS`).
 pub(crate) fn timeout() -> Duration {
-    static TIMEOUT: OnceLock<Duration> = OnceLock::new();
-    *TIMEOUT.get_or_init(|| {
-        let ms = std::env::var("MEMSAVER_NCCL_TIMEOUT_MS")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(30_000);
-        Duration::from_millis(ms)
-    })
+    options::get().nccl_timeout
 }
 
 /// A sealed memfd holding `t`.
@@ -129,15 +123,7 @@ pub(crate) fn read_token(fd: RawFd) -> Option<Token> {
 /// The runtime directory (`MEMSAVER_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/memsaver`, else
 /// `/tmp/memsaver-<uid>`); nothing is created.
 pub(crate) fn runtime_dir() -> PathBuf {
-    // SAFETY: getuid cannot fail.
-    let uid = unsafe { libc::getuid() };
-    match std::env::var_os("MEMSAVER_RUNTIME_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => match std::env::var_os("XDG_RUNTIME_DIR") {
-            Some(d) => PathBuf::from(d).join("memsaver"),
-            None => PathBuf::from(format!("/tmp/memsaver-{uid}")),
-        },
-    }
+    options::get().runtime_dir.clone()
 }
 
 /// `<base>/g<group>`, created mode 0700 and checked to be ours.
@@ -294,8 +280,9 @@ fn serve(stream: UnixStream) {
 /// `pid` as an importer. `REL`: `pid` let go of its import of that generation.
 fn answer(stream: &UnixStream, batch: &[Request]) -> nix::Result<()> {
     let deadline = Instant::now() + timeout();
-    // Before the registry lock: this may start the allocator.
-    let allocator = crate::allocator();
+    // Before the registry lock: this may start the allocator. The driver whatever the options
+    // say: a peer's import must be served.
+    let driver = crate::driver();
     let mut next = 0;
     while next < batch.len() {
         let mut replies: Vec<(u32, u64, Option<OwnedFd>)> = Vec::new();
@@ -320,9 +307,9 @@ fn answer(stream: &UnixStream, batch: &[Request]) -> nix::Result<()> {
                 let Some(h) = p.real.filter(|_| stays || p.generation >= r.generation) else {
                     break; // not restored yet: answers go out in order, wait
                 };
-                match allocator
+                match driver
                     .clone()
-                    .and_then(|a| Ok(a.driver().export_fd(Handle(h))?))
+                    .and_then(|d| Ok(d.export_fd(Handle(h))?))
                 {
                     Ok(fd) => {
                         p.importers.insert(r.pid);

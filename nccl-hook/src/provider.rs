@@ -54,42 +54,14 @@ const COPIES_PER_EVENT: usize = 32;
 /// serve peers in between.
 const RESTORE_BATCH: usize = 64;
 
-/// How much of NCCL's memory pause copies to host memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Backup {
-    /// Every byte (the default).
-    All,
-    /// The first [`HEADER_BYTES`] of buffers shared with peers; all of the others.
-    Headers,
-}
+/// How much of NCCL's memory pause copies to host memory (`MEMSAVER_NCCL_BACKUP`).
+pub(crate) use memsaver_allocator::options::NcclBackup as Backup;
 
-impl Backup {
-    /// `MEMSAVER_NCCL_BACKUP`, read once; a bad value fails every pause, naming it.
-    pub(crate) fn from_env() -> Result<Self> {
-        static MODE: std::sync::OnceLock<std::result::Result<Backup, String>> =
-            std::sync::OnceLock::new();
-        MODE.get_or_init(|| {
-            let v = std::env::var("MEMSAVER_NCCL_BACKUP").unwrap_or_default();
-            match v.trim() {
-                "" | "all" => Ok(Self::All),
-                "headers" => Ok(Self::Headers),
-                other => Err(format!(
-                    "MEMSAVER_NCCL_BACKUP={other:?}: expected \"all\" (back up all of NCCL's \
-                     memory, the default) or \"headers\" (only the control blocks of buffers \
-                     shared with peers; see docs/nccl.md); nothing was paused"
-                )),
-            }
-        })
-        .clone()
-        .map_err(Error::InvalidArgument)
-    }
-
-    /// Bytes of `p` to back up.
-    fn len(self, p: &registry::Physical) -> u64 {
-        match self {
-            Self::Headers if p.exported => p.size.min(HEADER_BYTES),
-            _ => p.size,
-        }
+/// Bytes of `p` that pause backs up.
+fn backup_len(backup: Backup, p: &registry::Physical) -> u64 {
+    match backup {
+        Backup::Headers if p.exported => p.size.min(HEADER_BYTES),
+        _ => p.size,
     }
 }
 
@@ -381,7 +353,7 @@ impl NcclTag {
                 for chunk in own.chunks(COPIES_PER_EVENT) {
                     for vh in chunk {
                         let p = reg.physicals.get_mut(vh).expect("listed above");
-                        let n = backup.len(p);
+                        let n = backup_len(backup, p);
                         if p.backup.as_ref().is_none_or(|b| (b.len() as u64) < n) {
                             p.backup = None;
                             p.backup = Some(HostBuffer::new(d, ctx, n as usize)?);
@@ -598,7 +570,11 @@ fn fetch_imports(
 impl ExternalTag for NcclTag {
     fn pause(&self) -> Result<Report> {
         let start = Instant::now();
-        let backup = Backup::from_env()?;
+        // Also checked by every way in (`memsaver_allocator::global`); the NCCL options are
+        // this pause's own.
+        let opts = memsaver_allocator::options::get();
+        opts.check()?;
+        let backup = opts.nccl_backup;
         let released = self.release_local(backup)?;
         self.lower_stacks(&released.devices);
         let local_ms = start.elapsed().as_secs_f64() * 1e3;

@@ -368,9 +368,9 @@ unsafe extern "C" fn mem_import(
         // Where the memory lives (a peer's device, or host memory for NCCL's shared-memory
         // transport), asked of the driver directly: NCCL may never have looked the query up.
         // Before the registry lock: this may start the allocator.
-        let prop = crate::allocator()
+        let prop = crate::driver()
             .ok()
-            .and_then(|a| a.driver().properties(Handle(h)).ok())
+            .and_then(|d| d.properties(Handle(h)).ok())
             .unwrap_or_default();
         let mut p = Physical::new(h, 0, prop, Kind::Imported);
         p.source = source;

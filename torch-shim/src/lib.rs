@@ -475,7 +475,7 @@ pub unsafe extern "C" fn memsaver_retain_backups(out: *mut c_int) -> c_int {
         if out.is_null() {
             return Err(Error::InvalidArgument("out is NULL".into()));
         }
-        let on = allocator()?.retain_backups()?;
+        let on = allocator()?.retain_backups();
         // SAFETY: non-null out-pointer per the contract.
         unsafe { *out = c_int::from(on) };
         Ok(())

@@ -14,8 +14,7 @@
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
-use memsaver_allocator::options::{Options, Setting};
-use memsaver_allocator::{Error, Policy};
+use memsaver_allocator::{Error, Policy, options};
 use serde::Serialize;
 
 thread_local! {
@@ -23,18 +22,15 @@ thread_local! {
     static STACK: RefCell<Vec<Option<(String, Policy)>>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The whole-process tag and policy from the environment, read once.
-fn process() -> &'static Setting<Option<(String, Policy)>> {
-    static PROCESS: OnceLock<Setting<Option<(String, Policy)>>> = OnceLock::new();
-    PROCESS.get_or_init(|| Options::from_env().process)
-}
-
-/// The process tag, registered (once) as one that allocates while paused.
+/// The process tag, registered (once) as one that allocates while paused. Asked for with an
+/// invalid option, every allocation it would take fails with the options' error.
 fn process_tag() -> Result<Option<(String, Policy)>, Error> {
     static REGISTERED: OnceLock<Result<(), Error>> = OnceLock::new();
-    let Some((tag, policy)) = process().clone().map_err(Error::InvalidArgument)? else {
+    let opts = options::get();
+    let Some((tag, policy)) = opts.process.clone() else {
         return Ok(None);
     };
+    opts.check()?;
     REGISTERED
         .get_or_init(|| crate::allocator()?.allow_malloc_while_paused(&tag))
         .clone()?;

@@ -216,11 +216,13 @@ fn run_invalid_process_options() {
 #[test]
 #[ignore = "run by run_invalid_process_options in a process of its own"]
 fn scenario_invalid_process_options() {
-    // The allocation that needs the process options fails, naming the variable.
+    // The allocation that needs the process options fails, naming every invalid variable
+    // and what it accepts.
     assert_eq!(malloc_hooked(2 << 20).0, 2, "cudaErrorMemoryAllocation");
     let e = last_error();
     assert!(
-        e.contains("MEMSAVER_PROCESS_BACKUP") && e.contains("'mmap'"),
+        e.contains("MEMSAVER_PROCESS_BACKUP='tape': expected discard, cpu, mmap or disk")
+            && e.contains("MEMSAVER_RETAIN_BACKUP='maybe': expected 0 or 1"),
         "{e}"
     );
     let mut on = 0;

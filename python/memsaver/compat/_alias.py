@@ -80,8 +80,15 @@ def install_alias() -> None:
 
 
 def _from_env() -> None:
-    """Called by the .pth file at interpreter start."""
-    if os.environ.get(ALIAS_ENV, "").strip() in ("", "0"):
+    """Called by the .pth file at interpreter start: strict like every memsaver option
+    (docs/options.md), but an invalid value cannot raise here, so it warns and stays off."""
+    value = os.environ.get(ALIAS_ENV, "").strip()
+    if value.lower() in ("", "0", "false"):
+        return
+    if value.lower() not in ("1", "true"):
+        sys.stderr.write(
+            f"memsaver: {ALIAS_ENV}='{value}': expected 0 or 1; the torch_memory_saver alias is off\n"
+        )
         return
     try:
         install_alias()
