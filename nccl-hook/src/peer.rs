@@ -307,10 +307,7 @@ fn answer(stream: &UnixStream, batch: &[Request]) -> nix::Result<()> {
                 let Some(h) = p.real.filter(|_| stays || p.generation >= r.generation) else {
                     break; // not restored yet: answers go out in order, wait
                 };
-                match driver
-                    .clone()
-                    .and_then(|d| Ok(d.export_fd(Handle(h))?))
-                {
+                match driver.clone().and_then(|d| Ok(d.export_fd(Handle(h))?)) {
                     Ok(fd) => {
                         p.importers.insert(r.pid);
                         replies.push((OK, p.generation, Some(fd)));

@@ -89,7 +89,9 @@ def main() -> int:
         r.line("library", f"{path} (hook mode: {mode})")
         loaded = True
     except memsaver.MemsaverError as e:
-        r.problem("library", str(e), "reinstall memsaver (pip install --force-reinstall memsaver) or fix the mode above")
+        r.problem(
+            "library", str(e), "reinstall memsaver (pip install --force-reinstall memsaver) or fix the mode above"
+        )
 
     driver = os.environ.get("MEMSAVER_CUDA_LIB") or "libcuda.so.1"
     kind = _driver_kind(driver)

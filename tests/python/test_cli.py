@@ -26,7 +26,7 @@ def test_help_lists_every_command_with_a_line_of_help():
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     for c in COMMANDS:
-        i = next((i for i, l in enumerate(lines) if l.split()[:1] == [c]), None)
+        i = next((i for i, line in enumerate(lines) if line.split()[:1] == [c]), None)
         assert i is not None, f"{c} missing from:\n{r.stdout}"
         # the help is on the same line, or on the next one for long names
         assert len(lines[i].split()) > 1 or len(lines[i + 1].split()) > 1, r.stdout

@@ -106,7 +106,8 @@ def test_failed_step_names_stage_step_and_line(tmp_path, tag, tag2):
         raise RuntimeError("sync failed")
 
     profile.run("sleep")
-    with pytest.raises(memsaver.ProfileStepError, match=r"stage 'wake' step 2 \(call sync_weights, .*line 12\) failed: sync failed"):
+    expected = r"stage 'wake' step 2 \(call sync_weights, .*line 12\) failed: sync failed"
+    with pytest.raises(memsaver.ProfileStepError, match=expected):
         profile.run("wake", callbacks={"sync_weights": boom})
     # Consistent state: the first step's resume happened, the rest did not; running again works.
     s = memsaver.stats().tags
