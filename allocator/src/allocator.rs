@@ -241,18 +241,21 @@ impl Allocator {
         if size == 0 {
             return Err(Error::InvalidArgument("cannot allocate 0 bytes".into()));
         }
-        let tag = {
-            let mut t = self.table.lock();
-            let tag = t.intern(tag);
-            if refuses_malloc(&t, &tag) {
-                return Err(Error::TagPaused {
-                    tag: tag.to_string(),
-                });
-            }
-            tag
-        };
+        // The tag is registered only with its first allocation that succeeds: a failed malloc
+        // leaves no trace in the tag list.
+        if refuses_malloc(&self.table.lock(), tag) {
+            return Err(Error::TagPaused {
+                tag: tag.to_owned(),
+            });
+        }
         let dev = self.device(device)?;
-        let size = dev.round_up(size);
+        let size = dev.round_up(size).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "cannot allocate {size} bytes: the size rounded up to the {} granularity does \
+                 not fit in the address space",
+                crate::types::human_bytes(dev.granularity as u64)
+            ))
+        })?;
         let d = &self.driver;
         let (ptr, handle) = d
             .with_context(dev.ctx, || {
@@ -287,6 +290,8 @@ impl Allocator {
                 }
             })?;
 
+        let mut t = self.table.lock();
+        let tag = t.intern(tag);
         let alloc = Allocation {
             tag: tag.clone(),
             device: dev.clone(),
@@ -296,7 +301,6 @@ impl Allocator {
             backup: None,
             free_pending: false,
         };
-        let mut t = self.table.lock();
         if refuses_malloc(&t, &tag) {
             // The tag was paused while we were mapping: undo rather than hand out memory that
             // the pause did not see.

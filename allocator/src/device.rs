@@ -31,7 +31,9 @@ impl Device {
         })
     }
 
-    pub(crate) fn round_up(&self, size: usize) -> usize {
-        size.div_ceil(self.granularity) * self.granularity
+    /// `size` rounded up to the granularity; `None` when that does not fit in a `usize`.
+    pub(crate) fn round_up(&self, size: usize) -> Option<usize> {
+        size.div_ceil(self.granularity)
+            .checked_mul(self.granularity)
     }
 }

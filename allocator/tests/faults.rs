@@ -181,3 +181,38 @@ fn failing_unmap_during_pause_leaves_the_allocation_resident() {
         a.free(*p).unwrap();
     }
 }
+
+#[test]
+fn a_size_past_the_address_space_is_refused_not_wrapped_and_leaves_no_tag() {
+    let a = allocator();
+    for size in [usize::MAX, usize::MAX - 1, usize::MAX - (2 << 20) + 2] {
+        let e = a
+            .malloc(size, 0, "huge_request", Policy::Discard)
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("does not fit")),
+            "{size}: {e}"
+        );
+    }
+    assert!(
+        a.stats().tag("huge_request").is_none(),
+        "a refused malloc must not register its tag"
+    );
+}
+
+#[test]
+fn a_failed_allocation_leaves_no_tag_behind() {
+    let a = allocator();
+    inject("fakecuda_fail_create_at", 1); // the next cuMemCreate runs out of memory
+    let e = a
+        .malloc(2 * MIB, 0, "never_allocated", Policy::Cpu)
+        .unwrap_err();
+    inject("fakecuda_reset_faults", 0);
+    assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
+    assert!(a.stats().tag("never_allocated").is_none(), "{:?}", a.tags());
+    let p = a
+        .malloc(2 * MIB, 0, "never_allocated", Policy::Cpu)
+        .unwrap();
+    assert!(a.stats().tag("never_allocated").is_some());
+    a.free(p).unwrap();
+}

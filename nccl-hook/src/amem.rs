@@ -35,6 +35,19 @@ pub fn group_id() -> i64 {
 /// Sets the group id. It is fixed once NCCL has shared memory with a peer (the tokens and the
 /// socket of this process name it): changing it then is refused.
 pub fn set_group_id(id: i64) -> Result<(), Error> {
+    // The range of MEMSAVER_GROUP, so a group set here is one the option could name (and
+    // never the "unset" sentinel above).
+    use memsaver_allocator::options::{GROUP as OPTION, Kind};
+    let (min, max) = match OPTION.kind {
+        Kind::Int { min, max, .. } => (min, max),
+        _ => (i64::MIN + 1, i64::MAX),
+    };
+    if !(min..=max).contains(&id) {
+        return Err(Error::InvalidArgument(format!(
+            "group {id} is out of range: a group is an integer from {min} to {max} (as {})",
+            OPTION.env
+        )));
+    }
     match crate::peer::server_group() {
         Some(g) if g != id => Err(Error::InvalidArgument(format!(
             "the nccl group of this process is already {g}: NCCL has shared memory with peers \

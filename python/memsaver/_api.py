@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import operator
 import os
 import time
 from collections.abc import Iterator
@@ -171,8 +172,15 @@ def set_group(group: int) -> None:
     processes on the same GPUs never mix (also ``MEMSAVER_GROUP``, AMem's ``AMEM_GROUPID`` and
     ``ncclSetGroupID``). Call it before NCCL initialises: once NCCL has shared memory with a
     peer the group is fixed, and another value raises ``InvalidArgumentError``."""
+    # int() would turn 3.9 into 3 and True into 1: a group is named exactly or not at all.
+    if isinstance(group, bool):
+        raise TypeError(f"memsaver.set_group() takes an int, got {group!r}")
+    try:
+        group = operator.index(group)  # int, or an integer type of another library (numpy)
+    except TypeError:
+        raise TypeError(f"memsaver.set_group() takes an int, got {group!r}") from None
     _core.ensure_loaded()
-    _memsaver.nccl_set_group(int(group))
+    _memsaver.nccl_set_group(group)
 
 
 def group() -> int:

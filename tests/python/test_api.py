@@ -333,6 +333,22 @@ def test_nccl_group_set_and_read():
     assert memsaver.group() == before
 
 
+@pytest.mark.parametrize("bad", [3.9, "7", True, None])
+def test_set_group_refuses_what_is_not_an_int(bad):
+    before = memsaver.group()
+    with pytest.raises(TypeError, match="takes an int"):
+        memsaver.set_group(bad)
+    assert memsaver.group() == before
+
+
+@pytest.mark.parametrize("bad", [-(2**63), 2**31, -(2**31) - 1])
+def test_set_group_refuses_groups_out_of_range(bad):
+    before = memsaver.group()
+    with pytest.raises(memsaver.InvalidArgumentError, match="out of range"):
+        memsaver.set_group(bad)
+    assert memsaver.group() == before
+
+
 def test_nccl_group_from_environment():
     import os
     import subprocess
