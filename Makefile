@@ -31,11 +31,11 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "maturin>=1.5,<2" pytest
 
-python: $(PY)
+python: $(PY) fake-cuda
 	$(CARGO) build --release -p memsaver-shim
-	cp target/release/libmemsaver.so python/memsaver/libmemsaver.so
 	rm -f target/wheels/memsaver-*.whl
-	$(VENV)/bin/maturin build --release -q -m python/Cargo.toml -i $(PY) -o target/wheels
+	MEMSAVER_BUNDLE_FROM=target/release \
+		$(VENV)/bin/maturin build --release -q -m python/Cargo.toml -i $(PY) -o target/wheels
 	$(PY) -m pip install -q --force-reinstall --no-deps target/wheels/memsaver-*.whl
 
 # A staged pause/resume cycle: on the GPU when there is one, else on the fake driver. Then the
@@ -109,4 +109,4 @@ gpu-dist: build fake-cuda python
 
 clean:
 	$(CARGO) clean
-	rm -rf .dist $(VENV) python/memsaver/libmemsaver.so
+	rm -rf .dist $(VENV) python/memsaver/libmemsaver.so python/memsaver/_fake

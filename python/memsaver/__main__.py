@@ -232,7 +232,18 @@ def _stats() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m memsaver`` and of the ``memsaver`` console script."""
+    """Entry point of ``python -m memsaver`` and of the ``memsaver`` console script: a memsaver
+    error is one line on stderr and exit status 1, not a traceback."""
+    from memsaver import MemsaverError
+
+    try:
+        return _main(argv)
+    except MemsaverError as e:
+        print(f"{_prog()}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
     if args_list and args_list[0] in _CORE_COMMANDS:
         return _core(args_list)

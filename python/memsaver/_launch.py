@@ -15,13 +15,22 @@ import shlex
 from collections.abc import Iterator, Mapping
 
 from ._core import BUNDLED_LIBRARY, HOOK_MODE_ENV, ld_preload_entries
+from ._memsaver import MemsaverError
 
 #: Variables memsaver passes through to children when they are set in this process.
 PASSTHROUGH_ENV = ("MEMSAVER_CUDA_LIB", "MEMSAVER_LOG")
 
 
 def preload_path() -> str:
-    """Absolute path of the libmemsaver.so bundled in this package (the one to preload)."""
+    """Absolute path of the libmemsaver.so bundled in this package (the one to preload).
+    Raises ``MemsaverError`` when the installation has none, rather than hand out a path that
+    the dynamic loader would skip with a one-line warning."""
+    if not os.path.isfile(BUNDLED_LIBRARY):
+        raise MemsaverError(
+            f"{BUNDLED_LIBRARY} is missing: this memsaver installation has no libmemsaver.so. "
+            "Reinstall it from a wheel (pip install --force-reinstall memsaver), or build one from "
+            "a checkout with `pip install ./python` or `make python`."
+        )
     return BUNDLED_LIBRARY
 
 

@@ -149,3 +149,30 @@ def test_diagnostics_reports_every_problem_and_what_to_do(child_env, tmp_path):
     assert "nccl_stats:" in out  # it went on past the problems
     assert "2 problem(s); what to do:" in out
     assert "set MEMSAVER_CUDA_LIB" in out and f"chmod 700 {rt}" in out
+
+
+def test_env_and_preload_path_fail_loudly_without_the_library(tmp_path):
+    # A copy of the package without libmemsaver.so, as a broken installation would be.
+    import shutil
+
+    import memsaver as installed
+
+    pkg = tmp_path / "memsaver"
+    shutil.copytree(os.path.dirname(installed.__file__), pkg, ignore=shutil.ignore_patterns("libmemsaver.so"))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    for cmd in (["preload-path"], ["env"]):
+        r = subprocess.run([sys.executable, "-m", "memsaver", *cmd], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1, (cmd, r.stdout, r.stderr)
+        assert "libmemsaver.so is missing" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert r.stdout == ""
+
+
+def test_demo_fake_runs_on_the_fake_driver_shipped_in_the_wheel():
+    # No driver named: `--fake` must find the wheel's own memsaver/_fake/libcuda.so.1.
+    env = {k: v for k, v in os.environ.items() if k not in ("MEMSAVER_CUDA_LIB", "MEMSAVER_FAKE_CUDA_LIB")}
+    bundled = pathlib.Path(memsaver.__file__).parent / "_fake" / "libcuda.so.1"
+    assert bundled.is_file(), "the wheel carries the fake driver"
+    r = subprocess.run(
+        [sys.executable, "-m", "memsaver", "demo", "--fake"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -82,8 +82,9 @@ pub fn main(args: &[String], out: &mut dyn Write) -> i32 {
 }
 
 /// Opens the real driver when it loads and sees a GPU, else the fake driver named by
-/// `MEMSAVER_FAKE_CUDA_LIB` or built beside this library (`target/<profile>/libmemsaver.so`
-/// -> `target/fake-cuda/libcuda.so.1`). `MEMSAVER_CUDA_LIB`, when set and not empty, is used
+/// `MEMSAVER_FAKE_CUDA_LIB`, shipped beside this library (`memsaver/_fake/libcuda.so.1` in the
+/// wheel) or built beside it (`target/<profile>/libmemsaver.so` ->
+/// `target/fake-cuda/libcuda.so.1`). `MEMSAVER_CUDA_LIB`, when set and not empty, is used
 /// as is.
 pub fn open_driver(force_fake: bool) -> Result<Arc<Driver>, String> {
     let opts = Options::from_env();
@@ -106,14 +107,19 @@ pub fn open_driver(force_fake: bool) -> Result<Arc<Driver>, String> {
     let fake = match std::env::var("MEMSAVER_FAKE_CUDA_LIB") {
         Ok(p) => p,
         Err(_) => {
+            // Beside an installed library (the wheel's memsaver/_fake/), else in the build tree
+            // (target/<profile>/libmemsaver.so -> target/fake-cuda/libcuda.so.1).
             let lib = own_path().ok_or("cannot locate libmemsaver.so")?;
             let dir = std::path::Path::new(&lib)
                 .parent()
-                .and_then(|p| p.parent())
                 .ok_or("cannot locate the fake driver")?;
-            dir.join("fake-cuda/libcuda.so.1")
-                .to_string_lossy()
-                .into_owned()
+            let bundled = dir.join("_fake/libcuda.so.1");
+            let built = dir
+                .parent()
+                .map(|p| p.join("fake-cuda/libcuda.so.1"))
+                .unwrap_or_default();
+            let found = if bundled.exists() { bundled } else { built };
+            found.to_string_lossy().into_owned()
         }
     };
     Driver::load(&fake).map(Arc::new).map_err(|e| {
