@@ -6,7 +6,7 @@ CARGO ?= cargo
 FAKE_DIR := target/fake-cuda
 FAKE_LIB := $(FAKE_DIR)/libcuda.so.1
 
-.PHONY: all build fake-cuda python demo test test-rust test-python lint lint-rust lint-python fmt abi options-doc gpu-dist clean
+.PHONY: all build fake-cuda python demo test test-rust test-python test-install lint lint-rust lint-python fmt abi options-doc gpu-dist clean
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -65,6 +65,11 @@ test-python: fake-cuda python
 	trap 'rm -rf "$$state"' EXIT; \
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state \
 	$(PY) -m pytest tests/python -q
+
+# The standard install from a clean clone of HEAD into a new virtual environment
+# (`pip install ./python`), then the installed command and package on the bundled fake driver.
+test-install:
+	tests/install.sh
 
 lint: lint-rust lint-python
 
