@@ -29,8 +29,10 @@ mod guard;
 pub mod interpose;
 mod peer;
 pub mod procaddr;
+mod protocol;
 mod provider;
 mod registry;
+mod rundir;
 mod vmm;
 
 pub use provider::NcclTag;

@@ -232,6 +232,10 @@ pub struct NcclStats {
     /// device, "device N: reason"; `None` when nothing was kept).
     pub stack_kept_bytes: u64,
     pub stack_kept_reason: Option<String>,
+    /// NCCL exports handed out as plain fds because memsaver could not serve its peers (they
+    /// and the peers' imports of them stay resident on pause), and why (`None`: none did).
+    pub fallback_exports: u64,
+    pub fallback_reason: Option<String>,
 }
 
 pub(crate) fn stats(hooked: bool, cumem_disabled: bool) -> NcclStats {
@@ -278,5 +282,7 @@ pub(crate) fn stats(hooked: bool, cumem_disabled: bool) -> NcclStats {
         }
     }
     s.stack_kept_reason = (!reasons.is_empty()).then(|| reasons.join("; "));
+    s.fallback_exports = crate::peer::fallback_exports();
+    s.fallback_reason = crate::peer::fallback_reason();
     s
 }

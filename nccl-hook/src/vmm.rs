@@ -288,12 +288,7 @@ unsafe extern "C" fn mem_export(
     {
         // Hand NCCL a token naming this buffer; the importer's memsaver trades it for the
         // real fd with us, so we learn who imports what (see `peer`).
-        let token = peer::Token {
-            group: crate::amem::group_id(),
-            pid: std::process::id(),
-            vh: handle,
-            generation: p.generation,
-        };
+        let token = peer::Token::own(crate::amem::group_id(), handle, p.generation);
         match peer::ensure_server().and_then(|()| peer::make_token(token)) {
             Ok(fd) => {
                 p.exported = true;
@@ -302,6 +297,8 @@ unsafe extern "C" fn mem_export(
                 return CUDA_SUCCESS;
             }
             Err(e) => {
+                // Recorded: stats show it, and pause says so (it cannot free this buffer).
+                peer::record_fallback(&e.to_string());
                 tracing::warn!(error = %e, "memsaver: no token for an NCCL export; it will stay resident")
             }
         }
@@ -334,11 +331,8 @@ unsafe extern "C" fn mem_import(
             // SAFETY: forwarded unchanged.
             (unsafe { f(handle, os_handle, handle_type) }, None)
         }
-        Some(t) => match peer::request_fds(t.group, t.pid, &[(t.vh, t.generation)]) {
-            Ok(mut fds) => {
-                let Some((fd, generation)) = fds.pop() else {
-                    return CUDA_ERROR_INVALID_VALUE;
-                };
+        Some(t) => match peer::import(&t) {
+            Ok((fd, generation)) => {
                 // SAFETY: the owner's real fd, imported the way NCCL asked; we close it after.
                 let r = unsafe { f(handle, fd.as_raw_fd() as isize as *mut c_void, handle_type) };
                 (

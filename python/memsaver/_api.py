@@ -199,7 +199,10 @@ def nccl_stats() -> dict[str, int | bool | str | None]:
     per-thread stack limit NCCL's kernels raised), ``stack_kept_bytes`` and
     ``stack_kept_reason`` (kept above CUDA's default because a live CUDA graph or the
     application needs it, e.g. ``"device 0: a live CUDA graph was instantiated at 1744
-    B/thread"``; ``None`` when nothing was kept)."""
+    B/thread"``; ``None`` when nothing was kept). ``fallback_exports`` and ``fallback_reason``:
+    NCCL exports handed out as plain fds because memsaver could not serve its peers (for
+    example an unsafe runtime directory; see docs/security.md), which stay resident on pause,
+    and why (``None`` when none did)."""
 
     _core.ensure_loaded()
     result: dict[str, int | bool | str | None] = json.loads(_memsaver.nccl_stats_json())

@@ -13,6 +13,8 @@
 //! pause / resume   memsaver_pause/resume("nccl") -> ok | err CODE MESSAGE
 //! used             device memory in use (all processes, fake driver) in bytes
 //! free             free imports and the own buffer through NCCL's free path
+//! stats            memsaver_nccl_stats_json on one line
+//! pid              this process's pid (in its own pid namespace)
 //! ```
 
 use std::ffi::{CStr, CString, c_char, c_int};
@@ -133,6 +135,19 @@ impl Rank {
                     Err(format!("{rc} {msg}"))
                 }
             }
+            Some("stats") => {
+                type StatsJson = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
+                let f: StatsJson = sym(libc::RTLD_DEFAULT, c"memsaver_nccl_stats_json");
+                let mut buf = vec![0u8; 1 << 16];
+                let mut needed = 0;
+                // SAFETY: `buf` has its length in writable bytes.
+                let rc = unsafe { f(buf.as_mut_ptr().cast(), buf.len(), &mut needed) };
+                if rc != 0 {
+                    return Err(format!("stats {rc}"));
+                }
+                Ok(String::from_utf8_lossy(&buf[..needed - 1]).into_owned())
+            }
+            Some("pid") => Ok(std::process::id().to_string()),
             Some("used") => {
                 let (mut free, mut total) = (0, 0);
                 // SAFETY: valid out-pointers; the context pushed at start-up is current.

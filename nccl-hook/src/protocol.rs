@@ -1,0 +1,602 @@
+//! The wire protocol between an importer and an owner's memsaver server: typed messages in
+//! length-prefixed frames, decoded strictly, and the socket I/O that carries them.
+//!
+//! A frame is a little-endian `u32` body length followed by the body, at most [`MAX_FRAME`]
+//! bytes; the body is one kind byte and the kind's fields, little-endian, nothing after them.
+//! A frame that is too long, too short, of an unknown kind, with a count that does not match
+//! its length or with bytes left over is an error: the connection is closed, nothing is
+//! guessed. One connection carries one request; the server answers it and closes.
+//!
+//! | kind | message | fields | answer |
+//! | --- | --- | --- | --- |
+//! | 0x01 | [`Request::Fds`] | from, to (identities), group, items (vh, generation) | one [`Reply::Fd`] (fd attached), `Unknown`, `NotReady` or `Failed` per item, in order; or `Refused` |
+//! | 0x02 | [`Request::Released`] | from, to, group, items | [`Reply::Done`], or `Refused` |
+//! | 0x81 | [`Reply::Fd`] | vh, generation; the fd by `SCM_RIGHTS` | |
+//! | 0x82 | [`Reply::Unknown`] | vh: the owner has no such buffer | |
+//! | 0x83 | [`Reply::NotReady`] | vh: not restored within the timeout | |
+//! | 0x84 | [`Reply::Failed`] | vh: the owner's export failed | |
+//! | 0x85 | [`Reply::Done`] | | |
+//! | 0x86 | [`Reply::Refused`] | reason (UTF-8, at most [`MAX_TEXT`] bytes) | |
+//!
+//! An identity is (pid `u32`, start time `u64`, nonce `u64`): see `peer`.
+//!
+//! Every read and write here retries `EINTR`, sends with `MSG_NOSIGNAL` (a peer that went away
+//! is an error, not a `SIGPIPE` to the host process), and relies on the socket's timeouts
+//! (`SO_RCVTIMEO`/`SO_SNDTIMEO`, set by the caller on every connection): a silent peer is a
+//! `TimedOut` error.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+use nix::errno::Errno;
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, UnixAddr, recvmsg, sendmsg};
+
+/// The largest frame body, in bytes.
+pub(crate) const MAX_FRAME: usize = 256 << 10;
+/// Bytes of a request before its items: kind, two identities, group, count.
+const REQUEST_HEAD: usize = 1 + 2 * 20 + 8 + 4;
+/// The most items one request may carry (callers split longer lists).
+pub(crate) const MAX_ITEMS: usize = (MAX_FRAME - REQUEST_HEAD) / 16;
+/// The longest reason text of a refusal, in bytes.
+pub(crate) const MAX_TEXT: usize = 1024;
+
+/// A process, unique across pid namespaces and pid reuse: its pid (in its own namespace), its
+/// start time (clock ticks after boot, `/proc/<pid>/stat` field 22) and a random nonce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Identity {
+    pub pid: u32,
+    pub start: u64,
+    pub nonce: u64,
+}
+
+/// One buffer: the owner's virtual handle and a generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Item {
+    pub vh: u64,
+    pub generation: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Request {
+    /// The real fds of `items`, each once its generation is at least the one given; `from`
+    /// becomes an importer of each.
+    Fds {
+        from: Identity,
+        to: Identity,
+        group: i64,
+        items: Vec<Item>,
+    },
+    /// `from` let go of its imports `items`.
+    Released {
+        from: Identity,
+        to: Identity,
+        group: i64,
+        items: Vec<Item>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Reply {
+    Fd { vh: u64, generation: u64 },
+    Unknown { vh: u64 },
+    NotReady { vh: u64 },
+    Failed { vh: u64 },
+    Done,
+    Refused { reason: String },
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum DecodeError {
+    Empty,
+    TooLong(usize),
+    UnknownKind(u8),
+    Truncated,
+    TrailingBytes(usize),
+    TooManyItems(u64),
+    BadText,
+}
+
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Empty => write!(f, "an empty frame"),
+            Self::TooLong(n) => write!(f, "a frame of {n} bytes (at most {MAX_FRAME})"),
+            Self::UnknownKind(k) => write!(f, "an unknown message kind {k:#04x}"),
+            Self::Truncated => write!(f, "a truncated message"),
+            Self::TrailingBytes(n) => write!(f, "{n} bytes after the message"),
+            Self::TooManyItems(n) => write!(f, "{n} items (at most {MAX_ITEMS})"),
+            Self::BadText => write!(f, "a reason that is not UTF-8 or too long"),
+        }
+    }
+}
+
+const FDS: u8 = 0x01;
+const RELEASED: u8 = 0x02;
+const R_FD: u8 = 0x81;
+const R_UNKNOWN: u8 = 0x82;
+const R_NOT_READY: u8 = 0x83;
+const R_FAILED: u8 = 0x84;
+const R_DONE: u8 = 0x85;
+const R_REFUSED: u8 = 0x86;
+
+/// Reads fields off a body, front to back.
+struct Cursor<'a>(&'a [u8]);
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if self.0.len() < n {
+            return Err(DecodeError::Truncated);
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    fn identity(&mut self) -> Result<Identity, DecodeError> {
+        Ok(Identity {
+            pid: self.u32()?,
+            start: self.u64()?,
+            nonce: self.u64()?,
+        })
+    }
+    fn finish(self) -> Result<(), DecodeError> {
+        match self.0.len() {
+            0 => Ok(()),
+            n => Err(DecodeError::TrailingBytes(n)),
+        }
+    }
+}
+
+fn put_identity(out: &mut Vec<u8>, i: &Identity) {
+    out.extend_from_slice(&i.pid.to_le_bytes());
+    out.extend_from_slice(&i.start.to_le_bytes());
+    out.extend_from_slice(&i.nonce.to_le_bytes());
+}
+
+impl Request {
+    /// The frame body. Panics if there are more than [`MAX_ITEMS`] items (callers split).
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let (kind, from, to, group, items) = match self {
+            Self::Fds {
+                from,
+                to,
+                group,
+                items,
+            } => (FDS, from, to, group, items),
+            Self::Released {
+                from,
+                to,
+                group,
+                items,
+            } => (RELEASED, from, to, group, items),
+        };
+        assert!(items.len() <= MAX_ITEMS, "callers split long requests");
+        let mut out = Vec::with_capacity(REQUEST_HEAD + 16 * items.len());
+        out.push(kind);
+        put_identity(&mut out, from);
+        put_identity(&mut out, to);
+        out.extend_from_slice(&group.to_le_bytes());
+        out.extend_from_slice(&(items.len() as u32).to_le_bytes());
+        for i in items {
+            out.extend_from_slice(&i.vh.to_le_bytes());
+            out.extend_from_slice(&i.generation.to_le_bytes());
+        }
+        out
+    }
+
+    pub(crate) fn decode(body: &[u8]) -> Result<Self, DecodeError> {
+        check_len(body)?;
+        let mut c = Cursor(body);
+        let kind = c.u8()?;
+        if kind != FDS && kind != RELEASED {
+            return Err(DecodeError::UnknownKind(kind));
+        }
+        let from = c.identity()?;
+        let to = c.identity()?;
+        let group = c.u64()? as i64;
+        let n = c.u32()? as u64;
+        if n > MAX_ITEMS as u64 {
+            return Err(DecodeError::TooManyItems(n));
+        }
+        // Checked against what is there before anything is allocated.
+        let want = n as usize * 16;
+        if c.0.len() < want {
+            return Err(DecodeError::Truncated);
+        }
+        let mut items = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            items.push(Item {
+                vh: c.u64()?,
+                generation: c.u64()?,
+            });
+        }
+        c.finish()?;
+        Ok(if kind == FDS {
+            Self::Fds {
+                from,
+                to,
+                group,
+                items,
+            }
+        } else {
+            Self::Released {
+                from,
+                to,
+                group,
+                items,
+            }
+        })
+    }
+}
+
+impl Reply {
+    /// The frame body (a refusal's reason is cut to [`MAX_TEXT`] bytes, at a character).
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(17);
+        match self {
+            Self::Fd { vh, generation } => {
+                out.push(R_FD);
+                out.extend_from_slice(&vh.to_le_bytes());
+                out.extend_from_slice(&generation.to_le_bytes());
+            }
+            Self::Unknown { vh } | Self::NotReady { vh } | Self::Failed { vh } => {
+                out.push(match self {
+                    Self::Unknown { .. } => R_UNKNOWN,
+                    Self::NotReady { .. } => R_NOT_READY,
+                    _ => R_FAILED,
+                });
+                out.extend_from_slice(&vh.to_le_bytes());
+            }
+            Self::Done => out.push(R_DONE),
+            Self::Refused { reason } => {
+                let mut end = reason.len().min(MAX_TEXT);
+                while !reason.is_char_boundary(end) {
+                    end -= 1;
+                }
+                out.push(R_REFUSED);
+                out.extend_from_slice(&(end as u16).to_le_bytes());
+                out.extend_from_slice(&reason.as_bytes()[..end]);
+            }
+        }
+        out
+    }
+
+    pub(crate) fn decode(body: &[u8]) -> Result<Self, DecodeError> {
+        check_len(body)?;
+        let mut c = Cursor(body);
+        let r = match c.u8()? {
+            R_FD => Self::Fd {
+                vh: c.u64()?,
+                generation: c.u64()?,
+            },
+            R_UNKNOWN => Self::Unknown { vh: c.u64()? },
+            R_NOT_READY => Self::NotReady { vh: c.u64()? },
+            R_FAILED => Self::Failed { vh: c.u64()? },
+            R_DONE => Self::Done,
+            R_REFUSED => {
+                let n = c.u16()? as usize;
+                if n > MAX_TEXT {
+                    return Err(DecodeError::BadText);
+                }
+                let text = std::str::from_utf8(c.take(n)?).map_err(|_| DecodeError::BadText)?;
+                Self::Refused {
+                    reason: text.to_owned(),
+                }
+            }
+            k => return Err(DecodeError::UnknownKind(k)),
+        };
+        c.finish()?;
+        Ok(r)
+    }
+}
+
+fn check_len(body: &[u8]) -> Result<(), DecodeError> {
+    match body.len() {
+        0 => Err(DecodeError::Empty),
+        n if n > MAX_FRAME => Err(DecodeError::TooLong(n)),
+        _ => Ok(()),
+    }
+}
+
+fn io(e: Errno) -> std::io::Error {
+    std::io::Error::from(e)
+}
+
+/// Writes one frame of `body` on `sock`, with `fd` attached (`SCM_RIGHTS`) if given.
+pub(crate) fn write_frame(
+    sock: BorrowedFd<'_>,
+    body: &[u8],
+    fd: Option<BorrowedFd<'_>>,
+) -> std::io::Result<()> {
+    if body.is_empty() || body.len() > MAX_FRAME {
+        return Err(std::io::Error::other(
+            DecodeError::TooLong(body.len()).to_string(),
+        ));
+    }
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(body);
+    let fds = fd.map(|f| [f.as_raw_fd()]);
+    let mut sent = 0;
+    while sent < frame.len() {
+        // The fd goes with the frame's first byte.
+        let cmsg: Vec<ControlMessage> = match (&fds, sent) {
+            (Some(f), 0) => vec![ControlMessage::ScmRights(f)],
+            _ => Vec::new(),
+        };
+        match sendmsg::<UnixAddr>(
+            sock.as_raw_fd(),
+            &[IoSlice::new(&frame[sent..])],
+            &cmsg,
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        ) {
+            Ok(n) => sent += n,
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(io(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Reads exactly `buf.len()` bytes, keeping any fd received on the way in `fds`.
+fn read_exact(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let mut space = nix::cmsg_space!([RawFd; 2]);
+        let mut iov = [IoSliceMut::new(&mut buf[got..])];
+        let msg = match recvmsg::<UnixAddr>(
+            sock.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Ok(m) => m,
+            Err(Errno::EINTR) => continue,
+            Err(Errno::EAGAIN) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the peer sent nothing within the timeout",
+                ));
+            }
+            Err(e) => return Err(io(e)),
+        };
+        let n = msg.bytes;
+        let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
+        if let Ok(cmsgs) = msg.cmsgs() {
+            for c in cmsgs {
+                if let ControlMessageOwned::ScmRights(received) = c {
+                    for f in received {
+                        // SAFETY: fds received with SCM_RIGHTS are new descriptors we own.
+                        fds.push(unsafe { OwnedFd::from_raw_fd(f) });
+                    }
+                }
+            }
+        }
+        if truncated {
+            return Err(std::io::Error::other(
+                "the peer sent more fds than a frame carries",
+            ));
+        }
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the peer closed the connection",
+            ));
+        }
+        got += n;
+    }
+    Ok(())
+}
+
+/// Reads one frame: its body and the fd that came with it, if any. A length over
+/// [`MAX_FRAME`] is refused before anything is allocated; more than one fd is an error.
+pub(crate) fn read_frame(sock: BorrowedFd<'_>) -> std::io::Result<(Vec<u8>, Option<OwnedFd>)> {
+    let mut fds = Vec::new();
+    let mut head = [0u8; 4];
+    read_exact(sock, &mut head, &mut fds)?;
+    let len = u32::from_le_bytes(head) as usize;
+    if len == 0 || len > MAX_FRAME {
+        let e = if len == 0 {
+            DecodeError::Empty
+        } else {
+            DecodeError::TooLong(len)
+        };
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            e.to_string(),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    read_exact(sock, &mut body, &mut fds)?;
+    if fds.len() > 1 {
+        return Err(std::io::Error::other("a frame came with more than one fd"));
+    }
+    Ok((body, fds.pop()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn identity() -> impl Strategy<Value = Identity> {
+        (any::<u32>(), any::<u64>(), any::<u64>()).prop_map(|(pid, start, nonce)| Identity {
+            pid,
+            start,
+            nonce,
+        })
+    }
+
+    fn items() -> impl Strategy<Value = Vec<Item>> {
+        proptest::collection::vec(
+            (any::<u64>(), any::<u64>()).prop_map(|(vh, generation)| Item { vh, generation }),
+            0..64,
+        )
+    }
+
+    fn request() -> impl Strategy<Value = Request> {
+        (any::<bool>(), identity(), identity(), any::<i64>(), items()).prop_map(
+            |(fds, from, to, group, items)| {
+                if fds {
+                    Request::Fds {
+                        from,
+                        to,
+                        group,
+                        items,
+                    }
+                } else {
+                    Request::Released {
+                        from,
+                        to,
+                        group,
+                        items,
+                    }
+                }
+            },
+        )
+    }
+
+    fn reply() -> impl Strategy<Value = Reply> {
+        prop_oneof![
+            (any::<u64>(), any::<u64>()).prop_map(|(vh, generation)| Reply::Fd { vh, generation }),
+            any::<u64>().prop_map(|vh| Reply::Unknown { vh }),
+            any::<u64>().prop_map(|vh| Reply::NotReady { vh }),
+            any::<u64>().prop_map(|vh| Reply::Failed { vh }),
+            Just(Reply::Done),
+            "\\PC{0,300}".prop_map(|reason| Reply::Refused { reason }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+        #[test]
+        fn requests_round_trip(r in request()) {
+            prop_assert_eq!(Request::decode(&r.encode()), Ok(r));
+        }
+
+        #[test]
+        fn replies_round_trip(r in reply()) {
+            prop_assert_eq!(Reply::decode(&r.encode()), Ok(r));
+        }
+
+        /// Arbitrary bytes never panic, and whatever decodes re-encodes to the same bytes
+        /// (strict: no second spelling of a message, nothing ignored).
+        #[test]
+        fn arbitrary_bytes_decode_strictly(body in proptest::collection::vec(any::<u8>(), 0..2048)) {
+            if let Ok(r) = Request::decode(&body) {
+                prop_assert_eq!(r.encode(), body.clone());
+            }
+            if let Ok(r) = Reply::decode(&body) {
+                prop_assert_eq!(r.encode(), body);
+            }
+        }
+
+        /// Bytes that look like a request (a valid kind and head) with any count: the count
+        /// is checked against the bytes there before anything is allocated.
+        #[test]
+        fn a_request_head_with_any_count(kind in 1u8..=2, count in any::<u32>(),
+                                         tail in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let mut body = vec![kind];
+            body.extend_from_slice(&[0u8; 48]);
+            body.extend_from_slice(&count.to_le_bytes());
+            body.extend_from_slice(&tail);
+            match Request::decode(&body) {
+                Ok(Request::Fds { items, .. } | Request::Released { items, .. }) => {
+                    prop_assert_eq!(items.len() * 16, tail.len());
+                }
+                Err(e) => prop_assert!(matches!(e, DecodeError::Truncated
+                    | DecodeError::TrailingBytes(_) | DecodeError::TooManyItems(_))),
+            }
+        }
+    }
+
+    #[test]
+    fn strict_decoding() {
+        let r = Request::Released {
+            from: Identity {
+                pid: 1,
+                start: 2,
+                nonce: 3,
+            },
+            to: Identity {
+                pid: 4,
+                start: 5,
+                nonce: 6,
+            },
+            group: -7,
+            items: vec![Item {
+                vh: 8,
+                generation: 9,
+            }],
+        };
+        let mut b = r.encode();
+        b.push(0);
+        assert_eq!(Request::decode(&b), Err(DecodeError::TrailingBytes(1)));
+        b.truncate(b.len() - 2);
+        assert_eq!(Request::decode(&b), Err(DecodeError::Truncated));
+        assert_eq!(
+            Request::decode(&[0x7f]),
+            Err(DecodeError::UnknownKind(0x7f))
+        );
+        assert_eq!(Request::decode(&[]), Err(DecodeError::Empty));
+        assert_eq!(
+            Request::decode(&vec![1u8; MAX_FRAME + 1]),
+            Err(DecodeError::TooLong(MAX_FRAME + 1))
+        );
+        assert_eq!(
+            Reply::decode(&[R_DONE, 0]),
+            Err(DecodeError::TrailingBytes(1))
+        );
+        assert_eq!(
+            Reply::decode(&[R_REFUSED, 2, 0, 0xff, 0xfe]),
+            Err(DecodeError::BadText)
+        );
+        let long = Reply::Refused {
+            reason: "é".repeat(MAX_TEXT),
+        };
+        assert!(
+            matches!(Reply::decode(&long.encode()), Ok(Reply::Refused { reason }) if reason.len() <= MAX_TEXT)
+        );
+    }
+
+    #[test]
+    fn frames_carry_an_fd_and_refuse_oversized_lengths() {
+        use std::io::Write;
+        use std::os::fd::AsFd;
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let f = std::fs::File::open("/dev/null").unwrap();
+        write_frame(a.as_fd(), &Reply::Done.encode(), Some(f.as_fd())).unwrap();
+        write_frame(a.as_fd(), &Reply::Unknown { vh: 3 }.encode(), None).unwrap();
+        let (body, fd) = read_frame(b.as_fd()).unwrap();
+        assert_eq!(Reply::decode(&body), Ok(Reply::Done));
+        assert!(fd.is_some());
+        let (body, fd) = read_frame(b.as_fd()).unwrap();
+        assert_eq!(Reply::decode(&body), Ok(Reply::Unknown { vh: 3 }));
+        assert!(fd.is_none());
+        (&a).write_all(&u32::MAX.to_le_bytes()).unwrap();
+        let e = read_frame(b.as_fd()).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+        drop(a);
+        let e = read_frame(b.as_fd()).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+}

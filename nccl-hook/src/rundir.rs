@@ -1,0 +1,244 @@
+//! The runtime directory and its group directories, opened without following symbolic links
+//! and checked on the open descriptor.
+//!
+//! The owners' sockets live in `<runtime dir>/g<group>/`. Whoever can create entries there can
+//! pose as an owner, so the two directories memsaver creates must be this user's alone, and
+//! the check must be on the directory actually used: a check by path followed by a use by path
+//! races with anyone who can swap a component for a symbolic link in between. So:
+//!
+//! * every component of the path is opened with `openat(parent, name, O_NOFOLLOW |
+//!   O_DIRECTORY)`, from `/` (or the working directory for a relative path): a symbolic link
+//!   anywhere in the path is refused, with the path named;
+//! * the runtime directory and the group directory are created with `mkdirat(parent, name,
+//!   0700)` when missing, then opened the same way, and `fstat` of the open descriptor must
+//!   show this user as owner and no access for group or others;
+//! * sockets are bound and connected at `/proc/self/fd/<dir fd>/<name>`, a path the kernel
+//!   resolves through the held descriptor (Linux has no `bindat`/`connectat`), so a rename or
+//!   swap of the directories after the check changes nothing. It also keeps the socket path
+//!   short whatever the length of the runtime directory's path (`sun_path` holds 108 bytes).
+
+use std::ffi::{CString, OsStr};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Component, Path, PathBuf};
+
+/// What to do about a directory memsaver cannot use, said in every refusal.
+const ADVICE: &str = "set MEMSAVER_RUNTIME_DIR to a directory of your own (memsaver creates it \
+                      mode 0700), or remove the offending entry";
+
+/// The effective uid, which `SO_PEERCRED` reports and which owns what this process creates.
+pub(crate) fn euid() -> u32 {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// A directory held open, with the path it was opened at (for messages).
+#[derive(Debug)]
+pub(crate) struct Dir {
+    fd: OwnedFd,
+    path: PathBuf,
+}
+
+impl Dir {
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The path through which the kernel reaches `name` in this very directory.
+    pub(crate) fn entry(&self, name: &str) -> PathBuf {
+        PathBuf::from(format!("/proc/self/fd/{}/{name}", self.fd.as_raw_fd()))
+    }
+
+    /// Removes `name` from this directory (`unlinkat`), ignoring a missing entry.
+    pub(crate) fn remove(&self, name: &str) {
+        if let Ok(c) = CString::new(name) {
+            // SAFETY: a held directory fd and a NUL-terminated name.
+            unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), 0) };
+        }
+    }
+}
+
+fn cstr(name: &OsStr) -> std::io::Result<CString> {
+    CString::new(name.as_bytes()).map_err(|_| std::io::Error::other("a path with a NUL byte"))
+}
+
+/// `openat(parent, name, O_NOFOLLOW | O_DIRECTORY)`, with the path in the error.
+fn open_at(parent: libc::c_int, name: &OsStr, path: &Path) -> std::io::Result<OwnedFd> {
+    let c = cstr(name)?;
+    // SAFETY: `parent` is AT_FDCWD or a held directory fd; `c` is NUL-terminated.
+    let fd = unsafe {
+        libc::openat(
+            parent,
+            c.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            // O_NOFOLLOW on a link gives ELOOP; O_DIRECTORY on a link to a file, ENOTDIR.
+            Some(libc::ELOOP) | Some(libc::ENOTDIR) if is_symlink(parent, &c) => {
+                std::io::Error::other(format!(
+                    "{} is a symbolic link: memsaver does not follow links in its runtime \
+                     directory's path (another user could redirect it); {ADVICE}",
+                    path.display()
+                ))
+            }
+            _ => std::io::Error::new(e.kind(), format!("{}: {e}", path.display())),
+        });
+    }
+    // SAFETY: a new fd we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn is_symlink(parent: libc::c_int, name: &CString) -> bool {
+    // SAFETY: zeroed stat is a valid out-parameter.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: held dir fd (or AT_FDCWD), NUL-terminated name, valid out-pointer.
+    let r = unsafe { libc::fstatat(parent, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) };
+    r == 0 && st.st_mode & libc::S_IFMT == libc::S_IFLNK
+}
+
+/// Checks that `fd` (opened at `path`) is a directory of this user's with no access for
+/// group or others.
+fn check_private(fd: &OwnedFd, path: &Path) -> std::io::Result<()> {
+    // SAFETY: zeroed stat is a valid out-parameter.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: a held fd and a valid out-pointer.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let uid = euid();
+    let mode = st.st_mode & 0o7777;
+    if st.st_uid != uid || mode & 0o077 != 0 || st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+        return Err(std::io::Error::other(format!(
+            "{} belongs to uid {} with mode {mode:04o}; memsaver needs it to belong to uid {uid} \
+             with mode 0700 (others could pose as this job's processes); {ADVICE}",
+            path.display(),
+            st.st_uid
+        )));
+    }
+    Ok(())
+}
+
+/// Opens `path`'s parent directory component by component, refusing symbolic links.
+fn open_parent(path: &Path) -> std::io::Result<(OwnedFd, PathBuf)> {
+    let mut comps: Vec<Component> = path.components().collect();
+    comps.pop();
+    let mut at = PathBuf::new();
+    let mut fd: Option<OwnedFd> = None;
+    for c in comps {
+        match c {
+            Component::RootDir => {
+                at.push("/");
+                fd = Some(open_at(libc::AT_FDCWD, OsStr::new("/"), &at)?);
+            }
+            Component::CurDir => {}
+            Component::Normal(name) => {
+                at.push(name);
+                let parent = fd.as_ref().map_or(libc::AT_FDCWD, |f| f.as_raw_fd());
+                fd = Some(open_at(parent, name, &at)?);
+            }
+            Component::ParentDir | Component::Prefix(_) => {
+                return Err(std::io::Error::other(format!(
+                    "{}: the runtime directory's path may not contain '..'; {ADVICE}",
+                    path.display()
+                )));
+            }
+        }
+    }
+    let fd = match fd {
+        Some(fd) => fd,
+        None => open_at(libc::AT_FDCWD, OsStr::new("."), Path::new("."))?,
+    };
+    Ok((fd, at))
+}
+
+/// Creates `name` in `parent` (mode 0700) unless it exists, opens it without following a
+/// link and checks it is private to this user.
+fn private_child(parent: &OwnedFd, name: &OsStr, path: &Path) -> std::io::Result<OwnedFd> {
+    let c = cstr(name)?;
+    // SAFETY: a held dir fd and a NUL-terminated name.
+    if unsafe { libc::mkdirat(parent.as_raw_fd(), c.as_ptr(), 0o700) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EEXIST) {
+            return Err(std::io::Error::new(
+                e.kind(),
+                format!("cannot create {}: {e}", path.display()),
+            ));
+        }
+    }
+    let fd = open_at(parent.as_raw_fd(), name, path)?;
+    check_private(&fd, path)?;
+    Ok(fd)
+}
+
+/// `<runtime dir>/g<group>`, created when missing, held open and checked (see the module).
+pub(crate) fn group_dir(runtime_dir: &Path, group: i64) -> std::io::Result<Dir> {
+    let name = runtime_dir.file_name().ok_or_else(|| {
+        std::io::Error::other(format!(
+            "{}: not a usable runtime directory; {ADVICE}",
+            runtime_dir.display()
+        ))
+    })?;
+    let (parent, _) = open_parent(runtime_dir)?;
+    let base = private_child(&parent, name, runtime_dir)?;
+    let path = runtime_dir.join(format!("g{group}"));
+    let fd = private_child(&base, OsStr::new(&format!("g{group}")), &path)?;
+    Ok(Dir { fd, path })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{PermissionsExt, symlink};
+
+    fn scratch(what: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("memsaver-rundir-{what}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn creates_private_directories_and_reaches_them_through_the_descriptor() {
+        let s = scratch("ok");
+        let rt = s.join("rt");
+        let g = group_dir(&rt, 5).unwrap();
+        assert_eq!(g.path(), rt.join("g5"));
+        let m = std::fs::metadata(rt.join("g5")).unwrap();
+        assert_eq!(m.permissions().mode() & 0o777, 0o700);
+        std::fs::write(g.entry("x"), b"1").unwrap();
+        assert!(rt.join("g5/x").exists());
+        g.remove("x");
+        assert!(!rt.join("g5/x").exists());
+        let _ = std::fs::remove_dir_all(&s);
+    }
+
+    #[test]
+    fn refuses_links_anywhere_and_open_directories() {
+        let s = scratch("bad");
+        let real = s.join("real");
+        std::fs::create_dir(&real).unwrap();
+        std::fs::set_permissions(&real, PermissionsExt::from_mode(0o700)).unwrap();
+        symlink(&real, s.join("link")).unwrap();
+        let e = group_dir(&s.join("link"), 1).unwrap_err().to_string();
+        assert!(e.contains("link is a symbolic link"), "{e}");
+        let e = group_dir(&s.join("link/rt"), 1).unwrap_err().to_string();
+        assert!(e.contains("link is a symbolic link"), "{e}");
+        // The group directory itself a link (to a directory someone else controls).
+        std::fs::create_dir(s.join("rt")).unwrap();
+        std::fs::set_permissions(s.join("rt"), PermissionsExt::from_mode(0o700)).unwrap();
+        symlink(&real, s.join("rt/g3")).unwrap();
+        let e = group_dir(&s.join("rt"), 3).unwrap_err().to_string();
+        assert!(e.contains("g3 is a symbolic link"), "{e}");
+        // Readable by others.
+        std::fs::set_permissions(s.join("rt"), PermissionsExt::from_mode(0o755)).unwrap();
+        let e = group_dir(&s.join("rt"), 4).unwrap_err().to_string();
+        assert!(
+            e.contains("mode 0755") && e.contains("MEMSAVER_RUNTIME_DIR"),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&s);
+    }
+}
