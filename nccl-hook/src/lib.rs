@@ -96,6 +96,36 @@ pub fn runtime_dir() -> std::path::PathBuf {
     peer::runtime_dir()
 }
 
+/// What `memsaver diagnostics` reports about the `nccl` tag's cross-process coordination.
+#[derive(Debug, serde::Serialize)]
+pub struct Diagnosis {
+    pub runtime_dir: std::path::PathBuf,
+    pub runtime_dir_state: rundir::Found,
+    pub group: i64,
+    pub group_dir_state: rundir::Found,
+    /// The processes serving this group (socket name, pid, alive); a dead one left its socket
+    /// behind (it exited without its exit handlers: harmless, nobody else removes it).
+    pub owners: Vec<(String, u32, bool)>,
+    /// Why NCCL's exports fell back to plain fds in this process, if they did.
+    pub fallback_reason: Option<String>,
+}
+
+/// Checks the runtime directory and the group's directory without creating anything, and
+/// lists the group's owners.
+pub fn diagnose() -> Diagnosis {
+    let runtime_dir = peer::runtime_dir();
+    let group = amem::group_id();
+    let (base, dir, entries) = rundir::inspect(&runtime_dir, group);
+    Diagnosis {
+        runtime_dir,
+        runtime_dir_state: base,
+        group,
+        group_dir_state: dir,
+        owners: peer::owners_in(&entries),
+        fallback_reason: peer::fallback_reason(),
+    }
+}
+
 /// NCCL's memory in this process as the hook has seen it.
 pub fn stats() -> NcclStats {
     // NCCL's own variable, not an option of memsaver's (see `options`).

@@ -284,6 +284,25 @@ fn socket_name(i: &Identity) -> String {
     format!("{}-{}-{:016x}.sock", i.pid, i.start, i.nonce)
 }
 
+/// The group directory's sockets as owners (`<pid>-<start>-<nonce>.sock`), with whether each
+/// process is alive: for diagnostics.
+pub(crate) fn owners_in(entries: &[String]) -> Vec<(String, u32, bool)> {
+    let mut out: Vec<(String, u32, bool)> = entries
+        .iter()
+        .filter_map(|name| {
+            let pid: u32 = name
+                .strip_suffix(".sock")?
+                .split('-')
+                .next()?
+                .parse()
+                .ok()?;
+            Some((name.clone(), pid, alive(pid)))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
 /// Why NCCL exports of this process are plain fds instead of tokens, and how many: set by the
 /// first export that could not get a token (the server could not start: a runtime directory
 /// that is not private, a link in its path, ...).

@@ -188,6 +188,63 @@ pub(crate) fn group_dir(runtime_dir: &Path, group: i64) -> std::io::Result<Dir> 
     Ok(Dir { fd, path })
 }
 
+/// What [`inspect`] found at one directory.
+#[derive(Debug, serde::Serialize)]
+#[serde(rename_all = "snake_case", tag = "state", content = "detail")]
+pub enum Found {
+    /// Private to this user: usable.
+    Ok,
+    /// Not created yet (the first process that serves a peer creates it, mode 0700).
+    Missing,
+    /// Unusable, and why (with what to do).
+    Problem(String),
+}
+
+/// The runtime directory and `g<group>` in it as [`group_dir`] would find them, without
+/// creating anything, and the names of the entries of the group directory.
+pub(crate) fn inspect(runtime_dir: &Path, group: i64) -> (Found, Found, Vec<String>) {
+    let open = |parent: &OwnedFd, name: &OsStr, path: &Path| -> Result<Option<OwnedFd>, String> {
+        match open_at(parent.as_raw_fd(), name, path) {
+            Ok(fd) => check_private(&fd, path)
+                .map(|()| Some(fd))
+                .map_err(|e| e.to_string()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    let Some(name) = runtime_dir.file_name() else {
+        let why = format!(
+            "{}: not a usable runtime directory; {ADVICE}",
+            runtime_dir.display()
+        );
+        return (Found::Problem(why), Found::Missing, Vec::new());
+    };
+    let base = match open_parent(runtime_dir).map_err(|e| e.to_string()) {
+        Ok((parent, _)) => open(&parent, name, runtime_dir),
+        Err(e) => Err(e),
+    };
+    let base = match base {
+        Ok(Some(fd)) => fd,
+        Ok(None) => return (Found::Missing, Found::Missing, Vec::new()),
+        Err(e) => return (Found::Problem(e), Found::Missing, Vec::new()),
+    };
+    let path = runtime_dir.join(format!("g{group}"));
+    match open(&base, OsStr::new(&format!("g{group}")), &path) {
+        Ok(Some(fd)) => {
+            let entries = std::fs::read_dir(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+                .map(|it| {
+                    it.flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .collect()
+                })
+                .unwrap_or_default();
+            (Found::Ok, Found::Ok, entries)
+        }
+        Ok(None) => (Found::Ok, Found::Missing, Vec::new()),
+        Err(e) => (Found::Ok, Found::Problem(e), Vec::new()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

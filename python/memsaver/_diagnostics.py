@@ -2,7 +2,8 @@
 
 Prints the version, the library and its hook mode, the CUDA driver (real or fake) or why it did
 not load, the devices with free and total memory, the ``MEMSAVER_*`` variables that are set,
-the runtime directory of the ``nccl`` tag's sockets and ``nccl_stats()``. Each problem found
+the runtime directory of the ``nccl`` tag's sockets, its group and the processes that serve
+it, and ``nccl_stats()``. Each problem found
 adds a line saying what to do; the exit status is 1 if there was any.
 """
 
@@ -11,8 +12,8 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import stat
 import sys
+from typing import Any
 
 
 class _Report:
@@ -47,33 +48,31 @@ def _device_count(path: str) -> int:
     return n.value
 
 
-def _runtime_dir(r: _Report, path: str) -> None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        r.line("runtime dir", f"{path}: does not exist yet (created with mode 0700 when NCCL memory is first shared)")
-        return
-    except OSError as e:
-        r.problem("runtime dir", f"{path}: {e}", "make it readable or set MEMSAVER_RUNTIME_DIR to a private directory")
-        return
-    link = stat.S_ISLNK(st.st_mode)
-    if link:
-        try:
-            st = os.stat(path)
-        except OSError as e:
-            r.problem("runtime dir", f"{path} is a dangling symlink ({e})",
-                      "remove it or set MEMSAVER_RUNTIME_DIR to a private directory")
-            return
-    desc = (f"{path}: exists, owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}, "
-            + (f"a symlink to {os.path.realpath(path)}" if link else "not a symlink"))
-    if not stat.S_ISDIR(st.st_mode):
-        r.problem("runtime dir", f"{desc}; not a directory",
-                  "remove it or set MEMSAVER_RUNTIME_DIR to a private directory")
-    elif st.st_uid != os.getuid() or st.st_mode & 0o077:
-        r.problem("runtime dir", f"{desc}; it must belong to uid {os.getuid()} with mode 0700",
-                  f"chmod 700 {path} (as its owner) or set MEMSAVER_RUNTIME_DIR to a private directory")
-    else:
-        r.line("runtime dir", desc)
+def _nccl_coordination(r: _Report, d: dict[str, Any]) -> None:
+    """The runtime directory, the group's directory and its owners, as libmemsaver.so checks
+    them (the rules live there: docs/security.md)."""
+    advice = "set MEMSAVER_RUNTIME_DIR to a directory of your own, or fix the entry named"
+    for key, path, found in (
+        ("runtime dir", d["runtime_dir"], d["runtime_dir_state"]),
+        ("group dir", f"{d['runtime_dir']}/g{d['group']}", d["group_dir_state"]),
+    ):
+        if found["state"] == "problem":
+            r.problem(key, found["detail"], advice)
+        elif found["state"] == "missing":
+            r.line(key, f"{path}: not created yet (mode 0700, when NCCL memory is first shared)")
+        else:
+            r.line(key, f"{path}: private to this user")
+    r.line("group", str(d["group"]))
+    owners = d["owners"]
+    r.line("owners", "none" if not owners else f"{len(owners)} process(es) serve this group")
+    for name, pid, alive in owners:
+        r.line("", f"pid {pid} ({name}): {'alive' if alive else 'gone (left its socket behind)'}")
+    if d["fallback_reason"]:
+        r.problem(
+            "exports",
+            d["fallback_reason"],
+            "fix the runtime directory (above), then restart the job: pause('nccl') cannot free its memory",
+        )
 
 
 def main() -> int:
@@ -126,7 +125,7 @@ def main() -> int:
 
     if loaded:
         try:
-            _runtime_dir(r, _memsaver.runtime_dir())
+            _nccl_coordination(r, json.loads(_memsaver.nccl_diagnose_json()))
         except memsaver.MemsaverError as e:
             r.problem("runtime dir", str(e), "set MEMSAVER_RUNTIME_DIR to a private directory")
         try:

@@ -7,6 +7,7 @@ __all__ = [
     "resume",
     "stats_json",
     "nccl_stats_json",
+    "nccl_diagnose_json",
     "nccl_set_group",
     "nccl_group",
     "register_tag",
@@ -55,6 +56,7 @@ def resume(tags: list[str]) -> None:
     """Resumes ``tags`` (every tag when empty). Releases the GIL."""
 
 def nccl_stats_json() -> str: ...
+def nccl_diagnose_json() -> str: ...
 def nccl_set_group(group: int) -> None: ...
 def nccl_group() -> int: ...
 def stats_json() -> str:

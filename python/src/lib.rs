@@ -108,6 +108,16 @@ fn nccl_stats_json() -> PyResult<String> {
     })
 }
 
+/// The `nccl` tag's coordination (runtime directory, group, owners) as a JSON string.
+#[pyfunction]
+fn nccl_diagnose_json() -> PyResult<String> {
+    let l = lib()?;
+    // SAFETY: the buffer protocol of read_json.
+    read_json(l, |b, n, nd| unsafe {
+        (l.memsaver_nccl_diagnose_json)(b, n, nd)
+    })
+}
+
 /// Sets the group id of the `nccl` tag.
 #[pyfunction]
 fn nccl_set_group(group: i64) -> PyResult<()> {
@@ -324,6 +334,7 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(resume, m)?)?;
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_stats_json, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_diagnose_json, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_set_group, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_group, m)?)?;
     m.add_function(wrap_pyfunction!(parse_profile, m)?)?;

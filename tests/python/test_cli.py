@@ -128,7 +128,9 @@ def test_diagnostics_on_the_fake_driver(child_env, tmp_path):
         "loaded, fake driver (host memory)",
         "device 0:",
         f"MEMSAVER_CUDA_LIB={child_env['MEMSAVER_CUDA_LIB']}",
-        f"{tmp_path / 'rt'}: does not exist yet",
+        f"{tmp_path / 'rt'}: not created yet",
+        "group:        0",
+        "owners:       none",
         '"owned_bytes": 0',
         "no problems found",
     ):
@@ -145,10 +147,37 @@ def test_diagnostics_reports_every_problem_and_what_to_do(child_env, tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     out = r.stdout
     assert "driver:" in out and "PROBLEM" in out
-    assert "mode 0755" in out and "must belong to uid" in out
+    assert "mode 0755" in out and "needs it to belong to uid" in out
     assert "nccl_stats:" in out  # it went on past the problems
     assert "2 problem(s); what to do:" in out
-    assert "set MEMSAVER_CUDA_LIB" in out and f"chmod 700 {rt}" in out
+    assert "set MEMSAVER_CUDA_LIB" in out and "set MEMSAVER_RUNTIME_DIR" in out
+
+
+def test_diagnostics_lists_the_owners_of_the_group(child_env, tmp_path):
+    # A group directory as a job leaves it: this process's own server is not running, so the
+    # socket names stand for a live process (this test's) and a gone one.
+    g = tmp_path / "rt" / "g0"
+    g.mkdir(parents=True, mode=0o700)
+    os.chmod(tmp_path / "rt", 0o700)
+    os.chmod(g, 0o700)
+    (g / f"{os.getpid()}-1-00000000000000aa.sock").touch()
+    (g / "999999-1-00000000000000bb.sock").touch()
+    child_env["MEMSAVER_RUNTIME_DIR"] = str(tmp_path / "rt")
+    r = memsaver_cmd("diagnostics", env=child_env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 process(es) serve this group" in r.stdout, r.stdout
+    assert f"pid {os.getpid()} " in r.stdout and ": alive" in r.stdout, r.stdout
+    assert "pid 999999 " in r.stdout and "gone (left its socket behind)" in r.stdout, r.stdout
+
+
+def test_diagnostics_refuses_a_symlinked_runtime_dir(child_env, tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    child_env["MEMSAVER_RUNTIME_DIR"] = str(tmp_path / "link")
+    r = memsaver_cmd("diagnostics", env=child_env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "is a symbolic link" in r.stdout, r.stdout
 
 
 def test_env_and_preload_path_fail_loudly_without_the_library(tmp_path):

@@ -144,6 +144,18 @@ int memsaver_stats_json(char *buf, size_t len, size_t *needed);
 int memsaver_nccl_stats_json(char *buf, size_t len, size_t *needed);
 
 /**
+ * Writes what `memsaver diagnostics` reports about the `nccl` tag's coordination (JSON, like
+ * `memsaver_stats_json`): `runtime_dir` and `runtime_dir_state`, `group` and `group_dir_state`
+ * (each `{"state": "ok" | "missing" | "problem", "detail": why}`, checked without creating
+ * anything), `owners` (`[socket name, pid, alive]` of the processes serving the group) and
+ * `fallback_reason` (why NCCL's exports fell back to plain fds here, or null).
+ *
+ * # Safety
+ * As `memsaver_stats_json`.
+ */
+int memsaver_nccl_diagnose_json(char *buf, size_t len, size_t *needed);
+
+/**
  * Sets the group id of the `nccl` tag: processes coordinate NCCL's memory with peers of the
  * same group only. Call it before NCCL initialises; once NCCL has shared memory with a peer
  * the group is fixed and another value gives `MEMSAVER_ERR_INVALID_ARGUMENT`.

@@ -340,6 +340,28 @@ pub unsafe extern "C" fn memsaver_nccl_stats_json(
     }
 }
 
+/// Writes what `memsaver diagnostics` reports about the `nccl` tag's coordination (JSON, like
+/// `memsaver_stats_json`): `runtime_dir` and `runtime_dir_state`, `group` and `group_dir_state`
+/// (each `{"state": "ok" | "missing" | "problem", "detail": why}`, checked without creating
+/// anything), `owners` (`[socket name, pid, alive]` of the processes serving the group) and
+/// `fallback_reason` (why NCCL's exports fell back to plain fds here, or null).
+///
+/// # Safety
+/// As `memsaver_stats_json`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_nccl_diagnose_json(
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe {
+        write_json(buf, len, needed, || {
+            Ok(serde_json::to_string(&memsaver_nccl_hook::diagnose()))
+        })
+    }
+}
+
 /// Sets the group id of the `nccl` tag: processes coordinate NCCL's memory with peers of the
 /// same group only. Call it before NCCL initialises; once NCCL has shared memory with a peer
 /// the group is fixed and another value gives `MEMSAVER_ERR_INVALID_ARGUMENT`.
