@@ -190,7 +190,8 @@ def test_env_and_preload_path_fail_loudly_without_the_library(tmp_path):
     shutil.copytree(os.path.dirname(installed.__file__), pkg, ignore=shutil.ignore_patterns("libmemsaver.so"))
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     for cmd in (["preload-path"], ["env"]):
-        r = subprocess.run([sys.executable, "-m", "memsaver", *cmd], env=env, capture_output=True, text=True, timeout=60)
+        argv = [sys.executable, "-m", "memsaver", *cmd]
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 1, (cmd, r.stdout, r.stderr)
         assert "libmemsaver.so is missing" in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert r.stdout == ""
