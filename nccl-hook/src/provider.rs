@@ -547,10 +547,18 @@ impl Lanes {
             }
             busy.insert(peer);
         }
-        let out = f();
-        self.busy.lock().remove(&peer);
-        self.freed.notify_all();
-        Some(out)
+        // Freed however `f` ends.
+        let _free = LaneTaken(self, peer);
+        Some(f())
+    }
+}
+
+struct LaneTaken<'a>(&'a Lanes, u32);
+
+impl Drop for LaneTaken<'_> {
+    fn drop(&mut self) {
+        self.0.busy.lock().remove(&self.1);
+        self.0.freed.notify_all();
     }
 }
 
@@ -563,7 +571,7 @@ struct Collected<T> {
 
 /// Work running on one thread per peer (see the section's comment).
 struct PerPeer<T> {
-    /// Guards the results; `cv` says one more is in.
+    /// The results (the mutex guards them) and a condvar notified as each comes in.
     shared: std::sync::Arc<(parking_lot::Mutex<Collected<T>>, parking_lot::Condvar)>,
     peers: Vec<u32>,
     /// Peers whose thread could not be started.
