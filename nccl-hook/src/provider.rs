@@ -7,20 +7,31 @@
 //!    the device memory NCCL created here, with an event every [`COPIES_PER_EVENT`] copies;
 //!    while they run, unmap and release every import of a peer's buffer; then, batch by batch
 //!    as the copies complete, unmap and release this process's own memory;
-//! 2. tell each owner which of its buffers this process let go of;
-//! 3. wait until every importer of this process's exported buffers has let go, or fail after
-//!    the timeout naming the processes that did not (a dead process counts as let go).
+//! 2. tell each owner which of its buffers this process let go of (a thread per owner);
+//! 3. meanwhile, wait until every importer of this process's exported buffers has let go (a
+//!    dead process counts as let go). At the deadline, fail naming the importers that did not;
+//!    an owner that did not take the notice is named in that error, or logged (the notice
+//!    still reaches it when it runs again; this process's memory is released either way).
+//!
+//! One deadline, the start of the call plus `MEMSAVER_NCCL_TIMEOUT_MS`, bounds everything a
+//! pause or a resume waits for: a stopped or hung peer costs the timeout once, not per peer
+//! (see "Talking to peers" below).
 //!
 //! Pause also lowers the kernel stack size NCCL's kernels made the driver raise, which frees the
 //! local memory the driver keeps for it, but only as far as is safe for CUDA graphs and the
 //! application's own limit (the rule is in [`crate::graphs`]); resume never lowers it.
 //!
-//! Resume: a thread asks each owner for the new generation of the buffers imported here while
-//! this process re-creates, maps and restores its own memory: first the buffers it exports
-//! (the registry lock is dropped after them, so that the peers' requests are served while the
-//! private buffers are restored), then the rest. Then the imports are mapped at their old
-//! addresses. An owner serves a buffer only once its contents are restored. No lock is held
-//! while waiting for a peer, so processes resuming (or pausing) together cannot deadlock.
+//! Resume: a thread per owner asks it for the new generation of the buffers imported here
+//! while this process re-creates, maps and restores its own memory: first the buffers it
+//! exports (the registry lock is dropped after them, so that the peers' requests are served
+//! while the private buffers are restored), then the rest. Then the imports each owner served
+//! are mapped at their old addresses, owner by owner: the imports of an owner that exited, is
+//! stopped or did not serve them by the deadline stay paused, the error names it with what this
+//! process imported of it, and a later resume maps them (or finds them freed by NCCL). What an
+//! owner served but this process did not map (the driver failed, or the answer came after the
+//! deadline) is reported released, so an owner never waits for an import that does not exist.
+//! An owner serves a buffer only once its contents are restored. No lock is held while waiting
+//! for a peer, so processes resuming (or pausing) together cannot deadlock.
 //!
 //! What is backed up: everything by default. `MEMSAVER_NCCL_BACKUP=headers` backs up only the
 //! first [`HEADER_BYTES`] of the buffers NCCL shares with peers: NCCL lays those out as a
@@ -252,6 +263,8 @@ struct Released {
     bytes: u64,
     copied: u64,
     notices: Notices,
+    /// What of each owner's memory the notices release.
+    released_imports: BTreeMap<u32, Holding>,
 }
 
 /// Unmaps every mapping of `vh` and releases its driver handle (the device is idle and any
@@ -276,11 +289,13 @@ fn release_one(
     ))?;
     out.allocations += 1;
     match (p.kind, p.source) {
-        (Kind::Imported, Some(s)) => out
-            .notices
-            .entry(s.owner)
-            .or_default()
-            .push((s.vh, s.generation)),
+        (Kind::Imported, Some(s)) => {
+            out.notices
+                .entry(s.owner)
+                .or_default()
+                .push((s.vh, s.generation));
+            out.released_imports.entry(s.owner).or_default().add(p);
+        }
         _ => out.bytes += p.size,
     }
     Ok(())
@@ -493,136 +508,606 @@ impl NcclTag {
         }
         Ok(total)
     }
+}
 
-    /// Resume step 3: import the owners' new generations and map them where they were.
-    /// An import that cannot be mapped is reported released to its owner, so that the
-    /// owner's next pause does not wait for it.
-    fn map_imports(&self, fetched: Vec<(u64, OwnedFd, u64)>) -> Result<usize> {
-        let d = self.allocator.driver();
-        let mut reg = registry::lock();
-        let ranges = reg.ranges_by_handle();
-        let mut n = 0;
-        let mut failed: Option<Error> = None;
-        let mut unused = Notices::new();
-        for (vh, fd, generation) in fetched {
-            let Some(p) = reg.physicals.get(&vh) else {
-                continue;
-            };
-            let owner = p.source.map(|s| (s.owner, s.vh));
-            if failed.is_some() {
-                if let Some((o, ovh)) = owner {
-                    unused.entry(o).or_default().push((ovh, generation));
-                }
-                continue;
-            }
-            let rs = ranges.get(&vh).map_or(&[][..], Vec::as_slice);
-            let r = self
-                .allocator
-                .copy_stream(device_of(&reg, &ranges, vh))
-                .and_then(|(ctx, _)| {
-                    Ok(d.with_context(ctx, || {
-                        map_all(d, d.import_fd(std::os::fd::AsRawFd::as_raw_fd(&fd))?, rs)
-                    })?)
-                });
-            match r {
-                Ok(h) => {
-                    let p = reg.physicals.get_mut(&vh).expect("checked above");
-                    p.real = Some(h.0);
-                    if let Some(s) = p.source.as_mut() {
-                        s.generation = generation;
-                    }
-                    n += 1;
-                }
-                Err(e) => {
-                    if let Some((o, ovh)) = owner {
-                        unused.entry(o).or_default().push((ovh, generation));
-                    }
-                    failed = Some(e);
+// ---------------------------------------------------------------------------------------------
+// Talking to peers under one deadline.
+//
+// Every exchange with a peer can block: a peer that is stopped (SIGSTOP, a debugger) or hung
+// accepts the connection and never answers, and `peer`'s exchanges wait for up to the timeout
+// plus 5 s each. So pause and resume talk to each peer on a thread of its own and wait for them
+// all until one deadline (the start of the call plus `MEMSAVER_NCCL_TIMEOUT_MS`); a thread
+// still waiting then is left to finish on its own, and undoes what it did if that matters
+// (an import served too late is reported released). Exchanges of this process with one peer
+// go one at a time ([`Lanes`]), so a late undo always reaches the peer before the next request.
+// ---------------------------------------------------------------------------------------------
+
+/// Peers this process is exchanging messages with right now, each on one thread.
+struct Lanes {
+    /// Guards the set of busy peers.
+    busy: parking_lot::Mutex<std::collections::HashSet<u32>>,
+    freed: parking_lot::Condvar,
+}
+
+static LANES: std::sync::LazyLock<Lanes> = std::sync::LazyLock::new(|| Lanes {
+    busy: parking_lot::Mutex::new(Default::default()),
+    freed: parking_lot::Condvar::new(),
+});
+
+impl Lanes {
+    /// Runs `f` once no other exchange with `peer` is under way, or returns `None` if one
+    /// still is at `deadline`.
+    fn with<T>(&self, peer: u32, deadline: Instant, f: impl FnOnce() -> T) -> Option<T> {
+        {
+            let mut busy = self.busy.lock();
+            while busy.contains(&peer) {
+                if self.freed.wait_until(&mut busy, deadline).timed_out() && busy.contains(&peer) {
+                    return None;
                 }
             }
+            busy.insert(peer);
         }
-        drop(reg);
-        let group = crate::amem::group_id();
-        for (owner, items) in unused {
-            let _ = peer::notify_released(group, owner, &items);
-        }
-        failed.map_or(Ok(n), Err)
+        // Freed however `f` ends.
+        let _free = LaneTaken(self, peer);
+        Some(f())
     }
 }
 
-/// Resume step 2 (on a thread): the fds of `fetch` (owner -> [(local handle, owner's handle,
-/// wanted generation)]) from their owners.
-fn fetch_imports(
+struct LaneTaken<'a>(&'a Lanes, u32);
+
+impl Drop for LaneTaken<'_> {
+    fn drop(&mut self) {
+        self.0.busy.lock().remove(&self.1);
+        self.0.freed.notify_all();
+    }
+}
+
+/// Results of per-peer threads, collected until a deadline.
+struct Collected<T> {
+    /// Set at the deadline: a thread finishing later undoes its work instead of storing it.
+    abandoned: bool,
+    done: BTreeMap<u32, T>,
+}
+
+/// Work running on one thread per peer (see the section's comment).
+struct PerPeer<T> {
+    /// The results (the mutex guards them) and a condvar notified as each comes in.
+    shared: std::sync::Arc<(parking_lot::Mutex<Collected<T>>, parking_lot::Condvar)>,
+    peers: Vec<u32>,
+    /// Peers whose thread could not be started.
+    unstarted: BTreeMap<u32, String>,
+}
+
+/// What became of the exchange with one peer.
+enum Outcome<T> {
+    Done(T),
+    /// No answer by the deadline (the exchange goes on; see the section's comment).
+    NoAnswer,
+    /// The thread could not be started.
+    NotStarted(String),
+}
+
+impl<T: Send + 'static> PerPeer<T> {
+    /// Runs `work(peer, input)` for every peer of `inputs` at once; `late(peer, result)`
+    /// instead of storing a result that comes after the deadline.
+    fn start<I, W, L>(
+        name: &str,
+        inputs: BTreeMap<u32, I>,
+        deadline: Instant,
+        work: W,
+        late: L,
+    ) -> Self
+    where
+        I: Send + 'static,
+        W: FnOnce(u32, I) -> T + Clone + Send + 'static,
+        L: FnOnce(u32, T) + Clone + Send + 'static,
+    {
+        let shared = std::sync::Arc::new((
+            parking_lot::Mutex::new(Collected {
+                abandoned: false,
+                done: BTreeMap::new(),
+            }),
+            parking_lot::Condvar::new(),
+        ));
+        let mut out = PerPeer {
+            shared,
+            peers: inputs.keys().copied().collect(),
+            unstarted: BTreeMap::new(),
+        };
+        for (peer, input) in inputs {
+            let (shared, work, late) = (out.shared.clone(), work.clone(), late.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("memsaver-nccl-{name}"))
+                .spawn(move || {
+                    LANES.with(peer, deadline, || {
+                        let r = work(peer, input);
+                        let mut c = shared.0.lock();
+                        if c.abandoned {
+                            drop(c);
+                            late(peer, r);
+                        } else {
+                            c.done.insert(peer, r);
+                            shared.1.notify_all();
+                        }
+                    })
+                });
+            if let Err(e) = spawned {
+                out.unstarted
+                    .insert(peer, format!("cannot start a thread: {e}"));
+            }
+        }
+        out
+    }
+
+    /// Waits until every peer's thread has its result or `deadline` has passed.
+    fn finish(self, deadline: Instant) -> BTreeMap<u32, Outcome<T>> {
+        let (lock, cv) = &*self.shared;
+        let mut c = lock.lock();
+        let started = self.peers.len() - self.unstarted.len();
+        while c.done.len() < started && !cv.wait_until(&mut c, deadline).timed_out() {}
+        c.abandoned = true;
+        let mut done = std::mem::take(&mut c.done);
+        drop(c);
+        let mut unstarted = self.unstarted;
+        self.peers
+            .into_iter()
+            .map(|p| {
+                let o = match (done.remove(&p), unstarted.remove(&p)) {
+                    (Some(r), _) => Outcome::Done(r),
+                    (None, Some(e)) => Outcome::NotStarted(e),
+                    (None, None) => Outcome::NoAnswer,
+                };
+                (p, o)
+            })
+            .collect()
+    }
+}
+
+/// What this process holds of a peer's memory, or a peer of this process's: for messages.
+#[derive(Default)]
+struct Holding {
+    buffers: usize,
+    bytes: u64,
+    devices: std::collections::BTreeSet<i32>,
+}
+
+impl Holding {
+    fn add(&mut self, p: &registry::Physical) {
+        self.buffers += 1;
+        self.bytes += p.size;
+        self.devices.insert(p.device());
+    }
+}
+
+impl std::fmt::Display for Holding {
+    /// `2 buffers (8 MiB) on device 0`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (n, s) = (self.buffers, if self.buffers == 1 { "" } else { "s" });
+        let bytes = if self.bytes.is_multiple_of(1 << 20) {
+            format!("{} MiB", self.bytes >> 20)
+        } else {
+            format!("{} bytes", self.bytes)
+        };
+        let devs: Vec<String> = self.devices.iter().map(i32::to_string).collect();
+        let d = if devs.len() == 1 { "device" } else { "devices" };
+        write!(f, "{n} buffer{s} ({bytes}) on {d} {}", devs.join(", "))
+    }
+}
+
+/// Why a peer did not do its part, as a user can act on it.
+enum Fault {
+    /// It exited (or was killed).
+    Exited,
+    /// It did not answer by the deadline; what it did not do.
+    NoAnswer(&'static str),
+    /// It still holds imports of this process's paused memory at the deadline.
+    StillHolds,
+    /// It answered with an error, or could not be reached.
+    Failed(String),
+}
+
+/// The scheduler state of `pid` (`/proc/<pid>/stat`): `R`, `S`, `T` (stopped), `Z`, ...
+fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+}
+
+/// One line of a Peer error: which process, what it holds (`holds`, a clause that follows
+/// the process's name), what went wrong, what to do.
+fn describe(pid: u32, group: i64, holds: &str, fault: &Fault, timeout: Duration) -> String {
+    let who = format!("process {pid} (group {group}){holds}");
+    let ms = timeout.as_millis();
+    let state = proc_state(pid);
+    let (stopped, zombie) = (
+        matches!(state, Some('T' | 't')),
+        matches!(state, Some('Z' | 'X')),
+    );
+    match fault {
+        Fault::Exited => format!(
+            "{who}: the process exited: restart the job (or destroy the communicators it was in)"
+        ),
+        _ if zombie => format!(
+            "{who}: the process exited (a zombie its parent has not reaped): restart the job"
+        ),
+        _ if stopped => format!(
+            "{who}: it is stopped (SIGSTOP or a debugger) and does not answer: continue it \
+             (kill -CONT {pid}), then retry"
+        ),
+        Fault::NoAnswer(what) => format!(
+            "{who}: it {what} within {ms} ms: is it stopped or hung? raise \
+             MEMSAVER_NCCL_TIMEOUT_MS if it is slow"
+        ),
+        Fault::StillHolds => format!(
+            "{who} and did not let go within {ms} ms: every process of the group must pause \
+             'nccl' too; is it stopped or hung? raise MEMSAVER_NCCL_TIMEOUT_MS if it is slow"
+        ),
+        Fault::Failed(e) => format!(
+            "{who}: {e}: is it stopped or hung? raise MEMSAVER_NCCL_TIMEOUT_MS if it is slow"
+        ),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The steps of pause and resume that involve peers.
+// ---------------------------------------------------------------------------------------------
+
+/// Pause step 2 (threads): tells each owner which of its buffers this process released.
+fn notify_owners(
     group: i64,
-    fetch: BTreeMap<u32, Vec<(u64, u64, u64)>>,
-) -> std::result::Result<Vec<(u64, OwnedFd, u64)>, String> {
-    let mut fetched = Vec::new();
-    for (owner, items) in fetch {
-        let wants: Vec<(u64, u64)> = items.iter().map(|(_, ovh, g)| (*ovh, *g)).collect();
-        let fds = peer::request_fds(group, owner, &wants)?;
-        for ((vh, _, _), (fd, generation)) in items.into_iter().zip(fds) {
-            fetched.push((vh, fd, generation));
+    notices: Notices,
+    deadline: Instant,
+) -> PerPeer<std::result::Result<(), String>> {
+    PerPeer::start(
+        "notify",
+        notices,
+        deadline,
+        move |owner, items: Vec<(u64, u64)>| peer::notify_released(group, owner, &items),
+        // Delivered late, the notice still does its job.
+        |_, _| {},
+    )
+}
+
+/// Pause step 2, collected: the owners that are alive and did not take the notice by the
+/// deadline (a dead owner has nothing left to release).
+fn unacknowledged(
+    outcomes: BTreeMap<u32, Outcome<std::result::Result<(), String>>>,
+) -> BTreeMap<u32, Fault> {
+    outcomes
+        .into_iter()
+        .filter_map(|(owner, o)| {
+            let fault = match o {
+                Outcome::Done(Ok(())) => return None,
+                Outcome::Done(Err(e)) | Outcome::NotStarted(e) => Fault::Failed(e),
+                Outcome::NoAnswer => {
+                    Fault::NoAnswer("did not take the notice that its buffers were released")
+                }
+            };
+            peer::alive(owner).then_some((owner, fault))
+        })
+        .collect()
+}
+
+/// Pause step 3: waits until every importer of this process's paused exported buffers (also
+/// those paused by an earlier, failed call) has let go, or `deadline`. Returns what the
+/// processes that did not still hold (a dead process has let go of everything).
+fn wait_importers(deadline: Instant) -> BTreeMap<u32, Holding> {
+    loop {
+        let holders = {
+            let mut reg = registry::lock();
+            let mut paused: Vec<&mut registry::Physical> = reg
+                .physicals
+                .values_mut()
+                .filter(|p| p.exported && p.real.is_none())
+                .collect();
+            // Each importer asked once.
+            let mut pids: Vec<u32> = paused
+                .iter()
+                .flat_map(|p| p.importers.iter().copied())
+                .collect();
+            pids.sort_unstable();
+            pids.dedup();
+            pids.retain(|pid| peer::alive(*pid));
+            let mut holders = BTreeMap::<u32, Holding>::new();
+            for p in &mut paused {
+                p.importers.retain(|pid| pids.binary_search(pid).is_ok());
+                for pid in &p.importers {
+                    holders.entry(*pid).or_default().add(p);
+                }
+            }
+            holders
+        };
+        if holders.is_empty() || Instant::now() >= deadline {
+            return holders;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// `, whose imports of <holding> this process released`, for an owner told so.
+fn released_clause(h: Option<&Holding>) -> String {
+    h.map_or_else(String::new, |h| {
+        format!(", whose imports of {h} this process released")
+    })
+}
+
+/// The error of a pause whose importers did not all let go.
+fn pause_error(
+    group: i64,
+    holders: &BTreeMap<u32, Holding>,
+    unacked: &BTreeMap<u32, Fault>,
+    released_imports: &BTreeMap<u32, Holding>,
+) -> Error {
+    let t = peer::timeout();
+    let mut lines: Vec<String> = holders
+        .iter()
+        .map(|(pid, h)| {
+            let holds = format!(" holds imports of {h} of this process");
+            describe(*pid, group, &holds, &Fault::StillHolds, t)
+        })
+        .collect();
+    // An owner that also holds imports of ours is named once, above.
+    lines.extend(
+        unacked
+            .iter()
+            .filter(|(pid, _)| !holders.contains_key(pid))
+            .map(|(pid, f)| {
+                describe(
+                    *pid,
+                    group,
+                    &released_clause(released_imports.get(pid)),
+                    f,
+                    t,
+                )
+            }),
+    );
+    peer_error(format!(
+        "pause released this process's memory, but {} process(es) still hold imports of it, \
+         so that device memory is not free yet: {}",
+        holders.len(),
+        lines.join("; ")
+    ))
+}
+
+/// An import to fetch at resume.
+#[derive(Clone, Copy)]
+struct Wanted {
+    vh: u64,
+    owner_vh: u64,
+    generation: u64,
+}
+
+/// An import's new generation, served by its owner.
+struct Fetched {
+    vh: u64,
+    owner_vh: u64,
+    fd: OwnedFd,
+    generation: u64,
+}
+
+type FetchResult = std::result::Result<Vec<Fetched>, String>;
+
+/// The paused imports, per owner: the generation after the one each mapped.
+fn imports_to_fetch() -> BTreeMap<u32, Vec<Wanted>> {
+    let mut fetch = BTreeMap::<u32, Vec<Wanted>>::new();
+    for (vh, p) in &registry::lock().physicals {
+        if let (None, Some(s)) = (p.real, p.source) {
+            fetch.entry(s.owner).or_default().push(Wanted {
+                vh: *vh,
+                owner_vh: s.vh,
+                generation: s.generation + 1,
+            });
         }
     }
-    Ok(fetched)
+    fetch
+}
+
+/// Resume step 2 (threads): asks each owner for the new generation of its buffers. An owner
+/// registers this process as an importer of what it serves, so what is not mapped in the end
+/// is reported released: on a failure here (the owner may have served part of it) and when
+/// the answer comes after the deadline.
+fn fetch_imports(
+    group: i64,
+    fetch: BTreeMap<u32, Vec<Wanted>>,
+    deadline: Instant,
+) -> PerPeer<FetchResult> {
+    PerPeer::start(
+        "fetch",
+        fetch,
+        deadline,
+        move |owner, wants: Vec<Wanted>| {
+            let asks: Vec<(u64, u64)> = wants.iter().map(|w| (w.owner_vh, w.generation)).collect();
+            match peer::request_fds(group, owner, &asks) {
+                Ok(fds) => Ok(wants
+                    .into_iter()
+                    .zip(fds)
+                    .map(|(w, (fd, generation))| Fetched {
+                        vh: w.vh,
+                        owner_vh: w.owner_vh,
+                        fd,
+                        generation,
+                    })
+                    .collect()),
+                Err(e) => {
+                    if peer::alive(owner) {
+                        let _ = peer::notify_released(group, owner, &asks);
+                    }
+                    Err(e)
+                }
+            }
+        },
+        move |owner, late: FetchResult| {
+            if let Ok(fetched) = late {
+                let items: Vec<(u64, u64)> =
+                    fetched.iter().map(|f| (f.owner_vh, f.generation)).collect();
+                let _ = peer::notify_released(group, owner, &items);
+            }
+        },
+    )
+}
+
+/// What resume step 3 did.
+#[derive(Default)]
+struct Imported {
+    /// Imports mapped.
+    mapped: usize,
+    /// Owners whose imports stay paused, what this process imported of them, and why.
+    faults: BTreeMap<u32, (Holding, Fault)>,
+    /// The first import that was served but could not be mapped.
+    map_error: Option<Error>,
+}
+
+impl NcclTag {
+    /// Resume step 3: maps the new generations served by each owner where the imports were.
+    /// The imports of an owner that did not serve them stay paused (a later resume fetches
+    /// them again); a served import that cannot be mapped is reported released to its owner,
+    /// so that the owner's next pause does not wait for it.
+    fn map_imports(&self, group: i64, fetched: BTreeMap<u32, Outcome<FetchResult>>) -> Imported {
+        let d = self.allocator.driver();
+        let mut out = Imported::default();
+        let mut unused = Notices::new();
+        let mut reg = registry::lock();
+        let ranges = reg.ranges_by_handle();
+        for (owner, outcome) in fetched {
+            let served = match outcome {
+                Outcome::Done(Ok(served)) => served,
+                Outcome::Done(Err(e)) | Outcome::NotStarted(e) => {
+                    let fault = if peer::alive(owner) {
+                        Fault::Failed(e)
+                    } else {
+                        Fault::Exited
+                    };
+                    out.faults.insert(owner, (Holding::default(), fault));
+                    continue;
+                }
+                Outcome::NoAnswer => {
+                    let fault = if peer::alive(owner) {
+                        Fault::NoAnswer(
+                            "did not serve its buffers (every process of the group must resume 'nccl')",
+                        )
+                    } else {
+                        Fault::Exited
+                    };
+                    out.faults.insert(owner, (Holding::default(), fault));
+                    continue;
+                }
+            };
+            for f in served {
+                let Some(p) = reg.physicals.get(&f.vh) else {
+                    // NCCL freed it meanwhile.
+                    unused
+                        .entry(owner)
+                        .or_default()
+                        .push((f.owner_vh, f.generation));
+                    continue;
+                };
+                if p.real.is_some() {
+                    continue;
+                }
+                let rs = ranges.get(&f.vh).map_or(&[][..], Vec::as_slice);
+                let r = self
+                    .allocator
+                    .copy_stream(device_of(&reg, &ranges, f.vh))
+                    .and_then(|(ctx, _)| {
+                        Ok(d.with_context(ctx, || {
+                            map_all(d, d.import_fd(std::os::fd::AsRawFd::as_raw_fd(&f.fd))?, rs)
+                        })?)
+                    });
+                match r {
+                    Ok(h) => {
+                        let p = reg.physicals.get_mut(&f.vh).expect("checked above");
+                        p.real = Some(h.0);
+                        if let Some(s) = p.source.as_mut() {
+                            s.generation = f.generation;
+                        }
+                        out.mapped += 1;
+                    }
+                    Err(e) => {
+                        unused
+                            .entry(owner)
+                            .or_default()
+                            .push((f.owner_vh, f.generation));
+                        out.map_error.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        // What this process imported of the owners at fault, for the message.
+        for p in reg.physicals.values() {
+            if let (None, Some(s)) = (p.real, p.source)
+                && let Some((h, _)) = out.faults.get_mut(&s.owner)
+            {
+                h.add(p);
+            }
+        }
+        drop(reg);
+        // The owners that just served this process answer; wait for them within the deadline
+        // of this resume, at least a moment.
+        let deadline = Instant::now() + Duration::from_millis(200);
+        let _ = notify_owners(group, unused, deadline).finish(deadline);
+        out
+    }
+}
+
+/// The error of a resume that left imports paused.
+fn resume_error(group: i64, imported: &Imported) -> Error {
+    let t = peer::timeout();
+    let lines: Vec<String> = imported
+        .faults
+        .iter()
+        .map(|(pid, (h, f))| {
+            let holds = format!(", whose {h} this process imported");
+            describe(*pid, group, &holds, f, t)
+        })
+        .collect();
+    let unmapped = imported.map_error.as_ref().map_or_else(String::new, |e| {
+        format!("; besides, an import that was served could not be mapped: {e}")
+    });
+    peer_error(format!(
+        "resume restored this process's memory and mapped {} import(s), but the imports of \
+         {} owner(s) stay paused (a later resume maps them once their owner serves them, or \
+         once NCCL has freed them): {}{unmapped}",
+        imported.mapped,
+        imported.faults.len(),
+        lines.join("; ")
+    ))
 }
 
 impl ExternalTag for NcclTag {
     fn pause(&self) -> Result<Report> {
         let start = Instant::now();
+        // One deadline for everything this pause waits for.
+        let deadline = start + peer::timeout();
         // Also checked by every way in (`memsaver_allocator::global`); the NCCL options are
         // this pause's own.
         let opts = memsaver_allocator::options::get();
         opts.check()?;
         let backup = opts.nccl_backup;
-        let released = self.release_local(backup)?;
+        let mut released = self.release_local(backup)?;
         self.lower_stacks(&released.devices);
         let local_ms = start.elapsed().as_secs_f64() * 1e3;
         let group = crate::amem::group_id();
-        for (owner, items) in &released.notices {
-            if let Err(e) = peer::notify_released(group, *owner, items)
-                && peer::alive(*owner)
-            {
-                tracing::warn!(
-                    "memsaver: could not tell process {owner} that its NCCL buffers were released: {e}"
-                );
-            }
+        let notifying = notify_owners(group, std::mem::take(&mut released.notices), deadline);
+        let holders = wait_importers(deadline);
+        let unacked = unacknowledged(notifying.finish(deadline));
+        if !holders.is_empty() {
+            return Err(pause_error(
+                group,
+                &holders,
+                &unacked,
+                &released.released_imports,
+            ));
         }
-        // Every exported buffer of ours that is paused (also by an earlier, failed call) is
-        // free only once its importers have let go.
-        let deadline = Instant::now() + peer::timeout();
-        loop {
-            let holders: Vec<u32> = {
-                let mut reg = registry::lock();
-                let mut paused: Vec<_> = reg
-                    .physicals
-                    .values_mut()
-                    .filter(|p| p.exported && p.real.is_none())
-                    .collect();
-                // Each importer asked once: a dead process has let go of everything.
-                let mut holders: Vec<u32> = paused
-                    .iter()
-                    .flat_map(|p| p.importers.iter().copied())
-                    .collect();
-                holders.sort_unstable();
-                holders.dedup();
-                holders.retain(|pid| peer::alive(*pid));
-                for p in &mut paused {
-                    p.importers.retain(|pid| holders.binary_search(pid).is_ok());
-                }
-                holders
-            };
-            if holders.is_empty() {
-                break;
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::PeersHoldMemory {
-                    tag: TAG.into(),
-                    peers: holders,
-                    waited_ms: peer::timeout().as_millis() as u64,
+        for (owner, fault) in &unacked {
+            let holds = released
+                .released_imports
+                .get(owner)
+                .map_or_else(String::new, |h| {
+                    format!(", whose imports of {h} this process released")
                 });
-            }
-            std::thread::sleep(Duration::from_micros(200));
+            tracing::warn!(
+                "memsaver: nccl pause: {}",
+                describe(*owner, group, &holds, fault, peer::timeout())
+            );
         }
         tracing::info!(
             release_local_ms = local_ms,
@@ -643,38 +1128,24 @@ impl ExternalTag for NcclTag {
 
     fn resume(&self) -> Result<Report> {
         let start = Instant::now();
-        // Imports to fetch, per owner: (local handle, owner's handle, wanted generation).
-        let mut fetch = BTreeMap::<u32, Vec<(u64, u64, u64)>>::new();
-        for (vh, p) in &registry::lock().physicals {
-            if let (None, Some(s)) = (p.real, p.source) {
-                fetch
-                    .entry(s.owner)
-                    .or_default()
-                    .push((*vh, s.vh, s.generation + 1));
-            }
-        }
+        // One deadline for everything this resume waits for.
+        let deadline = start + peer::timeout();
         let group = crate::amem::group_id();
-        let fetcher = (!fetch.is_empty()).then(|| {
-            std::thread::Builder::new()
-                .name("memsaver-nccl-fetch".into())
-                .spawn(move || fetch_imports(group, fetch))
-        });
+        let fetching = fetch_imports(group, imports_to_fetch(), deadline);
         let local = self.restore_local();
         let restored_ms = start.elapsed().as_secs_f64() * 1e3;
-        let fetched = match fetcher {
-            None => Ok(Vec::new()),
-            Some(Err(e)) => Err(format!("cannot start a thread: {e}")),
-            Some(Ok(t)) => t
-                .join()
-                .unwrap_or_else(|_| Err("the fetching thread panicked".into())),
-        };
+        let fetched = fetching.finish(deadline);
         let fetched_ms = start.elapsed().as_secs_f64() * 1e3;
         // The peers' memory is mapped back even if ours could not be (it is on their devices).
-        let imported = fetched
-            .map_err(peer_error)
-            .and_then(|f| self.map_imports(f));
+        let imported = self.map_imports(group, fetched);
         let own = local?;
-        let n = own.handles + imported?;
+        if !imported.faults.is_empty() {
+            return Err(resume_error(group, &imported));
+        }
+        if let Some(e) = imported.map_error {
+            return Err(e);
+        }
+        let n = own.handles + imported.mapped;
         let (bytes, copied) = (own.bytes, own.copied);
         self.restore_stacks();
         crate::guard::set_paused(false);
