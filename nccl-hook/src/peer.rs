@@ -569,12 +569,19 @@ fn answer(stream: &UnixStream, pid: u32, items: &[Item]) -> std::io::Result<()> 
                 }
             }
         }
-        for (reply, fd) in &replies {
-            protocol::write_frame(
+        for (i, (reply, fd)) in replies.iter().enumerate() {
+            let sent = protocol::write_frame(
                 stream.as_fd(),
                 &reply.encode(),
                 fd.as_ref().map(|f| f.as_fd()),
-            )?;
+            );
+            if let Err(e) = sent {
+                // The importer is gone (or gave up waiting): it holds none of the fds not
+                // delivered, so it must not stay registered for them (its owner's next pause
+                // would wait for it).
+                unregister(pid, &replies[i..]);
+                return Err(e);
+            }
         }
         next += replies.len();
         if next < items.len() {
@@ -592,6 +599,19 @@ fn answer(stream: &UnixStream, pid: u32, items: &[Item]) -> std::io::Result<()> 
         }
     }
     Ok(())
+}
+
+/// Forgets `pid` as an importer of the buffers of `replies` that carried an fd.
+fn unregister(pid: u32, replies: &[(Reply, Option<OwnedFd>)]) {
+    let mut reg = registry::lock();
+    for (reply, _) in replies {
+        if let Reply::Fd { vh, generation } = reply
+            && let Some(p) = reg.physicals.get_mut(vh)
+            && p.generation == *generation
+        {
+            p.importers.remove(&pid);
+        }
+    }
 }
 
 /// Connects to the server of `owner` in `group`'s directory and checks who answers.

@@ -1081,6 +1081,11 @@ impl ExternalTag for NcclTag {
         // this pause's own.
         let opts = memsaver_allocator::options::get();
         opts.check()?;
+        // Buffers exported as plain fds cannot be released: say so instead of reporting a
+        // pause that freed nothing of them (nothing is changed).
+        if let Some(why) = peer::fallback_reason() {
+            return Err(peer_error(why));
+        }
         let backup = opts.nccl_backup;
         let mut released = self.release_local(backup)?;
         self.lower_stacks(&released.devices);

@@ -401,7 +401,6 @@ fn a_dead_importer_counts_as_released() {
 /// A zombie (dead, not yet reaped by its parent) has let go too: the kernel closed
 /// its files and dropped its mappings.
 #[test]
-#[ignore = "needs peer::alive() to count a zombie as dead (peer.rs, being rewritten on c12-sec)"]
 fn a_zombie_importer_counts_as_released() {
     let mut job = Job::start(2, 27, no_env);
     job.setup(4);

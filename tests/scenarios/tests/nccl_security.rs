@@ -117,6 +117,14 @@ fn an_unsafe_runtime_directory_is_refused_and_the_fallback_is_recorded() {
                 "{what}: wanted {want:?} in {s}"
             );
         }
+        // A pause cannot free what was exported as plain fds: it fails, saying why, instead of
+        // reporting success (before: success, having freed none of them).
+        for answer in job.all("pause") {
+            assert!(
+                !answer.starts_with("ok") && answer.contains("exported as plain fds"),
+                "{what}: pause answered {answer}"
+            );
+        }
         // Nothing was created through the link.
         assert_eq!(std::fs::read_dir(&real).unwrap().count(), 0, "{what}");
     }
