@@ -5,17 +5,14 @@
 //! did not map, that `MEMSAVER_NCCL_TIMEOUT_MS` bounds a whole pause or resume, and that the
 //! errors name the peer (pid, group, device, what is held) and say what to do.
 //!
-//! Ranks are `nccl-rank` programs (one rank of an NCCL-like job, see its source); this file has
-//! its own small harness, with per-rank environments and signals.
+//! Ranks are `nccl-rank` programs (one rank of an NCCL-like job, see its source), driven by the
+//! harness in `common`.
 
-use std::io::{BufRead, BufReader, Write};
-use std::path::PathBuf;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+mod common;
+
 use std::time::{Duration, Instant};
 
-use memsaver_scenarios::{cuda_lib, fake_nccl, preload_lib, tempdir};
-
-const MIB: u64 = 1 << 20;
+use common::{Dirs, Job, MIB};
 
 /// A timeout short enough for tests, long enough for a loaded machine.
 const TIMEOUT_MS: u32 = 2000;
@@ -24,173 +21,10 @@ const TIMEOUT_MS: u32 = 2000;
 /// took the timeout plus 5 s per stopped peer (9 s for a pause, 7 s for a resume).
 const BOUND: Duration = Duration::from_secs(6);
 
-struct Rank {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    /// Killed (reaped or not): no more commands.
-    gone: bool,
-}
-
-/// A job of ranks in one group on a fresh fake machine and runtime directory.
-struct Job {
-    ranks: Vec<Rank>,
-    dirs: [PathBuf; 3],
-}
-
-impl Job {
-    /// `world` ranks; `env(rank)` gives extra variables per rank.
-    fn start(world: usize, group: u32, env: impl Fn(usize) -> Vec<(&'static str, String)>) -> Job {
-        let dirs = [tempdir("fake"), tempdir("rt"), tempdir("rdv")];
-        let (preload, cuda) = (preload_lib(), cuda_lib());
-        let ranks = (0..world)
-            .map(|r| {
-                let mut child = Command::new(env!("CARGO_BIN_EXE_nccl-rank"))
-                    .arg(fake_nccl())
-                    .arg(&cuda)
-                    .arg(&dirs[2])
-                    .arg(r.to_string())
-                    .arg(world.to_string())
-                    .env("LD_PRELOAD", &preload)
-                    .env("MEMSAVER_CUDA_LIB", &cuda)
-                    .env("FAKE_CUDA_DIR", &dirs[0])
-                    .env("MEMSAVER_RUNTIME_DIR", &dirs[1])
-                    .env("MEMSAVER_GROUP", group.to_string())
-                    .env("MEMSAVER_NCCL_TIMEOUT_MS", TIMEOUT_MS.to_string())
-                    .envs(env(r))
-                    .stdin(Stdio::piped())
-                    .stdout(Stdio::piped())
-                    .spawn()
-                    .unwrap();
-                Rank {
-                    stdin: child.stdin.take().unwrap(),
-                    stdout: BufReader::new(child.stdout.take().unwrap()),
-                    child,
-                    gone: false,
-                }
-            })
-            .collect();
-        Job { ranks, dirs }
-    }
-
-    fn pid(&self, r: usize) -> u32 {
-        self.ranks[r].child.id()
-    }
-
-    /// Sends `cmd` to the given ranks at once, then reads their answers.
-    fn on(&mut self, which: &[usize], cmd: &str) -> Vec<String> {
-        for &r in which {
-            writeln!(self.ranks[r].stdin, "{cmd}").unwrap();
-            self.ranks[r].stdin.flush().unwrap();
-        }
-        which
-            .iter()
-            .map(|&r| {
-                let mut line = String::new();
-                self.ranks[r].stdout.read_line(&mut line).unwrap();
-                assert!(!line.is_empty(), "rank {r} exited during {cmd:?}");
-                line.trim().to_owned()
-            })
-            .collect()
-    }
-
-    fn one(&mut self, r: usize, cmd: &str) -> String {
-        self.on(&[r], cmd).remove(0)
-    }
-
-    /// `cmd` on rank `r`, and how long it took.
-    fn timed(&mut self, r: usize, cmd: &str) -> (String, Duration) {
-        let t = Instant::now();
-        let a = self.one(r, cmd);
-        (a, t.elapsed())
-    }
-
-    fn ok(&mut self, which: &[usize], cmd: &str) {
-        for (r, a) in which.iter().zip(self.on(which, cmd)) {
-            assert_eq!(a, "ok", "rank {r}: {cmd}");
-        }
-    }
-
-    fn live(&self) -> Vec<usize> {
-        (0..self.ranks.len())
-            .filter(|r| !self.ranks[*r].gone)
-            .collect()
-    }
-
-    /// Device memory in use on the fake machine, asked of a live rank.
-    fn used(&mut self) -> u64 {
-        let r = self.live()[0];
-        self.one(r, "used")
-            .strip_prefix("ok ")
-            .unwrap()
-            .parse()
-            .unwrap()
-    }
-
-    /// Allocates `mib` per rank, exchanges, writes seed = rank, checks every import.
-    fn setup(&mut self, mib: u64) {
-        let all = self.live();
-        self.ok(&all, &format!("alloc {mib}"));
-        self.ok(&all, "exchange");
-        for r in all {
-            self.ok(&[r], &format!("write {r}"));
-        }
-        self.check_all();
-    }
-
-    fn check_all(&mut self) {
-        let all = self.live();
-        for &r in &all {
-            for &p in all.iter().filter(|p| **p != r) {
-                assert_eq!(
-                    self.one(r, &format!("check {p} {p}")),
-                    "ok",
-                    "rank {r} reads rank {p}"
-                );
-            }
-        }
-    }
-
-    fn signal(&self, r: usize, sig: libc::c_int) {
-        // SAFETY: a child of this test, not yet reaped.
-        assert_eq!(unsafe { libc::kill(self.pid(r) as libc::pid_t, sig) }, 0);
-    }
-
-    /// SIGKILLs rank `r` and reaps it.
-    fn kill(&mut self, r: usize) {
-        let _ = self.ranks[r].child.kill();
-        let _ = self.ranks[r].child.wait();
-        self.ranks[r].gone = true;
-    }
-
-    /// SIGKILLs rank `r` and leaves it a zombie (not reaped until the job is dropped).
-    fn kill_to_zombie(&mut self, r: usize) {
-        self.signal(r, libc::SIGKILL);
-        let stat = format!("/proc/{}/stat", self.pid(r));
-        let t = Instant::now();
-        while !std::fs::read_to_string(&stat).unwrap().contains(") Z ") {
-            assert!(
-                t.elapsed() < Duration::from_secs(5),
-                "rank {r} did not become a zombie"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        self.ranks[r].gone = true;
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        for r in &mut self.ranks {
-            // SAFETY: our child (a stopped one must be continued to die of SIGKILL promptly).
-            unsafe { libc::kill(r.child.id() as libc::pid_t, libc::SIGCONT) };
-            let _ = r.child.kill();
-            let _ = r.child.wait();
-        }
-        for d in &self.dirs {
-            let _ = std::fs::remove_dir_all(d);
-        }
-    }
+/// `world` ranks of `group` on the fake machine and runtime directory of `dirs`, under
+/// [`TIMEOUT_MS`].
+fn start(dirs: &Dirs, world: usize, group: u32) -> Job {
+    Job::start(world, group, &dirs.fake, &dirs.rt, TIMEOUT_MS)
 }
 
 /// Asserts that `a` is a Peer error (MEMSAVER_ERR_PEER = 11) containing every one of `parts`.
@@ -201,10 +35,6 @@ fn assert_peer_error(a: &str, parts: &[&str]) {
     }
 }
 
-fn no_env(_: usize) -> Vec<(&'static str, String)> {
-    Vec::new()
-}
-
 /// Three ranks paused; rank 2 dies; ranks 0 and 1 resume. Each maps the
 /// live peer's buffer (before: nothing was mapped when any owner failed) and fails naming the
 /// dead owner with what it imported of it. Their next pause together completes at once
@@ -213,12 +43,13 @@ fn no_env(_: usize) -> Vec<(&'static str, String)> {
 /// resume succeeds.
 #[test]
 fn a_dead_owner_leaves_only_its_imports_paused() {
-    let mut job = Job::start(3, 21, no_env);
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 3, 21);
     job.setup(4);
     job.ok(&[0, 1, 2], "pause");
     assert_eq!(job.used(), 0);
     let dead = job.pid(2).to_string();
-    job.kill(2);
+    job.kill(2, true);
     let answers = job.on(&[0, 1], "resume");
     for a in &answers {
         assert_peer_error(a, &[&dead]);
@@ -267,9 +98,10 @@ fn a_dead_owner_leaves_only_its_imports_paused() {
 /// (alone) does not wait for rank 0.
 #[test]
 fn an_import_that_cannot_be_mapped_is_not_held() {
-    let mut job = Job::start(3, 22, |r| {
+    let dirs = Dirs::new();
+    let mut job = Job::start_per_rank(3, 22, &dirs.fake, &dirs.rt, TIMEOUT_MS, |r| {
         if r == 0 {
-            vec![("FAKE_CUDA_FAIL_MAP_AT", "5".to_string())]
+            vec![("FAKE_CUDA_FAIL_MAP_AT", "5")]
         } else {
             Vec::new()
         }
@@ -277,7 +109,7 @@ fn an_import_that_cannot_be_mapped_is_not_held() {
     job.setup(4);
     job.ok(&[0, 1, 2], "pause");
     let dead = job.pid(2).to_string();
-    job.kill(2);
+    job.kill(2, true);
     let answers = job.on(&[0, 1], "resume");
     // Rank 1 pauses alone: rank 0 holds nothing of it.
     let (a, took) = job.timed(1, "pause");
@@ -304,7 +136,8 @@ fn an_import_that_cannot_be_mapped_is_not_held() {
 /// continued, the job pauses and resumes as usual.
 #[test]
 fn a_stopped_peer_bounds_the_pause_by_the_timeout() {
-    let mut job = Job::start(2, 23, no_env);
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 23);
     job.setup(4);
     job.signal(1, libc::SIGSTOP);
     let (a, took) = job.timed(0, "pause");
@@ -333,7 +166,8 @@ fn a_stopped_peer_bounds_the_pause_by_the_timeout() {
 /// registration left by the abandoned request).
 #[test]
 fn a_stopped_owner_bounds_the_resume_by_the_timeout() {
-    let mut job = Job::start(2, 24, no_env);
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 24);
     job.setup(4);
     job.ok(&[0, 1], "pause");
     job.signal(1, libc::SIGSTOP);
@@ -368,7 +202,8 @@ fn a_stopped_owner_bounds_the_resume_by_the_timeout() {
 /// A peer that runs but does not pause is named with what it holds.
 #[test]
 fn a_peer_that_does_not_pause_is_named_with_what_it_holds() {
-    let mut job = Job::start(2, 25, no_env);
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 25);
     job.setup(4);
     let (a, took) = job.timed(0, "pause");
     println!("pause with a peer that does not pause: {took:?}");
@@ -389,9 +224,10 @@ fn a_peer_that_does_not_pause_is_named_with_what_it_holds() {
 /// An importer that died has let go.
 #[test]
 fn a_dead_importer_counts_as_released() {
-    let mut job = Job::start(2, 26, no_env);
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 26);
     job.setup(4);
-    job.kill(1);
+    job.kill(1, true);
     let (a, took) = job.timed(0, "pause");
     assert_eq!(a, "ok");
     assert!(took < Duration::from_millis(TIMEOUT_MS as u64), "{took:?}");
@@ -402,7 +238,8 @@ fn a_dead_importer_counts_as_released() {
 /// its files and dropped its mappings.
 #[test]
 fn a_zombie_importer_counts_as_released() {
-    let mut job = Job::start(2, 27, no_env);
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 27);
     job.setup(4);
     job.kill_to_zombie(1);
     let (a, took) = job.timed(0, "pause");

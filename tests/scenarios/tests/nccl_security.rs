@@ -297,15 +297,7 @@ fn a_zombie_peer_is_dead() {
     let (fake, rt) = (&dirs.fake, &dirs.rt);
     let mut job = Job::start(2, 25, fake, rt, 1000);
     job.setup(4);
-    let pid = job.pid(1);
-    job.kill(1, false);
-    let zombie = || {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|s| s[s.rfind(')').unwrap() + 2..].starts_with('Z'))
-    };
-    while !zombie() {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    job.kill_to_zombie(1);
     assert_eq!(job.on(&[0], "pause"), ["ok"]);
     assert_eq!(job.used(), 0);
     job.kill(1, true);

@@ -1,11 +1,14 @@
 //! The harness of the multi-process `nccl` scenarios: jobs of `nccl-rank` processes on the fake
-//! driver, driven one command line at a time.
+//! driver, driven one command line at a time, with per-rank environments, signals and killed
+//! ranks (which later commands to "all" ranks leave out).
 
 #![allow(dead_code)] // each test file uses part of it
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use memsaver_scenarios::{cuda_lib, fake_nccl, preload_lib, tempdir};
 
@@ -39,6 +42,8 @@ pub struct RankProc {
     pub child: Option<Child>,
     stdin: Box<dyn Write + Send>,
     stdout: BufReader<Box<dyn Read + Send>>,
+    /// Killed (reaped or not): no more commands.
+    gone: bool,
 }
 
 /// A job of `world` ranks in one group, sharing the fake devices of `fake_dir`.
@@ -50,32 +55,34 @@ pub struct Job {
     launcher: Option<Child>,
 }
 
-#[allow(clippy::too_many_arguments)] // one per thing a rank is told
-fn rank_command(
-    rendezvous: &Path,
-    r: usize,
+/// A new rendezvous directory and the command line of each of the job's `world` ranks.
+fn rank_commands(
     world: usize,
     group: u32,
     fake_dir: &Path,
     runtime_dir: &Path,
     timeout_ms: u32,
-    env: &[(&str, &str)],
-) -> Command {
+) -> (PathBuf, Vec<Command>) {
+    let rendezvous = tempdir("rdv");
     let (preload, cuda) = (preload_lib(), cuda_lib());
-    let mut c = Command::new(env!("CARGO_BIN_EXE_nccl-rank"));
-    c.arg(fake_nccl())
-        .arg(&cuda)
-        .arg(rendezvous)
-        .arg(r.to_string())
-        .arg(world.to_string())
-        .env("LD_PRELOAD", &preload)
-        .env("MEMSAVER_CUDA_LIB", &cuda)
-        .env("FAKE_CUDA_DIR", fake_dir)
-        .env("MEMSAVER_RUNTIME_DIR", runtime_dir)
-        .env("MEMSAVER_GROUP", group.to_string())
-        .env("MEMSAVER_NCCL_TIMEOUT_MS", timeout_ms.to_string())
-        .envs(env.iter().copied());
-    c
+    let commands = (0..world)
+        .map(|r| {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_nccl-rank"));
+            c.arg(fake_nccl())
+                .arg(&cuda)
+                .arg(&rendezvous)
+                .arg(r.to_string())
+                .arg(world.to_string())
+                .env("LD_PRELOAD", &preload)
+                .env("MEMSAVER_CUDA_LIB", &cuda)
+                .env("FAKE_CUDA_DIR", fake_dir)
+                .env("MEMSAVER_RUNTIME_DIR", runtime_dir)
+                .env("MEMSAVER_GROUP", group.to_string())
+                .env("MEMSAVER_NCCL_TIMEOUT_MS", timeout_ms.to_string());
+            c
+        })
+        .collect();
+    (rendezvous, commands)
 }
 
 /// Whether this kernel lets this user make a user and pid namespace (`None`), else why not.
@@ -117,29 +124,43 @@ impl Job {
         timeout_ms: u32,
         env: &[(&str, &str)],
     ) -> Job {
-        let rendezvous = tempdir("rdv");
-        let ranks = (0..world)
-            .map(|r| {
-                let mut child = rank_command(
-                    &rendezvous,
-                    r,
-                    world,
-                    group,
-                    fake_dir,
-                    runtime_dir,
-                    timeout_ms,
-                    env,
-                )
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap();
+        Self::start_per_rank(world, group, fake_dir, runtime_dir, timeout_ms, |_| {
+            env.iter().copied()
+        })
+    }
+
+    /// As [`Job::start`], with extra environment variables `env(rank)` for each rank.
+    pub fn start_per_rank<I, K, V>(
+        world: usize,
+        group: u32,
+        fake_dir: &Path,
+        runtime_dir: &Path,
+        timeout_ms: u32,
+        env: impl Fn(usize) -> I,
+    ) -> Job
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<OsStr>,
+        V: AsRef<OsStr>,
+    {
+        let (rendezvous, commands) = rank_commands(world, group, fake_dir, runtime_dir, timeout_ms);
+        let ranks = commands
+            .into_iter()
+            .enumerate()
+            .map(|(r, mut c)| {
+                let mut child = c
+                    .envs(env(r))
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .unwrap();
                 let stdin = Box::new(child.stdin.take().unwrap());
                 let stdout = BufReader::new(Box::new(child.stdout.take().unwrap()) as Box<_>);
                 RankProc {
                     child: Some(child),
                     stdin,
                     stdout,
+                    gone: false,
                 }
             })
             .collect();
@@ -161,19 +182,9 @@ impl Job {
         runtime_dir: &Path,
         timeout_ms: u32,
     ) -> Job {
-        let rendezvous = tempdir("rdv");
+        let (rendezvous, commands) = rank_commands(world, group, fake_dir, runtime_dir, timeout_ms);
         let mut script = String::new();
-        for r in 0..world {
-            let c = rank_command(
-                &rendezvous,
-                r,
-                world,
-                group,
-                fake_dir,
-                runtime_dir,
-                timeout_ms,
-                &[],
-            );
+        for (r, c) in commands.iter().enumerate() {
             for p in [format!("in{r}"), format!("out{r}")] {
                 let path = rendezvous.join(p);
                 let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
@@ -192,21 +203,11 @@ impl Job {
             );
         }
         script += "wait";
-        let probe = rank_command(
-            &rendezvous,
-            0,
-            world,
-            group,
-            fake_dir,
-            runtime_dir,
-            timeout_ms,
-            &[],
-        );
         let launcher = Command::new("unshare")
             .args(["--user", "--map-root-user", "--pid", "--fork", "sh", "-c"])
             .arg(script)
             .envs(
-                probe
+                commands[0]
                     .get_envs()
                     .filter_map(|(k, v)| Some((k.to_owned(), v?.to_owned()))),
             )
@@ -225,6 +226,7 @@ impl Job {
                     child: None,
                     stdin: Box::new(stdin),
                     stdout: BufReader::new(Box::new(stdout) as Box<_>),
+                    gone: false,
                 }
             })
             .collect();
@@ -244,7 +246,21 @@ impl Job {
             .id()
     }
 
-    /// Kills rank `r`; reaps it when `reap`, else leaves it a zombie.
+    /// The ranks not killed, in order.
+    pub fn live(&self) -> Vec<usize> {
+        (0..self.ranks.len())
+            .filter(|r| !self.ranks[*r].gone)
+            .collect()
+    }
+
+    /// Sends signal `sig` to rank `r`.
+    pub fn signal(&self, r: usize, sig: libc::c_int) {
+        // SAFETY: a child of this test, not yet reaped.
+        assert_eq!(unsafe { libc::kill(self.pid(r) as libc::pid_t, sig) }, 0);
+    }
+
+    /// SIGKILLs rank `r`; reaps it when `reap`, else leaves it a zombie (reaped when the job is
+    /// dropped). It gets no more commands.
     pub fn kill(&mut self, r: usize, reap: bool) {
         let c = self.ranks[r]
             .child
@@ -253,6 +269,25 @@ impl Job {
         let _ = c.kill();
         if reap {
             let _ = c.wait();
+        }
+        self.ranks[r].gone = true;
+    }
+
+    /// As [`Job::kill`] without reaping, and waits until the kernel shows rank `r` a zombie.
+    pub fn kill_to_zombie(&mut self, r: usize) {
+        let stat = format!("/proc/{}/stat", self.pid(r));
+        self.kill(r, false);
+        let zombie = || {
+            std::fs::read_to_string(&stat)
+                .is_ok_and(|s| s[s.rfind(')').unwrap() + 2..].starts_with('Z'))
+        };
+        let t = Instant::now();
+        while !zombie() {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "rank {r} did not become a zombie"
+            );
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
@@ -273,26 +308,45 @@ impl Job {
             .collect()
     }
 
-    pub fn all(&mut self, cmd: &str) -> Vec<String> {
-        let all: Vec<usize> = (0..self.ranks.len()).collect();
-        self.on(&all, cmd)
+    /// Sends `cmd` to rank `r` and returns its answer.
+    pub fn one(&mut self, r: usize, cmd: &str) -> String {
+        self.on(&[r], cmd).remove(0)
     }
 
-    pub fn all_ok(&mut self, cmd: &str) {
-        for (r, a) in self.all(cmd).iter().enumerate() {
+    /// `cmd` on rank `r`, and how long it took.
+    pub fn timed(&mut self, r: usize, cmd: &str) -> (String, Duration) {
+        let t = Instant::now();
+        let a = self.one(r, cmd);
+        (a, t.elapsed())
+    }
+
+    /// Sends `cmd` to the given ranks at once; each must answer `ok`.
+    pub fn ok(&mut self, which: &[usize], cmd: &str) {
+        for (r, a) in which.iter().zip(self.on(which, cmd)) {
             assert_eq!(a, "ok", "rank {r}: {cmd}");
         }
     }
 
+    /// Sends `cmd` to every live rank at once, then reads their answers.
+    pub fn all(&mut self, cmd: &str) -> Vec<String> {
+        self.on(&self.live(), cmd)
+    }
+
+    pub fn all_ok(&mut self, cmd: &str) {
+        self.ok(&self.live(), cmd);
+    }
+
+    /// Device memory in use on the fake machine, asked of a live rank.
     pub fn used(&mut self) -> u64 {
-        self.on(&[0], "used")[0]
+        let r = self.live()[0];
+        self.one(r, "used")
             .strip_prefix("ok ")
             .unwrap()
             .parse()
             .unwrap()
     }
 
-    /// Allocates `mib` per rank, exchanges, writes seed = rank, checks every import.
+    /// Allocates `mib` per live rank, exchanges, writes seed = rank, checks every import.
     pub fn setup(&mut self, mib: u64) {
         self.setup_seeded(mib, 0);
     }
@@ -305,9 +359,10 @@ impl Job {
         self.check_all_seeded(base);
     }
 
+    /// Every live rank writes seed `base` + rank to its buffer.
     pub fn write_all(&mut self, base: u64) {
-        for r in 0..self.ranks.len() {
-            assert_eq!(self.on(&[r], &format!("write {}", base + r as u64)), ["ok"]);
+        for r in self.live() {
+            self.ok(&[r], &format!("write {}", base + r as u64));
         }
     }
 
@@ -315,14 +370,14 @@ impl Job {
         self.check_all_seeded(0);
     }
 
-    /// Every rank reads every peer's buffer through its import: seed `base` + peer.
+    /// Every live rank reads every live peer's buffer through its import: seed `base` + peer.
     pub fn check_all_seeded(&mut self, base: u64) {
-        let n = self.ranks.len();
-        for r in 0..n {
-            for peer in (0..n).filter(|p| *p != r) {
+        let live = self.live();
+        for &r in &live {
+            for &peer in live.iter().filter(|p| **p != r) {
                 assert_eq!(
-                    self.on(&[r], &format!("check {peer} {}", base + peer as u64)),
-                    ["ok"],
+                    self.one(r, &format!("check {peer} {}", base + peer as u64)),
+                    "ok",
                     "rank {r} reads rank {peer}"
                 );
             }
@@ -336,6 +391,11 @@ impl Drop for Job {
             let _ = writeln!(r.stdin, "exit");
             let _ = r.stdin.flush();
             if let Some(c) = r.child.as_mut() {
+                if let Ok(None) = c.try_wait() {
+                    // SAFETY: our child, not reaped (a stopped one must be continued to die of
+                    // SIGKILL promptly).
+                    unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGCONT) };
+                }
                 let _ = c.kill();
                 let _ = c.wait();
             }
