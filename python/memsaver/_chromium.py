@@ -86,18 +86,21 @@ def screenshot(page: str, png: str, width: int = 1400, timeout: float = 120.0) -
         target = pipe.call("Target.createTarget", url="about:blank")["targetId"]
         session = pipe.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         pipe.call("Page.enable", session)
-        w, h = width, 100  # the content size is at least the viewport: start small
-        pipe.call("Emulation.setDeviceMetricsOverride", session, width=w, height=h, deviceScaleFactor=1, mobile=False)
+        # The content size is at least the viewport: measure with a short one, widen to the
+        # page's width (a wide table), measure again there (text wraps less), then size to it.
+        w, h = width, 100
+        metrics = {"deviceScaleFactor": 1, "mobile": False}
+        pipe.call("Emulation.setDeviceMetricsOverride", session, width=w, height=h, **metrics)
         pipe.call("Page.navigate", session, url="file://" + os.path.abspath(page))
         pipe.wait_event("Page.loadEventFired")
-        for _ in range(3):  # a wider viewport can make the page shorter: measure until it holds
+        for _ in range(3):
             size = pipe.call("Page.getLayoutMetrics", session)["cssContentSize"]
-            need_w, need_h = max(width, math.ceil(size["width"])), math.ceil(size["height"])
-            if (need_w, need_h) == (w, h):
+            need_w, h = max(width, math.ceil(size["width"])), math.ceil(size["height"])
+            if need_w == w:
                 break
-            w, h = need_w, need_h
-            pipe.call("Emulation.setDeviceMetricsOverride", session, width=w, height=h, deviceScaleFactor=1,
-                      mobile=False)
+            w = need_w
+            pipe.call("Emulation.setDeviceMetricsOverride", session, width=w, height=100, **metrics)
+        pipe.call("Emulation.setDeviceMetricsOverride", session, width=w, height=h, **metrics)
         data = pipe.call("Page.captureScreenshot", session, format="png")["data"]
         with open(png, "wb") as f:
             f.write(base64.b64decode(data))
