@@ -68,12 +68,15 @@ def _parser() -> argparse.ArgumentParser:
 
     tl = sub.add_parser(
         "timeline",
-        help="render recorded events into a self-contained HTML page",
-        description="Chart events recorded with MEMSAVER_TIMELINE=PATH or memsaver.timeline.enable().",
+        help="render recorded events into a self-contained HTML page, or export a Chrome trace",
+        description="Chart events recorded with MEMSAVER_TIMELINE=PATH or memsaver.timeline.enable() "
+        "(all processes on one time axis), and/or export them in the Chrome trace event format "
+        "(Perfetto: ui.perfetto.dev -> Open trace file; chrome://tracing).",
     )
     tl.add_argument("events", nargs="+", metavar="EVENTS.json")
-    tl.add_argument("-o", "--output", required=True, metavar="OUT.html")
-    tl.add_argument("--png", metavar="OUT.png", help="also a screenshot, with headless Chromium")
+    tl.add_argument("-o", "--output", metavar="OUT.html", help="the HTML page")
+    tl.add_argument("--png", metavar="OUT.png", help="also a full-page screenshot of OUT.html, with headless Chromium")
+    tl.add_argument("--trace", metavar="OUT.json", help="the events in the Chrome trace event format")
     tl.add_argument("--title", default="memsaver timeline")
 
     env = sub.add_parser(
@@ -120,16 +123,27 @@ def _core(args: list[str]) -> int:
     return int(_memsaver.cli_main(args))
 
 
-def _timeline(events: list[str], out: str, png: str | None, title: str) -> int:
+def _timeline(events: list[str], out: str | None, png: str | None, trace: str | None, title: str) -> int:
     from memsaver import timeline
 
+    if out is None and trace is None:
+        print("memsaver timeline: give -o OUT.html, --trace OUT.json or both", file=sys.stderr)
+        return 2
+    if png and out is None:
+        print("memsaver timeline: --png screenshots the page: give -o OUT.html too", file=sys.stderr)
+        return 2
     try:
-        timeline.write_html(events, out, title)
-    except (OSError, ValueError, KeyError) as e:
+        if trace:
+            timeline.write_trace(events, trace)
+        if out:
+            timeline.write_html(events, out, title)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"memsaver: cannot render {', '.join(events)}: {e}", file=sys.stderr)
         return 1
-    print(out)
-    if png:
+    for written in (trace, out):
+        if written:
+            print(written)
+    if png and out:
         try:
             timeline.screenshot(out, png)
         except (OSError, RuntimeError) as e:
@@ -260,7 +274,7 @@ def _main(argv: list[str] | None) -> int:
             return _core(["demo", "--device", str(args.device)] + (["--fake"] if args.fake else []))
         return _demo(args.profile, args.output)
     if args.command == "timeline":
-        return _timeline(args.events, args.output, args.png, args.title)
+        return _timeline(args.events, args.output, args.png, args.trace, args.title)
     if args.command == "check":
         return _check(args.files)
     if args.command == "run":

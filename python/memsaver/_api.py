@@ -9,7 +9,6 @@ import contextlib
 import json
 import operator
 import os
-import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -137,9 +136,8 @@ def pause(*tags: str) -> None:
     if torch is not None:
         # Kernels queued on torch's streams may still use the memory.
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    _memsaver.pause(names)
-    timeline.record("pause", "pause " + (", ".join(names) or "all"), time.perf_counter() - t0)
+    with timeline.span("pause", "pause " + (", ".join(names) or "all"), names):
+        _memsaver.pause(names)
 
 
 def resume(*tags: str) -> None:
@@ -149,9 +147,8 @@ def resume(*tags: str) -> None:
     and call resume again."""
     names = _tag_names("resume", tags)
     _core.ensure_loaded()
-    t0 = time.perf_counter()
-    _memsaver.resume(names)
-    timeline.record("resume", "resume " + (", ".join(names) or "all"), time.perf_counter() - t0)
+    with timeline.span("resume", "resume " + (", ".join(names) or "all"), names):
+        _memsaver.resume(names)
 
 
 def register_tag(tag: str) -> None:

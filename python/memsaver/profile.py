@@ -194,10 +194,9 @@ class Profile:
             before = after  # the previous step's "after": nothing runs in between
             t0 = time.perf_counter()
             try:
-                with timeline.stage_context(stage):
+                # A span: an NVTX/record_function range, and an event unless pause/resume records it.
+                with timeline.stage_context(stage), timeline.span("step", what, record=s["op"] not in _RECORDS_ITSELF):
                     execute(s, callbacks, skip_calls)
-                    if s["op"] not in _RECORDS_ITSELF:
-                        timeline.record("step", what, time.perf_counter() - t0)
             except Exception as e:
                 raise ProfileStepError(
                     f"stage '{stage}' step {i} ({what}, {self.source} line {s['line']}) failed: {e}"

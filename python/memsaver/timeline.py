@@ -1,16 +1,39 @@
-"""A measured memory timeline: pause/resume calls and profile steps recorded as events (time,
-tags, resident bytes per tag, device free memory), and a self-contained HTML page charting
-resident memory per tag across the steps of every process.
+"""A measured memory timeline: pause/resume calls and profile steps recorded as events (start,
+duration, tags, resident bytes per tag before and after, device free and total memory), a
+self-contained HTML page that charts them on a time axis, and an export to the Chrome trace
+event format (Perfetto, chrome://tracing).
 
 Recording is off by default. Turn it on with :func:`enable` or ``MEMSAVER_TIMELINE=PATH`` (the
 events are written to PATH, with ``{pid}`` replaced by the process id, at exit and on
-:func:`save`). Render with ``python -m memsaver timeline events.json [more.json] -o out.html``.
+:func:`save`). Render with ``memsaver timeline events.json [more.json] -o out.html``, export with
+``--trace out.json``.
+
+Every pause, resume and profile step is also an NVTX range (Nsight Systems) and a
+``torch.profiler.record_function`` range (torch.profiler traces) when the application has
+imported torch and CUDA is available, whether recording is on or not. memsaver never imports
+torch itself.
+
+Event fields (``version`` 2 of the file; version 1 files lack the ``*_before`` fields, ``start``,
+``tid``, ``tags`` and ``device_total``, and are still read):
+
+``time``/``start``
+    wall-clock seconds (``time.time()``) at the end and at the start of the span. Both come
+    from one monotonic clock anchored to the wall clock once per process, so spans of a process
+    never overlap wrongly; processes on one host share the wall clock.
+``seconds``
+    the duration; ``kind``: ``pause``, ``resume`` or ``step``; ``label``; ``stage``;
+    ``tags``: the tags a pause or resume names (every tag: empty list).
+``resident_before``/``resident``
+    resident bytes per tag of this process at the start and at the end.
+``device``, ``device_free_before``/``device_free``, ``device_total``
+    the device and its free and total memory (all processes) at the start and at the end.
+``error``
+    present when the span raised: the exception's type and message.
 """
 
 from __future__ import annotations
 
 import atexit
-import html
 import json
 import os
 import threading
@@ -18,13 +41,31 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ._chromium import browser, screenshot
+from ._timeline_model import PALETTE, WELL_KNOWN, colour
+from ._timeline_page import render_html
+from ._timeline_trace import to_chrome_trace
+
+__all__ = [
+    "PALETTE", "WELL_KNOWN", "browser", "colour", "enable", "enabled", "events", "load", "record",
+    "render_html", "save", "screenshot", "span", "stage_context", "to_chrome_trace", "write_html",
+    "write_trace",
+]
+
+VERSION = 2
+
 _lock = threading.Lock()  # guards _events and _path
 _context = threading.local()  # .stage: the profile stage running on this thread, if any
 _events: list[dict[str, Any]] | None = None
 _path: str | None = None
+# The wall clock at one instant of the monotonic clock: every timestamp is
+# _WALL0 + (perf_counter() - _PERF0), so a span's start and end never cross (NTP steps of the
+# wall clock do not reach them).
+_WALL0, _PERF0 = time.time(), time.perf_counter()
 
-# Colours of the series, one per tag in order of appearance (then cycled).
-PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+
+def _wall(perf: float) -> float:
+    return _WALL0 + (perf - _PERF0)
 
 
 def enable(path: str | None = None) -> None:
@@ -69,34 +110,137 @@ class stage_context:
         _context.stage = self.outer
 
 
-def record(kind: str, label: str, seconds: float | None = None) -> None:
-    """Appends an event with the current resident bytes per tag (no-op when not recording)."""
-    if _events is None:
-        return
-    stage = getattr(_context, "stage", None)
+def _snapshot() -> tuple[dict[str, int], int, int | None, int | None]:
+    """Resident bytes per tag of this process, and the device with its free and total memory."""
     from . import _torch, device_memory, stats
 
-    s = stats()
+    resident = {name: t.resident_bytes for name, t in stats().tags.items()}
     torch = _torch.cuda_initialized()
     device = torch.cuda.current_device() if torch is not None else 0
     try:
-        free = device_memory(device)[0]
+        free, total = device_memory(device)
     except Exception:  # a process without that device: keep the event without it
-        free = None
-    ev = {
-        "time": time.time(),
-        "pid": os.getpid(),
-        "kind": kind,
-        "label": label,
-        "stage": stage,
-        "seconds": seconds,
-        "resident": {name: t.resident_bytes for name, t in s.tags.items()},
-        "device": device,
-        "device_free": free,
-    }
+        return resident, device, None, None
+    return resident, device, free, total
+
+
+def _append(ev: dict[str, Any]) -> None:
     with _lock:
         if _events is not None:
             _events.append(ev)
+
+
+def record(kind: str, label: str, seconds: float | None = None) -> None:
+    """Appends an event that ends now, with the current resident bytes per tag (no-op when not
+    recording). :func:`span` records the state before the event as well; prefer it."""
+    if _events is None:
+        return
+    end = time.perf_counter()
+    resident, device, free, total = _snapshot()
+    _append({
+        "time": _wall(end),
+        "start": None if seconds is None else _wall(end - seconds),
+        "pid": os.getpid(),
+        "tid": threading.get_native_id(),
+        "kind": kind,
+        "label": label,
+        "stage": getattr(_context, "stage", None),
+        "seconds": seconds,
+        "resident": resident,
+        "device": device,
+        "device_free": free,
+        "device_total": total,
+    })
+
+
+def _torch_ranges() -> Any:
+    """torch, when the application imported it and CUDA is available (never imported here)."""
+    from . import _torch
+
+    return _torch.torch_module()
+
+
+class span:
+    """A pause, resume or profile step: an NVTX range and a ``torch.profiler.record_function``
+    range around the block when torch is in use, and (when recording, and ``record`` is true)
+    a timeline event with the state before and after the block. The event is recorded also
+    when the block raises, with ``error``; the ranges are closed whatever happens."""
+
+    def __init__(self, kind: str, label: str, tags: list[str] | None = None, record: bool = True) -> None:
+        self.kind, self.label, self.tags, self.record = kind, label, tags, record
+        self._nvtx: Any = None
+        self._function: Any = None
+        self._before: tuple[dict[str, int], int, int | None, int | None] | None = None
+        self._stage: str | None = None
+        self._t0 = 0.0
+
+    def _range_name(self) -> str:
+        return "memsaver " + (f"{self._stage}: " if self._stage else "") + self.label
+
+    def __enter__(self) -> span:
+        self._stage = getattr(_context, "stage", None)
+        torch = _torch_ranges()
+        if torch is not None:
+            name = self._range_name()
+            try:
+                torch.cuda.nvtx.range_push(name)
+                self._nvtx = torch.cuda.nvtx
+            except Exception:  # a torch without NVTX: the range is only a convenience
+                self._nvtx = None
+            try:
+                function = torch.profiler.record_function(name)
+                function.__enter__()
+                self._function = function
+            except Exception:
+                self._function = None
+        if self.record and _events is not None:
+            self._before = _snapshot()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        end = time.perf_counter()
+        try:
+            if self._before is not None:
+                self._record(end, exc)
+        finally:
+            try:
+                if self._function is not None:
+                    self._function.__exit__(exc_type, exc, tb)
+            finally:
+                if self._nvtx is not None:
+                    self._nvtx.range_pop()
+
+    def _record(self, end: float, exc: BaseException | None) -> None:
+        assert self._before is not None
+        before, device, free_before, total = self._before
+        try:
+            resident, device, free, total_after = _snapshot()
+        except Exception:  # the failure also broke stats(): keep what is known
+            if exc is None:
+                raise
+            resident, free, total_after = before, None, total
+        ev: dict[str, Any] = {
+            "time": _wall(end),
+            "start": _wall(self._t0),
+            "pid": os.getpid(),
+            "tid": threading.get_native_id(),
+            "kind": self.kind,
+            "label": self.label,
+            "stage": self._stage,
+            "seconds": end - self._t0,
+            "resident_before": before,
+            "resident": resident,
+            "device": device,
+            "device_free_before": free_before,
+            "device_free": free,
+            "device_total": total_after if total_after is not None else total,
+        }
+        if self.tags is not None:
+            ev["tags"] = list(self.tags)
+        if exc is not None:
+            ev["error"] = f"{type(exc).__name__}: {exc}"
+        _append(ev)
 
 
 def save(path: str | None = None) -> str:
@@ -105,7 +249,7 @@ def save(path: str | None = None) -> str:
     if not target:
         raise ValueError("no path: pass one, or enable(path) / MEMSAVER_TIMELINE=PATH")
     with open(target, "w", encoding="utf-8") as f:
-        json.dump({"version": 1, "events": events()}, f)
+        json.dump({"version": VERSION, "events": events()}, f)
     return target
 
 
@@ -118,97 +262,20 @@ def _save_at_exit() -> None:
 
 
 def load(paths: Iterable[str]) -> list[dict[str, Any]]:
-    """Events of several files (processes), in time order."""
+    """Events of several files (processes), in time order. Raises ``ValueError`` naming the
+    file when one holds no events."""
     out: list[dict[str, Any]] = []
     for p in paths:
         with open(p, encoding="utf-8") as f:
             data = json.load(f)
-        out.extend(data["events"] if isinstance(data, Mapping) else data)
+        evts = data.get("events") if isinstance(data, Mapping) else data
+        if not isinstance(evts, list):
+            raise ValueError(f"{p}: not a memsaver timeline (no 'events' list)")
+        for e in evts:
+            if not isinstance(e, Mapping) or not {"time", "pid", "label", "resident"} <= e.keys():
+                raise ValueError(f"{p}: an event lacks time, pid, label or resident: {e!r:.200}")
+        out.extend(evts)
     return sorted(out, key=lambda e: e["time"])
-
-
-def _mib(n: float) -> str:
-    return f"{n / (1 << 20):,.0f} MiB" if n < (1 << 30) else f"{n / (1 << 30):.2f} GiB"
-
-
-def _row(e: Mapping[str, Any]) -> str:
-    ms = "" if e.get("seconds") is None else f"{e['seconds'] * 1e3:.2f}"
-    free = "" if e.get("device_free") is None else _mib(e["device_free"])
-    cells = [
-        str(e["pid"]), str(e.get("device", "")), str(e.get("stage") or ""), e["label"], ms, free
-    ]
-    return "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
-
-
-def render_html(evts: list[dict[str, Any]], title: str = "memsaver timeline") -> str:
-    """A self-contained page (inline SVG, no script) with one stacked-bar chart per process:
-    one bar per event, one colour per tag, height = resident bytes."""
-    tags: list[str] = []
-    for e in evts:
-        for t, b in e["resident"].items():
-            if t not in tags and b > 0:
-                tags.append(t)
-    colour = {t: PALETTE[i % len(PALETTE)] for i, t in enumerate(tags)}
-    by_pid: dict[int, list[dict[str, Any]]] = {}
-    for e in evts:
-        by_pid.setdefault(e["pid"], []).append(e)
-    peak = max((sum(e["resident"].get(t, 0) for t in tags) for e in evts), default=0) or 1
-    charts = []
-    for pid, pe in by_pid.items():
-        bar, gap, height, left = 44, 14, 260, 70
-        width = left + len(pe) * (bar + gap) + 160  # room for the last rotated label
-        parts = [
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 120}" '
-            f'role="img" aria-label="resident memory of process {pid}">',
-            f'<line x1="{left}" y1="{height}" x2="{width - 10}" y2="{height}" stroke="#333"/>',
-            f'<text x="4" y="14" font-size="11">{html.escape(_mib(peak))}</text>',
-            f'<text x="4" y="{height}" font-size="11">0</text>',
-        ]
-        for i, e in enumerate(pe):
-            x, y = left + i * (bar + gap), height
-            for t in tags:
-                b = e["resident"].get(t, 0)
-                if b <= 0:
-                    continue
-                h = max(1.0, b / peak * (height - 20))
-                y -= h
-                parts.append(
-                    f'<rect class="series" data-tag="{html.escape(t)}" x="{x}" y="{y:.1f}" '
-                    f'width="{bar}" height="{h:.1f}" fill="{colour[t]}">'
-                    f"<title>{html.escape(t)}: {html.escape(_mib(b))}</title></rect>"
-                )
-            label = html.escape(e["label"] if not e.get("stage") else f"{e['stage']}: {e['label']}")
-            parts.append(
-                f'<text x="{x + bar / 2}" y="{height + 12}" font-size="10" '
-                f'transform="rotate(40 {x + bar / 2} {height + 12})">{label}</text>'
-            )
-        parts.append("</svg>")
-        charts.append(f"<h2>process {pid}</h2>\n" + "\n".join(parts))
-    legend = "".join(
-        f'<span class="key"><span class="swatch" style="background:{colour[t]}"></span>'
-        f"{html.escape(t)}</span>"
-        for t in tags
-    )
-    rows = "".join(_row(e) for e in evts)
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>
-body {{ font-family: sans-serif; margin: 24px; color: #222; }}
-.key {{ margin-right: 18px; font-size: 14px; }}
-.swatch {{ display: inline-block; width: 14px; height: 14px; margin-right: 6px;
-  vertical-align: middle; }}
-table {{ border-collapse: collapse; font-size: 12px; margin-top: 24px; }}
-td, th {{ border: 1px solid #ccc; padding: 2px 8px; }}
-</style></head>
-<body>
-<h1>{html.escape(title)}</h1>
-<p>Resident device memory per tag after each pause, resume and profile step (stacked bars).</p>
-<div id="legend">{legend}</div>
-{"".join(charts)}
-<table><tr><th>pid</th><th>device</th><th>stage</th><th>event</th><th>ms</th>
-<th>device free</th></tr>{rows}</table>
-</body></html>
-"""
 
 
 def write_html(paths: Iterable[str], out: str, title: str = "memsaver timeline") -> str:
@@ -219,30 +286,10 @@ def write_html(paths: Iterable[str], out: str, title: str = "memsaver timeline")
     return out
 
 
-def browser() -> str | None:
-    """A headless-capable Chromium on this machine, if any."""
-    import shutil
+def write_trace(paths: Iterable[str], out: str) -> str:
+    """Exports the events of ``paths`` to ``out`` in the Chrome trace event format (JSON)."""
+    trace = to_chrome_trace(load(paths))
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(trace, f, allow_nan=False)
+    return out
 
-    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def screenshot(page: str, png: str, width: int = 1400, height: int = 1000) -> str:
-    """Renders ``page`` with headless Chromium into ``png``."""
-    import subprocess
-
-    exe = browser()
-    if exe is None:
-        raise RuntimeError("no Chromium found for the PNG (Debian: apt-get install chromium)")
-    cmd = [
-        exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-        f"--window-size={width},{height}", f"--screenshot={os.path.abspath(png)}",
-        "file://" + os.path.abspath(page),
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    if r.returncode != 0 or not os.path.exists(png):
-        raise RuntimeError(f"Chromium could not render {page}: {r.stderr.strip()[-500:]}")
-    return png

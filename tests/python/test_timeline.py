@@ -44,37 +44,185 @@ stages:
     assert ev[3]["resident"][tag] == 0 and ev[4]["resident"][tag] == 8 * MiB
     assert all(e["device_free"] > 0 and e["seconds"] >= 0 for e in ev)
 
+    # Every event holds the state before it too, and the device's total: the starting state and
+    # the untagged band come from these.
+    assert ev[0]["resident_before"][tag2] == 4 * MiB and ev[0]["resident"][tag2] == 0
+    assert ev[0]["tags"] == [tag2] and ev[5].get("tags") is None
+    assert all(e["device_total"] >= e["device_free"] and e["start"] <= e["time"] for e in ev)
+    assert all(a["time"] <= b["start"] for a, b in zip(ev, ev[1:], strict=False)), "one clock: spans in order"
+
     events = tmp_path / "events.json"
     timeline.save(str(events))
-    assert json.loads(events.read_text())["version"] == 1
+    assert json.loads(events.read_text())["version"] == 2
     page, png = tmp_path / "t.html", tmp_path / "t.png"
     r = subprocess.run(
-        [sys.executable, "-m", "memsaver", "timeline", str(events), "-o", str(page)],
+        [sys.executable, "-m", "memsaver", "timeline", str(events), "-o", str(page), "--png", str(png)],
         capture_output=True, text=True,
     )
+    if r.returncode != 0 and "no Chromium" in r.stderr and not __import__("os").environ.get("CI"):
+        pytest.skip("no Chromium on this machine")
     assert r.returncode == 0, r.stderr
     text = page.read_text()
     assert f'data-tag="{tag}"' in text and f'data-tag="{tag2}"' in text
+    assert 'data-band="untagged"' in text and 'data-band="free"' in text
+    assert "(state before the first event)" in text
+    assert text.count("<tr>") == 1 + len(timeline.events()), "every event has its row"
     assert "<script" not in text and "http" not in text.replace("http://www.w3.org/2000/svg", "")
 
-    if timeline.browser() is None:
-        if __import__("os").environ.get("CI"):
-            pytest.fail("CI must have Chromium (.ci/run installs it)")
-        pytest.skip("no Chromium on this machine")
-    timeline.screenshot(str(page), str(png))
     from png import read_rgb
 
     width, height, pixels = read_rgb(str(png))
-    assert (width, height) == (1400, 1000)
-    counts = {c: 0 for c in timeline.PALETTE[:2]}
+    assert width >= 1400 and height > 600  # wider when the table is (many tags: every column is kept)
+    counts = {timeline.colour(t): 0 for t in (tag, tag2)}
     for p in pixels:
         for c in counts:
             if p == _hex(c):
                 counts[c] += 1
-    # Both series are drawn: the first tag seen (tag2, paused first) and the second.
+    # Both series are drawn, in their fixed colours.
     assert all(n > 200 for n in counts.values()), counts
+    # The whole page is in the screenshot: its last rows are the page's margin below the table.
+    assert all(p == (255, 255, 255) for p in pixels[-width * 8:]), "the screenshot cuts the page off"
+    assert any(p != (255, 255, 255) for p in pixels[-width * 40:]), "the table ends just above the margin"
     _memsaver.free(a)
     _memsaver.free(b)
+
+
+def test_colours_are_fixed_per_tag():
+    assert timeline.colour("weights") == "#1f77b4" and timeline.colour("kv_cache") == "#2ca02c"
+    assert {timeline.colour(t) for t in ("weights", "kv_cache", "cuda_graph", "nccl", "optimizer")} == set(
+        timeline.WELL_KNOWN.values()
+    )
+    # A stable hash, the same in another process (no PYTHONHASHSEED dependence).
+    code = "from memsaver import timeline; print(timeline.colour('rollout_buffers'))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**__import__("os").environ, "PYTHONHASHSEED": "random"})
+    assert r.stdout.strip() == timeline.colour("rollout_buffers") in timeline.PALETTE
+
+
+def _events_of_two_ranks():
+    """Two processes on two devices, the second starting 5 ms later; version 2 fields."""
+    GiB = 1 << 30
+    out = []
+    for pid, device, offset in ((101, 0, 0.0), (102, 1, 0.005)):
+        t, state, free = 1000.0 + offset, {"weights": GiB, "kv_cache": 4 * GiB}, 60 * GiB
+        for kind, label, secs, after in (
+            ("pause", "pause kv_cache", 0.002, {"weights": GiB, "kv_cache": 0}),
+            ("step", "assert kv_cache released", 0.00005, {"weights": GiB, "kv_cache": 0}),
+            ("pause", "pause weights", 1.05, {"weights": 0, "kv_cache": 0}),
+            ("resume", "resume weights, kv_cache", 0.08, {"weights": GiB, "kv_cache": 4 * GiB}),
+        ):
+            freed = sum(state.values()) - sum(after.values())
+            e = {"time": t + secs, "start": t, "pid": pid, "tid": pid, "kind": kind, "label": label,
+                 "stage": "sleep" if "resume" not in label else "wake", "seconds": secs,
+                 "resident_before": state, "resident": after, "device": device,
+                 "device_free_before": free, "device_free": free + freed, "device_total": 80 * GiB}
+            if kind != "step":
+                e["tags"] = [label.split(" ", 1)[1]]
+            out.append(e)
+            t, state, free = t + secs + 0.01, after, free + freed
+    return sorted(out, key=lambda e: e["time"])
+
+
+def test_page_has_a_time_axis_shared_by_all_processes():
+    page = timeline.render_html(_events_of_two_ranks(), "two ranks")
+    import re
+
+    spans = [(float(x), float(w), k) for k, x, w in re.findall(
+        r'<rect class="span" data-kind="(\w+)" (?:stroke="[^"]*" stroke-width="\d+" )?'
+        r'x="([\d.]+)" y="[\d.]+" width="([\d.]+)"', page)]
+    assert len(spans) == 8
+    widths = [w for _, w, _ in spans]
+    # x is time: the 1050 ms pause is about 500 times the 2 ms one, the assert a sliver.
+    assert widths[2] / widths[0] > 300 and widths[1] < 1
+    # Shared axis: rank 2's first span starts 5 ms to the right of rank 1's.
+    px_per_s = widths[2] / 1.05
+    assert abs((spans[4][0] - spans[0][0]) - 0.005 * px_per_s) < 1.0
+    assert page.count("process 101") == 1 and page.count("process 102") == 1
+
+
+def _validate_chrome_trace(text: str) -> dict:
+    """The rules of the Trace Event Format document (JSON Object Format) that Perfetto and
+    chrome://tracing rely on, plus the orderings the export promises."""
+    def no_constants(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    trace = json.loads(text, parse_constant=no_constants)
+    assert isinstance(trace, dict) and isinstance(trace["traceEvents"], list)
+    assert trace.get("displayTimeUnit", "ms") in ("ms", "ns")
+    last_ts: dict = {}
+    open_slices: dict = {}
+    named_pids, named_tids = set(), set()
+    for ev in trace["traceEvents"]:
+        ph = ev["ph"]
+        assert isinstance(ev["name"], str) and ev["name"]
+        assert isinstance(ev["pid"], int) and isinstance(ev["tid"], int)
+        assert isinstance(ev["ts"], (int, float)) and ev["ts"] >= 0
+        if ph == "M":
+            assert ev["name"] in ("process_name", "process_sort_index", "thread_name", "thread_sort_index",
+                                  "process_labels")
+            if ev["name"].endswith("_name"):
+                assert isinstance(ev["args"]["name"], str)
+                (named_pids if ev["name"] == "process_name" else named_tids).add((ev["pid"], ev["tid"]))
+            if ev["name"].endswith("sort_index"):
+                assert isinstance(ev["args"]["sort_index"], int)
+        elif ph == "X":
+            assert isinstance(ev["dur"], (int, float)) and ev["dur"] >= 0
+            assert isinstance(ev.get("cat", ""), str) and isinstance(ev.get("args", {}), dict)
+            track = ("X", ev["pid"], ev["tid"])
+            assert ev["ts"] >= last_ts.get(track, 0), f"slices of {track} out of order"
+            last_ts[track] = ev["ts"]
+            stack = open_slices.setdefault(track, [])
+            while stack and stack[-1] <= ev["ts"]:
+                stack.pop()
+            assert not stack or ev["ts"] + ev["dur"] <= stack[-1] + 1e-3, f"{ev['name']} overlaps its parent"
+            stack.append(ev["ts"] + ev["dur"])
+            assert (ev["pid"], ev["tid"]) in named_tids, "thread named before its slices"
+        elif ph == "C":
+            assert ev["args"] and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      for v in ev["args"].values())
+            track = ("C", ev["pid"], ev["name"])
+            assert ev["ts"] > last_ts.get(track, -1), f"counter {track} not strictly increasing"
+            last_ts[track] = ev["ts"]
+        else:
+            raise AssertionError(f"unexpected phase {ph}")
+    assert {pid for pid, _ in named_pids} == {ev["pid"] for ev in trace["traceEvents"]}
+    return trace
+
+
+def test_chrome_trace_export(tmp_path):
+    evts = _events_of_two_ranks()
+    events = tmp_path / "ev.json"
+    events.write_text(json.dumps({"version": 2, "events": evts}))
+    out = tmp_path / "trace.json"
+    r = subprocess.run([sys.executable, "-m", "memsaver", "timeline", str(events), "--trace", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    trace = _validate_chrome_trace(out.read_text())
+    assert trace == json.loads(json.dumps(timeline.to_chrome_trace(evts)))
+    te = trace["traceEvents"]
+    slices = [e for e in te if e["ph"] == "X" and e["cat"] != "stage"]
+    assert len(slices) == 8
+    long = next(e for e in slices if e["name"] == "pause weights" and e["pid"] == 101)
+    assert long["dur"] == 1.05e6 and long["cat"] == "pause"  # microseconds
+    assert long["args"]["tags"] == ["weights"] and long["args"]["bytes"] == -(1 << 30)
+    assert long["args"]["ms"] == 1050.0
+    assert {e["args"]["stage"] for e in te if e["ph"] == "X" and e["cat"] == "stage"} == {"sleep", "wake"}
+    first = min(e["ts"] for e in slices if e["pid"] == 102)
+    assert first == 5000.0, "ts: microseconds since the first event"
+    res = [e for e in te if e["ph"] == "C" and e["name"] == "resident bytes" and e["pid"] == 101]
+    assert res[0]["ts"] == 0 and res[0]["args"] == {"weights": 1 << 30, "kv_cache": 4 << 30}, "starting state"
+    dev = [e for e in te if e["ph"] == "C" and e["name"] == "device bytes" and e["pid"] == 101]
+    assert all(sum(e["args"].values()) == 80 << 30 for e in dev), "tagged + untagged + free = total"
+    assert dev[0]["args"] == {"tagged": 5 << 30, "untagged": 15 << 30, "free": 60 << 30}
+
+
+def test_trace_of_recorded_events_is_valid(tmp_path, tag):
+    timeline.enable()
+    n0 = len(timeline.events())
+    memsaver.register_tag(tag)
+    memsaver.pause(tag)
+    memsaver.resume(tag)
+    _validate_chrome_trace(json.dumps(timeline.to_chrome_trace(timeline.events()[n0:])))
 
 
 def test_recording_is_off_by_default_and_env_turns_it_on(tmp_path):
@@ -104,7 +252,19 @@ def test_timeline_command_reports_bad_input(tmp_path):
         [sys.executable, "-m", "memsaver", "timeline", str(bad), "-o", str(tmp_path / "o.html")],
         capture_output=True, text=True,
     )
-    assert r.returncode == 1 and "cannot render" in r.stderr
+    assert r.returncode == 1 and "cannot render" in r.stderr and "no 'events' list" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "memsaver", "timeline", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 2 and "--trace" in r.stderr
+
+
+def test_version_1_files_still_render(tmp_path):
+    import pathlib
+
+    examples = pathlib.Path(__file__).parents[2] / "docs" / "examples"
+    evts = timeline.load([str(examples / "verl_h200x2_events_a.json"), str(examples / "verl_h200x2_events_b.json")])
+    page = timeline.render_html(evts)
+    assert "device total not recorded" in page and page.count("<tr>") == 1 + len(evts)
+    _validate_chrome_trace(json.dumps(timeline.to_chrome_trace(evts)))
 
 
 def test_demo_command_runs_the_verl_profile_and_writes_the_page(tmp_path):
@@ -120,3 +280,73 @@ def test_demo_command_runs_the_verl_profile_and_writes_the_page(tmp_path):
     page = (tmp_path / "demo-timeline.html").read_text()
     for tag in ("weights", "kv_cache", "cuda_graph"):
         assert f'data-tag="{tag}"' in page
+
+
+class _FakeTorch:
+    """Stands in for torch in sys.modules: records the NVTX and record_function calls."""
+
+    def __init__(self, calls, cuda=True):
+        import types
+
+        self.calls = calls
+        self.cuda = types.SimpleNamespace(
+            is_available=lambda: cuda,
+            is_initialized=lambda: False,
+            nvtx=types.SimpleNamespace(range_push=lambda name: calls.append(("push", name)),
+                                       range_pop=lambda: calls.append(("pop",))),
+        )
+        outer = self
+
+        class record_function:
+            def __init__(self, name):
+                self.name = name
+
+            def __enter__(self):
+                outer.calls.append(("enter", self.name))
+
+            def __exit__(self, *exc):
+                outer.calls.append(("exit", self.name, exc[0]))
+
+        self.profiler = types.SimpleNamespace(record_function=record_function)
+
+
+def test_nvtx_and_record_function_ranges(monkeypatch, tag):
+    calls = []
+    monkeypatch.setitem(sys.modules, "torch", _FakeTorch(calls))
+    memsaver.register_tag(tag)
+    pause = _memsaver.pause
+
+    def pause_and_note(names):
+        calls.append(("pause", tuple(names)))
+        pause(names)
+
+    monkeypatch.setattr(_memsaver, "pause", pause_and_note)
+    memsaver.pause(tag)
+    name = f"memsaver pause {tag}"
+    assert calls == [("push", name), ("enter", name), ("pause", (tag,)), ("exit", name, None), ("pop",)]
+
+    # A failing step: the ranges still close, inner first; the error goes on.
+    calls.clear()
+    profile = memsaver.parse_profile(
+        f"version: 1\ntags: {{{tag}: {{}}}}\nstages:\n  check: [{{call: boom}}, {{pause: [{tag}]}}]\n", "t.yaml")
+
+    def boom():
+        calls.append(("boom",))
+        raise RuntimeError("boom")
+
+    with pytest.raises(memsaver.ProfileStepError, match="boom"):
+        profile.run("check", callbacks={"boom": boom})
+    step = "memsaver check: call boom"
+    assert calls == [("push", step), ("enter", step), ("boom",), ("exit", step, RuntimeError), ("pop",)]
+
+
+def test_no_ranges_without_cuda_or_torch(monkeypatch, tag):
+    calls = []
+    monkeypatch.setitem(sys.modules, "torch", _FakeTorch(calls, cuda=False))
+    memsaver.register_tag(tag)
+    memsaver.pause(tag)
+    memsaver.resume(tag)
+    assert calls == []
+    monkeypatch.delitem(sys.modules, "torch")
+    memsaver.pause(tag)
+    assert "torch" not in sys.modules, "memsaver never imports torch"
