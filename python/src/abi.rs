@@ -97,7 +97,7 @@ macro_rules! with_functions {
             memsaver_runtime_dir: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
             memsaver_control_serve: unsafe extern "C" fn() -> c_int,
             memsaver_control_set_runner: unsafe extern "C" fn(MemsaverStageRunner) -> c_int,
-            memsaver_control_json: unsafe extern "C" fn(*const c_char, *mut c_char, usize, *mut usize) -> c_int,
+            memsaver_control_json: unsafe extern "C" fn(*const c_char, *mut *mut c_char) -> c_int,
         }
     };
 }

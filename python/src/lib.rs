@@ -413,18 +413,30 @@ fn control_set_runner(runner: Option<Py<PyAny>>) -> PyResult<()> {
 }
 
 /// Sends a control request (JSON) to other processes; returns their answers (JSON). The GIL
-/// is released while it waits.
+/// is released while it waits. The request is sent once.
 #[pyfunction]
 fn control_json(py: Python<'_>, request: &str) -> PyResult<String> {
     let l = lib()?;
     let r = cstr(request, "request")?;
     let rp = r.as_ptr() as usize;
-    py.detach(|| {
-        read_json(l, |b, n, nd| {
-            // SAFETY: a NUL-terminated request that outlives the call; the buffer protocol.
-            unsafe { (l.memsaver_control_json)(rp as *const c_char, b, n, nd) }
-        })
-    })
+    let (code, answer) = py.detach(|| {
+        let mut answer: *mut c_char = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated request that outlives the call; a valid out-pointer.
+        let code = unsafe { (l.memsaver_control_json)(rp as *const c_char, &mut answer) };
+        (code, answer as usize)
+    });
+    check(l, code)?;
+    let answer = answer as *mut c_char;
+    if answer.is_null() {
+        return Err(error::MemsaverError::new_err("control request: no answer"));
+    }
+    // SAFETY: a malloc'ed NUL-terminated text, ours to free after copying it.
+    let text = unsafe { CStr::from_ptr(answer) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: allocated with malloc by libmemsaver.so, not used after this.
+    unsafe { libc::free(answer.cast()) };
+    Ok(text)
 }
 
 #[pymodule]

@@ -342,22 +342,25 @@ int memsaver_control_serve(void);
 int memsaver_control_set_runner(MemsaverStageRunner runner);
 
 /**
- * Sends a control request to other processes and writes their answers as JSON (the
- * protocol of `memsaver_stats_json`). The request is JSON: {"op": "pause" | "resume" |
- * "stats" | "run", "pid": P or null, "group": G or null (this process's group), "tags":
- * [...] (pause, resume; none: every tag), "source", "stage", "profile" (run: the profile's
- * name, stage and text), "timeout_s" (per process; default 600)}. With a pid it goes to
- * that process of the group, else to every live process of the group but this one, all at
- * once. The answer: {"op", "targets": [{"pid", "group", "ok", "status", "error",
- * "result"}]}, one per process: `status` is the code of its failure (its operation's own,
- * or `MEMSAVER_ERR_CONTROL` when it was not reached, refused or did not answer), `result`
- * the stats or the stage's report. `MEMSAVER_ERR_CONTROL` for the call itself when there is
- * no such process or group (the message says where it looked and what to check).
+ * Sends a control request to other processes and gives their answers as JSON in `*answer`:
+ * a NUL-terminated text allocated with `malloc`, which the caller releases with `free` (not
+ * the protocol of `memsaver_stats_json`: a request is sent once, never again to learn the
+ * size of its answer). The request is JSON: {"op": "pause" | "resume" | "stats" | "run",
+ * "pid": P or null, "group": G or null (this process's group), "tags": [...] (pause,
+ * resume; none: every tag), "source", "stage", "profile" (run: the profile's name, stage and
+ * text), "timeout_s" (per process; default 600)}. With a pid it goes to that process of the
+ * group, else to every live process of the group but this one, all at once. The answer:
+ * {"op", "targets": [{"pid", "group", "ok", "status", "error", "result"}]}, one per
+ * process: `status` is the code of its failure (its operation's own, or
+ * `MEMSAVER_ERR_CONTROL` when it was not reached, refused or did not answer), `result` the
+ * stats or the stage's report. `MEMSAVER_ERR_CONTROL` for the call itself (and `*answer`
+ * NULL) when there is no such process or group: the message says where it looked and what
+ * to check.
  *
  * # Safety
- * `request` is a NUL-terminated string; `buf`/`needed` as for `memsaver_stats_json`.
+ * `request` is a NUL-terminated string; `answer` is a valid out-pointer.
  */
-int memsaver_control_json(const char *request, char *buf, size_t len, size_t *needed);
+int memsaver_control_json(const char *request, char **answer);
 
 /**
  * Allocation entry point for `CUDAPluggableAllocator`. Returns NULL (torch reports out of

@@ -699,37 +699,51 @@ pub unsafe extern "C" fn memsaver_control_set_runner(runner: MemsaverStageRunner
     })
 }
 
-/// Sends a control request to other processes and writes their answers as JSON (the
-/// protocol of `memsaver_stats_json`). The request is JSON: {"op": "pause" | "resume" |
-/// "stats" | "run", "pid": P or null, "group": G or null (this process's group), "tags":
-/// [...] (pause, resume; none: every tag), "source", "stage", "profile" (run: the profile's
-/// name, stage and text), "timeout_s" (per process; default 600)}. With a pid it goes to
-/// that process of the group, else to every live process of the group but this one, all at
-/// once. The answer: {"op", "targets": [{"pid", "group", "ok", "status", "error",
-/// "result"}]}, one per process: `status` is the code of its failure (its operation's own,
-/// or `MEMSAVER_ERR_CONTROL` when it was not reached, refused or did not answer), `result`
-/// the stats or the stage's report. `MEMSAVER_ERR_CONTROL` for the call itself when there is
-/// no such process or group (the message says where it looked and what to check).
+/// Sends a control request to other processes and gives their answers as JSON in `*answer`:
+/// a NUL-terminated text allocated with `malloc`, which the caller releases with `free` (not
+/// the protocol of `memsaver_stats_json`: a request is sent once, never again to learn the
+/// size of its answer). The request is JSON: {"op": "pause" | "resume" | "stats" | "run",
+/// "pid": P or null, "group": G or null (this process's group), "tags": [...] (pause,
+/// resume; none: every tag), "source", "stage", "profile" (run: the profile's name, stage and
+/// text), "timeout_s" (per process; default 600)}. With a pid it goes to that process of the
+/// group, else to every live process of the group but this one, all at once. The answer:
+/// {"op", "targets": [{"pid", "group", "ok", "status", "error", "result"}]}, one per
+/// process: `status` is the code of its failure (its operation's own, or
+/// `MEMSAVER_ERR_CONTROL` when it was not reached, refused or did not answer), `result` the
+/// stats or the stage's report. `MEMSAVER_ERR_CONTROL` for the call itself (and `*answer`
+/// NULL) when there is no such process or group: the message says where it looked and what
+/// to check.
 ///
 /// # Safety
-/// `request` is a NUL-terminated string; `buf`/`needed` as for `memsaver_stats_json`.
+/// `request` is a NUL-terminated string; `answer` is a valid out-pointer.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn memsaver_control_json(
     request: *const c_char,
-    buf: *mut c_char,
-    len: usize,
-    needed: *mut usize,
+    answer: *mut *mut c_char,
 ) -> c_int {
-    // SAFETY: forwarded contract.
-    unsafe {
-        write_json_with(buf, len, needed, || {
-            let request = req_str(request, "request")?;
-            control::client(request)
-                .map(Ok)
-                .map_err(|control::ClientError(message)| Failure {
-                    status: Status::Control,
-                    message,
-                })
-        })
-    }
+    ffi_with(|| {
+        if answer.is_null() {
+            return Err(Error::InvalidArgument("answer is NULL".into()).into());
+        }
+        // SAFETY: a valid out-pointer per the contract.
+        unsafe { *answer = std::ptr::null_mut() };
+        // SAFETY: per this function's contract.
+        let request = unsafe { req_str(request, "request") }?;
+        let text = control::client(request).map_err(|control::ClientError(message)| Failure {
+            status: Status::Control,
+            message,
+        })?;
+        let text = CString::new(text).unwrap_or_default();
+        let bytes = text.as_bytes_with_nul();
+        // SAFETY: a fresh allocation of the text's size, checked below.
+        let out = unsafe { libc::malloc(bytes.len()) }.cast::<u8>();
+        if out.is_null() {
+            return Err(Error::InvalidArgument("out of host memory for the answer".into()).into());
+        }
+        // SAFETY: `out` holds `bytes.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out, bytes.len()) };
+        // SAFETY: a valid out-pointer per the contract.
+        unsafe { *answer = out.cast() };
+        Ok(())
+    })
 }
