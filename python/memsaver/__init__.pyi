@@ -23,11 +23,11 @@ from ._memsaver import (
     UnknownPointerError,
     UnknownTagError,
 )
-from .control import register_callback as register_callback
-from .control import serve_control as serve_control
 from ._stats import Stats as Stats
 from ._stats import TagStats as TagStats
 from ._stats import Usage as Usage
+from .control import register_callback as register_callback
+from .control import serve_control as serve_control
 from .profile import Profile as Profile
 from .profile import ProfileStepError as ProfileStepError
 from .profile import StageReport as StageReport

@@ -153,7 +153,8 @@ def test_run_calls_only_registered_callbacks_and_never_reports_a_skipped_call(sp
     with pytest.raises(memsaver.ControlError) as e:
         control.group(g).run(profile, "wake")
     msg = str(e.value)
-    assert f"process {without}: stage 'wake' of {profile} calls sync_weights, which process {without} did not register" in msg
+    assert f"process {without}: stage 'wake' of {profile} calls sync_weights, which process {without}" in msg
+    assert "did not register" in msg
     assert "no step was run" in msg
     answers = {a.pid: a for a in e.value.answers}  # type: ignore[attr-defined]
     assert answers[with_cb].ok and not answers[without].ok
