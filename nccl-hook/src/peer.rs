@@ -874,6 +874,27 @@ mod tests {
     }
 
     #[test]
+    fn socket_names_give_identities_back_exactly() {
+        let me = me();
+        assert_eq!(parse_socket_name(&socket_name(&me)), Some(me));
+        assert!(is_running(&me));
+        for bad in [
+            "1-2-3.sock",
+            "1-2-zz.sock",
+            "1-2.sock",
+            "x.sock",
+            "1-2-0000000000000003",
+        ] {
+            assert_eq!(parse_socket_name(bad), None, "{bad}");
+        }
+        let later = Identity {
+            start: me.start + 1,
+            ..me
+        };
+        assert!(!is_running(&later), "another start time is another process");
+    }
+
+    #[test]
     fn liveness_knows_zombies_pid_0_and_reused_pids() {
         assert!(!alive(0));
         assert!(alive(std::process::id()));

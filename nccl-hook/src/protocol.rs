@@ -839,6 +839,55 @@ mod tests {
     }
 
     #[test]
+    fn control_requests_are_bounded() {
+        let id = Identity {
+            pid: 1,
+            start: 2,
+            nonce: 3,
+        };
+        let pause = |tags: Vec<String>| Request::Control {
+            from: id,
+            to: id,
+            group: 4,
+            op: Control::Pause { tags },
+        };
+        // A tag of length 0, or of 65 bytes, is refused by the decoder and by `check`.
+        let mut b = pause(vec!["a".into()]).encode();
+        let n = b.len();
+        b[n - 2] = 0;
+        b.truncate(n - 1);
+        assert_eq!(Request::decode(&b), Err(DecodeError::BadText));
+        let long = Control::Pause {
+            tags: vec!["x".repeat(MAX_TAG + 1)],
+        };
+        assert!(long.check().is_err());
+        let mut b = pause(vec!["x".repeat(MAX_TAG)]).encode();
+        let n = b.len();
+        b[n - MAX_TAG - 1] = (MAX_TAG + 1) as u8;
+        b.push(b'x');
+        assert_eq!(Request::decode(&b), Err(DecodeError::BadText));
+        // A profile larger than a frame holds is refused before anything is sent.
+        let run = Control::Run {
+            source: "p.yaml".into(),
+            stage: "wake".into(),
+            profile: "#".repeat(MAX_FRAME),
+        };
+        assert!(run.check().unwrap_err().contains("carries at most"));
+        assert!(Control::Stats.check().is_ok());
+        assert_eq!(
+            Reply::decode(
+                &Reply::Error {
+                    status: 2,
+                    message: "é".repeat(MAX_MESSAGE)
+                }
+                .encode()
+            )
+            .map(|r| matches!(r, Reply::Error { message, .. } if message.len() <= MAX_MESSAGE)),
+            Ok(true)
+        );
+    }
+
+    #[test]
     fn frames_carry_an_fd_and_refuse_oversized_lengths() {
         use std::io::Write;
         use std::os::fd::AsFd;
