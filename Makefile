@@ -6,7 +6,7 @@ CARGO ?= cargo
 FAKE_DIR := target/fake-cuda
 FAKE_LIB := $(FAKE_DIR)/libcuda.so.1
 
-.PHONY: all build fake-cuda python demo test test-rust test-python test-install lint lint-rust lint-python fmt abi options-doc gpu-dist clean
+.PHONY: all build fake-cuda python demo test test-rust test-python test-ray test-install lint lint-rust lint-python fmt abi options-doc gpu-dist clean
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -49,7 +49,7 @@ demo: build fake-cuda python
 
 # Everything CI runs. Each run gets its own fake-driver state directory, so concurrent runs
 # and other users of the fake driver do not see each other's memory.
-test: fake-cuda test-rust test-python
+test: fake-cuda test-rust test-python test-ray
 
 # The NCCL-hook scenarios preload target/release/libmemsaver.so, which `cargo test` alone does
 # not link: build it first.
@@ -65,6 +65,20 @@ test-python: fake-cuda python
 	trap 'rm -rf "$$state"' EXIT; \
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state \
 	$(PY) -m pytest tests/python -q
+
+# Ray actors driven through memsaver.control on a local Ray cluster (CPU, fake driver). Ray is
+# a large download, installed into .venv for this test only; an install that fails (no PyPI)
+# fails the target: the test is never skipped for want of ray.
+RAY := $(VENV)/.ray
+$(RAY): | $(PY)
+	$(PY) -m pip install -q "ray>=2.9"
+	touch $@
+
+test-ray: fake-cuda python $(RAY)
+	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
+	trap 'rm -rf "$$state"' EXIT; \
+	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state RAY_USAGE_STATS_ENABLED=0 \
+	timeout 300 $(PY) -m pytest tests/ray -q -p no:cacheprovider
 
 # The standard install from a clean clone of HEAD into a new virtual environment
 # (`pip install ./python`), then the installed command and package on the bundled fake driver.
@@ -85,7 +99,7 @@ $(LINT_TOOLS): | $(PY)
 	touch $@
 
 lint-python: $(LINT_TOOLS) python
-	$(VENV)/bin/ruff check python/memsaver tests/python tests/gpu bench
+	$(VENV)/bin/ruff check python/memsaver tests/python tests/ray tests/gpu bench
 	$(VENV)/bin/mypy --config-file python/pyproject.toml python/memsaver
 	cd /tmp && $(CURDIR)/$(PY) -m mypy.stubtest memsaver \
 		--mypy-config-file $(CURDIR)/python/pyproject.toml \

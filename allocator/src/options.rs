@@ -163,6 +163,14 @@ pub const RUNTIME_DIR: OptionDoc = OptionDoc {
     reader: Reader::Library,
     doc: "private directory (mode 0700) for the sockets processes use to coordinate the nccl tag",
 };
+pub const CONTROL: OptionDoc = OptionDoc {
+    env: "MEMSAVER_CONTROL",
+    aliases: &[],
+    kind: Kind::Bool,
+    default: "0",
+    reader: Reader::Library,
+    doc: "1: the process serves control requests (pause, resume, run a profile stage, stats) from other processes of its user and group once memsaver starts in it (`memsaver pause --pid/--group`, memsaver.control; also memsaver.serve_control()); see docs/security.md",
+};
 pub const RETAIN_BACKUP: OptionDoc = OptionDoc {
     env: "MEMSAVER_RETAIN_BACKUP",
     aliases: &["TMS_RETAIN_CPU_BACKUP"],
@@ -247,6 +255,7 @@ pub const OPTIONS: &[OptionDoc] = &[
     NCCL_BACKUP,
     NCCL_TOKENS,
     RUNTIME_DIR,
+    CONTROL,
     RETAIN_BACKUP,
     DISK_DIR,
     DISK_CHUNK_MB,
@@ -372,6 +381,8 @@ pub struct Options {
     pub nccl_backup: NcclBackup,
     pub nccl_tokens: bool,
     pub runtime_dir: PathBuf,
+    /// Serve control requests (`MEMSAVER_CONTROL`).
+    pub control: bool,
     /// The log filter; the default when the variable's is invalid (`log_warning` says so).
     pub log: String,
     pub log_warning: Option<String>,
@@ -488,6 +499,7 @@ impl Options {
             nccl_backup,
             nccl_tokens: env.bool(&NCCL_TOKENS),
             runtime_dir,
+            control: env.bool(&CONTROL),
             log,
             log_warning,
             errors: Vec::new(),

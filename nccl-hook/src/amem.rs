@@ -50,9 +50,10 @@ pub fn set_group_id(id: i64) -> Result<(), Error> {
     }
     match crate::peer::server_group() {
         Some(g) if g != id => Err(Error::InvalidArgument(format!(
-            "the nccl group of this process is already {g}: NCCL has shared memory with peers \
-             under it; set the group (memsaver.set_group, MEMSAVER_GROUP or ncclSetGroupID) \
-             before NCCL initialises"
+            "the nccl group of this process is already {g}: its memsaver socket serves that \
+             group (NCCL shared memory with peers under it, or it serves control requests); \
+             set the group (memsaver.set_group, MEMSAVER_GROUP or ncclSetGroupID) before NCCL \
+             initialises and before memsaver.serve_control()"
         ))),
         _ => {
             GROUP.store(id, Ordering::Relaxed);

@@ -24,6 +24,7 @@
 //!    as is safe for the graphs and kernels that run while it is paused.
 
 pub mod amem;
+pub mod control;
 mod graphs;
 mod guard;
 pub mod interpose;
@@ -87,6 +88,8 @@ fn started() -> Result<&'static Allocator> {
         if let Err(e) = a.register_external("nccl", Arc::new(NcclTag::new(a))) {
             tracing::warn!(error = %e, "the nccl tag is not available");
         }
+        // MEMSAVER_CONTROL=1: reachable from other processes once it holds memory.
+        control::on_start();
     })
 }
 

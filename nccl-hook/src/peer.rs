@@ -284,6 +284,25 @@ fn socket_name(i: &Identity) -> String {
     format!("{}-{}-{:016x}.sock", i.pid, i.start, i.nonce)
 }
 
+/// The identity a socket's name gives (`<pid>-<start>-<nonce>.sock`), if it is one.
+pub(crate) fn parse_socket_name(name: &str) -> Option<Identity> {
+    let mut it = name.strip_suffix(".sock")?.split('-');
+    let i = Identity {
+        pid: it.next()?.parse().ok()?,
+        start: it.next()?.parse().ok()?,
+        nonce: u64::from_str_radix(it.next()?, 16).ok()?,
+    };
+    (it.next().is_none() && socket_name(&i) == name).then_some(i)
+}
+
+/// Whether the process `i` is running: alive, and still the process that started then (where
+/// `/proc` shows this pid namespace), not a later one with its pid. A socket left behind by a
+/// process that exited without its exit handlers is not a process.
+pub(crate) fn is_running(i: &Identity) -> bool {
+    alive(i.pid)
+        && (!proc_is_ours() || proc_stat(&i.pid.to_string()).is_some_and(|(_, s)| s == i.start))
+}
+
 /// The group directory's sockets as owners (`<pid>-<start>-<nonce>.sock`), with whether each
 /// process is alive: for diagnostics.
 pub(crate) fn owners_in(entries: &[String]) -> Vec<(String, u32, bool)> {
@@ -500,19 +519,17 @@ fn serve(stream: UnixStream, my_group: i64, me: Identity) {
         Ok(r) => r,
         Err(e) => return refuse(format!("a malformed request: {e}")),
     };
-    let (Request::Fds {
-        from, to, group, ..
-    }
-    | Request::Released {
-        from, to, group, ..
-    }) = &request;
-    if let Err(reason) = admit(from, to, *group, me, my_group, cred_pid) {
+    let (from, to, group) = request.head();
+    if let Err(reason) = admit(from, to, group, me, my_group, cred_pid) {
         return refuse(reason);
     }
-    remember_start(from.pid, from.start);
     let _ = match request {
-        Request::Fds { from, items, .. } => answer(&stream, from.pid, &items),
+        Request::Fds { from, items, .. } => {
+            remember_start(from.pid, from.start);
+            answer(&stream, from.pid, &items)
+        }
         Request::Released { from, items, .. } => {
+            remember_start(from.pid, from.start);
             let mut reg = registry::lock();
             for i in &items {
                 if let Some(p) = reg.physicals.get_mut(&i.vh)
@@ -524,6 +541,17 @@ fn serve(stream: UnixStream, my_group: i64, me: Identity) {
             drop(reg);
             protocol::write_frame(stream.as_fd(), &Reply::Done.encode(), None)
         }
+        // Run on the control thread, never on this worker (see `control`).
+        Request::Control { from, op, .. } => match crate::control::submit(stream, from.pid, op) {
+            Ok(()) => Ok(()),
+            Err((stream, reason)) => {
+                tracing::warn!(
+                    pid = cred_pid,
+                    "memsaver: refused a control request: {reason}"
+                );
+                protocol::write_frame(stream.as_fd(), &Reply::Refused { reason }.encode(), None)
+            }
+        },
     };
 }
 
@@ -615,7 +643,7 @@ fn unregister(pid: u32, replies: &[(Reply, Option<OwnedFd>)]) {
 }
 
 /// Connects to the server of `owner` in `group`'s directory and checks who answers.
-fn connect(group: i64, owner: &Identity) -> Result<UnixStream, String> {
+pub(crate) fn connect(group: i64, owner: &Identity) -> Result<UnixStream, String> {
     let dir = rundir::group_dir(&runtime_dir(), group).map_err(|e| e.to_string())?;
     let name = socket_name(owner);
     let shown = || format!("{}/{name}", dir.path().display());
@@ -843,6 +871,27 @@ mod tests {
         assert_eq!(read_token(fd.as_raw_fd()), Some(t));
         let f = std::fs::File::open("/dev/null").unwrap();
         assert_eq!(read_token(f.as_raw_fd()), None);
+    }
+
+    #[test]
+    fn socket_names_give_identities_back_exactly() {
+        let me = me();
+        assert_eq!(parse_socket_name(&socket_name(&me)), Some(me));
+        assert!(is_running(&me));
+        for bad in [
+            "1-2-3.sock",
+            "1-2-zz.sock",
+            "1-2.sock",
+            "x.sock",
+            "1-2-0000000000000003",
+        ] {
+            assert_eq!(parse_socket_name(bad), None, "{bad}");
+        }
+        let later = Identity {
+            start: me.start + 1,
+            ..me
+        };
+        assert!(!is_running(&later), "another start time is another process");
     }
 
     #[test]

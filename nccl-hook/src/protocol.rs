@@ -11,12 +11,23 @@
 //! | --- | --- | --- | --- |
 //! | 0x01 | [`Request::Fds`] | from, to (identities), group, items (vh, generation) | one [`Reply::Fd`] (fd attached), `Unknown`, `NotReady` or `Failed` per item, in order; or `Refused` |
 //! | 0x02 | [`Request::Released`] | from, to, group, items | [`Reply::Done`], or `Refused` |
+//! | 0x03 | [`Control::Pause`] | from, to, group, tags | `Done`, `Error` or `Refused` |
+//! | 0x04 | [`Control::Resume`] | from, to, group, tags | `Done`, `Error` or `Refused` |
+//! | 0x05 | [`Control::Stats`] | from, to, group | `Json`, `Error` or `Refused` |
+//! | 0x06 | [`Control::Run`] | from, to, group, source, stage, profile text | `Json` (the stage's report), `Error` or `Refused` |
 //! | 0x81 | [`Reply::Fd`] | vh, generation; the fd by `SCM_RIGHTS` | |
 //! | 0x82 | [`Reply::Unknown`] | vh: the owner has no such buffer | |
 //! | 0x83 | [`Reply::NotReady`] | vh: not restored within the timeout | |
 //! | 0x84 | [`Reply::Failed`] | vh: the owner's export failed | |
 //! | 0x85 | [`Reply::Done`] | | |
 //! | 0x86 | [`Reply::Refused`] | reason (UTF-8, at most [`MAX_TEXT`] bytes) | |
+//! | 0x87 | [`Reply::Json`] | `u32` length, UTF-8 JSON | |
+//! | 0x88 | [`Reply::Error`] | status `u16` (a code of the C ABI), `u32` length, message (UTF-8, at most [`MAX_MESSAGE`] bytes) | |
+//!
+//! Control requests (0x03 to 0x06, see `control`) share the head of the others (from, to,
+//! group). Tags: a `u16` count (at most [`MAX_TAGS`]; 0 means every tag), then per tag a `u8`
+//! length (1 to [`MAX_TAG`]) and its bytes. Source and stage: a `u16` length (at most
+//! [`MAX_TEXT`]) and UTF-8; the profile text: a `u32` length and UTF-8, within the frame.
 //!
 //! An identity is (pid `u32`, start time `u64`, nonce `u64`): see `peer`.
 //!
@@ -39,6 +50,12 @@ const REQUEST_HEAD: usize = 1 + 2 * 20 + 8 + 4;
 pub(crate) const MAX_ITEMS: usize = (MAX_FRAME - REQUEST_HEAD) / 16;
 /// The longest reason text of a refusal, in bytes.
 pub(crate) const MAX_TEXT: usize = 1024;
+/// The longest error message of a control reply, in bytes.
+pub(crate) const MAX_MESSAGE: usize = 16 << 10;
+/// The most tags a control request names.
+pub(crate) const MAX_TAGS: usize = 1024;
+/// The longest tag, in bytes (as the allocator's tag rule).
+pub(crate) const MAX_TAG: usize = 64;
 
 /// A process, unique across pid namespaces and pid reuse: its pid (in its own namespace), its
 /// start time (clock ticks after boot, `/proc/<pid>/stat` field 22) and a random nonce.
@@ -73,16 +90,60 @@ pub(crate) enum Request {
         group: i64,
         items: Vec<Item>,
     },
+    /// `from` asks the addressee, which must serve control requests, to do `op`.
+    Control {
+        from: Identity,
+        to: Identity,
+        group: i64,
+        op: Control,
+    },
+}
+
+/// What a control request asks of the process it is sent to (`control`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Control {
+    /// Pause these tags (every tag when empty).
+    Pause { tags: Vec<String> },
+    /// Resume these tags (every tag when empty).
+    Resume { tags: Vec<String> },
+    /// Its stats, as JSON.
+    Stats,
+    /// Run `stage` of the profile `profile` (its text; `source` names it in messages).
+    Run {
+        source: String,
+        stage: String,
+        profile: String,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Reply {
-    Fd { vh: u64, generation: u64 },
-    Unknown { vh: u64 },
-    NotReady { vh: u64 },
-    Failed { vh: u64 },
+    Fd {
+        vh: u64,
+        generation: u64,
+    },
+    Unknown {
+        vh: u64,
+    },
+    NotReady {
+        vh: u64,
+    },
+    Failed {
+        vh: u64,
+    },
     Done,
-    Refused { reason: String },
+    Refused {
+        reason: String,
+    },
+    /// A control request's result.
+    Json {
+        text: String,
+    },
+    /// A control request's operation failed: a status code of the C ABI and the message.
+    Error {
+        status: u16,
+        message: String,
+    },
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -105,7 +166,7 @@ impl std::fmt::Display for DecodeError {
             Self::Truncated => write!(f, "a truncated message"),
             Self::TrailingBytes(n) => write!(f, "{n} bytes after the message"),
             Self::TooManyItems(n) => write!(f, "{n} items (at most {MAX_ITEMS})"),
-            Self::BadText => write!(f, "a reason that is not UTF-8 or too long"),
+            Self::BadText => write!(f, "a text that is not UTF-8 or too long"),
         }
     }
 }
@@ -118,6 +179,12 @@ const R_NOT_READY: u8 = 0x83;
 const R_FAILED: u8 = 0x84;
 const R_DONE: u8 = 0x85;
 const R_REFUSED: u8 = 0x86;
+const PAUSE: u8 = 0x03;
+const RESUME: u8 = 0x04;
+const STATS: u8 = 0x05;
+const RUN: u8 = 0x06;
+const R_JSON: u8 = 0x87;
+const R_ERROR: u8 = 0x88;
 
 /// Reads fields off a body, front to back.
 struct Cursor<'a>(&'a [u8]);
@@ -149,6 +216,30 @@ impl<'a> Cursor<'a> {
             self.take(8)?.try_into().expect("8 bytes"),
         ))
     }
+    /// UTF-8 text of `n` bytes, at most `max`.
+    fn text(&mut self, n: usize, max: usize) -> Result<String, DecodeError> {
+        if n > max {
+            return Err(DecodeError::BadText);
+        }
+        std::str::from_utf8(self.take(n)?)
+            .map(str::to_owned)
+            .map_err(|_| DecodeError::BadText)
+    }
+    fn tags(&mut self) -> Result<Vec<String>, DecodeError> {
+        let n = self.u16()? as usize;
+        if n > MAX_TAGS {
+            return Err(DecodeError::TooManyItems(n as u64));
+        }
+        let mut tags = Vec::with_capacity(n);
+        for _ in 0..n {
+            let len = self.u8()? as usize;
+            if len == 0 {
+                return Err(DecodeError::BadText);
+            }
+            tags.push(self.text(len, MAX_TAG)?);
+        }
+        Ok(tags)
+    }
     fn identity(&mut self) -> Result<Identity, DecodeError> {
         Ok(Identity {
             pid: self.u32()?,
@@ -170,33 +261,60 @@ fn put_identity(out: &mut Vec<u8>, i: &Identity) {
     out.extend_from_slice(&i.nonce.to_le_bytes());
 }
 
+/// `text` cut to at most `max` bytes, at a character boundary.
+fn clip(text: &str, max: usize) -> &str {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 impl Request {
-    /// The frame body. Panics if there are more than [`MAX_ITEMS`] items (callers split).
-    pub(crate) fn encode(&self) -> Vec<u8> {
-        let (kind, from, to, group, items) = match self {
+    /// The sender, the addressee and the group every request names.
+    pub(crate) fn head(&self) -> (&Identity, &Identity, i64) {
+        match self {
             Self::Fds {
-                from,
-                to,
-                group,
-                items,
-            } => (FDS, from, to, group, items),
-            Self::Released {
-                from,
-                to,
-                group,
-                items,
-            } => (RELEASED, from, to, group, items),
+                from, to, group, ..
+            }
+            | Self::Released {
+                from, to, group, ..
+            }
+            | Self::Control {
+                from, to, group, ..
+            } => (from, to, *group),
+        }
+    }
+
+    /// The frame body. Panics if there are more than [`MAX_ITEMS`] items (callers split);
+    /// a control request's fields must be within their limits ([`Control::check`]).
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let kind = match self {
+            Self::Fds { .. } => FDS,
+            Self::Released { .. } => RELEASED,
+            Self::Control { op, .. } => match op {
+                Control::Pause { .. } => PAUSE,
+                Control::Resume { .. } => RESUME,
+                Control::Stats => STATS,
+                Control::Run { .. } => RUN,
+            },
         };
-        assert!(items.len() <= MAX_ITEMS, "callers split long requests");
-        let mut out = Vec::with_capacity(REQUEST_HEAD + 16 * items.len());
+        let (from, to, group) = self.head();
+        let mut out = Vec::with_capacity(REQUEST_HEAD);
         out.push(kind);
         put_identity(&mut out, from);
         put_identity(&mut out, to);
         out.extend_from_slice(&group.to_le_bytes());
-        out.extend_from_slice(&(items.len() as u32).to_le_bytes());
-        for i in items {
-            out.extend_from_slice(&i.vh.to_le_bytes());
-            out.extend_from_slice(&i.generation.to_le_bytes());
+        match self {
+            Self::Fds { items, .. } | Self::Released { items, .. } => {
+                assert!(items.len() <= MAX_ITEMS, "callers split long requests");
+                out.extend_from_slice(&(items.len() as u32).to_le_bytes());
+                for i in items {
+                    out.extend_from_slice(&i.vh.to_le_bytes());
+                    out.extend_from_slice(&i.generation.to_le_bytes());
+                }
+            }
+            Self::Control { op, .. } => op.encode(&mut out),
         }
         out
     }
@@ -205,12 +323,40 @@ impl Request {
         check_len(body)?;
         let mut c = Cursor(body);
         let kind = c.u8()?;
-        if kind != FDS && kind != RELEASED {
+        if !matches!(kind, FDS | RELEASED | PAUSE | RESUME | STATS | RUN) {
             return Err(DecodeError::UnknownKind(kind));
         }
         let from = c.identity()?;
         let to = c.identity()?;
         let group = c.u64()? as i64;
+        let op = match kind {
+            PAUSE => Some(Control::Pause { tags: c.tags()? }),
+            RESUME => Some(Control::Resume { tags: c.tags()? }),
+            STATS => Some(Control::Stats),
+            RUN => {
+                let n = c.u16()? as usize;
+                let source = c.text(n, MAX_TEXT)?;
+                let n = c.u16()? as usize;
+                let stage = c.text(n, MAX_TEXT)?;
+                let n = c.u32()? as usize;
+                let profile = c.text(n, MAX_FRAME)?;
+                Some(Control::Run {
+                    source,
+                    stage,
+                    profile,
+                })
+            }
+            _ => None,
+        };
+        if let Some(op) = op {
+            c.finish()?;
+            return Ok(Self::Control {
+                from,
+                to,
+                group,
+                op,
+            });
+        }
         let n = c.u32()? as u64;
         if n > MAX_ITEMS as u64 {
             return Err(DecodeError::TooManyItems(n));
@@ -246,8 +392,74 @@ impl Request {
     }
 }
 
+impl Control {
+    /// Whether the fields are within the protocol's limits (a client checks before sending:
+    /// [`Request::encode`] would make a frame the server refuses).
+    pub(crate) fn check(&self) -> Result<(), String> {
+        match self {
+            Self::Pause { tags } | Self::Resume { tags } => {
+                if tags.len() > MAX_TAGS {
+                    return Err(format!("{} tags (at most {MAX_TAGS})", tags.len()));
+                }
+                match tags.iter().find(|t| t.is_empty() || t.len() > MAX_TAG) {
+                    Some(t) => Err(format!(
+                        "invalid tag {t:?}: a tag has 1 to {MAX_TAG} characters"
+                    )),
+                    None => Ok(()),
+                }
+            }
+            Self::Stats => Ok(()),
+            Self::Run {
+                source,
+                stage,
+                profile,
+            } => {
+                if source.len() > MAX_TEXT || stage.len() > MAX_TEXT {
+                    return Err(format!(
+                        "a profile name or stage name longer than {MAX_TEXT} bytes"
+                    ));
+                }
+                let room = MAX_FRAME - REQUEST_HEAD - 8 - source.len() - stage.len();
+                if profile.len() > room {
+                    return Err(format!(
+                        "{source}: the profile has {} bytes; a control request carries at most {room}",
+                        profile.len()
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            Self::Pause { tags } | Self::Resume { tags } => {
+                out.extend_from_slice(&(tags.len() as u16).to_le_bytes());
+                for t in tags {
+                    out.push(t.len() as u8);
+                    out.extend_from_slice(t.as_bytes());
+                }
+            }
+            Self::Stats => {}
+            Self::Run {
+                source,
+                stage,
+                profile,
+            } => {
+                out.extend_from_slice(&(source.len() as u16).to_le_bytes());
+                out.extend_from_slice(source.as_bytes());
+                out.extend_from_slice(&(stage.len() as u16).to_le_bytes());
+                out.extend_from_slice(stage.as_bytes());
+                out.extend_from_slice(&(profile.len() as u32).to_le_bytes());
+                out.extend_from_slice(profile.as_bytes());
+            }
+        }
+    }
+}
+
 impl Reply {
-    /// The frame body (a refusal's reason is cut to [`MAX_TEXT`] bytes, at a character).
+    /// The frame body (a refusal's reason is cut to [`MAX_TEXT`] bytes and an error's message
+    /// to [`MAX_MESSAGE`], at a character).
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(17);
         match self {
@@ -266,13 +478,22 @@ impl Reply {
             }
             Self::Done => out.push(R_DONE),
             Self::Refused { reason } => {
-                let mut end = reason.len().min(MAX_TEXT);
-                while !reason.is_char_boundary(end) {
-                    end -= 1;
-                }
+                let reason = clip(reason, MAX_TEXT);
                 out.push(R_REFUSED);
-                out.extend_from_slice(&(end as u16).to_le_bytes());
-                out.extend_from_slice(&reason.as_bytes()[..end]);
+                out.extend_from_slice(&(reason.len() as u16).to_le_bytes());
+                out.extend_from_slice(reason.as_bytes());
+            }
+            Self::Json { text } => {
+                out.push(R_JSON);
+                out.extend_from_slice(&(text.len() as u32).to_le_bytes());
+                out.extend_from_slice(text.as_bytes());
+            }
+            Self::Error { status, message } => {
+                let message = clip(message, MAX_MESSAGE);
+                out.push(R_ERROR);
+                out.extend_from_slice(&status.to_le_bytes());
+                out.extend_from_slice(&(message.len() as u32).to_le_bytes());
+                out.extend_from_slice(message.as_bytes());
             }
         }
         out
@@ -292,12 +513,22 @@ impl Reply {
             R_DONE => Self::Done,
             R_REFUSED => {
                 let n = c.u16()? as usize;
-                if n > MAX_TEXT {
-                    return Err(DecodeError::BadText);
-                }
-                let text = std::str::from_utf8(c.take(n)?).map_err(|_| DecodeError::BadText)?;
                 Self::Refused {
-                    reason: text.to_owned(),
+                    reason: c.text(n, MAX_TEXT)?,
+                }
+            }
+            R_JSON => {
+                let n = c.u32()? as usize;
+                Self::Json {
+                    text: c.text(n, MAX_FRAME)?,
+                }
+            }
+            R_ERROR => {
+                let status = c.u16()?;
+                let n = c.u32()? as usize;
+                Self::Error {
+                    status,
+                    message: c.text(n, MAX_MESSAGE)?,
                 }
             }
             k => return Err(DecodeError::UnknownKind(k)),
@@ -452,26 +683,51 @@ mod tests {
         )
     }
 
-    fn request() -> impl Strategy<Value = Request> {
-        (any::<bool>(), identity(), identity(), any::<i64>(), items()).prop_map(
-            |(fds, from, to, group, items)| {
-                if fds {
-                    Request::Fds {
-                        from,
-                        to,
-                        group,
-                        items,
-                    }
-                } else {
-                    Request::Released {
-                        from,
-                        to,
-                        group,
-                        items,
-                    }
+    fn control() -> impl Strategy<Value = Control> {
+        let tags = proptest::collection::vec("[A-Za-z0-9_.-]{1,64}", 0..8);
+        prop_oneof![
+            tags.clone().prop_map(|tags| Control::Pause { tags }),
+            tags.prop_map(|tags| Control::Resume { tags }),
+            Just(Control::Stats),
+            ("\\PC{0,40}", "\\PC{0,20}", "\\PC{0,400}").prop_map(|(source, stage, profile)| {
+                Control::Run {
+                    source,
+                    stage,
+                    profile,
                 }
-            },
+            }),
+        ]
+    }
+
+    fn request() -> impl Strategy<Value = Request> {
+        (
+            0u8..3,
+            identity(),
+            identity(),
+            any::<i64>(),
+            items(),
+            control(),
         )
+            .prop_map(|(kind, from, to, group, items, op)| match kind {
+                0 => Request::Fds {
+                    from,
+                    to,
+                    group,
+                    items,
+                },
+                1 => Request::Released {
+                    from,
+                    to,
+                    group,
+                    items,
+                },
+                _ => Request::Control {
+                    from,
+                    to,
+                    group,
+                    op,
+                },
+            })
     }
 
     fn reply() -> impl Strategy<Value = Reply> {
@@ -482,6 +738,9 @@ mod tests {
             any::<u64>().prop_map(|vh| Reply::Failed { vh }),
             Just(Reply::Done),
             "\\PC{0,300}".prop_map(|reason| Reply::Refused { reason }),
+            "\\PC{0,300}".prop_map(|text| Reply::Json { text }),
+            (any::<u16>(), "\\PC{0,300}")
+                .prop_map(|(status, message)| Reply::Error { status, message }),
         ]
     }
 
@@ -523,6 +782,7 @@ mod tests {
                 Ok(Request::Fds { items, .. } | Request::Released { items, .. }) => {
                     prop_assert_eq!(items.len() * 16, tail.len());
                 }
+                Ok(Request::Control { .. }) => prop_assert!(false, "kinds 1 and 2 only"),
                 Err(e) => prop_assert!(matches!(e, DecodeError::Truncated
                     | DecodeError::TrailingBytes(_) | DecodeError::TooManyItems(_))),
             }
@@ -575,6 +835,55 @@ mod tests {
         };
         assert!(
             matches!(Reply::decode(&long.encode()), Ok(Reply::Refused { reason }) if reason.len() <= MAX_TEXT)
+        );
+    }
+
+    #[test]
+    fn control_requests_are_bounded() {
+        let id = Identity {
+            pid: 1,
+            start: 2,
+            nonce: 3,
+        };
+        let pause = |tags: Vec<String>| Request::Control {
+            from: id,
+            to: id,
+            group: 4,
+            op: Control::Pause { tags },
+        };
+        // A tag of length 0, or of 65 bytes, is refused by the decoder and by `check`.
+        let mut b = pause(vec!["a".into()]).encode();
+        let n = b.len();
+        b[n - 2] = 0;
+        b.truncate(n - 1);
+        assert_eq!(Request::decode(&b), Err(DecodeError::BadText));
+        let long = Control::Pause {
+            tags: vec!["x".repeat(MAX_TAG + 1)],
+        };
+        assert!(long.check().is_err());
+        let mut b = pause(vec!["x".repeat(MAX_TAG)]).encode();
+        let n = b.len();
+        b[n - MAX_TAG - 1] = (MAX_TAG + 1) as u8;
+        b.push(b'x');
+        assert_eq!(Request::decode(&b), Err(DecodeError::BadText));
+        // A profile larger than a frame holds is refused before anything is sent.
+        let run = Control::Run {
+            source: "p.yaml".into(),
+            stage: "wake".into(),
+            profile: "#".repeat(MAX_FRAME),
+        };
+        assert!(run.check().unwrap_err().contains("carries at most"));
+        assert!(Control::Stats.check().is_ok());
+        assert_eq!(
+            Reply::decode(
+                &Reply::Error {
+                    status: 2,
+                    message: "é".repeat(MAX_MESSAGE)
+                }
+                .encode()
+            )
+            .map(|r| matches!(r, Reply::Error { message, .. } if message.len() <= MAX_MESSAGE)),
+            Ok(true)
         );
     }
 

@@ -639,12 +639,25 @@ impl<T: Send + 'static> PerPeer<T> {
         out
     }
 
-    /// Waits until every peer's thread has its result or `deadline` has passed.
-    fn finish(self, deadline: Instant) -> BTreeMap<u32, Outcome<T>> {
+    /// Waits until every peer's thread has its result or `deadline` has passed, logging who
+    /// it still waits for (`waiting`: what for, `group`) once a second after the first.
+    fn finish(self, deadline: Instant, waiting: &str, group: i64) -> BTreeMap<u32, Outcome<T>> {
         let (lock, cv) = &*self.shared;
         let mut c = lock.lock();
         let started = self.peers.len() - self.unstarted.len();
-        while c.done.len() < started && !cv.wait_until(&mut c, deadline).timed_out() {}
+        let mut progress = Progress::new(deadline);
+        while c.done.len() < started && Instant::now() < deadline {
+            cv.wait_until(&mut c, progress.next());
+            if c.done.len() < started {
+                let pending: Vec<String> = self
+                    .peers
+                    .iter()
+                    .filter(|p| !c.done.contains_key(p) && !self.unstarted.contains_key(p))
+                    .map(|p| format!("process {p} (group {group})"))
+                    .collect();
+                progress.say(|| format!("{waiting}: {}", listed(&pending)));
+            }
+        }
         c.abandoned = true;
         let mut done = std::mem::take(&mut c.done);
         drop(c);
@@ -790,7 +803,8 @@ fn unacknowledged(
 /// Pause step 3: waits until every importer of this process's paused exported buffers (also
 /// those paused by an earlier, failed call) has let go, or `deadline`. Returns what the
 /// processes that did not still hold (a dead process has let go of everything).
-fn wait_importers(deadline: Instant) -> BTreeMap<u32, Holding> {
+fn wait_importers(group: i64, deadline: Instant) -> BTreeMap<u32, Holding> {
+    let mut progress = Progress::new(deadline);
     loop {
         let holders = {
             let mut reg = registry::lock();
@@ -819,8 +833,64 @@ fn wait_importers(deadline: Instant) -> BTreeMap<u32, Holding> {
         if holders.is_empty() || Instant::now() >= deadline {
             return holders;
         }
+        progress.say(|| {
+            let who: Vec<String> = holders
+                .iter()
+                .map(|(pid, h)| format!("process {pid} (group {group}) holds {h}"))
+                .collect();
+            format!(
+                "pause('nccl') waits for peers to release their imports of this process's memory: {}",
+                listed(&who)
+            )
+        });
         std::thread::sleep(Duration::from_micros(200));
     }
+}
+
+/// Progress lines of a wait for peers: visible by default (warn), the first after a second of
+/// waiting, then at most one a second, each saying how long the wait may still last.
+struct Progress {
+    deadline: Instant,
+    next: Instant,
+}
+
+impl Progress {
+    fn new(deadline: Instant) -> Self {
+        Self {
+            deadline,
+            next: Instant::now() + Duration::from_secs(1),
+        }
+    }
+
+    /// Logs `what()` if a line is due.
+    fn say(&mut self, what: impl FnOnce() -> String) {
+        let now = Instant::now();
+        if now < self.next {
+            return;
+        }
+        self.next = now + Duration::from_secs(1);
+        let left = self.deadline.saturating_duration_since(now).as_secs_f64();
+        tracing::warn!(
+            left_s = left,
+            "memsaver: {}; giving up in {left:.1} s (MEMSAVER_NCCL_TIMEOUT_MS)",
+            what()
+        );
+    }
+
+    /// When the next line is due (a waiter wakes up then).
+    fn next(&self) -> Instant {
+        self.next.min(self.deadline)
+    }
+}
+
+/// The first items of a list, and how many more.
+fn listed(items: &[String]) -> String {
+    const SHOWN: usize = 8;
+    let mut s = items[..items.len().min(SHOWN)].join("; ");
+    if items.len() > SHOWN {
+        s.push_str(&format!("; and {} more", items.len() - SHOWN));
+    }
+    s
 }
 
 /// `, whose imports of <holding> this process released`, for an owner told so.
@@ -1043,7 +1113,11 @@ impl NcclTag {
         // The owners that just served this process answer; wait for them within the deadline
         // of this resume, at least a moment.
         let deadline = Instant::now() + Duration::from_millis(200);
-        let _ = notify_owners(group, unused, deadline).finish(deadline);
+        let _ = notify_owners(group, unused, deadline).finish(
+            deadline,
+            "resume('nccl') tells owners which imports it did not use",
+            group,
+        );
         out
     }
 }
@@ -1092,8 +1166,12 @@ impl ExternalTag for NcclTag {
         let local_ms = start.elapsed().as_secs_f64() * 1e3;
         let group = crate::amem::group_id();
         let notifying = notify_owners(group, std::mem::take(&mut released.notices), deadline);
-        let holders = wait_importers(deadline);
-        let unacked = unacknowledged(notifying.finish(deadline));
+        let holders = wait_importers(group, deadline);
+        let unacked = unacknowledged(notifying.finish(
+            deadline,
+            "pause('nccl') waits for the owners of its imports to acknowledge their release",
+            group,
+        ));
         if !holders.is_empty() {
             return Err(pause_error(
                 group,
@@ -1139,7 +1217,11 @@ impl ExternalTag for NcclTag {
         let fetching = fetch_imports(group, imports_to_fetch(), deadline);
         let local = self.restore_local();
         let restored_ms = start.elapsed().as_secs_f64() * 1e3;
-        let fetched = fetching.finish(deadline);
+        let fetched = fetching.finish(
+            deadline,
+            "resume('nccl') waits for the owners of its imports to serve them (they must resume 'nccl' too)",
+            group,
+        );
         let fetched_ms = start.elapsed().as_secs_f64() * 1e3;
         // The peers' memory is mapped back even if ours could not be (it is on their devices).
         let imported = self.map_imports(group, fetched);

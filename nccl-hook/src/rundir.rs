@@ -49,6 +49,17 @@ impl Dir {
         PathBuf::from(format!("/proc/self/fd/{}/{name}", self.fd.as_raw_fd()))
     }
 
+    /// The names of the entries of this directory (read through the held descriptor).
+    pub(crate) fn entries(&self) -> Vec<String> {
+        std::fs::read_dir(format!("/proc/self/fd/{}", self.fd.as_raw_fd()))
+            .map(|it| {
+                it.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Removes `name` from this directory (`unlinkat`), ignoring a missing entry.
     pub(crate) fn remove(&self, name: &str) {
         if let Ok(c) = CString::new(name) {
@@ -186,6 +197,34 @@ pub(crate) fn group_dir(runtime_dir: &Path, group: i64) -> std::io::Result<Dir> 
     let path = runtime_dir.join(format!("g{group}"));
     let fd = private_child(&base, OsStr::new(&format!("g{group}")), &path)?;
     Ok(Dir { fd, path })
+}
+
+/// The groups whose directories the runtime directory holds (`g<group>`), if it is usable
+/// (checked as [`group_dir`] checks it; nothing is created).
+pub(crate) fn group_names(runtime_dir: &Path) -> Vec<i64> {
+    let Some(name) = runtime_dir.file_name() else {
+        return Vec::new();
+    };
+    let Ok((parent, _)) = open_parent(runtime_dir) else {
+        return Vec::new();
+    };
+    let Ok(fd) = open_at(parent.as_raw_fd(), name, runtime_dir) else {
+        return Vec::new();
+    };
+    if check_private(&fd, runtime_dir).is_err() {
+        return Vec::new();
+    }
+    let dir = Dir {
+        fd,
+        path: runtime_dir.to_owned(),
+    };
+    let mut groups: Vec<i64> = dir
+        .entries()
+        .iter()
+        .filter_map(|n| n.strip_prefix('g')?.parse().ok())
+        .collect();
+    groups.sort_unstable();
+    groups
 }
 
 /// What [`inspect`] found at one directory.

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from importlib import metadata as _metadata
 
-from . import timeline
+from . import control, timeline
 from ._api import (
     cuda_graph,
     device_memory,
@@ -44,9 +44,10 @@ from ._api import (
     stats,
 )
 from ._core import require_preload
-from ._launch import configure_subprocess, preload_path, subprocess_env
+from ._launch import configure_subprocess, preload_path, ray_runtime_env, subprocess_env
 from ._memsaver import (
     BackupError,
+    ControlError,
     DriverError,
     DriverNotLoadedError,
     IncompleteError,
@@ -61,6 +62,7 @@ from ._memsaver import (
     UnknownTagError,
 )
 from ._stats import Stats, TagStats, Usage
+from .control import register_callback, serve_control
 from .profile import Profile, ProfileStepError, StageReport, StepReport, load_profile, parse_profile
 
 __all__ = [
@@ -89,6 +91,11 @@ __all__ = [
     "preload_path",
     "subprocess_env",
     "configure_subprocess",
+    "ray_runtime_env",
+    # other processes
+    "control",
+    "serve_control",
+    "register_callback",
     # errors
     "MemsaverError",
     "InvalidArgumentError",
@@ -103,6 +110,7 @@ __all__ = [
     "PeerError",
     "ProfileError",
     "BackupError",
+    "ControlError",
     "ProfileStepError",
     # profiles
     "load_profile",

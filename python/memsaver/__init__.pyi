@@ -5,9 +5,11 @@ from collections.abc import Mapping
 from contextlib import _GeneratorContextManager
 from typing import Any, Literal
 
+from . import control as control
 from . import timeline as timeline
 from ._memsaver import (
     BackupError,
+    ControlError,
     DriverError,
     DriverNotLoadedError,
     IncompleteError,
@@ -24,6 +26,8 @@ from ._memsaver import (
 from ._stats import Stats as Stats
 from ._stats import TagStats as TagStats
 from ._stats import Usage as Usage
+from .control import register_callback as register_callback
+from .control import serve_control as serve_control
 from .profile import Profile as Profile
 from .profile import ProfileStepError as ProfileStepError
 from .profile import StageReport as StageReport
@@ -54,6 +58,10 @@ __all__ = [
     "hook_mode",
     "require_preload",
     "preload_path",
+    "ray_runtime_env",
+    "control",
+    "serve_control",
+    "register_callback",
     "subprocess_env",
     "configure_subprocess",
     "MemsaverError",
@@ -69,6 +77,7 @@ __all__ = [
     "PeerError",
     "ProfileError",
     "BackupError",
+    "ControlError",
     "ProfileStepError",
     "load_profile",
     "parse_profile",
@@ -101,6 +110,12 @@ def require_preload() -> None: ...
 def preload_path() -> str: ...
 def subprocess_env(environ: Mapping[str, str] | None = None) -> dict[str, str]: ...
 def configure_subprocess() -> _GeneratorContextManager[dict[str, str]]: ...
+def ray_runtime_env(
+    group: int,
+    control: bool = True,
+    env_vars: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]: ...
 def device_memory(device: int = 0) -> tuple[int, int]: ...
 def set_retain_backups(on: bool) -> None: ...
 def retain_backups() -> bool: ...

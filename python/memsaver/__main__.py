@@ -54,17 +54,36 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser(
         "run",
-        help="run one stage of a profile in this process (call steps skipped)",
-        description="Run one stage of a profile in this process; call steps are skipped.",
+        help="run one stage of a profile in other processes (--pid/--group), or in this one",
+        description="Run one stage of a profile. With --pid or --group: in those processes, which "
+        "must serve control requests (MEMSAVER_CONTROL=1 or memsaver.serve_control()); their call "
+        "steps run the callbacks they registered (memsaver.register_callback), and a stage calling "
+        "one they did not register fails before any step runs. Without: in this process, which "
+        "holds no memory unless it allocated some, and whose call steps are skipped (reported so).",
     )
     run.add_argument("file", metavar="FILE")
     run.add_argument("stage", metavar="STAGE")
+    _target_options(run)
 
-    sub.add_parser(
+    for name, verb in (("pause", "release"), ("resume", "map again")):
+        c = sub.add_parser(
+            name,
+            help=f"{name} tags of other processes (--pid or --group)",
+            description=f"{name.capitalize()} (device memory: {verb}) TAGs in other processes, which "
+            "must serve control requests (MEMSAVER_CONTROL=1 or memsaver.serve_control()); "
+            "no TAG: every tag. Exit status 1 if any process failed.",
+        )
+        c.add_argument("tags", nargs="*", metavar="TAG")
+        _target_options(c, required=True)
+
+    st = sub.add_parser(
         "stats",
-        help="load memsaver in this process and print its hook mode and stats",
-        description="Load libmemsaver.so in this process and print its hook mode, library and stats.",
+        help="stats of other processes (--pid/--group), or load memsaver here and print this process's",
+        description="With --pid or --group: the stats of those processes. Without: load "
+        "libmemsaver.so in this process and print its hook mode, library and stats.",
     )
+    _target_options(st)
+    st.add_argument("--json", action="store_true", help="print the answers as JSON")
 
     tl = sub.add_parser(
         "timeline",
@@ -106,6 +125,59 @@ def _parser() -> argparse.ArgumentParser:
         "if something is wrong, with a line saying what to do.",
     )
     return p
+
+
+def _target_options(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--pid", type=int, metavar="PID", help="the process to act on")
+    p.add_argument(
+        "--group",
+        type=int,
+        metavar="G",
+        help="every process of group G (with --pid: the group PID is in; default: MEMSAVER_GROUP)",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="seconds to wait per process (600)")
+    if required:
+        p.set_defaults(_target_required=True)
+
+
+def _remote(args: argparse.Namespace, op: str, **fields: object) -> int:
+    """Sends ``op`` to the processes --pid/--group name; one line (or report) per process."""
+    from memsaver import control
+
+    addressed: control._Addressed
+    if args.pid is not None:
+        addressed = control.Target(args.pid, args.group, args.timeout)
+    else:
+        addressed = control.group(args.group, args.timeout)
+    answers = addressed.send(op, **fields)
+    if getattr(args, "json", False):
+        print(json.dumps([_answer_json(a) for a in answers], indent=2))
+        return 0 if all(a.ok for a in answers) else 1
+    what = {
+        "pause": "paused " + (", ".join(fields.get("tags", [])) or "every tag"),  # type: ignore[arg-type]
+        "resume": "resumed " + (", ".join(fields.get("tags", [])) or "every tag"),  # type: ignore[arg-type]
+    }
+    for a in answers:
+        who = f"process {a.pid} (group {a.group})"
+        if not a.ok:
+            print(f"{who}: FAILED: {a.error}", file=sys.stderr)
+        elif op in what:
+            print(f"{who}: {what[op]}")
+        else:
+            print(f"{who}:\n{a.result}")
+    failed = [a for a in answers if not a.ok]
+    if failed:
+        print(f"memsaver: {len(failed)} of {len(answers)} processes failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _answer_json(a: object) -> dict[str, object]:
+    import dataclasses
+
+    d = dataclasses.asdict(a)  # type: ignore[call-overload]
+    if d["result"] is not None:
+        d["result"] = json.loads(json.dumps(d["result"], default=str))
+    return d  # type: ignore[no-any-return]
 
 
 def _core(args: list[str]) -> int:
@@ -219,7 +291,24 @@ def _run(file: str, stage: str) -> int:
     import memsaver
 
     try:
-        report = memsaver.load_profile(file).run(stage, skip_calls=True)
+        profile = memsaver.load_profile(file)
+        held = memsaver.stats().total.reserved_bytes
+    except memsaver.MemsaverError as e:
+        print(f"memsaver: {e}", file=sys.stderr)
+        return 1
+    holds = (
+        f"it holds {held} bytes allocated through memsaver"
+        if held
+        else "it holds no memory allocated through memsaver, so its pause and resume steps release nothing"
+    )
+    print(
+        f"running stage '{stage}' of {file} in this process (pid {os.getpid()}): {holds}; its call steps are "
+        "skipped (no callbacks here). To act on the processes that hold the memory, pass --pid PID or "
+        "--group G.",
+        file=sys.stderr,
+    )
+    try:
+        report = profile.run(stage, skip_calls=True)
     except memsaver.MemsaverError as e:
         print(f"memsaver: {e}", file=sys.stderr)
         return 1
@@ -238,6 +327,7 @@ def _stats() -> int:
         print(f"memsaver: {e}", file=sys.stderr)
         return 1
     loaded = _memsaver.loaded()
+    print(f"process:   this one (pid {os.getpid()}; another process's stats: --pid PID or --group G)")
     print(f"hook mode: {mode}")
     print(f"library:   {loaded[1] if loaded else '?'}")
     print(f"driver:    {os.environ.get('MEMSAVER_CUDA_LIB') or 'libcuda.so.1'}")
@@ -277,8 +367,19 @@ def _main(argv: list[str] | None) -> int:
         return _timeline(args.events, args.output, args.png, args.trace, args.title)
     if args.command == "check":
         return _check(args.files)
+    targeted = getattr(args, "pid", None) is not None or getattr(args, "group", None) is not None
+    if getattr(args, "_target_required", False) and not targeted:
+        parser.error(f"{args.command}: name the processes with --pid PID or --group G")
+    if args.command in ("pause", "resume"):
+        return _remote(args, args.command, tags=args.tags)
     if args.command == "run":
+        if targeted:
+            from memsaver import control
+
+            return _remote(args, "run", stage=args.stage, **control._Addressed._profile(args.file))
         return _run(args.file, args.stage)
+    if args.command == "stats" and targeted:
+        return _remote(args, "stats")
     if args.command == "diagnostics":
         from memsaver import _diagnostics
 

@@ -37,6 +37,11 @@ def library() -> tuple[str, str]:
         # racing to dlopen it.
         with _load_lock:
             loaded = _memsaver.loaded() or _memsaver.load(BUNDLED_LIBRARY)
+        # Profile stages that other processes ask this one to run (memsaver.control) run in
+        # this package: say so to the library as soon as it is loaded.
+        from .control import _install_runner
+
+        _install_runner()
     return loaded
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from ._core import BUNDLED_LIBRARY, HOOK_MODE_ENV, ld_preload_entries
 from ._memsaver import MemsaverError
@@ -61,6 +62,36 @@ def subprocess_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
         if environ.get(name):
             env[name] = environ[name]
     return env
+
+
+def ray_runtime_env(
+    group: int,
+    control: bool = True,
+    env_vars: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """A Ray ``runtime_env`` whose workers run memsaver in preload mode, in ``group``, serving
+    control requests (``control=False``: not)::
+
+        Rollout.options(runtime_env=memsaver.ray_runtime_env(group=200)).remote()
+        memsaver.control.group(200).pause("kv_cache")        # from the driver
+
+    ``env_vars``: the variables of :func:`subprocess_env` (``LD_PRELOAD``,
+    ``MEMSAVER_HOOK_MODE=preload``), every other ``MEMSAVER_*`` variable set in ``environ``
+    (default ``os.environ``: the runtime directory, log filter, driver, timeouts, ... must be
+    the same in the workers), ``MEMSAVER_GROUP`` and ``MEMSAVER_CONTROL``, then ``env_vars``.
+    The paths must be valid on every node."""
+    if isinstance(group, bool) or not isinstance(group, int):
+        raise TypeError(f"memsaver.ray_runtime_env(group=...) takes an int, got {group!r}")
+    environ = os.environ if environ is None else environ
+    env = subprocess_env(environ)
+    for name, value in environ.items():
+        if name.startswith("MEMSAVER_") and value.strip():
+            env.setdefault(name, value)
+    env["MEMSAVER_GROUP"] = str(group)
+    env["MEMSAVER_CONTROL"] = "1" if control else "0"
+    env.update(env_vars or {})
+    return {"env_vars": env}
 
 
 @contextlib.contextmanager

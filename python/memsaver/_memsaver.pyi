@@ -1,5 +1,7 @@
 """The compiled extension: thin calls into the C ABI of libmemsaver.so (memsaver.h)."""
 
+from collections.abc import Callable
+
 __all__ = [
     "load",
     "loaded",
@@ -35,11 +37,15 @@ __all__ = [
     "PeerError",
     "ProfileError",
     "BackupError",
+    "ControlError",
     "parse_profile",
     "load_profile",
     "cli_main",
     "runtime_dir",
     "device_memory",
+    "control_serve",
+    "control_set_runner",
+    "control_json",
 ]
 
 def load(bundled: str) -> tuple[str, str]:
@@ -96,6 +102,14 @@ def malloc(size: int, device: int, tag: str, policy: str) -> int:
     """Allocates tagged device memory directly; returns the device address."""
 
 def free(ptr: int) -> None: ...
+def control_serve() -> None:
+    """Opts this process in to control requests from other processes (its socket starts now)."""
+
+def control_set_runner(runner: Callable[[str], str] | None) -> None:
+    """Installs the runner of profile stages for control requests (JSON in, JSON out)."""
+
+def control_json(request: str) -> str:
+    """Sends a control request (JSON) to other processes; their answers as JSON. Releases the GIL."""
 
 class MemsaverError(Exception): ...
 class InvalidArgumentError(MemsaverError): ...
@@ -110,6 +124,7 @@ class IncompleteError(MemsaverError): ...
 class PeerError(MemsaverError): ...
 class ProfileError(MemsaverError): ...
 class BackupError(MemsaverError): ...
+class ControlError(MemsaverError): ...
 
 def parse_profile(text: str, file: str) -> str: ...
 def load_profile(path: str) -> str:

@@ -40,6 +40,8 @@ class StepReport:
     seconds: float
     resident_before: dict[str, int]
     resident_after: dict[str, int]
+    #: A ``call`` step not run (``skip_calls``): nothing was called.
+    skipped: bool = False
 
 
 @dataclass
@@ -57,7 +59,11 @@ class StageReport:
         rows = [f"stage '{self.stage}' ({self.seconds * 1e3:.2f} ms)", head]
         for s in self.steps:
             cells = "".join(f" {_mib(s.resident_after.get(t, 0)):>12}" for t in tags)
-            rows.append(f"{s.description:<40} {s.seconds * 1e3:>9.2f}{cells}")
+            ms = "skipped" if s.skipped else f"{s.seconds * 1e3:.2f}"
+            rows.append(f"{s.description:<40} {ms:>9}{cells}")
+        skipped = [s.description for s in self.steps if s.skipped]
+        if skipped:
+            rows.append(f"not run: {', '.join(skipped)} (no callbacks were given)")
         return "\n".join(rows)
 
 
@@ -141,6 +147,10 @@ class Profile:
         """Names of the callbacks the stages call, in order of first use."""
         return list(self._callbacks)
 
+    def stage_callbacks(self, stage: str) -> list[str]:
+        """Names of the callbacks ``stage`` calls, in order of first use."""
+        return list(self._stage_callbacks[stage])
+
     @contextlib.contextmanager
     def region(self, tag: str) -> Iterator[None]:
         """``memsaver.region(tag, backup=...)`` with the backup policy the profile declares."""
@@ -192,6 +202,9 @@ class Profile:
                     f"package cannot run '{s['op']}' steps; install the package and library of one version"
                 )
             before = after  # the previous step's "after": nothing runs in between
+            if s["op"] == "call" and skip_calls:
+                report.steps.append(StepReport(i, s["line"], what, 0.0, before, after, skipped=True))
+                continue
             t0 = time.perf_counter()
             try:
                 # A span: an NVTX/record_function range, and an event unless pause/resume records it.

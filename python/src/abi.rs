@@ -33,6 +33,9 @@ pub enum Status {
     Profile = 12,
     /// Host memory or a file for a backup failed.
     Backup = 13,
+    /// A control request to another process could not be delivered, was refused or got no
+    /// answer (not its operation's own error, which keeps its status).
+    Control = 14,
     /// A bug in memsaver (a caught panic): please report it with MEMSAVER_LOG=debug output.
     Internal = 99,
 }
@@ -55,6 +58,7 @@ impl Status {
             11 => Some(Self::Peer),
             12 => Some(Self::Profile),
             13 => Some(Self::Backup),
+            14 => Some(Self::Control),
             99 => Some(Self::Internal),
             _ => None,
         }
@@ -91,6 +95,9 @@ macro_rules! with_functions {
             memsaver_profile_load: unsafe extern "C" fn(*const c_char, *mut c_char, usize, *mut usize) -> c_int,
             memsaver_cli_main: unsafe extern "C" fn(c_int, *const *const c_char) -> c_int,
             memsaver_runtime_dir: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
+            memsaver_control_serve: unsafe extern "C" fn() -> c_int,
+            memsaver_control_set_runner: unsafe extern "C" fn(MemsaverStageRunner) -> c_int,
+            memsaver_control_json: unsafe extern "C" fn(*const c_char, *mut *mut c_char) -> c_int,
         }
     };
 }

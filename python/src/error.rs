@@ -90,6 +90,13 @@ create_exception!(
     "Host memory or a file for a backup could not be made, written or read."
 );
 
+create_exception!(
+    memsaver,
+    ControlError,
+    MemsaverError,
+    "A control request to another process could not be delivered, was refused or got no answer."
+);
+
 /// The exception for a failed call's status code, carrying `message`.
 pub fn from_status(code: i32, message: String) -> PyErr {
     let Some(status) = Status::from_code(code) else {
@@ -111,6 +118,7 @@ pub fn from_status(code: i32, message: String) -> PyErr {
         Status::Peer => PeerError::new_err(message),
         Status::Profile => ProfileError::new_err(message),
         Status::Backup => BackupError::new_err(message),
+        Status::Control => ControlError::new_err(message),
         // Not errors a caller can act on by type: the binding retries a short buffer itself,
         // an internal error is a bug whose message says so, and success is never raised.
         Status::BufferTooSmall | Status::Internal | Status::Ok => {
@@ -143,5 +151,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PeerError", py.get_type::<PeerError>())?;
     m.add("ProfileError", py.get_type::<ProfileError>())?;
     m.add("BackupError", py.get_type::<BackupError>())?;
+    m.add("ControlError", py.get_type::<ControlError>())?;
     Ok(())
 }

@@ -325,6 +325,120 @@ fn free(ptr: u64) -> PyResult<()> {
     check(l, unsafe { (l.memsaver_free)(ptr as *mut c_void) })
 }
 
+/// Opts this process in to control requests from other processes (its socket starts now).
+#[pyfunction]
+fn control_serve() -> PyResult<()> {
+    let l = lib()?;
+    // SAFETY: no arguments.
+    check(l, unsafe { (l.memsaver_control_serve)() })
+}
+
+/// The Python function that runs profile stages for control requests (str -> str, JSON).
+static RUNNER: std::sync::Mutex<Option<Py<PyAny>>> = std::sync::Mutex::new(None);
+
+/// The C stage runner: calls the Python runner with the GIL taken, on memsaver's control
+/// thread, and returns its answer in malloc'ed memory (libmemsaver.so frees it).
+unsafe extern "C" fn run_stage(request: *const c_char) -> *mut c_char {
+    let answer = std::panic::catch_unwind(|| {
+        // SAFETY: libmemsaver.so passes a NUL-terminated request.
+        let request = unsafe { CStr::from_ptr(request) }
+            .to_string_lossy()
+            .into_owned();
+        Python::attach(|py| -> String {
+            let runner = RUNNER
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .map(|r| r.clone_ref(py));
+            let failed = |e: String| {
+                format!(
+                    "{{\"ok\": false, \"status\": 99, \"error\": {}}}",
+                    json_string(&e)
+                )
+            };
+            match runner {
+                None => failed("the stage runner was removed".into()),
+                Some(r) => match r
+                    .call1(py, (request,))
+                    .and_then(|v| v.extract::<String>(py))
+                {
+                    Ok(s) => s,
+                    Err(e) => failed(format!("the stage runner raised {e}")),
+                },
+            }
+        })
+    })
+    .unwrap_or_else(|_| "{\"ok\": false, \"status\": 99, \"error\": \"a panic\"}".into());
+    let bytes = answer.replace('\0', " ");
+    // SAFETY: a fresh allocation of len + 1 bytes, filled and NUL-terminated below.
+    let out = unsafe { libc::malloc(bytes.len() + 1) }.cast::<u8>();
+    if out.is_null() {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: `out` holds len + 1 bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out, bytes.len());
+        *out.add(bytes.len()) = 0;
+    }
+    out.cast()
+}
+
+/// A JSON string literal of `s`.
+fn json_string(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// Installs `runner` (a function taking and returning JSON text) as the runner of profile
+/// stages for control requests; None removes it.
+#[pyfunction]
+#[pyo3(signature = (runner))]
+fn control_set_runner(runner: Option<Py<PyAny>>) -> PyResult<()> {
+    let l = lib()?;
+    let installed: library::MemsaverStageRunner = runner
+        .as_ref()
+        .map(|_| run_stage as unsafe extern "C" fn(*const c_char) -> *mut c_char);
+    *RUNNER.lock().unwrap_or_else(|p| p.into_inner()) = runner;
+    // SAFETY: `run_stage` is callable from any thread for the life of the process.
+    check(l, unsafe { (l.memsaver_control_set_runner)(installed) })
+}
+
+/// Sends a control request (JSON) to other processes; returns their answers (JSON). The GIL
+/// is released while it waits. The request is sent once.
+#[pyfunction]
+fn control_json(py: Python<'_>, request: &str) -> PyResult<String> {
+    let l = lib()?;
+    let r = cstr(request, "request")?;
+    let rp = r.as_ptr() as usize;
+    let (code, answer) = py.detach(|| {
+        let mut answer: *mut c_char = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated request that outlives the call; a valid out-pointer.
+        let code = unsafe { (l.memsaver_control_json)(rp as *const c_char, &mut answer) };
+        (code, answer as usize)
+    });
+    check(l, code)?;
+    let answer = answer as *mut c_char;
+    if answer.is_null() {
+        return Err(error::MemsaverError::new_err("control request: no answer"));
+    }
+    // SAFETY: a malloc'ed NUL-terminated text, ours to free after copying it.
+    let text = unsafe { CStr::from_ptr(answer) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: allocated with malloc by libmemsaver.so, not used after this.
+    unsafe { libc::free(answer.cast()) };
+    Ok(text)
+}
+
 #[pymodule]
 fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     error::register(m)?;
@@ -354,5 +468,8 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_memory_margin, m)?)?;
     m.add_function(wrap_pyfunction!(malloc, m)?)?;
     m.add_function(wrap_pyfunction!(free, m)?)?;
+    m.add_function(wrap_pyfunction!(control_serve, m)?)?;
+    m.add_function(wrap_pyfunction!(control_set_runner, m)?)?;
+    m.add_function(wrap_pyfunction!(control_json, m)?)?;
     Ok(())
 }

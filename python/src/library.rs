@@ -5,6 +5,9 @@
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::OnceLock;
 
+/// The stage runner's type in the C ABI (`MemsaverStageRunner` in memsaver.h).
+pub type MemsaverStageRunner = Option<unsafe extern "C" fn(*const c_char) -> *mut c_char>;
+
 macro_rules! c_abi {
     ($($name:ident: $ty:ty,)*) => {
         /// The C functions of libmemsaver.so (torch-shim/include/memsaver.h), resolved by name.

@@ -281,7 +281,7 @@ def test_exceptions_and_all():
     errors = [getattr(memsaver, n) for n in memsaver.__all__ if n.endswith("Error")]
     # One per status a caller can act on (python/src/error.rs), plus MemsaverError and
     # ProfileStepError.
-    assert len(errors) == 14
+    assert len(errors) == 15
     for cls in errors:
         assert issubclass(cls, memsaver.MemsaverError)
         # Raised by the extension, except ProfileStepError (raised by the profile runner).
@@ -289,6 +289,7 @@ def test_exceptions_and_all():
             assert cls is getattr(_memsaver, cls.__name__)
     assert issubclass(memsaver.ResumeOutOfMemoryError, memsaver.OutOfMemoryError)
     assert memsaver.BackupError in errors  # MEMSAVER_ERR_BACKUP
+    assert memsaver.ControlError in errors  # MEMSAVER_ERR_CONTROL
 
 
 def test_cuda_graph_needs_torch():

@@ -14,7 +14,20 @@ import pytest
 
 BAD = sorted((pathlib.Path(__file__).parent / "profiles" / "bad").glob("*.yaml"))
 EXAMPLE = pathlib.Path(__file__).parents[2] / "docs" / "examples" / "verl_grpo.yaml"
-COMMANDS = ["demo", "check", "run", "stats", "timeline", "env", "preload-path", "bench", "options", "diagnostics"]
+COMMANDS = [
+    "demo",
+    "check",
+    "run",
+    "pause",
+    "resume",
+    "stats",
+    "timeline",
+    "env",
+    "preload-path",
+    "bench",
+    "options",
+    "diagnostics",
+]
 
 
 def memsaver_cmd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -28,6 +28,10 @@
  * resume skips them). Without preload, torch's CUDAPluggableAllocator calls
  * `memsaver_torch_malloc` and `memsaver_torch_free`, inside regions only.
  *
+ * Control (`memsaver_control_*`): a process that opted in (`MEMSAVER_CONTROL=1`, or
+ * `memsaver_control_serve`) serves pause, resume, stats and profile-stage requests from
+ * other processes of its user and group over its memsaver socket (docs/security.md).
+ *
  * This text, the doc comment of each exported function and the status codes (`Status`) are
  * the only definition of the C ABI: `include/memsaver.h` and the Python binding's table
  * (`python/src/abi.rs`) are generated from them by `tests/abi_files.rs` (`make abi`), which
@@ -70,9 +74,23 @@ typedef enum memsaver_status {
     MEMSAVER_ERR_PROFILE = 12,
     /* Host memory or a file for a backup failed. */
     MEMSAVER_ERR_BACKUP = 13,
+    /*
+     * A control request to another process could not be delivered, was refused or got no
+     * answer (not its operation's own error, which keeps its status).
+     */
+    MEMSAVER_ERR_CONTROL = 14,
     /* A bug in memsaver (a caught panic): please report it with MEMSAVER_LOG=debug output. */
     MEMSAVER_ERR_INTERNAL = 99,
 } memsaver_status;
+
+/**
+ * A function that runs a profile stage for a control request, on memsaver's control thread:
+ * it receives the request as JSON (`{"source", "stage", "profile", "from"}`: the profile's
+ * name, the stage, the profile's text and the requesting pid) and returns a `malloc`ed,
+ * NUL-terminated JSON text, `{"ok": true, "report": ...}` or `{"ok": false, "status": code,
+ * "error": message}`, which memsaver frees. The Python package installs one.
+ */
+typedef char *(*MemsaverStageRunner)(const char*);
 
 #ifdef __cplusplus
 extern "C" {
@@ -304,6 +322,45 @@ int memsaver_cli_main(int argc, const char *const *argv);
  * As [`memsaver_stats_json`].
  */
 int memsaver_runtime_dir(char *buf, size_t len, size_t *needed);
+
+/**
+ * Opts this process in to control requests from other processes of its user and group
+ * (as `MEMSAVER_CONTROL=1` does when the allocator starts), starting its memsaver socket
+ * now if needed. Fails with `MEMSAVER_ERR_CONTROL` when the socket cannot be served (the
+ * runtime directory is not usable: the message says why).
+ */
+int memsaver_control_serve(void);
+
+/**
+ * Installs the function that runs profile stages for control requests (NULL removes it;
+ * without one, such requests fail saying that the Python package is not loaded).
+ *
+ * # Safety
+ * `runner` is NULL or a function with the contract of `MemsaverStageRunner`, callable from
+ * any thread for as long as it is installed.
+ */
+int memsaver_control_set_runner(MemsaverStageRunner runner);
+
+/**
+ * Sends a control request to other processes and gives their answers as JSON in `*answer`:
+ * a NUL-terminated text allocated with `malloc`, which the caller releases with `free` (not
+ * the protocol of `memsaver_stats_json`: a request is sent once, never again to learn the
+ * size of its answer). The request is JSON: {"op": "pause" | "resume" | "stats" | "run",
+ * "pid": P or null, "group": G or null (this process's group), "tags": [...] (pause,
+ * resume; none: every tag), "source", "stage", "profile" (run: the profile's name, stage and
+ * text), "timeout_s" (per process; default 600)}. With a pid it goes to that process of the
+ * group, else to every live process of the group but this one, all at once. The answer:
+ * {"op", "targets": [{"pid", "group", "ok", "status", "error", "result"}]}, one per
+ * process: `status` is the code of its failure (its operation's own, or
+ * `MEMSAVER_ERR_CONTROL` when it was not reached, refused or did not answer), `result` the
+ * stats or the stage's report. `MEMSAVER_ERR_CONTROL` for the call itself (and `*answer`
+ * NULL) when there is no such process or group: the message says where it looked and what
+ * to check.
+ *
+ * # Safety
+ * `request` is a NUL-terminated string; `answer` is a valid out-pointer.
+ */
+int memsaver_control_json(const char *request, char **answer);
 
 /**
  * Allocation entry point for `CUDAPluggableAllocator`. Returns NULL (torch reports out of

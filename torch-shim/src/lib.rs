@@ -27,12 +27,17 @@
 //! resume skips them). Without preload, torch's CUDAPluggableAllocator calls
 //! `memsaver_torch_malloc` and `memsaver_torch_free`, inside regions only.
 //!
+//! Control (`memsaver_control_*`): a process that opted in (`MEMSAVER_CONTROL=1`, or
+//! `memsaver_control_serve`) serves pause, resume, stats and profile-stage requests from
+//! other processes of its user and group over its memsaver socket (docs/security.md).
+//!
 //! This text, the doc comment of each exported function and the status codes (`Status`) are
 //! the only definition of the C ABI: `include/memsaver.h` and the Python binding's table
 //! (`python/src/abi.rs`) are generated from them by `tests/abi_files.rs` (`make abi`), which
 //! fails when a checked-in copy differs: edit the Rust source, not those files.
 
 pub mod cli;
+mod control;
 pub mod hooks;
 pub mod region;
 mod status;
@@ -657,4 +662,88 @@ pub unsafe extern "C" fn memsaver_runtime_dir(
                 .into_owned()))
         })
     }
+}
+
+/// A function that runs a profile stage for a control request, on memsaver's control thread:
+/// it receives the request as JSON (`{"source", "stage", "profile", "from"}`: the profile's
+/// name, the stage, the profile's text and the requesting pid) and returns a `malloc`ed,
+/// NUL-terminated JSON text, `{"ok": true, "report": ...}` or `{"ok": false, "status": code,
+/// "error": message}`, which memsaver frees. The Python package installs one.
+pub type MemsaverStageRunner = Option<unsafe extern "C" fn(*const c_char) -> *mut c_char>;
+
+/// Opts this process in to control requests from other processes of its user and group
+/// (as `MEMSAVER_CONTROL=1` does when the allocator starts), starting its memsaver socket
+/// now if needed. Fails with `MEMSAVER_ERR_CONTROL` when the socket cannot be served (the
+/// runtime directory is not usable: the message says why).
+#[unsafe(no_mangle)]
+pub extern "C" fn memsaver_control_serve() -> c_int {
+    ffi_with(|| {
+        memsaver_nccl_hook::control::serve().map_err(|message| Failure {
+            status: Status::Control,
+            message,
+        })
+    })
+}
+
+/// Installs the function that runs profile stages for control requests (NULL removes it;
+/// without one, such requests fail saying that the Python package is not loaded).
+///
+/// # Safety
+/// `runner` is NULL or a function with the contract of `MemsaverStageRunner`, callable from
+/// any thread for as long as it is installed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_control_set_runner(runner: MemsaverStageRunner) -> c_int {
+    ffi_with(|| {
+        control::set_runner(runner);
+        Ok(())
+    })
+}
+
+/// Sends a control request to other processes and gives their answers as JSON in `*answer`:
+/// a NUL-terminated text allocated with `malloc`, which the caller releases with `free` (not
+/// the protocol of `memsaver_stats_json`: a request is sent once, never again to learn the
+/// size of its answer). The request is JSON: {"op": "pause" | "resume" | "stats" | "run",
+/// "pid": P or null, "group": G or null (this process's group), "tags": [...] (pause,
+/// resume; none: every tag), "source", "stage", "profile" (run: the profile's name, stage and
+/// text), "timeout_s" (per process; default 600)}. With a pid it goes to that process of the
+/// group, else to every live process of the group but this one, all at once. The answer:
+/// {"op", "targets": [{"pid", "group", "ok", "status", "error", "result"}]}, one per
+/// process: `status` is the code of its failure (its operation's own, or
+/// `MEMSAVER_ERR_CONTROL` when it was not reached, refused or did not answer), `result` the
+/// stats or the stage's report. `MEMSAVER_ERR_CONTROL` for the call itself (and `*answer`
+/// NULL) when there is no such process or group: the message says where it looked and what
+/// to check.
+///
+/// # Safety
+/// `request` is a NUL-terminated string; `answer` is a valid out-pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_control_json(
+    request: *const c_char,
+    answer: *mut *mut c_char,
+) -> c_int {
+    ffi_with(|| {
+        if answer.is_null() {
+            return Err(Error::InvalidArgument("answer is NULL".into()).into());
+        }
+        // SAFETY: a valid out-pointer per the contract.
+        unsafe { *answer = std::ptr::null_mut() };
+        // SAFETY: per this function's contract.
+        let request = unsafe { req_str(request, "request") }?;
+        let text = control::client(request).map_err(|control::ClientError(message)| Failure {
+            status: Status::Control,
+            message,
+        })?;
+        let text = CString::new(text).unwrap_or_default();
+        let bytes = text.as_bytes_with_nul();
+        // SAFETY: a fresh allocation of the text's size, checked below.
+        let out = unsafe { libc::malloc(bytes.len()) }.cast::<u8>();
+        if out.is_null() {
+            return Err(Error::InvalidArgument("out of host memory for the answer".into()).into());
+        }
+        // SAFETY: `out` holds `bytes.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out, bytes.len()) };
+        // SAFETY: a valid out-pointer per the contract.
+        unsafe { *answer = out.cast() };
+        Ok(())
+    })
 }

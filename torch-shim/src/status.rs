@@ -73,6 +73,9 @@ statuses! {
     Profile = 12 => "MEMSAVER_ERR_PROFILE",
     /// Host memory or a file for a backup failed.
     Backup = 13 => "MEMSAVER_ERR_BACKUP",
+    /// A control request to another process could not be delivered, was refused or got no
+    /// answer (not its operation's own error, which keeps its status).
+    Control = 14 => "MEMSAVER_ERR_CONTROL",
     /// A bug in memsaver (a caught panic): please report it with MEMSAVER_LOG=debug output.
     Internal = 99 => "MEMSAVER_ERR_INTERNAL",
 }

@@ -1,0 +1,346 @@
+//! Control of a process by another process of the same user and group: pause and resume its
+//! tags, run a profile stage in it, read its stats.
+//!
+//! This is the transport only, on the same runtime directory, sockets, credentials and wire as
+//! the `nccl` tag's sharing (`rundir`, `peer`, `protocol`; docs/security.md): a control request
+//! is a [`Request::Control`] frame sent to a process's socket in `<runtime dir>/g<group>/`,
+//! admitted by the same checks (this user, the pid `SO_PEERCRED` shows is the one the request
+//! names, the addressee's identity, the group). What each request does is the business of
+//! libmemsaver.so's C ABI layer, which installs an [`Executor`].
+//!
+//! A process serves control requests only once it opted in ([`serve`]: `MEMSAVER_CONTROL=1`
+//! when its allocator starts, or `memsaver.serve_control()`); a process that only shares NCCL
+//! buffers refuses them.
+//!
+//! **Threads.** The peer server's workers never run an operation: they admit a request and
+//! hand the connection to the one control thread, which runs the operations one at a time and
+//! answers. A control pause of `nccl` holds the allocator's transition lock and waits for the
+//! peers to let go of this process's buffers, which they announce to the peer workers: those
+//! stay free, so the pause can complete. At most [`QUEUED`] requests wait for the control
+//! thread; more are refused at once.
+//!
+//! A client addresses one process (by pid) or every process of a group; it talks to all of
+//! them at once (a group-wide pause of `nccl` completes only when every rank pauses), each on
+//! a thread of its own, and collects every answer.
+
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::time::Duration;
+
+use crate::peer;
+use crate::protocol::{self, Identity, Reply, Request};
+use crate::rundir;
+
+pub use crate::protocol::Control;
+
+/// Control requests waiting for the control thread; more are refused.
+const QUEUED: usize = 8;
+
+/// What an operation gave.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Done (pause, resume).
+    Done,
+    /// Done, with this result (stats, a stage's report).
+    Json(String),
+    /// Failed: a status code of the C ABI, and the message.
+    Error { status: u16, message: String },
+}
+
+/// Runs one control request's operation for the process `from` (pid), in this process.
+pub type Executor = fn(op: &Control, from: u32) -> Outcome;
+
+static EXECUTOR: OnceLock<Executor> = OnceLock::new();
+/// Whether this process opted in.
+static SERVING: AtomicBool = AtomicBool::new(false);
+
+/// Installs what runs control operations (libmemsaver.so's C ABI layer does, at load).
+pub fn set_executor(f: Executor) {
+    let _ = EXECUTOR.set(f);
+}
+
+/// Opts this process in: it serves control requests from now on, on its memsaver socket
+/// (started now if it was not).
+pub fn serve() -> Result<(), String> {
+    SERVING.store(true, Ordering::SeqCst);
+    peer::ensure_server().map_err(|e| {
+        format!("cannot serve control requests: {e} (docs/security.md says what memsaver needs)")
+    })
+}
+
+/// Whether this process serves control requests.
+pub fn serving() -> bool {
+    SERVING.load(Ordering::SeqCst)
+}
+
+/// At the allocator's start: serve control requests if `MEMSAVER_CONTROL=1`.
+pub(crate) fn on_start() {
+    if memsaver_allocator::options::get().control
+        && let Err(e) = serve()
+    {
+        tracing::warn!("memsaver: MEMSAVER_CONTROL=1: {e}");
+    }
+}
+
+struct Job {
+    stream: UnixStream,
+    from: u32,
+    op: Control,
+}
+
+fn queue() -> Result<&'static SyncSender<Job>, String> {
+    static QUEUE: OnceLock<Result<SyncSender<Job>, String>> = OnceLock::new();
+    QUEUE
+        .get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(QUEUED);
+            std::thread::Builder::new()
+                .name("memsaver-control".into())
+                .spawn(move || {
+                    for job in rx {
+                        run(job);
+                    }
+                })
+                .map(|_| tx)
+                .map_err(|e| format!("cannot start the control thread: {e}"))
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// On the control thread: runs one job and answers.
+fn run(job: Job) {
+    let Job { stream, from, op } = job;
+    tracing::info!(pid = from, "memsaver: control request: {}", describe(&op));
+    let outcome = match EXECUTOR.get() {
+        Some(f) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&op, from)))
+            .unwrap_or_else(|_| Outcome::Error {
+                status: 99,
+                message: "internal error in memsaver while serving a control request (a bug)"
+                    .into(),
+            }),
+        None => Outcome::Error {
+            status: 99,
+            message: "this build of memsaver has no control operations".into(),
+        },
+    };
+    let reply = match outcome {
+        Outcome::Done => Reply::Done,
+        Outcome::Json(text) => Reply::Json { text },
+        Outcome::Error { status, message } => Reply::Error { status, message },
+    };
+    let mut body = reply.encode();
+    if body.len() > protocol::MAX_FRAME {
+        body = Reply::Error {
+            status: 99,
+            message: format!(
+                "the answer has {} bytes, more than a frame holds",
+                body.len()
+            ),
+        }
+        .encode();
+    }
+    if let Err(e) = protocol::write_frame(stream.as_fd(), &body, None) {
+        tracing::warn!(pid = from, error = %e, "memsaver: cannot answer a control request");
+    }
+}
+
+/// What `op` asks, for logs and messages.
+pub fn describe(op: &Control) -> String {
+    let list = |tags: &[String]| {
+        if tags.is_empty() {
+            "every tag".to_owned()
+        } else {
+            tags.join(", ")
+        }
+    };
+    match op {
+        Control::Pause { tags } => format!("pause {}", list(tags)),
+        Control::Resume { tags } => format!("resume {}", list(tags)),
+        Control::Stats => "stats".into(),
+        Control::Run { source, stage, .. } => format!("run stage '{stage}' of {source}"),
+    }
+}
+
+/// On a peer worker, once the request is admitted: hands it to the control thread, or gives
+/// the reason to refuse it.
+pub(crate) fn submit(
+    stream: UnixStream,
+    from: u32,
+    op: Control,
+) -> Result<(), (UnixStream, String)> {
+    let me = std::process::id();
+    if !serving() {
+        return Err((
+            stream,
+            format!(
+                "process {me} does not serve control requests: start it with MEMSAVER_CONTROL=1 \
+                 or call memsaver.serve_control() in it"
+            ),
+        ));
+    }
+    let tx = match queue() {
+        Ok(tx) => tx,
+        Err(e) => return Err((stream, e)),
+    };
+    match tx.try_send(Job { stream, from, op }) {
+        Ok(()) => Ok(()),
+        Err(TrySendError::Full(j) | TrySendError::Disconnected(j)) => Err((
+            j.stream,
+            format!("process {me} has {QUEUED} control requests waiting already: retry later"),
+        )),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The client.
+// ---------------------------------------------------------------------------------------------
+
+/// A process that serves a socket in a group's directory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    pub pid: u32,
+    pub group: i64,
+    identity: Identity,
+}
+
+/// The live processes serving sockets in `group`'s directory (this process excluded).
+fn in_group(group: i64) -> Result<Vec<Target>, String> {
+    let dir = rundir::group_dir(&peer::runtime_dir(), group).map_err(|e| e.to_string())?;
+    let me = std::process::id();
+    let mut out: Vec<Target> = dir
+        .entries()
+        .iter()
+        .filter_map(|name| peer::parse_socket_name(name))
+        .filter(|i| i.pid != me && peer::is_running(i))
+        .map(|identity| Target {
+            pid: identity.pid,
+            group,
+            identity,
+        })
+        .collect();
+    out.sort_by_key(|t| t.pid);
+    out.dedup_by_key(|t| t.pid);
+    Ok(out)
+}
+
+/// The groups of the runtime directory in which process `pid` serves a socket.
+fn groups_of(pid: u32) -> Vec<i64> {
+    let mut groups = Vec::new();
+    for g in rundir::group_names(&peer::runtime_dir()) {
+        if let Ok(t) = in_group(g)
+            && t.iter().any(|t| t.pid == pid)
+        {
+            groups.push(g);
+        }
+    }
+    groups
+}
+
+/// The processes a request is for: every live process serving `group` (this process's group
+/// when `None`), or only `pid` among them. The group is never guessed: a pid that serves
+/// another group is an error naming it.
+pub fn targets(pid: Option<u32>, group: Option<i64>) -> Result<Vec<Target>, String> {
+    let named = group.is_some();
+    let group = group.unwrap_or_else(crate::amem::group_id);
+    let all = in_group(group)?;
+    let rt = peer::runtime_dir();
+    let Some(pid) = pid else {
+        if all.is_empty() {
+            return Err(format!(
+                "no process of group {group} serves {}/g{group}: are they running with this \
+                 MEMSAVER_RUNTIME_DIR, and did they opt in (MEMSAVER_CONTROL=1 or \
+                 memsaver.serve_control())?",
+                rt.display()
+            ));
+        }
+        return Ok(all);
+    };
+    if pid == std::process::id() {
+        return Err(format!(
+            "process {pid} is this process: call memsaver.pause/resume/stats directly"
+        ));
+    }
+    if let Some(t) = all.iter().find(|t| t.pid == pid) {
+        return Ok(vec![*t]);
+    }
+    let elsewhere = groups_of(pid);
+    let how = if named {
+        format!("group {group} (as asked)")
+    } else {
+        format!("group {group} (this process's: MEMSAVER_GROUP, memsaver.set_group)")
+    };
+    Err(match elsewhere.as_slice() {
+        [] => format!(
+            "process {pid} serves no memsaver socket in {}: it is not running, runs with \
+             another MEMSAVER_RUNTIME_DIR or user, has not opted in (MEMSAVER_CONTROL=1 or \
+             memsaver.serve_control()), or has not started memsaver yet",
+            rt.display()
+        ),
+        gs => format!(
+            "process {pid} is in group {}, not {how}: name its group (--group {} or group={})",
+            gs[0], gs[0], gs[0]
+        ),
+    })
+}
+
+/// Sends `op` to one target and waits up to `timeout` for the answer. `Err` when it was not
+/// reached, refused the request or did not answer.
+fn send(t: &Target, op: &Control, timeout: Duration) -> Result<Outcome, String> {
+    let pid = t.pid;
+    let stream = peer::connect(t.group, &t.identity)?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|e| format!("process {pid}: {e}"))?;
+    let request = Request::Control {
+        from: peer::me(),
+        to: t.identity,
+        group: t.group,
+        op: op.clone(),
+    };
+    protocol::write_frame(stream.as_fd(), &request.encode(), None)
+        .map_err(|e| format!("process {pid}: {e}"))?;
+    let (body, _) = protocol::read_frame(stream.as_fd()).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => {
+            format!("process {pid} closed the connection without an answer (did it exit?)")
+        }
+        std::io::ErrorKind::TimedOut => format!(
+            "process {pid} did not answer within {:.0} s (it may still complete the request)",
+            timeout.as_secs_f64()
+        ),
+        _ => format!("process {pid}: {e}"),
+    })?;
+    match Reply::decode(&body) {
+        Ok(Reply::Done) => Ok(Outcome::Done),
+        Ok(Reply::Json { text }) => Ok(Outcome::Json(text)),
+        Ok(Reply::Error { status, message }) => Ok(Outcome::Error { status, message }),
+        Ok(Reply::Refused { reason }) => Err(format!("process {pid} refused: {reason}")),
+        Ok(r) => Err(format!("process {pid} answered {r:?}")),
+        Err(e) => Err(format!("process {pid} sent {e}")),
+    }
+}
+
+/// Sends `op` to every target at once; every answer, in the order of `targets`.
+pub fn send_all(
+    targets: &[Target],
+    op: &Control,
+    timeout: Duration,
+) -> Result<Vec<Result<Outcome, String>>, String> {
+    op.check()?;
+    let out = std::thread::scope(|s| {
+        let handles: Vec<_> = targets
+            .iter()
+            .map(|t| s.spawn(move || send(t, op, timeout)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("internal error while sending (a bug)".into()))
+            })
+            .collect()
+    });
+    Ok(out)
+}
