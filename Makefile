@@ -3,6 +3,9 @@
 
 SHELL := /bin/bash
 CARGO ?= cargo
+# python/build.rs copies libmemsaver.so and the fake driver into the Python package from here
+# instead of building them a second time (it does for a plain `pip install ./python`).
+export MEMSAVER_BUNDLE_FROM := $(CURDIR)/target/release
 FAKE_DIR := target/fake-cuda
 FAKE_LIB := $(FAKE_DIR)/libcuda.so.1
 
@@ -34,8 +37,11 @@ $(PY):
 python: $(PY) fake-cuda
 	$(CARGO) build --release -p memsaver-shim
 	rm -f target/wheels/memsaver-*.whl
-	MEMSAVER_BUNDLE_FROM=target/release \
-		$(VENV)/bin/maturin build --release -q -m python/Cargo.toml -i $(PY) -o target/wheels
+	$(VENV)/bin/maturin build --release -q -m python/Cargo.toml -i $(PY) -o target/wheels
+	$(PY) -c "import glob, sys, zipfile; \
+		names = set(zipfile.ZipFile(glob.glob('target/wheels/memsaver-*.whl')[0]).namelist()); \
+		sys.exit(0 if {'memsaver/libmemsaver.so', 'memsaver/_fake/libcuda.so.1'} <= names \
+		else 'the wheel lacks libmemsaver.so or the fake driver')"
 	$(PY) -m pip install -q --force-reinstall --no-deps target/wheels/memsaver-*.whl
 
 # A staged pause/resume cycle: on the GPU when there is one, else on the fake driver. Then the

@@ -6,8 +6,9 @@
 //!   an opt-in test asset: `memsaver demo --fake` and `MEMSAVER_CUDA_LIB` use it without a GPU.
 //!
 //! They are built by a nested `cargo build` of the workspace into `target/bundle` (its own target
-//! directory: the outer build holds the lock of the usual one). `make python` has built them
-//! already and says where with `MEMSAVER_BUNDLE_FROM=target/release`, so nothing is built twice.
+//! directory: the outer build holds the lock of the usual one). The Makefile has built them
+//! already and says where with `MEMSAVER_BUNDLE_FROM` (every cargo command it runs, so that a
+//! workspace build or `cargo test` never starts the nested build): nothing is built twice.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -36,12 +37,25 @@ fn main() {
             workspace.join(dir).join("src").display()
         );
     }
-    let from = match std::env::var_os("MEMSAVER_BUNDLE_FROM") {
-        Some(dir) => workspace.join(dir),
+    let handed = std::env::var_os("MEMSAVER_BUNDLE_FROM").map(|dir| workspace.join(dir));
+    let from = match &handed {
+        Some(dir) => dir.clone(),
         None => build(&workspace),
     };
     for (built, packaged) in LIBS {
         let (src, dst) = (from.join(built), manifest.join(packaged));
+        if handed.is_some() {
+            // Rerun whenever the handed library changes (or, while it does not exist yet,
+            // on every build: a workspace build may compile this crate before the library).
+            println!("cargo:rerun-if-changed={}", src.display());
+            if !src.exists() {
+                println!(
+                    "cargo:warning={} is not built yet: the package keeps the copy it has",
+                    src.display()
+                );
+                continue;
+            }
+        }
         if let Some(parent) = dst.parent() {
             std::fs::create_dir_all(parent).expect("create the package directory");
         }

@@ -3,6 +3,8 @@
 # `pip install ./python`, then the installed command and package on the fake driver that the
 # wheel ships. Checks that the project's own files build everything the wheel needs.
 set -euo pipefail
+# A user's build: nothing handed over from this checkout's own build (see python/build.rs).
+unset MEMSAVER_BUNDLE_FROM
 root=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
