@@ -23,6 +23,24 @@
 //! `tests/fake-nccl` calls it for collectives with 2+ ranks, like NCCL's kernels), and
 //! `fakecuda_instantiate_unseen(exec, graph)` for a graph instantiation that no wrapper saw.
 //!
+//! Call counts, per process: `fakecuda_call_counts(out: *mut u64, n: usize) -> usize` writes
+//! the first `min(n, 10)` counts to `out` and returns 10, `fakecuda_reset_call_counts()` sets
+//! them to 0. Every call entered is counted (failed ones too), with one relaxed atomic add. The
+//! order is fixed:
+//!
+//! | index | kind           | calls counted |
+//! | ----- | -------------- | ------------- |
+//! | 0     | `create`       | `cuMemCreate` |
+//! | 1     | `map`          | `cuMemMap` |
+//! | 2     | `set_access`   | `cuMemSetAccess` |
+//! | 3     | `unmap`        | `cuMemUnmap` |
+//! | 4     | `release`      | `cuMemRelease` |
+//! | 5     | `export`       | `cuMemExportToShareableHandle` |
+//! | 6     | `import`       | `cuMemImportFromShareableHandle` |
+//! | 7     | `copy`         | `cuMemcpyDtoH`, `cuMemcpyHtoD` and their `Async` forms (`_v2` or not) |
+//! | 8     | `reserve`      | `cuMemAddressReserve` |
+//! | 9     | `address_free` | `cuMemAddressFree` |
+//!
 //! # Faithful
 //!
 //! * Memory accounting across processes: a physical allocation counts against its device while
@@ -76,6 +94,7 @@
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+use counts::Call;
 use memsaver_allocator::driver::sys::fns;
 use memsaver_allocator::driver::sys::{
     CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -88,6 +107,7 @@ use memsaver_allocator::driver::sys::{
 
 mod config;
 mod context;
+mod counts;
 mod errors;
 mod faults;
 mod graphs;
@@ -355,6 +375,7 @@ cuda_exports! {
         prop: *const CUmemAllocationProp,
         flags: c_ulonglong,
     ) {
+        counts::count(Call::Create);
         let out = non_null(handle)?;
         let cfg = context::initialised()?;
         context::current_alive()?;
@@ -368,6 +389,7 @@ cuda_exports! {
 
     /// Drops one reference to a handle.
     fn cuMemRelease(handle: CUmemGenericAllocationHandle) {
+        counts::count(Call::Release);
         context::initialised()?;
         state::release(handle)
     }
@@ -380,6 +402,7 @@ cuda_exports! {
         addr: CUdeviceptr,
         flags: c_ulonglong,
     ) {
+        counts::count(Call::Reserve);
         let out = non_null(ptr)?;
         context::initialised()?;
         let p = state::reserve(size, alignment, addr, flags)?;
@@ -390,6 +413,7 @@ cuda_exports! {
 
     /// Frees a whole reservation.
     fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) {
+        counts::count(Call::AddressFree);
         context::initialised()?;
         state::address_free(ptr, size)
     }
@@ -402,6 +426,7 @@ cuda_exports! {
         handle: CUmemGenericAllocationHandle,
         flags: c_ulonglong,
     ) {
+        counts::count(Call::Map);
         let cfg = context::initialised()?;
         context::current_alive()?;
         state::map(cfg, ptr, size, offset, handle, flags)
@@ -409,12 +434,14 @@ cuda_exports! {
 
     /// Unmaps whole mappings; the range stays reserved.
     fn cuMemUnmap(ptr: CUdeviceptr, size: usize) {
+        counts::count(Call::Unmap);
         context::initialised()?;
         state::unmap(ptr, size)
     }
 
     /// Sets the access of a fully mapped range.
     fn cuMemSetAccess(ptr: CUdeviceptr, size: usize, desc: *const CUmemAccessDesc, count: usize) {
+        counts::count(Call::SetAccess);
         let cfg = context::initialised()?;
         if desc.is_null() || count == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -431,6 +458,7 @@ cuda_exports! {
         handle_type: c_uint,
         flags: c_ulonglong,
     ) {
+        counts::count(Call::Export);
         let out = non_null(shareable.cast::<c_int>())?;
         context::initialised()?;
         let fd = state::export(handle, handle_type, flags)?;
@@ -445,6 +473,7 @@ cuda_exports! {
         os_handle: *mut c_void,
         handle_type: c_uint,
     ) {
+        counts::count(Call::Import);
         let out = non_null(handle)?;
         context::initialised()?;
         let fd = c_int::try_from(os_handle as isize).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
@@ -553,6 +582,7 @@ cuda_exports! {
 
     /// Device to host copy, complete on return.
     fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, bytes: usize, stream: CUstream) {
+        counts::count(Call::Copy);
         context::initialised()?;
         context::alive(context::require_current()?)?;
         context::check_stream(stream)?;
@@ -562,6 +592,7 @@ cuda_exports! {
 
     /// Host to device copy, complete on return.
     fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, bytes: usize, stream: CUstream) {
+        counts::count(Call::Copy);
         context::initialised()?;
         context::alive(context::require_current()?)?;
         context::check_stream(stream)?;
@@ -571,6 +602,7 @@ cuda_exports! {
 
     /// Device to host copy.
     fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, bytes: usize) {
+        counts::count(Call::Copy);
         context::initialised()?;
         context::alive(context::require_current()?)?;
         // SAFETY: the caller passes a host destination valid for `bytes` writes.
@@ -579,6 +611,7 @@ cuda_exports! {
 
     /// Host to device copy.
     fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, bytes: usize) {
+        counts::count(Call::Copy);
         context::initialised()?;
         context::alive(context::require_current()?)?;
         // SAFETY: the caller passes a host source valid for `bytes` reads.
@@ -978,4 +1011,26 @@ pub unsafe extern "C" fn fakecuda_instantiate_unseen(
 #[unsafe(no_mangle)]
 pub extern "C" fn fakecuda_live_handles() -> u64 {
     catch_unwind(state::live_handles).unwrap_or(u64::MAX)
+}
+
+/// Test probe: this process's call counts by kind (see the crate doc for the order), written
+/// to `out[..min(n, 10)]`. Returns the number of kinds (10); `out` may be null when `n` is 0.
+///
+/// # Safety
+///
+/// `out` must be valid for `n` writes of `u64`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fakecuda_call_counts(out: *mut u64, n: usize) -> usize {
+    let n = n.min(counts::KINDS);
+    if n > 0 && !out.is_null() {
+        // SAFETY: per this function's contract.
+        counts::read(unsafe { std::slice::from_raw_parts_mut(out, n) });
+    }
+    counts::KINDS
+}
+
+/// Test control: sets this process's call counts to 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_reset_call_counts() {
+    counts::reset();
 }

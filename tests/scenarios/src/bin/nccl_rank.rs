@@ -6,8 +6,10 @@
 //!
 //! ```text
 //! alloc MIB        allocate this rank's buffer through the fake NCCL and export it
-//! exchange         send the exported fd to every other rank (as NCCL's proxy does) and
-//!                  import and map every peer's buffer
+//! private N MIB    allocate N more buffers of MIB that are never shared (NCCL's metadata)
+//! shared N MIB     allocate N more exported buffers of MIB, sent by the next `exchange`
+//! exchange         send the exported fds to every other rank (as NCCL's proxy does) and
+//!                  import and map every peer's buffers
 //! write SEED       fill this rank's buffer with a pattern
 //! check RANK SEED  read rank RANK's buffer through this rank's import of it
 //! pause / resume   memsaver_pause/resume("nccl") -> ok | err CODE MESSAGE
@@ -15,6 +17,10 @@
 //! free             free imports and the own buffer through NCCL's free path
 //! stats            memsaver_nccl_stats_json on one line
 //! pid              this process's pid (in its own pid namespace)
+//! calls            the fake driver's call counts of this process since the last `calls`, by
+//!                  kind, and the wall time of the last pause or resume, then resets the
+//!                  counts: `ok create=N map=N set_access=N unmap=N release=N export=N
+//!                  import=N copy=N reserve=N address_free=N us=N`
 //! ```
 
 use std::ffi::{CStr, CString, c_char, c_int};
@@ -27,6 +33,9 @@ use std::path::PathBuf;
 
 use memsaver_allocator::driver::sys::fns;
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, UnixAddr, recvmsg, sendmsg};
+
+/// The most fds one `exchange` message carries (the kernel's `SCM_MAX_FD`).
+const MAX_FDS: usize = 253;
 
 type LastError = unsafe extern "C" fn() -> *const c_char;
 
@@ -48,7 +57,32 @@ struct Rank {
     mem_info: fns::cuMemGetInfo_v2,
     own: Option<FakeNcclAlloc>,
     peers: Vec<Option<FakeNcclAlloc>>,
+    /// Buffers of `private` and `shared`, and the imports of peers' `shared` buffers.
+    private: Vec<FakeNcclAlloc>,
+    shared: Vec<FakeNcclAlloc>,
+    extra_imports: Vec<FakeNcclAlloc>,
+    counts: CallCounts,
+    reset_counts: extern "C" fn(),
+    /// The wall time of the last pause or resume.
+    last: std::time::Duration,
 }
+
+/// `fakecuda_call_counts` of the fake driver.
+type CallCounts = unsafe extern "C" fn(*mut u64, usize) -> usize;
+
+/// The names of the fake driver's call counts, in its order.
+const CALL_KINDS: [&str; 10] = [
+    "create",
+    "map",
+    "set_access",
+    "unmap",
+    "release",
+    "export",
+    "import",
+    "copy",
+    "reserve",
+    "address_free",
+];
 
 impl Rank {
     fn run(&mut self, line: &str) -> Result<String, String> {
@@ -72,6 +106,42 @@ impl Rank {
                 }
                 self.own = Some(a);
                 Ok(String::new())
+            }
+            Some(what @ ("private" | "shared")) => {
+                let (n, mib) = (num(1)?, num(2)?);
+                for _ in 0..n {
+                    let mut a = FakeNcclAlloc::default();
+                    let export = i32::from(what == "shared");
+                    // SAFETY: per the fake NCCL's contract.
+                    let rc = unsafe {
+                        (self.alloc)(self.cuda.as_ptr(), (mib << 20) as usize, export, &mut a)
+                    };
+                    if rc != 0 {
+                        return Err(format!("alloc {rc}"));
+                    }
+                    if export == 1 {
+                        self.shared.push(a);
+                    } else {
+                        self.private.push(a);
+                    }
+                }
+                Ok(String::new())
+            }
+            Some("calls") => {
+                let mut c = [0u64; CALL_KINDS.len()];
+                // SAFETY: `c` has room for its length.
+                let kinds = unsafe { (self.counts)(c.as_mut_ptr(), c.len()) };
+                if kinds != c.len() {
+                    return Err(format!("the fake driver counts {kinds} kinds"));
+                }
+                (self.reset_counts)();
+                let mut v: Vec<String> = CALL_KINDS
+                    .iter()
+                    .zip(c)
+                    .map(|(k, n)| format!("{k}={n}"))
+                    .collect();
+                v.push(format!("us={}", self.last.as_micros()));
+                Ok(v.join(" "))
             }
             Some("exchange") => self.exchange(),
             Some("write") => {
@@ -109,8 +179,10 @@ impl Rank {
                 } else {
                     self.resume
                 };
+                let t = std::time::Instant::now();
                 // SAFETY: NUL-terminated tag list.
                 let rc = unsafe { f(c"nccl".as_ptr()) };
+                self.last = t.elapsed();
                 if rc == 0 {
                     Ok(String::new())
                 } else {
@@ -158,7 +230,16 @@ impl Rank {
                 Ok((total - free).to_string())
             }
             Some("free") => {
-                for a in self.peers.drain(..).flatten().chain(self.own.take()) {
+                let all: Vec<FakeNcclAlloc> = self
+                    .peers
+                    .drain(..)
+                    .flatten()
+                    .chain(self.extra_imports.drain(..))
+                    .chain(self.own.take())
+                    .chain(self.shared.drain(..))
+                    .chain(self.private.drain(..))
+                    .collect();
+                for a in all {
                     // SAFETY: allocations made by the fake NCCL, freed once.
                     let rc = unsafe { (self.free)(self.cuda.as_ptr(), &a) };
                     if rc != 0 {
@@ -177,6 +258,13 @@ impl Rank {
         let me = self.dir.join(format!("{}.sock", self.rank));
         let listener = UnixListener::bind(&me).map_err(|e| e.to_string())?;
         let (rank, world, dir) = (self.rank, self.world, self.dir.clone());
+        // The main buffer's fd first, then those of `shared` (one message: at most 253 fds).
+        let mine: Vec<FakeNcclAlloc> = std::iter::once(own).chain(self.shared.clone()).collect();
+        if mine.len() > MAX_FDS {
+            return Err(format!("at most {MAX_FDS} exported buffers"));
+        }
+        let fds: Vec<RawFd> = mine.iter().map(|a| a.exported_fd).collect();
+        let sizes: Vec<usize> = mine.iter().map(|a| a.size).collect();
         let sender = std::thread::spawn(move || -> Result<(), String> {
             for peer in (0..world).filter(|p| *p != rank) {
                 let path = dir.join(format!("{peer}.sock"));
@@ -186,8 +274,11 @@ impl Rank {
                         Err(_) => std::thread::sleep(std::time::Duration::from_millis(5)),
                     }
                 };
-                let fds = [own.exported_fd];
-                let payload = (rank as u32).to_le_bytes();
+                let payload: Vec<u8> = (rank as u32)
+                    .to_le_bytes()
+                    .into_iter()
+                    .chain(sizes.iter().flat_map(|s| (*s as u64).to_le_bytes()))
+                    .collect();
                 sendmsg::<UnixAddr>(
                     s.as_raw_fd(),
                     &[IoSlice::new(&payload)],
@@ -202,33 +293,51 @@ impl Rank {
         self.peers = vec![None; self.world];
         for _ in 1..self.world {
             let (s, _) = listener.accept().map_err(|e| e.to_string())?;
-            let mut payload = [0u8; 4];
-            let mut space = nix::cmsg_space!([RawFd; 1]);
+            let mut payload = [0u8; 4 + 8 * MAX_FDS];
+            let mut space = nix::cmsg_space!([RawFd; MAX_FDS]);
             let mut iov = [IoSliceMut::new(&mut payload)];
             let msg =
                 recvmsg::<UnixAddr>(s.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::empty())
                     .map_err(|e| e.to_string())?;
-            let mut fd = -1;
+            let len = msg.bytes;
+            let mut fds = Vec::new();
             for c in msg.cmsgs().map_err(|e| e.to_string())? {
                 if let ControlMessageOwned::ScmRights(f) = c {
-                    fd = f[0];
+                    fds.extend(f);
                 }
             }
-            let from = u32::from_le_bytes(payload) as usize;
-            let mut a = FakeNcclAlloc::default();
-            // SAFETY: an fd received from the peer; the fake NCCL closes it.
-            let rc = unsafe { (self.import)(self.cuda.as_ptr(), fd, own.size, &mut a) };
-            if rc != 0 {
-                return Err(format!("import from rank {from}: {rc}"));
+            let from = u32::from_le_bytes(payload[..4].try_into().unwrap()) as usize;
+            let sizes: Vec<usize> = payload[4..len]
+                .chunks_exact(8)
+                .map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize)
+                .collect();
+            if fds.is_empty() || sizes.len() != fds.len() {
+                return Err(format!(
+                    "rank {from} sent {} fds, {} sizes",
+                    fds.len(),
+                    sizes.len()
+                ));
             }
-            self.peers[from] = Some(a);
+            for (i, (fd, size)) in fds.into_iter().zip(sizes).enumerate() {
+                let mut a = FakeNcclAlloc::default();
+                // SAFETY: an fd received from the peer; the fake NCCL closes it.
+                let rc = unsafe { (self.import)(self.cuda.as_ptr(), fd, size, &mut a) };
+                if rc != 0 {
+                    return Err(format!("import from rank {from}: {rc}"));
+                }
+                if i == 0 {
+                    self.peers[from] = Some(a);
+                } else {
+                    self.extra_imports.push(a);
+                }
+            }
         }
         sender.join().map_err(|_| "sender panicked".to_string())??;
         // NCCL closes its copy of the exported fd once every peer has it.
-        // SAFETY: our own exported fd, closed once.
-        unsafe { libc::close(own.exported_fd) };
-        if let Some(o) = self.own.as_mut() {
-            o.exported_fd = -1;
+        for a in self.own.iter_mut().chain(self.shared.iter_mut()) {
+            // SAFETY: our own exported fd, closed once.
+            unsafe { libc::close(a.exported_fd) };
+            a.exported_fd = -1;
         }
         Ok(String::new())
     }
@@ -275,6 +384,12 @@ fn main() {
         mem_info: sym(hc, c"cuMemGetInfo_v2"),
         own: None,
         peers: Vec::new(),
+        private: Vec::new(),
+        shared: Vec::new(),
+        extra_imports: Vec::new(),
+        counts: sym(hc, c"fakecuda_call_counts"),
+        reset_counts: sym(hc, c"fakecuda_reset_call_counts"),
+        last: std::time::Duration::ZERO,
     };
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();

@@ -1,0 +1,209 @@
+//! How many driver calls a pause and a resume of `nccl` make, by kind: the machine-independent
+//! figure of their cost (on a real GPU the time is bounded by the driver's cost per VMM call).
+//! The fake driver counts the calls per process (`fakecuda_call_counts`); `nccl-rank`'s `calls`
+//! command reads and resets them.
+//!
+//! `the_counts_are_what_the_design_implies` pins the current design (`nccl-hook/src/
+//! provider.rs`): a change that makes fewer (or more) calls must update it knowingly.
+//! `table` is the benchmark (docs/benchmarks.md), ignored by default:
+//!
+//! ```text
+//! NCCL_CALLS_RANKS=4 cargo test --release -p memsaver-scenarios --test nccl_calls -- \
+//!     --ignored --nocapture table
+//! ```
+//!
+//! with `NCCL_CALLS_PRIVATE` (default 64) buffers of 2 MiB per rank that are never shared
+//! (NCCL's metadata), `NCCL_CALLS_SHARED` (default 8) buffers of `NCCL_CALLS_SHARED_MIB`
+//! (default 4) MiB that every peer imports (P2P buffers) and `NCCL_CALLS_CYCLES` (default 3).
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{Dirs, Job};
+
+/// The kinds `calls` reports, in its order.
+const KINDS: [&str; 10] = [
+    "create",
+    "map",
+    "set_access",
+    "unmap",
+    "release",
+    "export",
+    "import",
+    "copy",
+    "reserve",
+    "address_free",
+];
+
+/// A job's layout: per rank, `private` unshared buffers of 2 MiB and `shared` buffers of
+/// `shared_mib` that every other rank imports.
+struct Layout {
+    ranks: usize,
+    private: u64,
+    shared: u64,
+    shared_mib: u64,
+}
+
+/// One rank's answer to `calls`: the counts by kind and the wall time of the last call (us).
+fn parse(answer: &str) -> (BTreeMap<String, u64>, u64) {
+    let rest = answer
+        .strip_prefix("ok ")
+        .unwrap_or_else(|| panic!("calls: {answer}"));
+    let mut m: BTreeMap<String, u64> = rest
+        .split_whitespace()
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap();
+            (k.to_owned(), v.parse().unwrap())
+        })
+        .collect();
+    let us = m.remove("us").unwrap();
+    (m, us)
+}
+
+/// Counts of the named kinds, 0 for the others.
+fn counts(nonzero: &[(&str, u64)]) -> BTreeMap<String, u64> {
+    KINDS
+        .iter()
+        .map(|k| {
+            let n = nonzero.iter().find(|(n, _)| n == k).map_or(0, |(_, v)| *v);
+            ((*k).to_owned(), n)
+        })
+        .collect()
+}
+
+/// Per cycle, per rank: the (pause, resume) counts and wall times (us).
+type Cycle = Vec<((BTreeMap<String, u64>, u64), (BTreeMap<String, u64>, u64))>;
+
+/// Starts the job, sets it up, then runs `cycles` pauses and resumes of every rank at once.
+fn measure(l: &Layout, group: u32, cycles: usize) -> Vec<Cycle> {
+    let dirs = Dirs::new();
+    let mut job = Job::start(l.ranks, group, &dirs.fake, &dirs.rt, 30_000);
+    // The main buffer is one of the shared ones.
+    job.all_ok(&format!("alloc {}", l.shared_mib));
+    if l.shared > 1 {
+        job.all_ok(&format!("shared {} {}", l.shared - 1, l.shared_mib));
+    }
+    if l.private > 0 {
+        job.all_ok(&format!("private {} 2", l.private));
+    }
+    job.all_ok("exchange");
+    job.write_all(1);
+    job.all("calls"); // the set-up's calls
+    let mut out = Vec::new();
+    for _ in 0..cycles {
+        job.all_ok("pause");
+        let pause: Vec<_> = job.all("calls").iter().map(|a| parse(a)).collect();
+        job.all_ok("resume");
+        let resume: Vec<_> = job.all("calls").iter().map(|a| parse(a)).collect();
+        job.check_all_seeded(1);
+        out.push(pause.into_iter().zip(resume).collect());
+    }
+    out
+}
+
+/// Per rank, with P private and S shared buffers, W ranks, and I = S x (W - 1) imports:
+///
+/// * pause: a D2H copy of each own handle (full backup, the default), then one `cuMemUnmap`
+///   per mapping (each handle has one) and one `cuMemRelease` per handle, own and imported;
+/// * resume: per own handle one `cuMemCreate`, `cuMemMap` + `cuMemSetAccess` per mapping, one
+///   H2D copy; one `cuMemExportToShareableHandle` per (shared buffer, importer) as each peer
+///   fetches it; per import one `cuMemImportFromShareableHandle`, `cuMemMap`,
+///   `cuMemSetAccess`. No reservation is made or freed: the addresses stay NCCL's.
+#[test]
+fn the_counts_are_what_the_design_implies() {
+    for (ranks, group) in [(2, 61), (3, 62)] {
+        let l = Layout {
+            ranks,
+            private: 5,
+            shared: 3,
+            shared_mib: 4,
+        };
+        let (p, s, w) = (l.private, l.shared, ranks as u64);
+        let own = p + s;
+        let imports = s * (w - 1);
+        let pause = counts(&[
+            ("copy", own),
+            ("unmap", own + imports),
+            ("release", own + imports),
+        ]);
+        let resume = counts(&[
+            ("create", own),
+            ("map", own + imports),
+            ("set_access", own + imports),
+            ("copy", own),
+            ("export", s * (w - 1)),
+            ("import", imports),
+        ]);
+        for (c, cycle) in measure(&l, group, 2).into_iter().enumerate() {
+            for (r, ((pc, _), (rc, _))) in cycle.into_iter().enumerate() {
+                assert_eq!(pc, pause, "{ranks} ranks, cycle {c}, rank {r}: pause");
+                assert_eq!(rc, resume, "{ranks} ranks, cycle {c}, rank {r}: resume");
+            }
+        }
+    }
+}
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name).map_or(default, |v| v.parse().expect(name))
+}
+
+/// The benchmark: a table per rank of the calls by kind per pause and per resume, and the
+/// wall time of each cycle's call.
+#[test]
+#[ignore = "a benchmark: run with --ignored --nocapture"]
+fn table() {
+    let l = Layout {
+        ranks: env_or("NCCL_CALLS_RANKS", 2) as usize,
+        private: env_or("NCCL_CALLS_PRIVATE", 64),
+        shared: env_or("NCCL_CALLS_SHARED", 8).max(1),
+        shared_mib: env_or("NCCL_CALLS_SHARED_MIB", 4),
+    };
+    let cycles = env_or("NCCL_CALLS_CYCLES", 3) as usize;
+    let results = measure(&l, 63, cycles);
+    println!(
+        "\n{} ranks; per rank {} private buffers of 2 MiB, {} shared of {} MiB ({} imports); {} cycles\n",
+        l.ranks,
+        l.private,
+        l.shared,
+        l.shared_mib,
+        l.shared * (l.ranks as u64 - 1),
+        cycles
+    );
+    let header: Vec<&str> = KINDS.to_vec();
+    println!(
+        "| rank | call   | {} | wall ms per cycle |",
+        header.join(" | ")
+    );
+    println!(
+        "| ---- | ------ |{}| ----------------- |",
+        header
+            .iter()
+            .map(|h| format!(" {} ", "-".repeat(h.len().max(3))))
+            .collect::<Vec<_>>()
+            .join("|")
+    );
+    for r in 0..l.ranks {
+        for (name, pick) in [("pause", 0), ("resume", 1)] {
+            fn of(c: &Cycle, r: usize, pick: u8) -> &(BTreeMap<String, u64>, u64) {
+                if pick == 0 { &c[r].0 } else { &c[r].1 }
+            }
+            let first = &of(&results[0], r, pick).0;
+            let same = results.iter().all(|c| &of(c, r, pick).0 == first);
+            let cells: Vec<String> = KINDS
+                .iter()
+                .map(|k| format!("{:>w$}", first[*k], w = k.len().max(3)))
+                .collect();
+            let ms: Vec<String> = results
+                .iter()
+                .map(|c| format!("{:.1}", of(c, r, pick).1 as f64 / 1000.0))
+                .collect();
+            println!(
+                "| {r:>4} | {name:<6} | {} | {}{} |",
+                cells.join(" | "),
+                ms.join(", "),
+                if same { "" } else { " (counts vary by cycle)" }
+            );
+        }
+    }
+}
