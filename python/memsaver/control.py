@@ -32,22 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _core, _memsaver, _stats
-from ._memsaver import (
-    BackupError,
-    ControlError,
-    DriverError,
-    DriverNotLoadedError,
-    IncompleteError,
-    InvalidArgumentError,
-    MemsaverError,
-    OutOfMemoryError,
-    PeerError,
-    ProfileError,
-    ResumeOutOfMemoryError,
-    TagPausedError,
-    UnknownPointerError,
-    UnknownTagError,
-)
+from ._memsaver import ControlError, InvalidArgumentError, MemsaverError, ProfileError
 from ._stats import Stats
 from .profile import ProfileStepError, StageReport, StepReport, parse_profile
 
@@ -69,40 +54,6 @@ _callbacks_lock = threading.Lock()
 _runner_installed = False
 
 _NAME = re.compile(r"[A-Za-z0-9_]+")
-
-# The status codes of the C ABI (memsaver.h) of each exception, most derived first.
-_STATUS: list[tuple[type[BaseException], int]] = [
-    (ResumeOutOfMemoryError, 6),
-    (InvalidArgumentError, 1),
-    (UnknownTagError, 2),
-    (TagPausedError, 3),
-    (UnknownPointerError, 4),
-    (OutOfMemoryError, 5),
-    (DriverError, 7),
-    (DriverNotLoadedError, 8),
-    (IncompleteError, 9),
-    (PeerError, 11),
-    (ProfileStepError, 12),
-    (ProfileError, 12),
-    (BackupError, 13),
-    (ControlError, 14),
-]
-_EXCEPTION: dict[int, type[MemsaverError]] = {
-    1: InvalidArgumentError,
-    2: UnknownTagError,
-    3: TagPausedError,
-    4: UnknownPointerError,
-    5: OutOfMemoryError,
-    6: ResumeOutOfMemoryError,
-    7: DriverError,
-    8: DriverNotLoadedError,
-    9: IncompleteError,
-    11: PeerError,
-    12: ProfileError,
-    13: BackupError,
-    14: ControlError,
-}
-
 
 def register_callback(name: str, fn: Callable[[], Any]) -> None:
     """Lets ``call: name`` steps of stages that other processes run in this one call ``fn``
@@ -146,10 +97,11 @@ def _install_runner() -> None:
 
 
 def _status(e: BaseException) -> int:
-    for cls, code in _STATUS:
-        if isinstance(e, cls):
-            return code
-    return 99
+    """The C ABI status of `e` (the binding knows the one mapping). A failed step travels with
+    the profile status and comes back as a ``ProfileStepError`` (``Answer.exception``)."""
+    if isinstance(e, ProfileStepError):
+        e = ProfileError(str(e))
+    return _memsaver.status_of(e)
 
 
 def _run_request(text: str) -> str:
@@ -228,9 +180,9 @@ class Answer:
     def exception(self) -> MemsaverError:
         """The exception this failed answer raises for a single target."""
         msg = f"process {self.pid} (group {self.group}): {self.error}"
-        if self.status == 12:
-            return ProfileStepError(msg)
-        return _EXCEPTION.get(self.status, MemsaverError)(msg)
+        err: MemsaverError = _memsaver.error_from_status(self.status, msg)
+        # A stage that failed on the target is a failed step, as when run here.
+        return ProfileStepError(msg) if isinstance(err, ProfileError) else err
 
 
 class _Addressed:

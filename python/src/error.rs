@@ -127,6 +127,28 @@ pub fn from_status(code: i32, message: String) -> PyErr {
     }
 }
 
+/// The status code of the C ABI for exception `e`: the status whose exception class `e` is
+/// an instance of (the most derived one), `Internal` for anything else. The inverse of
+/// [`from_status`], so Python never writes status numbers itself.
+pub fn status_of(e: &Bound<'_, PyAny>) -> PyResult<i32> {
+    let py = e.py();
+    let mut best: Option<(i32, usize)> = None;
+    for code in 0..=i32::from(u8::MAX) {
+        match Status::from_code(code) {
+            None | Some(Status::Ok | Status::BufferTooSmall | Status::Internal) => continue,
+            Some(_) => {}
+        }
+        let ty = from_status(code, String::new()).get_type(py);
+        if e.is_instance(&ty)? {
+            let depth = ty.getattr("__mro__")?.len()?;
+            if best.is_none_or(|(_, d)| depth > d) {
+                best = Some((code, depth));
+            }
+        }
+    }
+    Ok(best.map_or(Status::Internal as i32, |(code, _)| code))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("MemsaverError", py.get_type::<MemsaverError>())?;

@@ -108,6 +108,18 @@ fn nccl_stats_json() -> PyResult<String> {
     })
 }
 
+/// The C ABI status code of exception `e` (see `error::status_of`).
+#[pyfunction]
+fn status_of(e: &Bound<'_, PyAny>) -> PyResult<i32> {
+    error::status_of(e)
+}
+
+/// The exception a failed call with status `code` raises, carrying `message` (not raised).
+#[pyfunction]
+fn error_from_status(py: Python<'_>, code: i32, message: String) -> Py<PyAny> {
+    error::from_status(code, message).into_value(py).into_any()
+}
+
 /// The `nccl` tag's coordination (runtime directory, group, owners) as a JSON string.
 #[pyfunction]
 fn nccl_diagnose_json() -> PyResult<String> {
@@ -449,6 +461,8 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_diagnose_json, m)?)?;
+    m.add_function(wrap_pyfunction!(status_of, m)?)?;
+    m.add_function(wrap_pyfunction!(error_from_status, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_set_group, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_group, m)?)?;
     m.add_function(wrap_pyfunction!(parse_profile, m)?)?;

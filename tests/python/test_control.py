@@ -322,3 +322,17 @@ def test_a_process_answers_while_busy_and_stays_reachable(spawn):
     assert all("retry later" in str(e) for e in errors), errors
     time.sleep(0.1)
     assert _resident(t.stats(), "kv_cache") == 16 * MIB
+
+
+def test_status_codes_round_trip_through_the_binding():
+    # The one mapping lives in the binding (generated from the C ABI): every exception class
+    # maps to a status and back to the same class, subclasses before their bases.
+    from memsaver import _memsaver
+
+    for name in ("InvalidArgumentError", "UnknownTagError", "ResumeOutOfMemoryError", "OutOfMemoryError",
+                 "PeerError", "ProfileError", "BackupError", "ControlError", "DriverNotLoadedError"):
+        cls = getattr(memsaver, name)
+        code = _memsaver.status_of(cls("x"))
+        err = _memsaver.error_from_status(code, "msg")
+        assert type(err) is cls and str(err) == "msg", (name, code, err)
+    assert _memsaver.status_of(ValueError("x")) == 99
