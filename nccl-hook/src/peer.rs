@@ -303,19 +303,14 @@ pub(crate) fn is_running(i: &Identity) -> bool {
         && (!proc_is_ours() || proc_stat(&i.pid.to_string()).is_some_and(|(_, s)| s == i.start))
 }
 
-/// The group directory's sockets as owners (`<pid>-<start>-<nonce>.sock`), with whether each
-/// process is alive: for diagnostics.
+/// The group directory's sockets as owners (socket name, pid, whether that very process is
+/// still running: see [`is_running`]), for diagnostics. Other entries are left out.
 pub(crate) fn owners_in(entries: &[String]) -> Vec<(String, u32, bool)> {
     let mut out: Vec<(String, u32, bool)> = entries
         .iter()
         .filter_map(|name| {
-            let pid: u32 = name
-                .strip_suffix(".sock")?
-                .split('-')
-                .next()?
-                .parse()
-                .ok()?;
-            Some((name.clone(), pid, alive(pid)))
+            let i = parse_socket_name(name)?;
+            Some((name.clone(), i.pid, is_running(&i)))
         })
         .collect();
     out.sort();

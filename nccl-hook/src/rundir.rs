@@ -269,16 +269,7 @@ pub(crate) fn inspect(runtime_dir: &Path, group: i64) -> (Found, Found, Vec<Stri
     };
     let path = runtime_dir.join(format!("g{group}"));
     match open(&base, OsStr::new(&format!("g{group}")), &path) {
-        Ok(Some(fd)) => {
-            let entries = std::fs::read_dir(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-                .map(|it| {
-                    it.flatten()
-                        .map(|e| e.file_name().to_string_lossy().into_owned())
-                        .collect()
-                })
-                .unwrap_or_default();
-            (Found::Ok, Found::Ok, entries)
-        }
+        Ok(Some(fd)) => (Found::Ok, Found::Ok, Dir { fd, path }.entries()),
         Ok(None) => (Found::Ok, Found::Missing, Vec::new()),
         Err(e) => (Found::Ok, Found::Problem(e), Vec::new()),
     }

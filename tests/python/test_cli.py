@@ -167,14 +167,17 @@ def test_diagnostics_reports_every_problem_and_what_to_do(child_env, tmp_path):
 
 
 def test_diagnostics_lists_the_owners_of_the_group(child_env, tmp_path):
-    # A group directory as a job leaves it: this process's own server is not running, so the
-    # socket names stand for a live process (this test's) and a gone one.
+    # A group directory as a job leaves it: the socket names stand for a live process (this
+    # test's own pid and start time) and a gone one; other entries are not owners.
     g = tmp_path / "rt" / "g0"
     g.mkdir(parents=True, mode=0o700)
     os.chmod(tmp_path / "rt", 0o700)
     os.chmod(g, 0o700)
-    (g / f"{os.getpid()}-1-00000000000000aa.sock").touch()
+    with open("/proc/self/stat") as f:
+        start = f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time, in clock ticks
+    (g / f"{os.getpid()}-{start}-00000000000000aa.sock").touch()
     (g / "999999-1-00000000000000bb.sock").touch()
+    (g / "not-a-socket-name").touch()
     child_env["MEMSAVER_RUNTIME_DIR"] = str(tmp_path / "rt")
     r = memsaver_cmd("diagnostics", env=child_env)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -89,9 +89,13 @@ pub struct Current {
 /// The tag and policy that apply to an allocation on this thread now: the innermost region,
 /// else the whole-process tag. An invalid whole-process option is an error here, so the
 /// allocation that needs it fails with the variable named.
+/// (Called by every hooked `cudaMalloc`: the process tag is looked at only when no region or
+/// disabled scope is open.)
 pub fn lookup() -> Result<Option<(String, Policy)>, Error> {
-    let c = describe()?;
-    Ok(c.tag.zip(c.policy))
+    match STACK.with(|s| s.borrow().last().cloned()) {
+        Some(top) => Ok(top),
+        None => process_tag(),
+    }
 }
 
 /// The full picture of [`lookup`], for `memsaver_region_current_json`.

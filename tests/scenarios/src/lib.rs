@@ -19,6 +19,21 @@ pub struct FakeNcclAlloc {
 pub type Alloc = unsafe extern "C" fn(*const c_char, usize, c_int, *mut FakeNcclAlloc) -> c_int;
 pub type Import = unsafe extern "C" fn(*const c_char, c_int, usize, *mut FakeNcclAlloc) -> c_int;
 pub type Free = unsafe extern "C" fn(*const c_char, *const FakeNcclAlloc) -> c_int;
+/// The kinds of driver calls the fake driver counts, in the order `fakecuda_call_counts`
+/// writes them (and `nccl-rank`'s `calls` command reports them).
+pub const CALL_KINDS: [&str; 10] = [
+    "create",
+    "map",
+    "set_access",
+    "unmap",
+    "release",
+    "export",
+    "import",
+    "copy",
+    "reserve",
+    "address_free",
+];
+
 /// `memsaver_pause` / `memsaver_resume`.
 pub type TagCall = unsafe extern "C" fn(*const c_char) -> c_int;
 

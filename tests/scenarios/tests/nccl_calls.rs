@@ -21,20 +21,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::{Dirs, Job};
-
-/// The kinds `calls` reports, in its order.
-const KINDS: [&str; 10] = [
-    "create",
-    "map",
-    "set_access",
-    "unmap",
-    "release",
-    "export",
-    "import",
-    "copy",
-    "reserve",
-    "address_free",
-];
+use memsaver_scenarios::CALL_KINDS;
 
 /// A job's layout: per rank, `private` unshared buffers of 2 MiB and `shared` buffers of
 /// `shared_mib` that every other rank imports.
@@ -63,7 +50,7 @@ fn parse(answer: &str) -> (BTreeMap<String, u64>, u64) {
 
 /// Counts of the named kinds, 0 for the others.
 fn counts(nonzero: &[(&str, u64)]) -> BTreeMap<String, u64> {
-    KINDS
+    CALL_KINDS
         .iter()
         .map(|k| {
             let n = nonzero.iter().find(|(n, _)| n == k).map_or(0, |(_, v)| *v);
@@ -170,7 +157,7 @@ fn table() {
         l.shared * (l.ranks as u64 - 1),
         cycles
     );
-    let header: Vec<&str> = KINDS.to_vec();
+    let header: Vec<&str> = CALL_KINDS.to_vec();
     println!(
         "| rank | call   | {} | wall ms per cycle |",
         header.join(" | ")
@@ -190,7 +177,7 @@ fn table() {
             }
             let first = &of(&results[0], r, pick).0;
             let same = results.iter().all(|c| &of(c, r, pick).0 == first);
-            let cells: Vec<String> = KINDS
+            let cells: Vec<String> = CALL_KINDS
                 .iter()
                 .map(|k| format!("{:>w$}", first[*k], w = k.len().max(3)))
                 .collect();

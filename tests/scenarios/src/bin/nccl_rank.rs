@@ -25,7 +25,7 @@
 
 use std::ffi::{CStr, CString, c_char, c_int};
 
-use memsaver_scenarios::{Alloc, FakeNcclAlloc, Free, Import, TagCall, sym};
+use memsaver_scenarios::{Alloc, CALL_KINDS, FakeNcclAlloc, Free, Import, TagCall, sym};
 use std::io::{BufRead, IoSlice, IoSliceMut, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -69,20 +69,6 @@ struct Rank {
 
 /// `fakecuda_call_counts` of the fake driver.
 type CallCounts = unsafe extern "C" fn(*mut u64, usize) -> usize;
-
-/// The names of the fake driver's call counts, in its order.
-const CALL_KINDS: [&str; 10] = [
-    "create",
-    "map",
-    "set_access",
-    "unmap",
-    "release",
-    "export",
-    "import",
-    "copy",
-    "reserve",
-    "address_free",
-];
 
 impl Rank {
     fn run(&mut self, line: &str) -> Result<String, String> {
