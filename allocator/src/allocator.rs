@@ -12,6 +12,7 @@ use crate::driver::{Context, Driver, Handle, Stream};
 use crate::error::{Error, Result};
 use crate::external::ExternalTag;
 use crate::options::Options;
+use crate::prepare::Preparer;
 use crate::stats::Stats;
 use crate::table::{Allocation, Phase, Table};
 use crate::types::{Policy, State};
@@ -45,6 +46,9 @@ pub struct Allocator {
     /// Guards the run-time settings only; never held across a driver call or file I/O, and
     /// nothing is taken under it.
     settings: Mutex<Settings>,
+    /// Pinned backups of `cpu` allocations, allocated on a background thread before their
+    /// first pause. Its lock is a leaf, taken under `table` by stats only.
+    pub(crate) preparer: Arc<Preparer>,
 }
 
 /// The settings a transition reads, started from the options and changed through the setters
@@ -64,6 +68,7 @@ impl Allocator {
 
     pub fn with_options(driver: Arc<Driver>, opts: &Options) -> Self {
         Self {
+            preparer: Preparer::new(driver.clone(), opts.backup_prepare_limit),
             driver,
             devices: Mutex::new(HashMap::new()),
             table: Mutex::new(Table::default()),
@@ -90,6 +95,25 @@ impl Allocator {
     pub fn set_retain_backups(&self, on: bool) {
         self.settings.lock().retain_backups = on;
         tracing::info!(retain = on, "backup retention set");
+    }
+
+    /// The most host memory the allocator prepares ahead of first pauses, in bytes (see
+    /// [`Allocator::set_backup_prepare_limit`]).
+    pub fn backup_prepare_limit(&self) -> u64 {
+        self.preparer.limit()
+    }
+
+    /// With retention on, a `cpu` allocation's pinned backup is allocated on a background
+    /// thread when the allocation is made, so that its first pause only copies. At most `bytes`
+    /// are held that way (buffers already prepared stay); 0 turns it off for new allocations.
+    pub fn set_backup_prepare_limit(&self, bytes: u64) {
+        self.preparer.set_limit(bytes);
+    }
+
+    /// Waits until every requested backup buffer is prepared (or failed): for benchmarks and
+    /// tests that need the first pause to find them ready.
+    pub fn wait_backups_prepared(&self) {
+        self.preparer.wait_idle();
     }
 
     /// The bytes resume keeps free on each device.
@@ -292,7 +316,10 @@ impl Allocator {
 
         let mut t = self.table.lock();
         let tag = t.intern(tag);
+        let id = t.next_id;
+        t.next_id += 1;
         let alloc = Allocation {
+            id,
             tag: tag.clone(),
             device: dev.clone(),
             size,
@@ -311,7 +338,13 @@ impl Allocator {
             });
         }
         t.allocations.insert(ptr, alloc);
+        drop(t);
         tracing::debug!(tag = %tag, ptr = format_args!("{ptr:#x}"), bytes = size, device, %policy, "malloc");
+        if policy == Policy::Cpu && self.retain_backups() {
+            // Without retention every pause allocates its backup again: preparing the first
+            // one would only hold host memory longer.
+            self.preparer.request(id, dev.ctx, size);
+        }
         Ok(ptr)
     }
 
@@ -355,6 +388,7 @@ impl Allocator {
         if let Err(e) = r {
             tracing::error!(tag = %alloc.tag, ptr = format_args!("{ptr:#x}"), error = %e, "free failed; memory may leak");
         }
+        drop(self.preparer.forget(alloc.id));
         drop(alloc.backup);
     }
 
@@ -384,7 +418,13 @@ impl Allocator {
     }
 
     pub fn stats(&self) -> Stats {
-        let mut s = Stats::collect(&self.table.lock());
+        let mut s = Stats::collect(&self.table.lock(), |id| self.preparer.ready_bytes(id));
+        s.backups_preparing = self.preparer.pending();
+        s.driver_calls = crate::driver::CALL_KINDS
+            .iter()
+            .zip(self.driver.calls())
+            .map(|(k, n)| ((*k).to_owned(), n))
+            .collect();
         for (name, ext) in self.external.read().iter() {
             s.add_external(name, ext.paused(), ext.usage());
         }
@@ -399,13 +439,20 @@ impl Allocator {
             .with_context(dev.ctx, || self.driver.mem_info())?)
     }
 
-    /// A fresh host backup of `len` bytes for a `cpu` (pinned) or `mmap` allocation.
+    /// A host backup of `len` bytes for the `cpu` (pinned) or `mmap` allocation `id`: the
+    /// buffer prepared for it if there is one, else a fresh one.
     pub(crate) fn new_host_backup(
         &self,
+        id: u64,
         dev: &Device,
         policy: Policy,
         len: usize,
     ) -> Result<Backup> {
+        if policy == Policy::Cpu
+            && let Some(buf) = self.preparer.take(id)
+        {
+            return Ok(Backup::Host(buf));
+        }
         let buf = match policy {
             Policy::Mmap => HostBuffer::mmap(len).map_err(|e| {
                 Error::Backup(format!(
@@ -427,6 +474,7 @@ impl Allocator {
 
 impl Drop for Allocator {
     fn drop(&mut self) {
+        self.preparer.stop();
         let allocations = std::mem::take(&mut self.table.get_mut().allocations);
         for (ptr, a) in allocations {
             self.release(a, ptr);

@@ -66,6 +66,8 @@ impl Report {
 }
 
 struct Job {
+    /// The allocation's id.
+    id: u64,
     ptr: u64,
     size: usize,
     tag: Arc<str>,
@@ -282,6 +284,7 @@ impl Allocator {
                 _ => continue,
             };
             jobs.push(Job {
+                id: a.id,
                 ptr,
                 size: a.size,
                 tag: a.tag.clone(),
@@ -312,7 +315,7 @@ impl Allocator {
             .filter(|j| j.error.is_none() && matches!(j.policy, Policy::Cpu | Policy::Mmap))
         {
             if j.backup.is_none() {
-                match self.new_host_backup(&j.device, j.policy, j.size) {
+                match self.new_host_backup(j.id, &j.device, j.policy, j.size) {
                     Ok(b) => j.backup = Some(b),
                     Err(e) => {
                         j.error = Some(e);

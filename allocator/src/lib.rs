@@ -10,7 +10,8 @@
 //! * [`driver`]: the only code that calls the CUDA driver (loaded at run time).
 //! * `allocator`: malloc, free, stats; `engine`: pause and resume; `table`: the allocation
 //!   table; `device`: per-device context and copy stream; `backup`: host backups (pinned,
-//!   mmap) and the backup enum; `disk`: disk backup files.
+//!   mmap) and the backup enum; `disk`: disk backup files; `prepare`: pinned backups allocated
+//!   ahead of the first pause, on a background thread.
 //! * [`options`]: every `MEMSAVER_*` option in one table.
 
 pub mod driver;
@@ -25,6 +26,7 @@ mod disk;
 mod engine;
 mod error;
 mod external;
+mod prepare;
 mod table;
 
 use std::sync::{Arc, Once, OnceLock};

@@ -179,6 +179,18 @@ pub const RETAIN_BACKUP: OptionDoc = OptionDoc {
     reader: Reader::Library,
     doc: "1: keep host backups (cpu, mmap) and disk backup files across cycles, so later pauses allocate nothing; 0: release a backup as soon as its allocation has resumed. Changed at run time by memsaver.set_retain_backups. When any TMS_* variable is set and this one is not, the default follows torch_memory_saver: off unless TMS_RETAIN_CPU_BACKUP=1",
 };
+pub const BACKUP_PREPARE_MB: OptionDoc = OptionDoc {
+    env: "MEMSAVER_BACKUP_PREPARE_MB",
+    aliases: &[],
+    kind: Kind::Int {
+        min: 0,
+        max: 1 << 30,
+        unit: MIB_UNIT,
+    },
+    default: "(no limit)",
+    reader: Reader::Library,
+    doc: "with retention on, the pinned backup of a cpu allocation is allocated on a background thread when the allocation is made, so that its first pause only copies (allocating pinned memory takes about 0.6 s per GiB); at most this much host memory is held that way (stats: prepared_backup_bytes). 0 turns it off: first pauses allocate their backups. Also memsaver.set_backup_prepare_limit (in bytes)",
+};
 pub const DISK_DIR: OptionDoc = OptionDoc {
     env: "MEMSAVER_DISK_DIR",
     aliases: &["TMS_DISK_BACKUP_DIR"],
@@ -257,6 +269,7 @@ pub const OPTIONS: &[OptionDoc] = &[
     RUNTIME_DIR,
     CONTROL,
     RETAIN_BACKUP,
+    BACKUP_PREPARE_MB,
     DISK_DIR,
     DISK_CHUNK_MB,
     MEMORY_MARGIN_MB,
@@ -366,6 +379,9 @@ pub enum NcclBackup {
 pub struct Options {
     pub cuda_lib: String,
     pub retain_backups: bool,
+    /// Bytes of pinned backups prepared ahead of first pauses (the variable is in MiB;
+    /// `u64::MAX` when unset).
+    pub backup_prepare_limit: u64,
     /// Bytes (the variable is in MiB).
     pub memory_margin: u64,
     pub disk_dir: Option<PathBuf>,
@@ -490,6 +506,10 @@ impl Options {
                 .raw(&CUDA_LIB)
                 .map_or_else(|| CUDA_LIB.default.to_owned(), |(_, v)| v),
             retain_backups: env.bool_or(&RETAIN_BACKUP, !tms),
+            backup_prepare_limit: env
+                .checked(&BACKUP_PREPARE_MB)
+                .and_then(|v| v.parse::<u64>().ok())
+                .map_or(u64::MAX, |mb| mb * MIB),
             memory_margin: env.int(&MEMORY_MARGIN_MB) as u64 * MIB,
             disk_dir: env.raw(&DISK_DIR).map(|(_, v)| PathBuf::from(v)),
             disk_chunk: (env.int(&DISK_CHUNK_MB) as u64 * MIB) as usize,

@@ -26,6 +26,10 @@ pub struct Usage {
     pub mmap_backup_bytes: u64,
     /// Bytes of disk backup files (`disk`; not host memory, not in `backup_bytes`).
     pub disk_backup_bytes: u64,
+    /// Pinned host memory allocated ahead of the first pause of `cpu` allocations (it becomes
+    /// their backup at that pause; not in `backup_bytes`). Bounded by
+    /// `MEMSAVER_BACKUP_PREPARE_MB`.
+    pub prepared_backup_bytes: u64,
 }
 
 impl Usage {
@@ -37,10 +41,18 @@ impl Usage {
         self.pinned_backup_bytes += other.pinned_backup_bytes;
         self.mmap_backup_bytes += other.mmap_backup_bytes;
         self.disk_backup_bytes += other.disk_backup_bytes;
+        self.prepared_backup_bytes += other.prepared_backup_bytes;
     }
 
-    fn add(&mut self, reserved: usize, resident: usize, backup: Option<(BackupKind, usize)>) {
+    fn add(
+        &mut self,
+        reserved: usize,
+        resident: usize,
+        backup: Option<(BackupKind, usize)>,
+        prepared: usize,
+    ) {
         self.allocations += 1;
+        self.prepared_backup_bytes += prepared as u64;
         self.reserved_bytes += reserved as u64;
         self.resident_bytes += resident as u64;
         if let Some((kind, len)) = backup {
@@ -79,6 +91,12 @@ pub struct Stats {
     /// Every tag ever used, in name order, with or without allocations.
     pub tags: Vec<TagStats>,
     pub total: Usage,
+    /// `cpu` allocations whose backup the background thread has still to prepare.
+    pub backups_preparing: u64,
+    /// Calls memsaver has made to the CUDA driver in this process, by kind
+    /// ([`crate::driver::CALL_KINDS`]): its own and those it makes for NCCL's memory, not
+    /// NCCL's own. The difference across a pause or resume is what it asked of the driver.
+    pub driver_calls: BTreeMap<String, u64>,
 }
 
 impl Stats {
@@ -102,18 +120,20 @@ impl Stats {
         self.tags.sort_by(|a, b| a.tag.cmp(&b.tag));
     }
 
-    pub(crate) fn collect(table: &Table) -> Self {
+    /// The figures of `table`; `prepared` gives the bytes prepared for an allocation id.
+    pub(crate) fn collect(table: &Table, prepared: impl Fn(u64) -> Option<usize>) -> Self {
         let mut per: BTreeMap<&str, BTreeMap<i32, Usage>> =
             table.tags.keys().map(|k| (&**k, BTreeMap::new())).collect();
         let mut total = Usage::default();
         for a in table.allocations.values() {
             let (reserved, resident, backup) = (a.size, a.resident_bytes(), a.backup_usage());
-            total.add(reserved, resident, backup);
+            let prepared = prepared(a.id).unwrap_or(0);
+            total.add(reserved, resident, backup, prepared);
             per.entry(&a.tag)
                 .or_default()
                 .entry(a.device.ordinal)
                 .or_default()
-                .add(reserved, resident, backup);
+                .add(reserved, resident, backup, prepared);
         }
         let tags = per
             .into_iter()
@@ -133,6 +153,10 @@ impl Stats {
                 }
             })
             .collect();
-        Stats { tags, total }
+        Stats {
+            tags,
+            total,
+            ..Stats::default()
+        }
     }
 }

@@ -30,6 +30,8 @@ impl Phase {
 }
 
 pub(crate) struct Allocation {
+    /// Unique in the process for the allocator's life (addresses are reused, ids never).
+    pub id: u64,
     pub tag: Arc<str>,
     pub device: Arc<Device>,
     /// Bytes reserved and, while resident, mapped: the request rounded up to the granularity.
@@ -75,6 +77,8 @@ pub(crate) struct Table {
     /// with one range lookup.
     pub allocations: BTreeMap<u64, Allocation>,
     pub tags: BTreeMap<Arc<str>, TagEntry>,
+    /// The id of the next allocation.
+    pub next_id: u64,
 }
 
 impl Table {

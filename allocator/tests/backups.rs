@@ -410,3 +410,136 @@ fn a_whole_process_tag_allocates_while_paused_and_resume_skips_those() {
     a.free(p).unwrap();
     a.free(q).unwrap();
 }
+
+/// `after - before`, kind by kind.
+fn delta(before: &[u64], after: &[u64]) -> Vec<u64> {
+    before.iter().zip(after).map(|(b, a)| a - b).collect()
+}
+
+#[test]
+fn first_pause_of_a_cpu_tag_takes_the_backups_prepared_in_the_background() {
+    let a = allocator();
+    let ptrs: Vec<u64> = (0..3)
+        .map(|_| a.malloc(4 * MIB, 0, "prep", Policy::Cpu).unwrap())
+        .collect();
+    for (i, p) in ptrs.iter().enumerate() {
+        fill(*p, 4 * MIB, i as u8);
+    }
+    a.wait_backups_prepared();
+    let s = a.stats();
+    let u = s.tag("prep").unwrap().usage;
+    assert_eq!(s.backups_preparing, 0);
+    assert_eq!(
+        (u.prepared_backup_bytes, u.backup_bytes),
+        (12 * MIB as u64, 0)
+    );
+
+    let (ours, fakes) = (a.driver().calls(), fake_calls());
+    a.pause(&["prep"]).unwrap();
+    let (ours, fakes) = (
+        delta(&ours, &a.driver().calls()),
+        delta(&fakes, &fake_calls()),
+    );
+    assert_eq!(
+        kind(&ours, "host_alloc"),
+        0,
+        "the pause allocated no pinned memory"
+    );
+    assert_eq!(
+        kind(&fakes, "host_alloc"),
+        0,
+        "the driver saw no pinned allocation either"
+    );
+    assert_eq!(kind(&ours, "copy"), 3);
+    assert_eq!(ours, fakes, "memsaver counts the calls the driver receives");
+
+    let u = a.stats().tag("prep").unwrap().usage;
+    assert_eq!(
+        (u.prepared_backup_bytes, u.backup_bytes),
+        (0, 12 * MIB as u64)
+    );
+    a.resume(&["prep"]).unwrap();
+    for (i, p) in ptrs.iter().enumerate() {
+        assert!(check(*p, 4 * MIB, i as u8), "allocation {i} restored");
+    }
+}
+
+#[test]
+fn prepared_backups_stay_within_the_limit_and_the_rest_is_allocated_by_the_pause() {
+    let opts = Options {
+        backup_prepare_limit: 4 * MIB as u64,
+        ..Options::default()
+    };
+    let a = allocator_with(&opts);
+    for _ in 0..3 {
+        a.malloc(4 * MIB, 0, "lim", Policy::Cpu).unwrap();
+    }
+    a.wait_backups_prepared();
+    assert_eq!(a.stats().total.prepared_backup_bytes, 4 * MIB as u64);
+    let before = a.driver().calls();
+    a.pause(&["lim"]).unwrap();
+    assert_eq!(kind(&delta(&before, &a.driver().calls()), "host_alloc"), 2);
+    assert_eq!(a.stats().total.pinned_backup_bytes, 12 * MIB as u64);
+
+    // 0 turns it off for new allocations.
+    a.set_backup_prepare_limit(0);
+    a.malloc(4 * MIB, 0, "lim2", Policy::Cpu).unwrap();
+    a.wait_backups_prepared();
+    assert_eq!(a.stats().total.prepared_backup_bytes, 0);
+}
+
+#[test]
+fn nothing_is_prepared_without_retention_or_for_other_policies() {
+    let a = allocator();
+    a.malloc(2 * MIB, 0, "mm", Policy::Mmap).unwrap();
+    a.malloc(2 * MIB, 0, "dd", Policy::Discard).unwrap();
+    a.set_retain_backups(false);
+    a.malloc(2 * MIB, 0, "cc", Policy::Cpu).unwrap();
+    a.wait_backups_prepared();
+    assert_eq!(a.stats().total.prepared_backup_bytes, 0);
+}
+
+#[test]
+fn freeing_allocations_while_their_backups_are_prepared_leaks_no_pinned_memory() {
+    let a = allocator();
+    let (ours, fakes) = (a.driver().calls(), fake_calls());
+    for round in 0..20 {
+        let ptrs: Vec<u64> = (0..8)
+            .map(|_| a.malloc(2 * MIB, 0, "churn", Policy::Cpu).unwrap())
+            .collect();
+        // Free some at once (queued or in flight), the rest once prepared.
+        if round % 2 == 1 {
+            a.wait_backups_prepared();
+        }
+        for p in ptrs {
+            a.free(p).unwrap();
+        }
+    }
+    a.wait_backups_prepared();
+    assert_eq!(a.stats().total.prepared_backup_bytes, 0);
+    let (ours, fakes) = (
+        delta(&ours, &a.driver().calls()),
+        delta(&fakes, &fake_calls()),
+    );
+    assert!(kind(&ours, "host_alloc") > 0, "some buffers were prepared");
+    assert_eq!(kind(&ours, "host_alloc"), kind(&ours, "host_free"));
+    assert_eq!(kind(&fakes, "host_alloc"), kind(&fakes, "host_free"));
+}
+
+#[test]
+fn a_reused_address_never_receives_the_previous_allocations_buffer() {
+    let a = allocator();
+    let p = a.malloc(4 * MIB, 0, "reuse", Policy::Cpu).unwrap();
+    a.wait_backups_prepared();
+    a.free(p).unwrap();
+    // Not prepared: the next allocation's first pause allocates, whatever its address.
+    a.set_backup_prepare_limit(0);
+    let q = a.malloc(2 * MIB, 0, "reuse", Policy::Cpu).unwrap();
+    fill(q, 2 * MIB, 9);
+    let before = a.driver().calls();
+    a.pause(&["reuse"]).unwrap();
+    assert_eq!(kind(&delta(&before, &a.driver().calls()), "host_alloc"), 1);
+    a.resume(&["reuse"]).unwrap();
+    assert!(check(q, 2 * MIB, 9));
+    assert_eq!(a.stats().total.pinned_backup_bytes, 2 * MIB as u64);
+}

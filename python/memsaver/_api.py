@@ -237,6 +237,19 @@ def set_disk_dir(path: str | os.PathLike[str] | None) -> None:
     _memsaver.set_disk_dir(None if path is None else os.fspath(path))
 
 
+def set_backup_prepare_limit(bytes: int) -> None:
+    """With retention on, the pinned backup of a ``backup="cpu"`` allocation is allocated on a
+    background thread when the allocation is made, so that its first pause only copies
+    (allocating pinned memory takes about 0.6 s per GiB). At most ``bytes`` of host memory are
+    held that way (``MEMSAVER_BACKUP_PREPARE_MB``, default: no limit; ``stats().total``
+    reports them as ``prepared_backup_bytes``). 0 turns it off for allocations made from now
+    on; buffers already prepared stay."""
+    if isinstance(bytes, bool) or int(bytes) < 0:
+        raise ValueError(f"memsaver.set_backup_prepare_limit() takes a byte count >= 0, got {bytes!r}")
+    _core.ensure_loaded()
+    _memsaver.set_backup_prepare_limit(int(bytes))
+
+
 def set_memory_margin(bytes: int) -> None:
     """Resume keeps at least ``bytes`` free on each device (``MEMSAVER_MEMORY_MARGIN_MB``,
     default 0): an allocation that would leave less stays paused and resume raises

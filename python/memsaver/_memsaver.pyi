@@ -24,6 +24,7 @@ __all__ = [
     "backup_pointer",
     "set_disk_dir",
     "set_memory_margin",
+    "set_backup_prepare_limit",
     "malloc",
     "free",
     "MemsaverError",
@@ -101,6 +102,9 @@ def set_disk_dir(path: str | None) -> None:
 
 def set_memory_margin(bytes: int) -> None:
     """Bytes resume keeps free on each device (0: no check)."""
+
+def set_backup_prepare_limit(bytes: int) -> None:
+    """The most pinned host memory prepared ahead of first pauses, in bytes (0: none)."""
 
 def malloc(size: int, device: int, tag: str, policy: str) -> int:
     """Allocates tagged device memory directly; returns the device address."""

@@ -14,7 +14,9 @@ class Usage:
     device memory mapped now, ``backup_bytes`` the host memory held by backups (``cpu`` and
     ``mmap``; kept after resume while retention is on, to be reused by the next pause), split
     into ``pinned_backup_bytes`` and ``mmap_backup_bytes``. ``disk_backup_bytes`` is the size of
-    disk backup files (not host memory, not in ``backup_bytes``).
+    disk backup files (not host memory, not in ``backup_bytes``). ``prepared_backup_bytes`` is
+    pinned host memory allocated ahead of the first pause of ``cpu`` allocations (it becomes
+    their backup at that pause; not in ``backup_bytes``).
     """
 
     allocations: int
@@ -24,6 +26,7 @@ class Usage:
     pinned_backup_bytes: int = 0
     mmap_backup_bytes: int = 0
     disk_backup_bytes: int = 0
+    prepared_backup_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class TagStats:
     pinned_backup_bytes: int = 0
     mmap_backup_bytes: int = 0
     disk_backup_bytes: int = 0
+    prepared_backup_bytes: int = 0
 
     @property
     def usage(self) -> Usage:
@@ -51,15 +55,25 @@ class TagStats:
             self.pinned_backup_bytes,
             self.mmap_backup_bytes,
             self.disk_backup_bytes,
+            self.prepared_backup_bytes,
         )
 
 
 @dataclass(frozen=True)
 class Stats:
-    """Every tag of the process (``tags``, by name) and the process total."""
+    """Every tag of the process (``tags``, by name) and the process total.
+
+    ``backups_preparing`` counts ``cpu`` allocations whose pinned backup a background thread is
+    still preparing. ``driver_calls`` counts the CUDA driver calls memsaver has made in this
+    process by kind (``create``, ``map``, ``set_access``, ``unmap``, ``release``, ``export``,
+    ``import``, ``copy``, ``reserve``, ``address_free``, ``host_alloc``, ``host_free``): the
+    difference across a pause or resume is what it asked of the driver.
+    """
 
     tags: dict[str, TagStats]
     total: Usage
+    backups_preparing: int = 0
+    driver_calls: dict[str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return format_table(self)
@@ -75,6 +89,7 @@ def _usage(d: dict[str, int]) -> Usage:
         pinned_backup_bytes=int(d.get("pinned_backup_bytes", 0)),
         mmap_backup_bytes=int(d.get("mmap_backup_bytes", 0)),
         disk_backup_bytes=int(d.get("disk_backup_bytes", 0)),
+        prepared_backup_bytes=int(d.get("prepared_backup_bytes", 0)),
     )
 
 
@@ -94,9 +109,15 @@ def parse(text: str) -> Stats:
             pinned_backup_bytes=u.pinned_backup_bytes,
             mmap_backup_bytes=u.mmap_backup_bytes,
             disk_backup_bytes=u.disk_backup_bytes,
+            prepared_backup_bytes=u.prepared_backup_bytes,
             devices={int(d["device"]): _usage(d) for d in t.get("devices", [])},
         )
-    return Stats(tags=tags, total=_usage(doc["total"]))
+    return Stats(
+        tags=tags,
+        total=_usage(doc["total"]),
+        backups_preparing=int(doc.get("backups_preparing", 0)),
+        driver_calls={str(k): int(v) for k, v in doc.get("driver_calls", {}).items()},
+    )
 
 
 def human_bytes(n: int) -> str:

@@ -318,6 +318,14 @@ fn set_memory_margin(bytes: usize) -> PyResult<()> {
     check(l, unsafe { (l.memsaver_set_memory_margin)(bytes) })
 }
 
+/// Sets the most pinned host memory prepared ahead of first pauses, in bytes.
+#[pyfunction]
+fn set_backup_prepare_limit(bytes: u64) -> PyResult<()> {
+    let l = lib()?;
+    // SAFETY: plain value argument.
+    check(l, unsafe { (l.memsaver_set_backup_prepare_limit)(bytes) })
+}
+
 /// Allocates tagged device memory directly (no torch); returns the device address.
 #[pyfunction]
 fn malloc(size: usize, device: i32, tag: &str, policy: &str) -> PyResult<u64> {
@@ -480,6 +488,7 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(backup_pointer, m)?)?;
     m.add_function(wrap_pyfunction!(set_disk_dir, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_margin, m)?)?;
+    m.add_function(wrap_pyfunction!(set_backup_prepare_limit, m)?)?;
     m.add_function(wrap_pyfunction!(malloc, m)?)?;
     m.add_function(wrap_pyfunction!(free, m)?)?;
     m.add_function(wrap_pyfunction!(control_serve, m)?)?;

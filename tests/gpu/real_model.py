@@ -326,12 +326,15 @@ class Run:
         self.sync()
         expected = self.mem.nccl_owned() if nccl else self.mem.resident(tags)
         free0, _ = self.torch.cuda.mem_get_info(0)
+        calls0 = self.mem.ms.stats().driver_calls
         t0 = time.perf_counter()
         self.mem.pause(*tags)
         ms = (time.perf_counter() - t0) * 1e3
+        calls = {k: v - calls0.get(k, 0) for k, v in self.mem.ms.stats().driver_calls.items()}
         free1, _ = self.torch.cuda.mem_get_info(0)
         freed = free1 - free0
-        rec = {"cycle": cycle, "tags": list(tags), "expected": expected, "freed": freed, "ms": ms}
+        rec = {"cycle": cycle, "tags": list(tags), "expected": expected, "freed": freed, "ms": ms,
+               "calls": {k: v for k, v in calls.items() if v}}
         self.result["pauses"].append(rec)
         if nccl:
             # With one rank NCCL owns only a few MiB; freed also includes the local memory of
@@ -711,8 +714,9 @@ class Run:
             print(f"{'cycle':>5}  {'tags':<40}{'resident':>10}{'freed':>10}{'freed %':>9}{'ms':>8}")
             for p in r["pauses"]:
                 pct = 100.0 * p["freed"] / p["expected"] if p["expected"] else float("nan")
+                calls = " ".join(f"{k}={v}" for k, v in p.get("calls", {}).items())
                 print(f"{p['cycle']:>5}  {','.join(p['tags']):<40}{mib(p['expected']):>10.1f}"
-                      f"{mib(p['freed']):>10.1f}{pct:>9.1f}{p['ms']:>8.1f}")
+                      f"{mib(p['freed']):>10.1f}{pct:>9.1f}{p['ms']:>8.1f}  {calls}")
                 if "stack_kept_reason" in p:
                     print(f"{'':>7}stack: lowered {mib(p['stack_lowered_bytes'] or 0):.1f} MiB, "
                           f"kept {mib(p['stack_kept_bytes'] or 0):.1f} MiB "

@@ -279,6 +279,14 @@ int memsaver_set_disk_dir(const char *dir);
 int memsaver_set_memory_margin(size_t bytes);
 
 /**
+ * At most `bytes` of pinned host memory are allocated ahead of the first pauses of `cpu`
+ * allocations (on a background thread, when each allocation is made, with retention on); 0
+ * turns that off for allocations made from now on. `MEMSAVER_BACKUP_PREPARE_MB` sets it at
+ * start (default: no limit).
+ */
+int memsaver_set_backup_prepare_limit(uint64_t bytes);
+
+/**
  * Writes what applies to an allocation on the calling thread now, as JSON like
  * `memsaver_stats_json`: {"tag","policy","disabled","process","depth","process_tag"} (tag and
  * policy are null when allocations are not tagged; process: the whole-process tag of

@@ -563,6 +563,18 @@ pub extern "C" fn memsaver_set_memory_margin(bytes: usize) -> c_int {
     })
 }
 
+/// At most `bytes` of pinned host memory are allocated ahead of the first pauses of `cpu`
+/// allocations (on a background thread, when each allocation is made, with retention on); 0
+/// turns that off for allocations made from now on. `MEMSAVER_BACKUP_PREPARE_MB` sets it at
+/// start (default: no limit).
+#[unsafe(no_mangle)]
+pub extern "C" fn memsaver_set_backup_prepare_limit(bytes: u64) -> c_int {
+    ffi(|| {
+        allocator()?.set_backup_prepare_limit(bytes);
+        Ok(())
+    })
+}
+
 /// Writes what applies to an allocation on the calling thread now, as JSON like
 /// `memsaver_stats_json`: {"tag","policy","disabled","process","depth","process_tag"} (tag and
 /// policy are null when allocations are not tagged; process: the whole-process tag of

@@ -12,8 +12,9 @@
 //! * Functions that take raw device or host addresses are `unsafe`: the caller guarantees the
 //!   ranges are valid for the operation. Handles, streams and events are plain values; their
 //!   owners (the allocator's tables) release them.
-//! * Nothing here takes a lock or keeps state besides the immutable table of entry points, so
-//!   every function may be called from any thread at any time.
+//! * Nothing here takes a lock or keeps state besides the immutable table of entry points and
+//!   relaxed counters of the calls made ([`Driver::calls`]), so every function may be called
+//!   from any thread at any time.
 //!
 //! Calls that need a current context (copies, streams, events, `cuMemGetInfo`) are made inside
 //! [`Driver::with_context`].
@@ -23,6 +24,7 @@ pub mod sys;
 use std::ffi::{CStr, CString, c_int, c_void};
 use std::fmt;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use sys::*;
 
@@ -173,6 +175,50 @@ entry_points!(
     cuMemFreeHost,
 );
 
+/// The kinds of driver call [`Driver::calls`] counts: the VMM calls whose number decides what a
+/// pause or resume costs (each one's cost is per call, not per byte), the copies, and pinned
+/// host allocations (slow: about 0.6 s per GiB). Named as the fake driver's counts are.
+pub const CALL_KINDS: [&str; 12] = [
+    "create",
+    "map",
+    "set_access",
+    "unmap",
+    "release",
+    "export",
+    "import",
+    "copy",
+    "reserve",
+    "address_free",
+    "host_alloc",
+    "host_free",
+];
+
+#[derive(Clone, Copy)]
+enum Call {
+    Create,
+    Map,
+    SetAccess,
+    Unmap,
+    Release,
+    Export,
+    Import,
+    Copy,
+    Reserve,
+    AddressFree,
+    HostAlloc,
+    HostFree,
+}
+
+/// How many calls of each kind of [`CALL_KINDS`] this driver has made, failed ones included.
+#[derive(Default)]
+struct CallCounts([AtomicU64; CALL_KINDS.len()]);
+
+impl CallCounts {
+    fn count(&self, c: Call) {
+        self.0[c as usize].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// A physical allocation handle (`CUmemGenericAllocationHandle`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Handle(pub CUmemGenericAllocationHandle);
@@ -209,6 +255,7 @@ pub struct Driver {
     lib: *mut c_void,
     f: EntryPoints,
     version: c_int,
+    calls: CallCounts,
 }
 
 // SAFETY: `lib` is only used to keep the library loaded; the entry points are plain function
@@ -258,7 +305,16 @@ impl Driver {
             lib,
             f,
             version,
+            calls: CallCounts::default(),
         })
+    }
+
+    /// How many calls of each kind in [`CALL_KINDS`] this process has made through memsaver's
+    /// driver layer so far (memsaver's own calls and those it makes for NCCL), in that order.
+    /// A figure that does not depend on the machine: the difference across a pause is what the
+    /// pause asked of the driver.
+    pub fn calls(&self) -> [u64; CALL_KINDS.len()] {
+        std::array::from_fn(|i| self.calls.0[i].load(Ordering::Relaxed))
     }
 
     /// The path the driver was opened from.
@@ -422,6 +478,7 @@ impl Driver {
         size: usize,
     ) -> Result<Handle, DriverError> {
         let mut h = 0;
+        self.calls.count(Call::Create);
         // SAFETY: `h` and `prop` are valid for the call.
         check("cuMemCreate", unsafe {
             (self.f.cuMemCreate)(&mut h, size, prop, 0)
@@ -430,6 +487,7 @@ impl Driver {
     }
 
     pub fn release(&self, h: Handle) -> Result<(), DriverError> {
+        self.calls.count(Call::Release);
         // SAFETY: no pointers involved; an invalid handle is reported by the driver.
         check("cuMemRelease", unsafe { (self.f.cuMemRelease)(h.0) })
     }
@@ -437,6 +495,7 @@ impl Driver {
     /// Reserves `size` bytes of virtual address space aligned to `align`.
     pub fn reserve(&self, size: usize, align: usize) -> Result<CUdeviceptr, DriverError> {
         let mut p = 0;
+        self.calls.count(Call::Reserve);
         // SAFETY: `p` is a valid out-pointer.
         check("cuMemAddressReserve", unsafe {
             (self.f.cuMemAddressReserve)(&mut p, size, align, 0, 0)
@@ -448,6 +507,7 @@ impl Driver {
     /// 1. `[ptr, ptr+size)` is a range returned by [`Driver::reserve`] with nothing mapped in it.
     /// 2. No one uses addresses in it afterwards.
     pub unsafe fn address_free(&self, ptr: CUdeviceptr, size: usize) -> Result<(), DriverError> {
+        self.calls.count(Call::AddressFree);
         // SAFETY: guaranteed by the caller.
         check("cuMemAddressFree", unsafe {
             (self.f.cuMemAddressFree)(ptr, size)
@@ -488,6 +548,7 @@ impl Driver {
         h: Handle,
         access: &[CUmemAccessDesc],
     ) -> Result<(), DriverError> {
+        self.calls.count(Call::Map);
         // SAFETY: guaranteed by the caller.
         check("cuMemMap", unsafe {
             (self.f.cuMemMap)(ptr, size, 0, h.0, 0)
@@ -495,11 +556,13 @@ impl Driver {
         if access.is_empty() {
             return Ok(());
         }
+        self.calls.count(Call::SetAccess);
         // SAFETY: the range was just mapped; `access` is valid for the call.
         let r = check("cuMemSetAccess", unsafe {
             (self.f.cuMemSetAccess)(ptr, size, access.as_ptr(), access.len())
         });
         if r.is_err() {
+            self.calls.count(Call::Unmap);
             // SAFETY: we mapped this range above and nobody has seen it yet.
             let _ = unsafe { (self.f.cuMemUnmap)(ptr, size) };
         }
@@ -510,6 +573,7 @@ impl Driver {
     /// 1. `[ptr, ptr+size)` is mapped.
     /// 2. No work queued on the device still reads or writes it.
     pub unsafe fn unmap(&self, ptr: CUdeviceptr, size: usize) -> Result<(), DriverError> {
+        self.calls.count(Call::Unmap);
         // SAFETY: guaranteed by the caller.
         check("cuMemUnmap", unsafe { (self.f.cuMemUnmap)(ptr, size) })
     }
@@ -517,6 +581,7 @@ impl Driver {
     /// Exports `h` as a new POSIX file descriptor, owned by the caller.
     pub fn export_fd(&self, h: Handle) -> Result<OwnedFd, DriverError> {
         let mut fd: c_int = -1;
+        self.calls.count(Call::Export);
         // SAFETY: for POSIX fds the driver writes one `int` to the out-pointer.
         check("cuMemExportToShareableHandle", unsafe {
             (self.f.cuMemExportToShareableHandle)(
@@ -534,6 +599,7 @@ impl Driver {
     /// ownership of `fd`.
     pub fn import_fd(&self, fd: RawFd) -> Result<Handle, DriverError> {
         let mut h = 0;
+        self.calls.count(Call::Import);
         // SAFETY: for POSIX fds the driver reads the fd from the pointer value itself.
         check("cuMemImportFromShareableHandle", unsafe {
             (self.f.cuMemImportFromShareableHandle)(
@@ -617,6 +683,7 @@ impl Driver {
         n: usize,
         s: Stream,
     ) -> Result<(), DriverError> {
+        self.calls.count(Call::Copy);
         // SAFETY: guaranteed by the caller.
         check("cuMemcpyDtoHAsync", unsafe {
             (self.f.cuMemcpyDtoHAsync_v2)(dst.cast(), src, n, s.0)
@@ -633,6 +700,7 @@ impl Driver {
         n: usize,
         s: Stream,
     ) -> Result<(), DriverError> {
+        self.calls.count(Call::Copy);
         // SAFETY: guaranteed by the caller.
         check("cuMemcpyHtoDAsync", unsafe {
             (self.f.cuMemcpyHtoDAsync_v2)(dst, src.cast(), n, s.0)
@@ -656,6 +724,7 @@ impl Driver {
     /// Allocates `n` bytes of pinned (page-locked) host memory.
     pub fn host_alloc(&self, n: usize) -> Result<*mut u8, DriverError> {
         let mut p: *mut c_void = std::ptr::null_mut();
+        self.calls.count(Call::HostAlloc);
         // SAFETY: `p` is a valid out-pointer.
         check("cuMemHostAlloc", unsafe {
             (self.f.cuMemHostAlloc)(&mut p, n, CU_MEMHOSTALLOC_PORTABLE)
@@ -667,6 +736,7 @@ impl Driver {
     /// `p` came from [`Driver::host_alloc`], is not used afterwards, and no copy into or out of
     /// it is pending.
     pub unsafe fn host_free(&self, p: *mut u8) -> Result<(), DriverError> {
+        self.calls.count(Call::HostFree);
         // SAFETY: guaranteed by the caller.
         check("cuMemFreeHost", unsafe { (self.f.cuMemFreeHost)(p.cast()) })
     }

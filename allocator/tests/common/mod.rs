@@ -76,6 +76,38 @@ pub fn inject(function: &str, n: u32) {
     }
 }
 
+/// The fake driver's own counts of calls by kind (`fakecuda_call_counts`), in the order of
+/// [`memsaver_allocator::driver::CALL_KINDS`], which is the fake's order too.
+pub fn fake_calls() -> [u64; memsaver_allocator::driver::CALL_KINDS.len()] {
+    let path = CString::new(fake_lib()).unwrap();
+    let mut out = [0u64; memsaver_allocator::driver::CALL_KINDS.len()];
+    // SAFETY: as in `inject`; the function writes at most `n` counts and returns how many
+    // kinds it has.
+    unsafe {
+        driver();
+        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!h.is_null(), "fake driver not loaded");
+        let f = libc::dlsym(h, c"fakecuda_call_counts".as_ptr());
+        assert!(!f.is_null(), "the fake driver has no fakecuda_call_counts");
+        let f: extern "C" fn(*mut u64, usize) -> usize = std::mem::transmute(f);
+        assert_eq!(
+            f(out.as_mut_ptr(), out.len()),
+            out.len(),
+            "the fake counts other kinds"
+        );
+    }
+    out
+}
+
+/// The count of `kind` (a name of `CALL_KINDS`) in `counts`.
+pub fn kind(counts: &[u64], kind: &str) -> u64 {
+    let i = memsaver_allocator::driver::CALL_KINDS
+        .iter()
+        .position(|k| *k == kind)
+        .unwrap_or_else(|| panic!("no call kind {kind}"));
+    counts[i]
+}
+
 /// On the fake driver device memory is host memory at the same address, so tests can read
 /// and write it directly.
 pub fn fill(ptr: u64, len: usize, seed: u8) {

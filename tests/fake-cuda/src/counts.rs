@@ -27,10 +27,14 @@ pub enum Call {
     Reserve,
     /// `cuMemAddressFree`.
     AddressFree,
+    /// `cuMemHostAlloc`.
+    HostAlloc,
+    /// `cuMemFreeHost`.
+    HostFree,
 }
 
 /// How many kinds there are.
-pub const KINDS: usize = 10;
+pub const KINDS: usize = 12;
 
 static COUNTS: [AtomicU64; KINDS] = [const { AtomicU64::new(0) }; KINDS];
 

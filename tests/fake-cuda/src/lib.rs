@@ -633,6 +633,7 @@ cuda_exports! {
 
     /// Page-aligned host memory (not device memory).
     fn cuMemHostAlloc(pp: *mut *mut c_void, bytes: usize, flags: c_uint) {
+        counts::count(Call::HostAlloc);
         let out = non_null(pp)?;
         context::initialised()?;
         context::require_current()?;
@@ -647,6 +648,7 @@ cuda_exports! {
 
     /// Frees memory from `cuMemHostAlloc`.
     fn cuMemFreeHost(p: *mut c_void) {
+        counts::count(Call::HostFree);
         context::initialised()?;
         context::require_current()?;
         state::host_free(p)

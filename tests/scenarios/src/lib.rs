@@ -21,7 +21,7 @@ pub type Import = unsafe extern "C" fn(*const c_char, c_int, usize, *mut FakeNcc
 pub type Free = unsafe extern "C" fn(*const c_char, *const FakeNcclAlloc) -> c_int;
 /// The kinds of driver calls the fake driver counts, in the order `fakecuda_call_counts`
 /// writes them (and `nccl-rank`'s `calls` command reports them).
-pub const CALL_KINDS: [&str; 10] = [
+pub const CALL_KINDS: [&str; 12] = [
     "create",
     "map",
     "set_access",
@@ -32,6 +32,8 @@ pub const CALL_KINDS: [&str; 10] = [
     "copy",
     "reserve",
     "address_free",
+    "host_alloc",
+    "host_free",
 ];
 
 /// `memsaver_pause` / `memsaver_resume`.

@@ -4,11 +4,15 @@
 //! `--chunk-mib` allocations, fills the cpu-policy ones with a pattern, then runs `--cycles`
 //! pause/resume cycles of each tag. Every cycle checks, with `cuMemGetInfo`, that pause gave
 //! back at least 99% of the tag's bytes to the device, and (unless `--no-verify`) that the
-//! cpu-policy contents came back bit for bit. Prints ms and GB/s per cycle and a summary of
-//! the cycles after the first (the first allocates the pinned backups). Fails on any check.
+//! cpu-policy contents came back bit for bit. Prints ms and GB/s per cycle, a summary of the
+//! cycles after the first with the first apart, and the driver calls one pause and one resume
+//! make. The pinned backups are prepared in the background while the cpu-policy memory is
+//! filled; the bench waits for them before the first cycle, as a training step would take
+//! longer than preparing them. Fails on any check.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use memsaver_allocator::driver::CALL_KINDS;
 use memsaver_allocator::{Allocator, Policy, human_bytes};
 
 use std::io::Write;
@@ -25,6 +29,31 @@ struct Series {
     ptrs: Vec<(u64, usize)>,
     pause: Vec<Duration>,
     resume: Vec<Duration>,
+    /// Driver calls of the last cycle's pause and resume, by kind.
+    calls: ([u64; CALL_KINDS.len()], [u64; CALL_KINDS.len()]),
+}
+
+/// `after - before`, kind by kind.
+fn delta(
+    before: [u64; CALL_KINDS.len()],
+    after: [u64; CALL_KINDS.len()],
+) -> [u64; CALL_KINDS.len()] {
+    std::array::from_fn(|i| after[i] - before[i])
+}
+
+/// `create=1 map=1 ...`: the kinds called at least once.
+fn call_list(calls: &[u64]) -> String {
+    let v: Vec<String> = CALL_KINDS
+        .iter()
+        .zip(calls)
+        .filter(|(_, n)| **n > 0)
+        .map(|(k, n)| format!("{k}={n}"))
+        .collect();
+    if v.is_empty() {
+        "none".into()
+    } else {
+        v.join(" ")
+    }
 }
 
 fn gbps(bytes: usize, d: Duration) -> f64 {
@@ -100,6 +129,7 @@ pub fn run(args: &[String], out: &mut dyn Write) -> Result<(), String> {
             ptrs,
             pause: vec![],
             resume: vec![],
+            calls: Default::default(),
         });
     }
     let mut staging = Staging::new(&driver, device, 256 * MIB)?;
@@ -109,6 +139,15 @@ pub fn run(args: &[String], out: &mut dyn Write) -> Result<(), String> {
             staging.fill(p, n, seed(p))?;
         }
     }
+    let waited = Instant::now();
+    alloc.wait_backups_prepared();
+    let prepared = alloc.stats().total.prepared_backup_bytes;
+    outln!(
+        out,
+        "pinned backups prepared in the background: {} (waited {:.1} ms after filling)",
+        human_bytes(prepared),
+        waited.elapsed().as_secs_f64() * 1e3
+    );
 
     outln!(
         out,
@@ -124,10 +163,14 @@ pub fn run(args: &[String], out: &mut dyn Write) -> Result<(), String> {
     for cycle in 1..=cycles {
         for s in series.iter_mut() {
             let (before, _) = alloc.device_memory(device).map_err(|e| e.to_string())?;
+            let c0 = driver.calls();
             let p = alloc.pause(&[s.tag]).map_err(|e| e.to_string())?;
+            let c1 = driver.calls();
             let (after, _) = alloc.device_memory(device).map_err(|e| e.to_string())?;
             let freed = after.saturating_sub(before);
+            let c2 = driver.calls();
             let r = alloc.resume(&[s.tag]).map_err(|e| e.to_string())?;
+            s.calls = (delta(c0, c1), delta(c2, driver.calls()));
             outln!(
                 out,
                 "{cycle:>5} {:<14} {:>10.2} {:>10.1} {:>10.2} {:>10.1} {:>12}",
@@ -160,7 +203,7 @@ pub fn run(args: &[String], out: &mut dyn Write) -> Result<(), String> {
 
     outln!(
         out,
-        "\nsummary (median of cycles 2..{cycles}; first cycle in brackets, it allocates pinned backups):"
+        "\nsummary (median of cycles 2..{cycles}; first cycle in brackets):"
     );
     for s in &series {
         let later = |v: &[Duration]| if v.len() > 1 { median(&v[1..]) } else { v[0] };
@@ -176,6 +219,20 @@ pub fn run(args: &[String], out: &mut dyn Write) -> Result<(), String> {
             r.as_secs_f64() * 1e3,
             gbps(s.bytes, r),
             s.resume[0].as_secs_f64() * 1e3,
+        );
+    }
+    outln!(
+        out,
+        "\ndriver calls of one pause / one resume (cycle {cycles}):"
+    );
+    for s in &series {
+        outln!(
+            out,
+            "  {:<8} {:>4} allocations: pause {} / resume {}",
+            s.policy.as_str(),
+            s.ptrs.len(),
+            call_list(&s.calls.0),
+            call_list(&s.calls.1)
         );
     }
     for s in &series {
