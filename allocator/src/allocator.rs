@@ -116,6 +116,35 @@ impl Allocator {
         self.preparer.wait_idle();
     }
 
+    /// Asks for a pinned buffer of `len` bytes on `device` to be prepared in the background for
+    /// the first pause of an external tag's buffer `key` (NCCL's, for `nccl`); see
+    /// [`Allocator::set_backup_prepare_limit`]. Keys share one space per allocator, apart from
+    /// allocation ids. Never fails: without a buffer the pause allocates one.
+    pub fn prepare_external_backup(&self, key: u64, device: i32, len: usize) {
+        if len == 0 {
+            return;
+        }
+        if let Ok(dev) = self.device(device) {
+            self.preparer.request(EXTERNAL_KEY | key, dev.ctx, len);
+        }
+    }
+
+    /// The buffer prepared for the external buffer `key`, if there is one (waiting for it if
+    /// it is being allocated now).
+    pub fn take_external_backup(&self, key: u64) -> Option<HostBuffer> {
+        self.preparer.take(EXTERNAL_KEY | key)
+    }
+
+    /// The bytes prepared for the external buffer `key`, for its tag's stats.
+    pub fn external_prepared_bytes(&self, key: u64) -> u64 {
+        self.preparer.ready_bytes(EXTERNAL_KEY | key).unwrap_or(0) as u64
+    }
+
+    /// Forgets the external buffer `key` (freed): its prepared buffer is freed.
+    pub fn forget_external_backup(&self, key: u64) {
+        drop(self.preparer.forget(EXTERNAL_KEY | key));
+    }
+
     /// The bytes resume keeps free on each device.
     pub fn memory_margin(&self) -> u64 {
         self.settings.lock().memory_margin
@@ -486,6 +515,9 @@ impl Drop for Allocator {
         }
     }
 }
+
+/// The key space of external tags' buffers in the preparer, apart from allocation ids.
+const EXTERNAL_KEY: u64 = 1 << 63;
 
 /// Whether a new allocation with `tag` is refused now: its tag is paused and is not the
 /// whole-process tag.

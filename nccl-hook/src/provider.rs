@@ -76,6 +76,25 @@ fn backup_len(backup: Backup, p: &registry::Physical) -> u64 {
     }
 }
 
+/// Asks for the pinned backup of NCCL's new buffer `vh` (`size` bytes on `device`) to be
+/// prepared in the background, so that the first pause of `nccl` only copies; with
+/// `MEMSAVER_NCCL_BACKUP=all` only (with `headers`, most buffers need far less than their
+/// size, known only once they are exported). Starts the allocator: call with no lock held.
+pub(crate) fn prepare_backup(vh: u64, device: i32, size: usize) {
+    if memsaver_allocator::options::get().nccl_backup == Backup::All
+        && let Ok(a) = crate::allocator()
+    {
+        a.prepare_external_backup(vh, device, size);
+    }
+}
+
+/// Frees what was prepared for NCCL's buffer `vh`, which NCCL has released.
+pub(crate) fn forget_backup(vh: u64) {
+    if let Some(a) = memsaver_allocator::global_if_started() {
+        a.forget_external_backup(vh);
+    }
+}
+
 pub struct NcclTag {
     allocator: &'static Allocator,
 }
@@ -371,7 +390,10 @@ impl NcclTag {
                         let n = backup_len(backup, p);
                         if p.backup.as_ref().is_none_or(|b| (b.len() as u64) < n) {
                             p.backup = None;
-                            p.backup = Some(HostBuffer::new(d, ctx, n as usize)?);
+                            p.backup = match a.take_external_backup(*vh) {
+                                Some(b) if b.len() as u64 >= n => Some(b),
+                                _ => Some(HostBuffer::new(d, ctx, n as usize)?),
+                            };
                         }
                         let (ptr, size, _) = ranges[vh][0];
                         let n = n.min(size);
@@ -1254,7 +1276,7 @@ impl ExternalTag for NcclTag {
     fn usage(&self) -> Vec<DeviceUsage> {
         let reg = registry::lock();
         let mut out: Vec<DeviceUsage> = Vec::new();
-        for p in reg.physicals.values().filter(|p| p.kind == Kind::Device) {
+        for (vh, p) in reg.physicals.iter().filter(|(_, p)| p.kind == Kind::Device) {
             let dev = p.device();
             let i = match out.iter().position(|u| u.device == dev) {
                 Some(i) => i,
@@ -1271,6 +1293,7 @@ impl ExternalTag for NcclTag {
             u.reserved_bytes += p.size;
             u.resident_bytes += if p.real.is_some() { p.size } else { 0 };
             u.backup_bytes += p.backup.as_ref().map_or(0, |b| b.len() as u64);
+            u.prepared_backup_bytes += self.allocator.external_prepared_bytes(*vh);
         }
         out.sort_by_key(|u| u.device);
         out

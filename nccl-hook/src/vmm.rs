@@ -135,6 +135,9 @@ unsafe extern "C" fn mem_create(
         let vh = registry::lock().insert(p);
         // SAFETY: the caller's out-pointer.
         unsafe { *handle = vh };
+        if kind == Kind::Device {
+            crate::provider::prepare_backup(vh, prop.location.id, size);
+        }
     });
     r
 }
@@ -151,8 +154,12 @@ unsafe extern "C" fn mem_release(handle: CUmemGenericAllocationHandle) -> CUresu
     };
     p.refs = p.refs.saturating_sub(1);
     let gone = reg.collect(handle);
+    let forgotten = !reg.physicals.contains_key(&handle);
     drop(reg);
     release_real(gone);
+    if forgotten {
+        crate::provider::forget_backup(handle);
+    }
     CUDA_SUCCESS
 }
 

@@ -76,6 +76,12 @@ fn measure(l: &Layout, group: u32, cycles: usize) -> Vec<Cycle> {
     }
     job.all_ok("exchange");
     job.write_all(1);
+    // The pinned backups prepared for NCCL's buffers are ready before the first pause, as a
+    // training step or a rollout would leave them.
+    let own_bytes = (l.shared * l.shared_mib + l.private * 2) << 20;
+    for (r, a) in job.all("prepared").iter().enumerate() {
+        assert_eq!(*a, format!("ok {own_bytes}"), "rank {r}: bytes prepared");
+    }
     job.all("calls"); // the set-up's calls
     let mut out = Vec::new();
     for _ in 0..cycles {
@@ -91,8 +97,10 @@ fn measure(l: &Layout, group: u32, cycles: usize) -> Vec<Cycle> {
 
 /// Per rank, with P private and S shared buffers, W ranks, and I = S x (W - 1) imports:
 ///
-/// * pause: a D2H copy of each own handle (full backup, the default), then one `cuMemUnmap`
-///   per mapping (each handle has one) and one `cuMemRelease` per handle, own and imported;
+/// * pause: a D2H copy of each own handle (full backup, the default) into the pinned buffer
+///   prepared for it in the background (no `cuMemHostAlloc`, also in the first pause), then
+///   one `cuMemUnmap` per mapping (each handle has one) and one `cuMemRelease` per handle, own
+///   and imported;
 /// * resume: per own handle one `cuMemCreate`, `cuMemMap` + `cuMemSetAccess` per mapping, one
 ///   H2D copy; one `cuMemExportToShareableHandle` per (shared buffer, importer) as each peer
 ///   fetches it; per import one `cuMemImportFromShareableHandle`, `cuMemMap`,

@@ -89,7 +89,11 @@ pub fn run(args: &[String], out: &mut dyn Write) -> Result<(), String> {
         return Err("--cycles and --chunk-mib must be positive".into());
     }
     let driver = open_driver(flags.has("--fake"))?;
-    let alloc = Allocator::new(driver.clone());
+    // The options of the environment (MEMSAVER_BACKUP_PREPARE_MB=0 shows first pauses that
+    // allocate their backups).
+    let opts = memsaver_allocator::options::get();
+    opts.check().map_err(|e| e.to_string())?;
+    let alloc = Allocator::with_options(driver.clone(), opts);
     let (free0, total) = alloc.device_memory(device).map_err(|e| e.to_string())?;
     outln!(
         out,

@@ -16,6 +16,8 @@
 //! used             device memory in use (all processes, fake driver) in bytes
 //! free             free imports and the own buffer through NCCL's free path
 //! stats            memsaver_nccl_stats_json on one line
+//! prepared         waits (up to 30 s) until memsaver has prepared every pinned backup it was
+//!                  asked for in the background (memsaver_stats_json's backups_preparing is 0)
 //! pid              this process's pid (in its own pid namespace)
 //! calls            the fake driver's call counts of this process since the last `calls`, by
 //!                  kind, and the wall time of the last pause or resume, then resets the
@@ -204,6 +206,29 @@ impl Rank {
                     return Err(format!("stats {rc}"));
                 }
                 Ok(String::from_utf8_lossy(&buf[..needed - 1]).into_owned())
+            }
+            Some("prepared") => {
+                type StatsJson = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
+                let f: StatsJson = sym(libc::RTLD_DEFAULT, c"memsaver_stats_json");
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                loop {
+                    let mut buf = vec![0u8; 1 << 16];
+                    let mut needed = 0;
+                    // SAFETY: `buf` has its length in writable bytes.
+                    let rc = unsafe { f(buf.as_mut_ptr().cast(), buf.len(), &mut needed) };
+                    if rc != 0 {
+                        return Err(format!("stats {rc}"));
+                    }
+                    let doc: serde_json::Value = serde_json::from_slice(&buf[..needed - 1])
+                        .map_err(|e| format!("stats json: {e}"))?;
+                    if doc["backups_preparing"] == 0 {
+                        return Ok(doc["total"]["prepared_backup_bytes"].to_string());
+                    }
+                    if std::time::Instant::now() > deadline {
+                        return Err("backups still preparing after 30 s".into());
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
             }
             Some("pid") => Ok(std::process::id().to_string()),
             Some("used") => {
