@@ -14,7 +14,7 @@ use crate::external::ExternalTag;
 use crate::options::Options;
 use crate::prepare::Preparer;
 use crate::stats::Stats;
-use crate::table::{Allocation, Phase, Table};
+use crate::table::{Allocation, Backing, Phase, Run, Table};
 use crate::types::{Policy, State};
 
 /// One tag-based VMM allocator. A process normally has exactly one, started by
@@ -55,6 +55,7 @@ pub struct Allocator {
 /// ([`Allocator::set_retain_backups`], ...).
 struct Settings {
     retain_backups: bool,
+    merge_limit: usize,
     memory_margin: u64,
     disk_dir: Option<PathBuf>,
     disk_chunk: usize,
@@ -76,6 +77,7 @@ impl Allocator {
             external: RwLock::new(BTreeMap::new()),
             settings: Mutex::new(Settings {
                 retain_backups: opts.retain_backups,
+                merge_limit: opts.merge_limit,
                 memory_margin: opts.memory_margin,
                 disk_dir: opts.disk_dir.clone(),
                 disk_chunk: opts.disk_chunk,
@@ -143,6 +145,17 @@ impl Allocator {
     /// Forgets the external buffer `key` (freed): its prepared buffer is freed.
     pub fn forget_external_backup(&self, key: u64) {
         drop(self.preparer.forget(EXTERNAL_KEY | key));
+    }
+
+    /// The largest physical allocation a resume makes to back adjacent allocations of one tag
+    /// together, in bytes (0: one per allocation).
+    pub fn merge_limit(&self) -> usize {
+        self.settings.lock().merge_limit
+    }
+
+    /// Sets [`Allocator::merge_limit`]; applies from the next resume.
+    pub fn set_merge_limit(&self, bytes: usize) {
+        self.settings.lock().merge_limit = bytes;
     }
 
     /// The bytes resume keeps free on each device.
@@ -296,11 +309,15 @@ impl Allocator {
         }
         // The tag is registered only with its first allocation that succeeds: a failed malloc
         // leaves no trace in the tag list.
-        if refuses_malloc(&self.table.lock(), tag) {
-            return Err(Error::TagPaused {
-                tag: tag.to_owned(),
-            });
-        }
+        let hint = {
+            let t = self.table.lock();
+            if refuses_malloc(&t, tag) {
+                return Err(Error::TagPaused {
+                    tag: tag.to_owned(),
+                });
+            }
+            t.placement_hint(tag, device)
+        };
         let dev = self.device(device)?;
         let size = dev.round_up(size).ok_or_else(|| {
             Error::InvalidArgument(format!(
@@ -312,7 +329,7 @@ impl Allocator {
         let d = &self.driver;
         let (ptr, handle) = d
             .with_context(dev.ctx, || {
-                let ptr = d.reserve(size, dev.granularity)?;
+                let ptr = d.reserve(size, dev.granularity, hint)?;
                 let handle = match d.create(dev.ordinal, size, false) {
                     Ok(h) => h,
                     Err(e) => {
@@ -353,7 +370,7 @@ impl Allocator {
             device: dev.clone(),
             size,
             policy,
-            phase: Phase::Resident(handle),
+            phase: Phase::Resident(Backing::Own(handle)),
             backup: None,
             free_pending: false,
         };
@@ -361,12 +378,17 @@ impl Allocator {
             // The tag was paused while we were mapping: undo rather than hand out memory that
             // the pause did not see.
             drop(t);
-            self.release(alloc, ptr);
+            self.release(alloc, ptr, None);
             return Err(Error::TagPaused {
                 tag: tag.to_string(),
             });
         }
         t.allocations.insert(ptr, alloc);
+        t.tags
+            .get_mut(&tag)
+            .expect("interned")
+            .next_address
+            .insert(device, ptr + size as u64);
         drop(t);
         tracing::debug!(tag = %tag, ptr = format_args!("{ptr:#x}"), bytes = size, device, %policy, "malloc");
         if policy == Policy::Cpu && self.retain_backups() {
@@ -380,7 +402,7 @@ impl Allocator {
     /// Frees an allocation in any state, releasing its physical memory, its address range and
     /// its backup. If a pause or resume is working on it, it is freed when that finishes.
     pub fn free(&self, ptr: u64) -> Result<()> {
-        let alloc = {
+        let (alloc, ended) = {
             let mut t = self.table.lock();
             let Some(a) = t.allocations.get_mut(&ptr) else {
                 return Err(Error::UnknownPointer { ptr });
@@ -389,36 +411,68 @@ impl Allocator {
                 a.free_pending = true;
                 return Ok(());
             }
-            t.allocations
+            let a = t
+                .allocations
                 .remove(&ptr)
-                .expect("present: looked up under the same lock")
+                .expect("present: looked up under the same lock");
+            let ended = detach(&mut t, &a, ptr);
+            (a, ended)
         };
         tracing::debug!(tag = %alloc.tag, ptr = format_args!("{ptr:#x}"), bytes = alloc.size, "free");
-        self.release(alloc, ptr);
+        self.release(alloc, ptr, ended);
         Ok(())
     }
 
-    /// Releases everything an allocation removed from the table holds. Failures are logged:
-    /// the allocation is gone from the caller's point of view either way.
-    pub(crate) fn release(&self, alloc: Allocation, ptr: u64) {
+    /// Releases everything an allocation removed from the table holds (its run's, when it was
+    /// the run's last allocation: see [`detach`]). Failures are logged: the allocation is gone
+    /// from the caller's point of view either way.
+    pub(crate) fn release(&self, alloc: Allocation, ptr: u64, ended: Option<(u64, Run)>) {
         let d = &self.driver;
         let dev = &alloc.device;
-        let r = d.with_context(dev.ctx, || {
-            if let Phase::Resident(h) = alloc.phase {
+        let r = d.with_context(dev.ctx, || match alloc.phase {
+            Phase::Resident(Backing::Own(h)) => {
                 // Like cudaFree: wait until no queued work can touch the memory.
                 d.synchronize()?;
                 // SAFETY: mapped while resident; the device is idle.
                 unsafe { d.unmap(ptr, alloc.size) }?;
                 d.release(h)?;
+                // SAFETY: the range is ours and now unmapped; the caller dropped it from the
+                // table.
+                unsafe { d.address_free(ptr, alloc.size) }
             }
-            // SAFETY: the range is ours and now unmapped; the caller dropped it from the table.
-            unsafe { d.address_free(ptr, alloc.size) }
+            // The run's mapping covers the range: freed with the run.
+            Phase::Resident(Backing::Run(_)) => Ok(()),
+            // SAFETY: as above; nothing is mapped in the range.
+            _ => unsafe { d.address_free(ptr, alloc.size) },
         });
         if let Err(e) = r {
             tracing::error!(tag = %alloc.tag, ptr = format_args!("{ptr:#x}"), error = %e, "free failed; memory may leak");
         }
+        if let Some((base, run)) = ended {
+            self.release_run(base, run);
+        }
         drop(self.preparer.forget(alloc.id));
         drop(alloc.backup);
+    }
+
+    /// Unmaps and releases a run that no allocation uses any more, and frees the address
+    /// ranges of its freed allocations.
+    pub(crate) fn release_run(&self, base: u64, run: Run) {
+        let d = &self.driver;
+        let r = d.with_context(run.device.ctx, || {
+            d.synchronize()?;
+            // SAFETY: the run's mapping; no allocation uses it and the device is idle.
+            unsafe { d.unmap(base, run.size) }?;
+            d.release(run.handle)?;
+            for &(ptr, size) in &run.dead {
+                // SAFETY: reserved by a freed allocation of the run, unmapped just above.
+                unsafe { d.address_free(ptr, size) }?;
+            }
+            Ok(())
+        });
+        if let Err(e) = r {
+            tracing::error!(ptr = format_args!("{base:#x}"), bytes = run.size, error = %e, "releasing shared physical memory failed; memory may leak");
+        }
     }
 
     /// Whether `tag` is paused (false for a tag never used).
@@ -447,7 +501,12 @@ impl Allocator {
     }
 
     pub fn stats(&self) -> Stats {
-        let mut s = Stats::collect(&self.table.lock(), |id| self.preparer.ready_bytes(id));
+        let mut s = {
+            let t = self.table.lock();
+            let mut s = Stats::collect(&t, |id| self.preparer.ready_bytes(id));
+            s.freed_held_bytes = t.held_by_runs();
+            s
+        };
         s.backups_preparing = self.preparer.pending();
         s.driver_calls = crate::driver::CALL_KINDS
             .iter()
@@ -506,7 +565,8 @@ impl Drop for Allocator {
         self.preparer.stop();
         let allocations = std::mem::take(&mut self.table.get_mut().allocations);
         for (ptr, a) in allocations {
-            self.release(a, ptr);
+            let ended = detach(self.table.get_mut(), &a, ptr);
+            self.release(a, ptr, ended);
         }
         for (_, dev) in self.devices.get_mut().drain() {
             let _ = self
@@ -514,6 +574,25 @@ impl Drop for Allocator {
                 .with_context(dev.ctx, || self.driver.stream_destroy(dev.stream));
         }
     }
+}
+
+/// Takes an allocation just removed from the table out of its run, if it has one: its range
+/// joins the run's freed ranges, and the run is returned (removed from the table) when this
+/// was its last allocation, for the caller to release outside the lock.
+pub(crate) fn detach(t: &mut Table, a: &Allocation, ptr: u64) -> Option<(u64, Run)> {
+    let Phase::Resident(Backing::Run(base)) = a.phase else {
+        return None;
+    };
+    let run = t
+        .runs
+        .get_mut(&base)
+        .expect("a run outlives its allocations");
+    run.live -= 1;
+    run.dead.push((ptr, a.size));
+    if run.live > 0 {
+        return None;
+    }
+    t.runs.remove(&base).map(|r| (base, r))
 }
 
 /// The key space of external tags' buffers in the preparer, apart from allocation ids.

@@ -23,7 +23,7 @@ use crate::disk::DiskFile;
 use crate::driver::{DriverError, Event, Handle};
 use crate::error::{Error, Result};
 use crate::external::ExternalTag;
-use crate::table::{Allocation, Phase, Table};
+use crate::table::{Allocation, Backing, Phase, Run, Table};
 use crate::types::Policy;
 
 /// What one pause or resume did.
@@ -74,7 +74,7 @@ struct Job {
     device: Arc<Device>,
     policy: Policy,
     /// Some while physical memory is mapped: decides the state the job settles in.
-    handle: Option<Handle>,
+    backing: Option<Backing>,
     backup: Option<Backup>,
     /// The copy queued for this job, waited on before the next step.
     copy_done: Option<Event>,
@@ -182,15 +182,15 @@ impl Allocator {
     /// Pause or resume of tags in the allocation table (all of them when `names` is empty).
     fn table_transition(&self, op: Op, names: &[&str]) -> Result<Report> {
         let plan = self.plan(op)?;
-        let (tags, mut jobs, released) = self.claim(op, names, &plan)?;
+        let (tags, mut jobs, mut runs, released) = self.claim(op, names, &plan)?;
         // Backups of resident allocations that retention no longer keeps (outside the lock:
         // freeing pinned memory is a driver call).
         drop(released);
         jobs.sort_by_key(|j| (j.device.ordinal, j.copies(), j.ptr));
         let mut staging = Staging::new(&jobs, Some(plan.disk_chunk));
         match op {
-            Op::Pause => self.pause_jobs(&mut jobs, &plan, &mut staging),
-            Op::Resume => self.resume_jobs(&mut jobs, &plan, &mut staging),
+            Op::Pause => self.pause_jobs(&mut jobs, &mut runs, &plan, &mut staging),
+            Op::Resume => self.resume_jobs(&mut jobs, &mut runs, &plan, &mut staging),
         }
         drop(staging);
         let done = || jobs.iter().filter(|j| j.error.is_none());
@@ -204,7 +204,7 @@ impl Allocator {
                 .sum(),
             elapsed: Duration::ZERO,
         };
-        self.settle(op, &tags, jobs, &plan).map(|()| report)
+        self.settle(op, &tags, jobs, runs, &plan).map(|()| report)
     }
 
     /// Reads the settings the transition needs, once. The disk directory only matters when a
@@ -214,12 +214,14 @@ impl Allocator {
             Op::Pause => Plan {
                 retain: true,
                 margin: 0,
+                merge_limit: 0,
                 disk_dir: self.disk_config().map(|(dir, _)| dir),
                 disk_chunk: self.disk_chunk(),
             },
             Op::Resume => Plan {
                 retain: self.retain_backups(),
                 margin: self.memory_margin(),
+                merge_limit: self.merge_limit(),
                 disk_dir: Ok(PathBuf::new()),
                 disk_chunk: self.disk_chunk(),
             },
@@ -228,15 +230,16 @@ impl Allocator {
 
     /// Claims the allocations of `names` (see the module documentation). A pause of disk-backed
     /// allocations without a usable disk directory is refused here, before anything changes.
-    /// Also returns the backups of resident allocations that a resume with retention off
-    /// releases, for the caller to drop outside the lock.
+    /// Also returns the runs of the claimed allocations (a pause takes them out of the table),
+    /// and the backups of resident allocations that a resume with retention off releases, for
+    /// the caller to drop outside the lock.
     #[allow(clippy::type_complexity)]
     fn claim(
         &self,
         op: Op,
         names: &[&str],
         plan: &Plan,
-    ) -> Result<(Vec<Arc<str>>, Vec<Job>, Vec<Backup>)> {
+    ) -> Result<(Vec<Arc<str>>, Vec<Job>, Runs, Vec<Backup>)> {
         let mut t = self.table.lock();
         let tags = resolve(&t, names)?;
         let claims = |a: &Allocation| {
@@ -263,15 +266,29 @@ impl Allocator {
         }
         let mut jobs = Vec::new();
         let mut released = Vec::new();
-        for (&ptr, a) in t.allocations.iter_mut() {
+        let mut runs = Runs::new();
+        let Table {
+            allocations,
+            runs: table_runs,
+            ..
+        } = &mut *t;
+        for (&ptr, a) in allocations.iter_mut() {
             if !tags.contains(&a.tag) {
                 continue;
             }
-            let handle = match (op, &a.phase) {
-                (Op::Pause, Phase::Resident(h)) => {
-                    let h = *h;
+            let backing = match (op, &a.phase) {
+                (Op::Pause, Phase::Resident(b)) => {
+                    let b = *b;
+                    if let Backing::Run(base) = b
+                        && !runs.contains_key(&base)
+                    {
+                        let run = table_runs
+                            .remove(&base)
+                            .expect("a run outlives its allocations");
+                        runs.insert(base, run);
+                    }
                     a.phase = Phase::Pausing;
-                    Some(h)
+                    Some(b)
                 }
                 (Op::Resume, Phase::Paused) => {
                     a.phase = Phase::Resuming;
@@ -290,16 +307,16 @@ impl Allocator {
                 tag: a.tag.clone(),
                 device: a.device.clone(),
                 policy: a.policy,
-                handle,
+                backing,
                 backup: a.backup.take(),
                 copy_done: None,
                 error: None,
             });
         }
-        Ok((tags, jobs, released))
+        Ok((tags, jobs, runs, released))
     }
 
-    fn pause_jobs(&self, jobs: &mut [Job], plan: &Plan, staging: &mut Staging) {
+    fn pause_jobs(&self, jobs: &mut [Job], runs: &mut Runs, plan: &Plan, staging: &mut Staging) {
         let d = &self.driver;
         // Nothing may still be running on memory we are about to copy or unmap.
         for dev in devices_of(jobs) {
@@ -353,7 +370,10 @@ impl Allocator {
                     continue;
                 }
             }
-            let h = j.handle.expect("pause jobs hold the handle");
+            // A run is unmapped below, once all of its allocations are ready.
+            let Some(Backing::Own(h)) = j.backing else {
+                continue;
+            };
             let r = d.with_context(j.device.ctx, || {
                 if let Some(e) = j.copy_done.take() {
                     d.event_wait(e)?;
@@ -364,18 +384,72 @@ impl Allocator {
             match r {
                 Ok(()) => {
                     self.release_handle_logged(h, j.ptr);
-                    j.handle = None;
+                    j.backing = None;
+                }
+                Err(e) => self.keep_resident(j, e.into()),
+            }
+        }
+        let bases: Vec<u64> = runs.keys().copied().collect();
+        for base in bases {
+            let members: Vec<usize> = (0..jobs.len())
+                .filter(|&i| jobs[i].backing == Some(Backing::Run(base)))
+                .collect();
+            let run = &runs[&base];
+            let failed = members.iter().find_map(|&i| jobs[i].error.clone());
+            let r = match failed {
+                // The run's other allocations cannot be unmapped without it: all stay.
+                Some(e) => Err(e),
+                None => d
+                    .with_context(run.device.ctx, || {
+                        for &i in &members {
+                            if let Some(e) = jobs[i].copy_done.take() {
+                                d.event_wait(e)?;
+                            }
+                        }
+                        // SAFETY: the run's mapping; the device was synchronised and every
+                        // copy out of it has completed.
+                        unsafe { d.unmap(base, run.size) }
+                    })
+                    .map_err(Error::from),
+            };
+            match r {
+                Ok(()) => {
+                    let run = runs.remove(&base).expect("listed above");
+                    self.release_handle_logged(run.handle, base);
+                    self.free_dead(&run);
+                    for &i in &members {
+                        jobs[i].backing = None;
+                    }
                 }
                 Err(e) => {
-                    if j.backup.is_some() {
-                        // The copy may not have completed: wait before dropping its target, and
-                        // drop it (a backup must hold the contents of a completed pause).
-                        let _ =
-                            d.with_context(j.device.ctx, || d.stream_synchronize(j.device.stream));
-                        j.backup = None;
+                    for &i in &members {
+                        self.keep_resident(&mut jobs[i], e.clone());
                     }
-                    j.error = Some(e.into());
                 }
+            }
+        }
+    }
+
+    /// A pause job that stays resident: a copy into its backup may still run, so wait for it,
+    /// then drop the backup (a backup must hold the contents of a completed pause).
+    fn keep_resident(&self, j: &mut Job, e: Error) {
+        let d = &self.driver;
+        if j.backup.is_some() {
+            let _ = d.with_context(j.device.ctx, || d.stream_synchronize(j.device.stream));
+            j.backup = None;
+        }
+        j.copy_done = None;
+        j.error.get_or_insert(e);
+    }
+
+    /// Frees the address ranges of a released run's freed allocations.
+    fn free_dead(&self, run: &Run) {
+        let d = &self.driver;
+        for &(ptr, size) in &run.dead {
+            // SAFETY: reserved by a freed allocation, whose run was just unmapped.
+            if let Err(e) = d.with_context(run.device.ctx, || unsafe { d.address_free(ptr, size) })
+            {
+                tracing::error!(ptr = format_args!("{ptr:#x}"), error = %e, "cuMemAddressFree failed");
             }
         }
     }
@@ -449,22 +523,37 @@ impl Allocator {
         }
     }
 
-    /// Creates physical memory for a paused job and maps it at its address, unless that would
-    /// leave less than `margin` bytes free on the device (reported as out of memory).
-    fn map_fresh(&self, j: &Job, margin: u64) -> Result<Handle> {
+    /// Creates `size` bytes of physical memory for paused allocations of `tag` that fill
+    /// `[ptr, ptr + size)` and maps it there, unless that would leave less than `margin` bytes
+    /// free on the device (reported as out of memory).
+    fn map_fresh(
+        &self,
+        dev: &Device,
+        ptr: u64,
+        size: usize,
+        tag: &str,
+        margin: u64,
+    ) -> Result<Handle> {
         let d = &self.driver;
-        let dev = &j.device;
         Ok(d.with_context(dev.ctx, || {
             if margin > 0 {
                 let (free, _) = d.mem_info()?;
-                if (free as u64) < j.size as u64 + margin {
-                    tracing::info!(tag = %j.tag, ptr = format_args!("{:#x}", j.ptr), bytes = j.size, free, margin, "resume stops at the memory margin");
+                if (free as u64) < size as u64 + margin {
+                    tracing::info!(
+                        tag,
+                        ptr = format_args!("{ptr:#x}"),
+                        bytes = size,
+                        free,
+                        margin,
+                        "resume stops at the memory margin"
+                    );
                     return Err(oom_error());
                 }
             }
-            let h = d.create(dev.ordinal, j.size, false)?;
-            // SAFETY: the range is reserved by this allocation and unmapped while paused.
-            if let Err(e) = unsafe { d.map(j.ptr, j.size, h, dev.ordinal) } {
+            let h = d.create(dev.ordinal, size, false)?;
+            // SAFETY: the range is reserved by these allocations (adjacent reservations) and
+            // unmapped while they are paused.
+            if let Err(e) = unsafe { d.map(ptr, size, h, dev.ordinal) } {
                 let _ = d.release(h);
                 return Err(e);
             }
@@ -472,51 +561,97 @@ impl Allocator {
         })?)
     }
 
-    fn resume_jobs(&self, jobs: &mut [Job], plan: &Plan, staging: &mut Staging) {
+    fn resume_jobs(&self, jobs: &mut [Job], runs: &mut Runs, plan: &Plan, staging: &mut Staging) {
         let d = &self.driver;
         let mut out_of_memory: Vec<i32> = Vec::new();
-        for j in jobs.iter_mut() {
-            let dev = j.device.clone();
+        // A run that does not fit is retried one allocation at a time, so that as much as fits
+        // is resumed, as without runs.
+        let mut todo: std::collections::VecDeque<_> = units(jobs, plan.merge_limit).into();
+        while let Some(unit) = todo.pop_front() {
+            let dev = jobs[unit.start].device.clone();
             if out_of_memory.contains(&dev.ordinal) {
-                j.error = Some(oom_error().into());
-                continue;
-            }
-            let r = self.map_fresh(j, plan.margin).and_then(|h| {
-                if !j.copies() {
-                    return Ok(h);
-                }
-                self.restore(j, staging).inspect_err(|_| {
-                    let _ = d.with_context(dev.ctx, || {
-                        // Nothing of ours may still read or write the range once it is unmapped.
-                        let _ = d.stream_synchronize(dev.stream);
-                        // SAFETY: mapped by map_fresh; the stream was synchronised.
-                        let _ = unsafe { d.unmap(j.ptr, j.size) };
-                        d.release(h)
-                    });
-                })?;
-                Ok(h)
-            });
-            match r {
-                Ok(h) => j.handle = Some(h),
-                Err(Error::Driver(e)) if e.is_out_of_memory() => {
-                    out_of_memory.push(dev.ordinal);
+                for j in &mut jobs[unit] {
                     j.error = Some(oom_error().into());
                 }
-                Err(e) => j.error = Some(e),
+                continue;
+            }
+            let base = jobs[unit.start].ptr;
+            let size: usize = jobs[unit.clone()].iter().map(|j| j.size).sum();
+            let tag = jobs[unit.start].tag.clone();
+            let r = self
+                .map_fresh(&dev, base, size, &tag, plan.margin)
+                .and_then(|h| {
+                    let restored = jobs[unit.clone()]
+                        .iter()
+                        .filter(|j| j.copies())
+                        .try_for_each(|j| self.restore(j, staging));
+                    if let Err(e) = restored {
+                        let _ = d.with_context(dev.ctx, || {
+                            // Nothing of ours may still read or write the range once it is unmapped.
+                            let _ = d.stream_synchronize(dev.stream);
+                            // SAFETY: mapped by map_fresh; the stream was synchronised.
+                            let _ = unsafe { d.unmap(base, size) };
+                            d.release(h)
+                        });
+                        return Err(e);
+                    }
+                    Ok(h)
+                });
+            match r {
+                Ok(h) => {
+                    let backing = if unit.len() == 1 {
+                        Backing::Own(h)
+                    } else {
+                        let run = Run {
+                            handle: h,
+                            size,
+                            device: dev.clone(),
+                            live: unit.len(),
+                            dead: Vec::new(),
+                        };
+                        runs.insert(base, run);
+                        Backing::Run(base)
+                    };
+                    for j in &mut jobs[unit] {
+                        j.backing = Some(backing);
+                    }
+                }
+                Err(Error::Driver(e)) if e.is_out_of_memory() && unit.len() > 1 => {
+                    for i in unit.rev() {
+                        todo.push_front(i..i + 1);
+                    }
+                }
+                Err(Error::Driver(e)) if e.is_out_of_memory() => {
+                    out_of_memory.push(dev.ordinal);
+                    jobs[unit.start].error = Some(oom_error().into());
+                }
+                Err(e) => {
+                    for j in &mut jobs[unit] {
+                        j.error = Some(e.clone());
+                    }
+                }
             }
         }
         // Wait for the restores; a device whose copies failed rolls its jobs back to paused.
-        let devices = devices_of(jobs);
-        for dev in devices {
-            if let Err(e) = d.with_context(dev.ctx, || d.stream_synchronize(dev.stream)) {
-                for j in jobs.iter_mut().filter(|j| j.device.ordinal == dev.ordinal) {
-                    if let Some(h) = j.handle.take() {
-                        // SAFETY: mapped by this resume; the failed stream has no pending work.
-                        let _ = d.with_context(dev.ctx, || unsafe { d.unmap(j.ptr, j.size) });
-                        self.release_handle_logged(h, j.ptr);
-                        j.error = Some(e.into());
-                    }
+        for dev in devices_of(jobs) {
+            let Err(e) = d.with_context(dev.ctx, || d.stream_synchronize(dev.stream)) else {
+                continue;
+            };
+            for j in jobs.iter_mut().filter(|j| j.device.ordinal == dev.ordinal) {
+                let (ptr, size, h) = match j.backing.take() {
+                    None => continue,
+                    Some(Backing::Own(h)) => (j.ptr, j.size, Some(h)),
+                    Some(Backing::Run(base)) => match runs.remove(&base) {
+                        Some(run) => (base, run.size, Some(run.handle)),
+                        None => (base, 0, None), // released with an earlier allocation of it
+                    },
+                };
+                if let Some(h) = h {
+                    // SAFETY: mapped by this resume; the failed stream has no pending work.
+                    let _ = d.with_context(dev.ctx, || unsafe { d.unmap(ptr, size) });
+                    self.release_handle_logged(h, ptr);
                 }
+                j.error = Some(e.into());
             }
         }
     }
@@ -524,7 +659,14 @@ impl Allocator {
     /// Writes the jobs' outcomes back to the table and turns failures into one error. A resumed
     /// allocation's backup goes back to the table with retention on and is released (outside
     /// the lock) with retention off.
-    fn settle(&self, op: Op, tags: &[Arc<str>], jobs: Vec<Job>, plan: &Plan) -> Result<()> {
+    fn settle(
+        &self,
+        op: Op,
+        tags: &[Arc<str>],
+        jobs: Vec<Job>,
+        runs: Runs,
+        plan: &Plan,
+    ) -> Result<()> {
         let mut to_free = Vec::new();
         let mut released: Vec<Backup> = Vec::new();
         let mut errors = Vec::new();
@@ -533,13 +675,15 @@ impl Allocator {
         let mut tags_still_paused: Vec<Arc<str>> = Vec::new();
         {
             let mut t = self.table.lock();
+            // Runs a resume made, and runs a pause could not release.
+            t.runs.extend(runs);
             for j in jobs {
                 let a = t
                     .allocations
                     .get_mut(&j.ptr)
                     .expect("claimed allocations stay in the table");
-                a.phase = match j.handle {
-                    Some(h) => Phase::Resident(h),
+                a.phase = match j.backing {
+                    Some(b) => Phase::Resident(b),
                     None => Phase::Paused,
                 };
                 let resumed = op == Op::Resume && j.error.is_none();
@@ -568,7 +712,9 @@ impl Allocator {
                     }
                 }
                 if a.free_pending {
-                    to_free.push((j.ptr, t.allocations.remove(&j.ptr).expect("present")));
+                    let a = t.allocations.remove(&j.ptr).expect("present");
+                    let ended = crate::allocator::detach(&mut t, &a, j.ptr);
+                    to_free.push((j.ptr, a, ended));
                 }
             }
             if op == Op::Resume {
@@ -580,8 +726,8 @@ impl Allocator {
             }
         }
         drop(released);
-        for (ptr, a) in to_free {
-            self.release(a, ptr);
+        for (ptr, a, ended) in to_free {
+            self.release(a, ptr, ended);
         }
         if let Some(device) = oom_device {
             return Err(Error::ResumeOutOfMemory {
@@ -611,6 +757,9 @@ struct Plan {
     retain: bool,
     /// Resume: bytes to keep free on each device.
     margin: u64,
+    /// Resume: the largest physical allocation that backs adjacent allocations together (0:
+    /// one per allocation).
+    merge_limit: usize,
     /// Pause: the disk backup directory, or why there is none (an error only if a disk-backed
     /// allocation is paused).
     disk_dir: Result<PathBuf>,
@@ -657,6 +806,32 @@ fn oom_error() -> DriverError {
         call: "cuMemCreate",
         code: crate::driver::sys::CUDA_ERROR_OUT_OF_MEMORY,
     }
+}
+
+/// Runs taken out of the table by a pause, or made by a resume, by base address.
+type Runs = std::collections::BTreeMap<u64, Run>;
+
+/// The jobs of a resume, sorted by device, policy kind and address, cut into runs of adjacent
+/// allocations of one tag that one physical allocation of at most `limit` bytes can back
+/// (a run of one when `limit` is smaller than the allocation).
+fn units(jobs: &[Job], limit: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for i in 1..=jobs.len() {
+        let cut = jobs.get(i).is_none_or(|j| {
+            let (first, prev) = (&jobs[start], &jobs[i - 1]);
+            j.device.ordinal != first.device.ordinal
+                || j.tag != first.tag
+                || j.copies() != first.copies()
+                || j.ptr != prev.ptr + prev.size as u64
+                || (j.ptr + j.size as u64 - first.ptr) > limit as u64
+        });
+        if cut {
+            out.push(start..i);
+            start = i;
+        }
+    }
+    out
 }
 
 /// The distinct devices of `jobs`, in order.

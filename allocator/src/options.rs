@@ -191,6 +191,18 @@ pub const BACKUP_PREPARE_MB: OptionDoc = OptionDoc {
     reader: Reader::Library,
     doc: "with retention on, the pinned backup of a cpu allocation is allocated on a background thread when the allocation is made, so that its first pause only copies (allocating pinned memory takes about 0.6 s per GiB); at most this much host memory is held that way (stats: prepared_backup_bytes). 0 turns it off: first pauses allocate their backups. Also memsaver.set_backup_prepare_limit (in bytes)",
 };
+pub const MERGE_MB: OptionDoc = OptionDoc {
+    env: "MEMSAVER_MERGE_MB",
+    aliases: &[],
+    kind: Kind::Int {
+        min: 0,
+        max: 1 << 20,
+        unit: MIB_UNIT,
+    },
+    default: "1024",
+    reader: Reader::Library,
+    doc: "resume backs adjacent allocations of one tag with one physical allocation of up to this size (the driver's cost is per call, not per byte); such memory is released as a whole, so an allocation freed before the tag's next pause stays held until then (stats: freed_held_bytes). 0: one physical allocation per allocation",
+};
 pub const DISK_DIR: OptionDoc = OptionDoc {
     env: "MEMSAVER_DISK_DIR",
     aliases: &["TMS_DISK_BACKUP_DIR"],
@@ -270,6 +282,7 @@ pub const OPTIONS: &[OptionDoc] = &[
     CONTROL,
     RETAIN_BACKUP,
     BACKUP_PREPARE_MB,
+    MERGE_MB,
     DISK_DIR,
     DISK_CHUNK_MB,
     MEMORY_MARGIN_MB,
@@ -382,6 +395,9 @@ pub struct Options {
     /// Bytes of pinned backups prepared ahead of first pauses (the variable is in MiB;
     /// `u64::MAX` when unset).
     pub backup_prepare_limit: u64,
+    /// Bytes: the largest physical allocation resume makes for adjacent allocations (the
+    /// variable is in MiB; 0 turns merging off).
+    pub merge_limit: usize,
     /// Bytes (the variable is in MiB).
     pub memory_margin: u64,
     pub disk_dir: Option<PathBuf>,
@@ -510,6 +526,7 @@ impl Options {
                 .checked(&BACKUP_PREPARE_MB)
                 .and_then(|v| v.parse::<u64>().ok())
                 .map_or(u64::MAX, |mb| mb * MIB),
+            merge_limit: (env.int(&MERGE_MB) as u64 * MIB) as usize,
             memory_margin: env.int(&MEMORY_MARGIN_MB) as u64 * MIB,
             disk_dir: env.raw(&DISK_DIR).map(|(_, v)| PathBuf::from(v)),
             disk_chunk: (env.int(&DISK_CHUNK_MB) as u64 * MIB) as usize,
@@ -741,6 +758,8 @@ mod tests {
         assert!(o.nccl_tokens);
         assert_eq!(o.runtime_dir, PathBuf::from("/run/user/7/memsaver"));
         assert_eq!(o.log, "warn");
+        assert_eq!(o.backup_prepare_limit, u64::MAX, "no limit unless set");
+        assert_eq!(o.merge_limit, 1 << 30);
         assert!(o.errors.is_empty() && o.log_warning.is_none());
         assert!(o.check().is_ok());
     }
@@ -750,6 +769,7 @@ mod tests {
         for o in OPTIONS {
             if matches!(o.kind, Kind::Bool | Kind::Int { .. } | Kind::Enum(_))
                 && o.env != RETAIN_BACKUP.env
+                && o.env != BACKUP_PREPARE_MB.env
             {
                 assert_eq!(o.check(o.env, o.default), Ok(()), "{}", o.env);
             }

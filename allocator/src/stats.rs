@@ -93,6 +93,10 @@ pub struct Stats {
     pub total: Usage,
     /// `cpu` allocations whose backup the background thread has still to prepare.
     pub backups_preparing: u64,
+    /// Device memory of freed allocations that is still held: a resume backs adjacent
+    /// allocations of a tag with one physical allocation, which is released only as a whole
+    /// (at the tag's next pause, or once all of them are freed).
+    pub freed_held_bytes: u64,
     /// Calls memsaver has made to the CUDA driver in this process, by kind
     /// ([`crate::driver::CALL_KINDS`]): its own and those it makes for NCCL's memory, not
     /// NCCL's own. The difference across a pause or resume is what it asked of the driver.

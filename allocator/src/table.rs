@@ -9,10 +9,34 @@ use crate::device::Device;
 use crate::driver::Handle;
 use crate::types::{Policy, State};
 
-/// Where an allocation's physical memory is. The handle exists exactly while `Resident`, so it
+/// What backs a resident allocation: a physical allocation of its own, or the one of a [`Run`]
+/// it shares with the allocations next to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Backing {
+    Own(Handle),
+    /// The run at this base address (a key of [`Table::runs`]).
+    Run(u64),
+}
+
+/// One physical allocation mapped across several adjacent allocations of one tag, as a resume
+/// makes them (one `cuMemCreate`, `cuMemMap` and `cuMemSetAccess` instead of one per
+/// allocation; the driver's cost is per call). It lives until the tag's next pause or until
+/// all its allocations are freed: an allocation freed before that keeps its address range
+/// reserved and its bytes held (`dead`), since part of a mapping cannot be unmapped.
+pub(crate) struct Run {
+    pub handle: Handle,
+    pub size: usize,
+    pub device: Arc<Device>,
+    /// Allocations of the run still in the table.
+    pub live: usize,
+    /// Ranges of freed allocations: reserved until the run is unmapped, then freed.
+    pub dead: Vec<(u64, usize)>,
+}
+
+/// Where an allocation's physical memory is. The backing exists exactly while `Resident`, so it
 /// lives inside that variant; during `Pausing` and `Resuming` the engine holds it.
 pub(crate) enum Phase {
-    Resident(Handle),
+    Resident(Backing),
     Pausing,
     Paused,
     Resuming,
@@ -69,6 +93,8 @@ pub(crate) struct TagEntry {
     /// The whole-process tag: new allocations are accepted (resident) while it is paused,
     /// because torch's caching allocator may need memory during a pause; resume skips them.
     pub allocates_while_paused: bool,
+    /// By device: the end of the tag's last allocation there (see `placement_hint`).
+    pub next_address: std::collections::HashMap<i32, u64>,
 }
 
 #[derive(Default)]
@@ -79,6 +105,8 @@ pub(crate) struct Table {
     pub tags: BTreeMap<Arc<str>, TagEntry>,
     /// The id of the next allocation.
     pub next_id: u64,
+    /// Physical allocations shared by adjacent allocations, by base address.
+    pub runs: BTreeMap<u64, Run>,
 }
 
 impl Table {
@@ -96,6 +124,27 @@ impl Table {
     pub(crate) fn containing(&self, ptr: u64) -> Option<(u64, &Allocation)> {
         let (&base, a) = self.allocations.range(..=ptr).next_back()?;
         (ptr - base < a.size as u64).then_some((base, a))
+    }
+
+    /// Where a new allocation of `tag` on `device` would best be reserved: right after the
+    /// tag's last allocation there, so that allocations made one after the
+    /// other are adjacent and a resume can back them with one physical allocation. 0 when the
+    /// tag has none on the device.
+    pub(crate) fn placement_hint(&self, tag: &str, device: i32) -> u64 {
+        self.tags
+            .get(tag)
+            .and_then(|t| t.next_address.get(&device))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Bytes of freed allocations still held by runs.
+    pub(crate) fn held_by_runs(&self) -> u64 {
+        self.runs
+            .values()
+            .flat_map(|r| &r.dead)
+            .map(|(_, n)| *n as u64)
+            .sum()
     }
 
     pub(crate) fn known_tags(&self) -> Vec<String> {

@@ -67,12 +67,15 @@ class Stats:
     still preparing. ``driver_calls`` counts the CUDA driver calls memsaver has made in this
     process by kind (``create``, ``map``, ``set_access``, ``unmap``, ``release``, ``export``,
     ``import``, ``copy``, ``reserve``, ``address_free``, ``host_alloc``, ``host_free``): the
-    difference across a pause or resume is what it asked of the driver.
+    difference across a pause or resume is what it asked of the driver. ``freed_held_bytes`` is
+    device memory of freed allocations still held because a resume backed them together with
+    their neighbours (``MEMSAVER_MERGE_MB``); it is released at the tag's next pause.
     """
 
     tags: dict[str, TagStats]
     total: Usage
     backups_preparing: int = 0
+    freed_held_bytes: int = 0
     driver_calls: dict[str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
@@ -116,6 +119,7 @@ def parse(text: str) -> Stats:
         tags=tags,
         total=_usage(doc["total"]),
         backups_preparing=int(doc.get("backups_preparing", 0)),
+        freed_held_bytes=int(doc.get("freed_held_bytes", 0)),
         driver_calls={str(k): int(v) for k, v in doc.get("driver_calls", {}).items()},
     )
 

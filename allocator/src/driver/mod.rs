@@ -492,13 +492,19 @@ impl Driver {
         check("cuMemRelease", unsafe { (self.f.cuMemRelease)(h.0) })
     }
 
-    /// Reserves `size` bytes of virtual address space aligned to `align`.
-    pub fn reserve(&self, size: usize, align: usize) -> Result<CUdeviceptr, DriverError> {
+    /// Reserves `size` bytes of virtual address space aligned to `align`, at `hint` if that
+    /// range is free (0: anywhere; the driver may place it elsewhere).
+    pub fn reserve(
+        &self,
+        size: usize,
+        align: usize,
+        hint: CUdeviceptr,
+    ) -> Result<CUdeviceptr, DriverError> {
         let mut p = 0;
         self.calls.count(Call::Reserve);
         // SAFETY: `p` is a valid out-pointer.
         check("cuMemAddressReserve", unsafe {
-            (self.f.cuMemAddressReserve)(&mut p, size, align, 0, 0)
+            (self.f.cuMemAddressReserve)(&mut p, size, align, hint, 0)
         })?;
         Ok(p)
     }

@@ -135,6 +135,28 @@ impl State {
         (ptr + size <= start + len).then_some((start, len))
     }
 
+    /// Whether `[ptr, ptr + size)` is covered by reservations that follow each other without a
+    /// gap. The real driver maps one handle across adjacent reservations (measured on an H100,
+    /// driver 580: `bench/vmm_runs.py`), so the fake does too.
+    fn reserved_without_gaps(&self, ptr: u64, size: u64) -> bool {
+        let mut at = ptr;
+        while at < ptr + size {
+            match self.reservation_containing(at, 1) {
+                Some((start, len)) => at = start + len,
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Whether a mapping reaches into `[ptr, ptr + size)` from outside it.
+    fn mapping_crosses(&self, ptr: u64, size: u64) -> bool {
+        let before = self.mapping_at(ptr.wrapping_sub(1));
+        let last = self.mapping_at(ptr + size - 1);
+        before.is_some_and(|(s, m)| s + m.size > ptr)
+            || last.is_some_and(|(s, m)| s + m.size > ptr + size)
+    }
+
     /// The mapping that contains `addr`.
     fn mapping_at(&self, addr: u64) -> Option<(u64, &Mapping)> {
         let (&start, m) = self.mappings.range(..=addr).next_back()?;
@@ -310,9 +332,19 @@ fn try_reserve_at(hint: u64, size: u64, align: u64) -> Option<u64> {
     None
 }
 
-/// Reserves `size` bytes aligned to `align`: over-reserve, then trim both ends.
+/// Free address space left above a reservation made anywhere. The real driver keeps device
+/// addresses apart from host mappings and honours a hint right after a reservation, so
+/// reservations can be made one after the other; the host's mmap allocates top-down and would
+/// fill the space above at once. Leaving a gap there keeps hints working as on a GPU.
+const HEADROOM: u64 = 1 << 30;
+
+/// Reserves `size` bytes aligned to `align`: over-reserve, then trim both ends, keeping the
+/// bottom of the range (see [`HEADROOM`]).
 fn reserve_anywhere(size: u64, align: u64) -> Result<u64, CUresult> {
-    let total = size.checked_add(align).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+    let total = size
+        .checked_add(align)
+        .and_then(|t| t.checked_add(HEADROOM))
+        .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
     // SAFETY: a new anonymous PROT_NONE mapping at a kernel-chosen address touches nothing else.
     let p = unsafe {
         libc::mmap(
@@ -349,6 +381,10 @@ pub fn address_free(ptr: CUdeviceptr, size: usize) -> Result<(), CUresult> {
     let dropped = {
         let mut st = STATE.write();
         if st.reservations.get(&ptr) != Some(&size) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // A mapping across this reservation and its neighbour cannot be half freed.
+        if st.mapping_crosses(ptr, size) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let inside: Vec<u64> = st
@@ -394,7 +430,7 @@ pub fn map(
     }
     let mut st = STATE.write();
     let alloc = Arc::clone(st.handle(handle)?);
-    if size > alloc.phys.size() || st.reservation_containing(ptr, size).is_none() {
+    if size > alloc.phys.size() || !st.reserved_without_gaps(ptr, size) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     if st.overlaps_mapping(ptr, size) {
