@@ -43,7 +43,7 @@ def cycle(ranges, prop, access):
     ck("sync", cuda.cuCtxSynchronize())
     resume = (time.perf_counter() - t) * 1e3
     t = time.perf_counter()
-    for (va, size), h in zip(ranges, hs):
+    for (va, size), h in zip(ranges, hs, strict=True):
         ck("unmap", cuda.cuMemUnmap(C.c_uint64(va), C.c_size_t(size)))
         ck("release", cuda.cuMemRelease(h))
     pause = (time.perf_counter() - t) * 1e3
@@ -72,7 +72,7 @@ def main():
         f"{args.n} x {args.size_mib} MiB, a handle each": [(base + i * size, size) for i in range(args.n)],
         f"{total // (1 << 30)} GiB as 1 GiB handles": [(base + i * (1 << 30), 1 << 30)
                                                       for i in range(total // (1 << 30))],
-        f"the same bytes as one handle": [(base, total)],
+        "the same bytes as one handle": [(base, total)],
     }
     print(f"{'layout':<36}{'resume ms':>12}{'pause ms':>12}   (median of {args.cycles}, after 1 warm-up)")
     for name, ranges in layouts.items():
