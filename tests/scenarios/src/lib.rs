@@ -20,21 +20,9 @@ pub type Alloc = unsafe extern "C" fn(*const c_char, usize, c_int, *mut FakeNccl
 pub type Import = unsafe extern "C" fn(*const c_char, c_int, usize, *mut FakeNcclAlloc) -> c_int;
 pub type Free = unsafe extern "C" fn(*const c_char, *const FakeNcclAlloc) -> c_int;
 /// The kinds of driver calls the fake driver counts, in the order `fakecuda_call_counts`
-/// writes them (and `nccl-rank`'s `calls` command reports them).
-pub const CALL_KINDS: [&str; 12] = [
-    "create",
-    "map",
-    "set_access",
-    "unmap",
-    "release",
-    "export",
-    "import",
-    "copy",
-    "reserve",
-    "address_free",
-    "host_alloc",
-    "host_free",
-];
+/// writes them (and `nccl-rank`'s `calls` command reports them): memsaver's own list, which the
+/// fake driver follows (`allocator/tests/backups.rs` compares the two counts).
+pub use memsaver_allocator::driver::CALL_KINDS;
 
 /// `memsaver_pause` / `memsaver_resume`.
 pub type TagCall = unsafe extern "C" fn(*const c_char) -> c_int;
