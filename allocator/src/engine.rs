@@ -434,11 +434,14 @@ impl Allocator {
     /// then drop the backup (a backup must hold the contents of a completed pause).
     fn keep_resident(&self, j: &mut Job, e: Error) {
         let d = &self.driver;
+        if let Some(done) = j.copy_done.take() {
+            // Waiting also destroys the event.
+            let _ = d.with_context(j.device.ctx, || d.event_wait(done));
+        }
         if j.backup.is_some() {
             let _ = d.with_context(j.device.ctx, || d.stream_synchronize(j.device.stream));
             j.backup = None;
         }
-        j.copy_done = None;
         j.error.get_or_insert(e);
     }
 

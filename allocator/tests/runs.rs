@@ -223,3 +223,32 @@ fn tags_never_share_a_run_and_pausing_one_leaves_the_other_resident() {
         }
     }
 }
+
+#[test]
+fn a_run_whose_unmap_fails_stays_resident_whole_and_pauses_later() {
+    let a = allocator();
+    let ptrs: Vec<u64> = (0..4)
+        .map(|_| a.malloc(2 * MIB, 0, "stay", Policy::Cpu).unwrap())
+        .collect();
+    for (i, p) in ptrs.iter().enumerate() {
+        fill(*p, 2 * MIB, i as u8);
+    }
+    a.pause(&["stay"]).unwrap();
+    a.resume(&["stay"]).unwrap(); // now one run
+    inject("fakecuda_fail_unmap_at", 1);
+    let e = a.pause(&["stay"]).unwrap_err();
+    inject("fakecuda_reset_faults", 0);
+    assert!(matches!(e, Error::Incomplete { failed: 4, .. }), "{e}");
+    for (i, p) in ptrs.iter().enumerate() {
+        assert_eq!(a.state(*p), Some(State::Resident));
+        assert!(check(*p, 2 * MIB, i as u8), "allocation {i} untouched");
+    }
+    a.pause(&["stay"]).unwrap();
+    a.resume(&["stay"]).unwrap();
+    for (i, p) in ptrs.iter().enumerate() {
+        assert!(
+            check(*p, 2 * MIB, i as u8),
+            "allocation {i} after the retry"
+        );
+    }
+}
