@@ -4,6 +4,7 @@ would call it, on the fake driver."""
 from __future__ import annotations
 
 import threading
+import time
 
 import memsaver
 import pytest
@@ -118,11 +119,15 @@ def test_stats_figures_add_up(hooks, tag, tag2):
     with memsaver.region(tag):
         p = hooks.malloc_ok(2 * MiB)
     q = _memsaver.malloc(4 * MiB, 1, tag2, "cpu")  # the fake driver has two devices
+    # Its pinned backup is prepared in the background: wait for it (bounded).
+    deadline = time.monotonic() + 30
+    while memsaver.stats().backups_preparing and time.monotonic() < deadline:
+        time.sleep(0.01)
     s = memsaver.stats()
     assert isinstance(s, memsaver.Stats)
     t2 = s.tags[tag2]
     assert isinstance(t2, memsaver.TagStats)
-    assert t2.devices == {1: memsaver.Usage(1, 4 * MiB, 4 * MiB, 0)}
+    assert t2.devices == {1: memsaver.Usage(1, 4 * MiB, 4 * MiB, 0, prepared_backup_bytes=4 * MiB)}
     for field in ("allocations", "reserved_bytes", "resident_bytes", "backup_bytes"):
         assert getattr(s.total, field) == sum(getattr(t, field) for t in s.tags.values())
     text = str(s)
