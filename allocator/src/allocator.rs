@@ -462,16 +462,27 @@ impl Allocator {
         let r = d.with_context(run.device.ctx, || {
             d.synchronize()?;
             // SAFETY: the run's mapping; no allocation uses it and the device is idle.
-            unsafe { d.unmap(base, run.size) }?;
-            d.release(run.handle)?;
-            for &(ptr, size) in &run.dead {
-                // SAFETY: reserved by a freed allocation of the run, unmapped just above.
-                unsafe { d.address_free(ptr, size) }?;
-            }
-            Ok(())
+            unsafe { d.unmap(base, run.size) }
         });
-        if let Err(e) = r {
-            tracing::error!(ptr = format_args!("{base:#x}"), bytes = run.size, error = %e, "releasing shared physical memory failed; memory may leak");
+        match r {
+            Ok(()) => self.retire_run(base, &run),
+            Err(e) => {
+                tracing::error!(ptr = format_args!("{base:#x}"), bytes = run.size, error = %e, "unmapping shared physical memory failed; memory may leak");
+            }
+        }
+    }
+
+    /// Releases the physical memory of a run just unmapped, and frees the address ranges of
+    /// its freed allocations.
+    pub(crate) fn retire_run(&self, base: u64, run: &Run) {
+        let d = &self.driver;
+        self.release_handle_logged(run.handle, base);
+        for &(ptr, size) in &run.dead {
+            // SAFETY: reserved by a freed allocation of the run, which is no longer mapped.
+            if let Err(e) = d.with_context(run.device.ctx, || unsafe { d.address_free(ptr, size) })
+            {
+                tracing::error!(ptr = format_args!("{ptr:#x}"), error = %e, "cuMemAddressFree failed");
+            }
         }
     }
 

@@ -389,11 +389,14 @@ impl Allocator {
                 Err(e) => self.keep_resident(j, e.into()),
             }
         }
-        let bases: Vec<u64> = runs.keys().copied().collect();
-        for base in bases {
-            let members: Vec<usize> = (0..jobs.len())
-                .filter(|&i| jobs[i].backing == Some(Backing::Run(base)))
-                .collect();
+        // The jobs of each run, in one pass.
+        let mut members_of: Runs<Vec<usize>> = Runs::new();
+        for (i, j) in jobs.iter().enumerate() {
+            if let Some(Backing::Run(base)) = j.backing {
+                members_of.entry(base).or_default().push(i);
+            }
+        }
+        for (base, members) in members_of {
             let run = &runs[&base];
             let failed = members.iter().find_map(|&i| jobs[i].error.clone());
             let r = match failed {
@@ -414,9 +417,8 @@ impl Allocator {
             };
             match r {
                 Ok(()) => {
-                    let run = runs.remove(&base).expect("listed above");
-                    self.release_handle_logged(run.handle, base);
-                    self.free_dead(&run);
+                    let run = runs.remove(&base).expect("claimed with its allocations");
+                    self.retire_run(base, &run);
                     for &i in &members {
                         jobs[i].backing = None;
                     }
@@ -443,18 +445,6 @@ impl Allocator {
             j.backup = None;
         }
         j.error.get_or_insert(e);
-    }
-
-    /// Frees the address ranges of a released run's freed allocations.
-    fn free_dead(&self, run: &Run) {
-        let d = &self.driver;
-        for &(ptr, size) in &run.dead {
-            // SAFETY: reserved by a freed allocation, whose run was just unmapped.
-            if let Err(e) = d.with_context(run.device.ctx, || unsafe { d.address_free(ptr, size) })
-            {
-                tracing::error!(ptr = format_args!("{ptr:#x}"), error = %e, "cuMemAddressFree failed");
-            }
-        }
     }
 
     /// Copies a resident disk-backed allocation into its file, chunk by chunk through the
@@ -811,8 +801,9 @@ fn oom_error() -> DriverError {
     }
 }
 
-/// Runs taken out of the table by a pause, or made by a resume, by base address.
-type Runs = std::collections::BTreeMap<u64, Run>;
+/// Runs taken out of the table by a pause, or made by a resume (or what goes with each), by
+/// base address.
+type Runs<T = Run> = std::collections::BTreeMap<u64, T>;
 
 /// The jobs of a resume, sorted by device, policy kind and address, cut into runs of adjacent
 /// allocations of one tag that one physical allocation of at most `limit` bytes can back
