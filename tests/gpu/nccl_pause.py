@@ -89,15 +89,22 @@ def main():
         dist.barrier()
         torch.cuda.synchronize()
         f0 = torch.cuda.mem_get_info()[0]
+        c0 = memsaver.stats().driver_calls
         t0 = time.perf_counter()
         memsaver.pause("nccl")
         pause_ms.append((time.perf_counter() - t0) * 1e3)
+        c1 = memsaver.stats().driver_calls
         freed.append(torch.cuda.mem_get_info()[0] - f0)
         memsaver.pause("kv_cache")
         memsaver.resume("kv_cache")
+        c2 = memsaver.stats().driver_calls
         t0 = time.perf_counter()
         memsaver.resume("nccl")
         resume_ms.append((time.perf_counter() - t0) * 1e3)
+        c3 = memsaver.stats().driver_calls
+        # The driver calls of this cycle's pause and resume of nccl, by kind.
+        calls = [{k: v - a.get(k, 0) for k, v in b.items() if v - a.get(k, 0)}
+                 for a, b in ((c0, c1), (c2, c3))]
         ok &= collectives(groups, rank, world, step)
         kv.fill_(step)
         torch.cuda.synchronize()
@@ -120,6 +127,8 @@ def main():
         "pause_ms_median": round(statistics.median(pause_ms), 2),
         "resume_ms_median": round(statistics.median(resume_ms), 2),
         "pause_ms_max": round(max(pause_ms), 2), "resume_ms_max": round(max(resume_ms), 2),
+        "pause_ms_first": round(pause_ms[0], 2), "resume_ms_first": round(resume_ms[0], 2),
+        "calls_pause_last": calls[0], "calls_resume_last": calls[1],
         "device_free_drift_mib": round((free_before - free_end) / MIB, 1),
         "device_growth_after_first_cycle_mib": round((free_after[0] - free_after[-1]) / MIB, 1),
         "open_fds_growth_after_first_cycle": fds_after[-1] - fds_after[0],
