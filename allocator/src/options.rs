@@ -566,8 +566,11 @@ impl Options {
 }
 
 /// The whole-process tag and policy: `MEMSAVER_PROCESS_TAG`/`MEMSAVER_PROCESS_BACKUP`, else
-/// torch_memory_saver's `TMS_INIT_*` (whose values have types of their own).
+/// torch_memory_saver's `TMS_INIT_*` (whose values have types of their own). Every one of
+/// these variables is checked whether or not whole-process mode is on: a mistyped backup
+/// policy is an error even while the tag is unset.
 fn process(env: &mut Env<'_>) -> Option<(String, Policy)> {
+    let policy = process_backup(env);
     let tag = match env.var(PROCESS_TAG.env) {
         Some((_, tag)) => tag,
         None => {
@@ -585,19 +588,13 @@ fn process(env: &mut Env<'_>) -> Option<(String, Policy)> {
             }
         }
     };
-    Some((tag, process_backup(env).unwrap_or(Policy::Discard)))
+    Some((tag, policy.unwrap_or(Policy::Discard)))
 }
 
+/// The whole-process policy; `None` (with the message kept) when a variable is invalid.
+/// torch_memory_saver's variables are all read, so each is checked, even those that the
+/// `MEMSAVER_*` variable or a disabled CPU backup make irrelevant.
 fn process_backup(env: &mut Env<'_>) -> Option<Policy> {
-    if let Some((var, v)) = env.var(PROCESS_BACKUP.env) {
-        return match (PROCESS_BACKUP.check(var, &v), v.parse::<Policy>()) {
-            (Ok(()), Ok(p)) => Some(p),
-            _ => {
-                env.errors.push(PROCESS_BACKUP.invalid(var, &v));
-                None
-            }
-        };
-    }
     let bool_var = |env: &mut Env<'_>, name| {
         let (var, v) = env.var(name)?;
         let b = parse_bool(&v);
@@ -607,10 +604,8 @@ fn process_backup(env: &mut Env<'_>) -> Option<Policy> {
         }
         b
     };
-    if !bool_var(env, "TMS_INIT_ENABLE_CPU_BACKUP").unwrap_or(false) {
-        return Some(Policy::Discard);
-    }
-    match env.var("TMS_INIT_CPU_BACKUP_BACKEND") {
+    let tms_backup = bool_var(env, "TMS_INIT_ENABLE_CPU_BACKUP");
+    let tms_backend = match env.var("TMS_INIT_CPU_BACKUP_BACKEND") {
         None => Some(Policy::Cpu),
         Some((_, v)) if v == "pinned" => Some(Policy::Cpu),
         Some((_, v)) if v == "mmap" => Some(Policy::Mmap),
@@ -619,7 +614,20 @@ fn process_backup(env: &mut Env<'_>) -> Option<Policy> {
                 .push(format!("{var}='{v}': expected pinned or mmap"));
             None
         }
+    };
+    if let Some((var, v)) = env.var(PROCESS_BACKUP.env) {
+        return match (PROCESS_BACKUP.check(var, &v), v.parse::<Policy>()) {
+            (Ok(()), Ok(p)) => Some(p),
+            _ => {
+                env.errors.push(PROCESS_BACKUP.invalid(var, &v));
+                None
+            }
+        };
     }
+    if !tms_backup.unwrap_or(false) {
+        return Some(Policy::Discard);
+    }
+    tms_backend
 }
 
 /// The options of this process, read from the environment once (on first use).
@@ -971,6 +979,49 @@ mod tests {
             w.starts_with("MEMSAVER_LOG='memsaver=loud': expected error, warn"),
             "{w}"
         );
+    }
+
+    /// A variable is checked whatever the others say: an invalid whole-process backup policy
+    /// (or torch_memory_saver backend) is an error while whole-process mode is off, and while
+    /// a `MEMSAVER_*` variable makes the alias irrelevant.
+    #[test]
+    fn options_that_others_make_irrelevant_are_still_checked() {
+        let cases: [(&[(&str, &str)], &str); 4] = [
+            (
+                &[("MEMSAVER_PROCESS_BACKUP", "zip")],
+                "MEMSAVER_PROCESS_BACKUP='zip': expected discard, cpu, mmap or disk",
+            ),
+            (
+                &[("TMS_INIT_CPU_BACKUP_BACKEND", "cuda")],
+                "TMS_INIT_CPU_BACKUP_BACKEND='cuda': expected pinned or mmap",
+            ),
+            (
+                &[("TMS_INIT_ENABLE_CPU_BACKUP", "sure")],
+                "TMS_INIT_ENABLE_CPU_BACKUP='sure': expected 0 or 1",
+            ),
+            (
+                &[
+                    ("MEMSAVER_PROCESS_TAG", "t"),
+                    ("MEMSAVER_PROCESS_BACKUP", "cpu"),
+                    ("TMS_INIT_CPU_BACKUP_BACKEND", "tape"),
+                ],
+                "TMS_INIT_CPU_BACKUP_BACKEND='tape': expected pinned or mmap",
+            ),
+        ];
+        for (vars, want) in cases {
+            let o = opts(vars);
+            assert_eq!(o.errors, [want], "{vars:?}");
+            assert!(o.check().is_err());
+        }
+        // Valid values without whole-process mode change nothing and are no error.
+        let o = opts(&[("MEMSAVER_PROCESS_BACKUP", "cpu")]);
+        assert_eq!((o.process, o.errors.len()), (None, 0));
+        let o = opts(&[
+            ("TMS_INIT_ENABLE", "1"),
+            ("TMS_INIT_ENABLE_CPU_BACKUP", "1"),
+            ("TMS_INIT_CPU_BACKUP_BACKEND", "mmap"),
+        ]);
+        assert_eq!(o.process, Some(("default".into(), Policy::Mmap)));
     }
 
     #[test]
