@@ -343,12 +343,11 @@ impl Allocator {
             let Some(Backup::Host(buf)) = j.backup.as_mut() else {
                 unreachable!("cpu and mmap jobs hold a host backup")
             };
-            let dst = buf.as_mut_ptr();
             let r = d.with_context(j.device.ctx, || {
                 // SAFETY: the allocation is mapped (we hold its handle) and the backup is
                 // `size` bytes of host memory that lives in the job until the copy is waited on
                 // (for pageable memory the driver completes the copy before returning).
-                unsafe { d.copy_dtoh_async(dst, j.ptr, j.size, j.device.stream) }?;
+                unsafe { buf.copy_from_device(d, 0, j.ptr, j.size, j.device.stream) }?;
                 d.event_record(j.device.stream)
             });
             match r {
@@ -465,11 +464,11 @@ impl Allocator {
             d.with_context(dev.ctx, || {
                 // SAFETY: the allocation is mapped (the job holds its handle) and the staging
                 // buffer has `chunk >= n` bytes; the stream is synchronised before it is read.
-                unsafe { d.copy_dtoh_async(buf, j.ptr + off as u64, n, dev.stream) }?;
+                unsafe { buf.copy_from_device(d, 0, j.ptr + off as u64, n, dev.stream) }?;
                 d.stream_synchronize(dev.stream)
             })?;
             // SAFETY: the copy into `buf[..n]` has completed and nothing else uses the buffer.
-            let bytes = unsafe { std::slice::from_raw_parts(buf, n) };
+            let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr(), n) };
             file.write_at(bytes, off)
                 .map_err(|e| crate::disk::io_error("writing", file.path(), e))?;
         }
@@ -486,11 +485,10 @@ impl Allocator {
         match &j.backup {
             None => Ok(()),
             Some(Backup::Host(buf)) => {
-                let src = buf.as_ptr();
                 d.with_context(dev.ctx, || {
                     // SAFETY: just mapped; the backup stays in the job until the stream is
                     // synchronised at the end of the resume.
-                    unsafe { d.copy_htod_async(j.ptr, src, j.size, dev.stream) }
+                    unsafe { buf.copy_to_device(d, 0, j.ptr, j.size, dev.stream) }
                 })?;
                 Ok(())
             }
@@ -502,13 +500,13 @@ impl Allocator {
                     // filled again.
                     d.with_context(dev.ctx, || d.stream_synchronize(dev.stream))?;
                     // SAFETY: `buf` has `chunk >= n` bytes and no copy uses it (synchronised).
-                    let bytes = unsafe { std::slice::from_raw_parts_mut(buf, n) };
+                    let bytes = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr(), n) };
                     file.read_at(bytes, off)
                         .map_err(|e| crate::disk::io_error("reading", file.path(), e))?;
                     d.with_context(dev.ctx, || {
                         // SAFETY: just mapped; the staging buffer is not touched again before the
                         // stream is synchronised (next chunk, next job, or the end of resume).
-                        unsafe { d.copy_htod_async(j.ptr + off as u64, buf, n, dev.stream) }
+                        unsafe { buf.copy_to_device(d, 0, j.ptr + off as u64, n, dev.stream) }
                     })?;
                 }
                 Ok(())
@@ -782,13 +780,12 @@ impl Staging {
         }
     }
 
-    /// The buffer's address and length, allocating it on first use.
-    fn buffer(&mut self, a: &Allocator, dev: &Device) -> Result<(*mut u8, usize)> {
+    /// The buffer and its length, allocating it on first use.
+    fn buffer(&mut self, a: &Allocator, dev: &Device) -> Result<(&mut HostBuffer, usize)> {
         if self.buf.is_none() {
             self.buf = Some(HostBuffer::new(&a.driver, dev.ctx, self.len)?);
         }
-        let buf = self.buf.as_mut().expect("set above");
-        Ok((buf.as_mut_ptr(), self.len))
+        Ok((self.buf.as_mut().expect("set above"), self.len))
     }
 }
 

@@ -440,16 +440,14 @@ fn first_pause_of_a_cpu_tag_takes_the_backups_prepared_in_the_background() {
         delta(&ours, &a.driver().calls()),
         delta(&fakes, &fake_calls()),
     );
-    assert_eq!(
-        kind(&ours, "host_alloc"),
-        0,
-        "the pause allocated no pinned memory"
-    );
-    assert_eq!(
-        kind(&fakes, "host_alloc"),
-        0,
-        "the driver saw no pinned allocation either"
-    );
+    for pin in ["host_alloc", "host_register"] {
+        assert_eq!(kind(&ours, pin), 0, "the pause pinned no memory ({pin})");
+        assert_eq!(
+            kind(&fakes, pin),
+            0,
+            "the driver saw no pinning either ({pin})"
+        );
+    }
     assert_eq!(kind(&ours, "copy"), 3);
     assert_eq!(ours, fakes, "memsaver counts the calls the driver receives");
 
@@ -478,7 +476,10 @@ fn prepared_backups_stay_within_the_limit_and_the_rest_is_allocated_by_the_pause
     assert_eq!(a.stats().total.prepared_backup_bytes, 4 * MIB as u64);
     let before = a.driver().calls();
     a.pause(&["lim"]).unwrap();
-    assert_eq!(kind(&delta(&before, &a.driver().calls()), "host_alloc"), 2);
+    assert_eq!(
+        kind(&delta(&before, &a.driver().calls()), "host_register"),
+        2
+    );
     assert_eq!(a.stats().total.pinned_backup_bytes, 12 * MIB as u64);
 
     // 0 turns it off for new allocations.
@@ -521,9 +522,15 @@ fn freeing_allocations_while_their_backups_are_prepared_leaks_no_pinned_memory()
         delta(&ours, &a.driver().calls()),
         delta(&fakes, &fake_calls()),
     );
-    assert!(kind(&ours, "host_alloc") > 0, "some buffers were prepared");
-    assert_eq!(kind(&ours, "host_alloc"), kind(&ours, "host_free"));
-    assert_eq!(kind(&fakes, "host_alloc"), kind(&fakes, "host_free"));
+    assert!(
+        kind(&ours, "host_register") > 0,
+        "some buffers were prepared"
+    );
+    assert_eq!(kind(&ours, "host_register"), kind(&ours, "host_unregister"));
+    assert_eq!(
+        kind(&fakes, "host_register"),
+        kind(&fakes, "host_unregister")
+    );
 }
 
 #[test]
@@ -538,8 +545,69 @@ fn a_reused_address_never_receives_the_previous_allocations_buffer() {
     fill(q, 2 * MIB, 9);
     let before = a.driver().calls();
     a.pause(&["reuse"]).unwrap();
-    assert_eq!(kind(&delta(&before, &a.driver().calls()), "host_alloc"), 1);
+    assert_eq!(
+        kind(&delta(&before, &a.driver().calls()), "host_register"),
+        1
+    );
     a.resume(&["reuse"]).unwrap();
     assert!(check(q, 2 * MIB, 9));
     assert_eq!(a.stats().total.pinned_backup_bytes, 2 * MIB as u64);
+}
+
+/// Pinning holds up every other driver call of the process while it runs (the fake models it:
+/// `fakecuda_pin_stats`), so backups are pinned in steps of at most `PIN_CHUNK`: preparing the
+/// backups of allocations larger than a step while this thread keeps allocating never makes a
+/// pinning call larger than a step, and nothing waits behind a larger one. The driver refuses
+/// copies that cross from one pinned step into the next, so a pause and resume of those
+/// allocations also shows that copies are split where the steps meet.
+#[test]
+fn backups_are_pinned_in_bounded_steps_and_copies_split_at_them() {
+    use memsaver_allocator::backup::PIN_CHUNK;
+    let a = allocator();
+    let size = 2 * PIN_CHUNK + 8 * MIB; // three steps: 16 + 16 + 8 MiB
+    let before = a.driver().calls();
+    let ptrs: Vec<u64> = (0..3)
+        .map(|i| {
+            let p = a.malloc(size, 0, "steps", Policy::Cpu).unwrap();
+            fill(p, size, i as u8);
+            p
+        })
+        .collect();
+    // The application goes on allocating while the backups are prepared.
+    while a.stats().backups_preparing > 0 {
+        let q = a.malloc(2 * MIB, 0, "steps_app", Policy::Discard).unwrap();
+        a.free(q).unwrap();
+    }
+    a.wait_backups_prepared();
+    let calls = delta(&before, &a.driver().calls());
+    assert_eq!(kind(&calls, "host_alloc"), 0, "no cuMemHostAlloc");
+    assert_eq!(kind(&calls, "host_register"), 9, "three steps per backup");
+    let [pins, largest, _waits, largest_waited_behind] = fake_pinning();
+    assert!(pins >= 9, "{pins}");
+    assert!(
+        largest <= PIN_CHUNK as u64,
+        "a pinning call of {largest} bytes"
+    );
+    assert!(
+        largest_waited_behind <= PIN_CHUNK as u64,
+        "a call waited behind a pinning call of {largest_waited_behind} bytes"
+    );
+
+    let before = a.driver().calls();
+    a.pause(&["steps"]).unwrap();
+    a.resume(&["steps"]).unwrap();
+    let calls = delta(&before, &a.driver().calls());
+    assert_eq!(
+        kind(&calls, "host_register"),
+        0,
+        "the pause used the prepared backups"
+    );
+    assert_eq!(
+        kind(&calls, "copy"),
+        3 * 3 * 2,
+        "one copy per step, each way"
+    );
+    for (i, p) in ptrs.iter().enumerate() {
+        assert!(check(*p, size, i as u8), "allocation {i} restored");
+    }
 }

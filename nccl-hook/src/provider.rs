@@ -355,7 +355,7 @@ fn recreate_one(
         let n = p.backup_len.min(*size).min(b.len() as u64) as usize;
         // SAFETY: just mapped; the backup holds `n` bytes and lives in the registry until the
         // stream is synchronised by the caller.
-        unsafe { d.copy_htod_async(*ptr, b.as_ptr(), n, stream) }?;
+        unsafe { b.copy_to_device(d, 0, *ptr, n, stream) }?;
     }
     Ok(h)
 }
@@ -397,11 +397,11 @@ impl NcclTag {
                         }
                         let (ptr, size, _) = ranges[vh][0];
                         let n = n.min(size);
-                        let dst = p.backup.as_mut().expect("set above").as_mut_ptr();
+                        let dst = p.backup.as_mut().expect("set above");
                         // SAFETY: NCCL's mapped memory (the device is idle); the backup holds
                         // `n` bytes and stays in the registry; the batch's event is waited for
                         // before the memory is unmapped.
-                        unsafe { d.copy_dtoh_async(dst, ptr, n as usize, stream) }?;
+                        unsafe { dst.copy_from_device(d, 0, ptr, n as usize, stream) }?;
                         p.backup_len = n;
                         out.copied += n;
                     }

@@ -173,12 +173,15 @@ entry_points!(
     cuMemsetD8_v2,
     cuMemHostAlloc,
     cuMemFreeHost,
+    cuMemHostRegister_v2,
+    cuMemHostUnregister,
 );
 
 /// The kinds of driver call [`Driver::calls`] counts: the VMM calls whose number decides what a
-/// pause or resume costs (each one's cost is per call, not per byte), the copies, and pinned
-/// host allocations (slow: about 0.6 s per GiB). Named as the fake driver's counts are.
-pub const CALL_KINDS: [&str; 12] = [
+/// pause or resume costs (each one's cost is per call, not per byte), the copies, and the
+/// calls that pin host memory (slow, and they hold up every other driver call of the process
+/// while they run: see `backup.rs`). Named as the fake driver's counts are.
+pub const CALL_KINDS: [&str; 14] = [
     "create",
     "map",
     "set_access",
@@ -191,6 +194,8 @@ pub const CALL_KINDS: [&str; 12] = [
     "address_free",
     "host_alloc",
     "host_free",
+    "host_register",
+    "host_unregister",
 ];
 
 #[derive(Clone, Copy)]
@@ -207,6 +212,8 @@ enum Call {
     AddressFree,
     HostAlloc,
     HostFree,
+    HostRegister,
+    HostUnregister,
 }
 
 /// How many calls of each kind of [`CALL_KINDS`] this driver has made, failed ones included.
@@ -745,6 +752,33 @@ impl Driver {
         self.calls.count(Call::HostFree);
         // SAFETY: guaranteed by the caller.
         check("cuMemFreeHost", unsafe { (self.f.cuMemFreeHost)(p.cast()) })
+    }
+
+    /// Pins `p..p+n` (host memory this process mapped) for every context
+    /// (`cuMemHostRegister(PORTABLE)`). The driver holds up the process's other driver calls
+    /// while it pins, for a time that grows with `n`: callers pin in bounded steps.
+    ///
+    /// # Safety
+    /// `p..p+n` is mapped host memory that stays mapped until [`Driver::host_unregister`].
+    pub unsafe fn host_register(&self, p: *mut u8, n: usize) -> Result<(), DriverError> {
+        self.calls.count(Call::HostRegister);
+        // SAFETY: guaranteed by the caller.
+        check("cuMemHostRegister", unsafe {
+            (self.f.cuMemHostRegister_v2)(p.cast(), n, CU_MEMHOSTREGISTER_PORTABLE)
+        })
+    }
+
+    /// Unpins memory pinned by [`Driver::host_register`] at `p`.
+    ///
+    /// # Safety
+    /// `p` is the start of a range registered by [`Driver::host_register`], and no copy into or
+    /// out of it is pending.
+    pub unsafe fn host_unregister(&self, p: *mut u8) -> Result<(), DriverError> {
+        self.calls.count(Call::HostUnregister);
+        // SAFETY: guaranteed by the caller.
+        check("cuMemHostUnregister", unsafe {
+            (self.f.cuMemHostUnregister)(p.cast())
+        })
     }
 }
 

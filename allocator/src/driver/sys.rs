@@ -69,6 +69,8 @@ pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
 pub const CU_EVENT_DISABLE_TIMING: c_uint = 2;
 /// `cuMemHostAlloc` flags
 pub const CU_MEMHOSTALLOC_PORTABLE: c_uint = 1;
+/// `cuMemHostRegister` flags
+pub const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -266,6 +268,9 @@ pub mod fns {
     pub type cuMemHostAlloc =
         unsafe extern "C" fn(pp: *mut *mut c_void, bytes: usize, flags: c_uint) -> CUresult;
     pub type cuMemFreeHost = unsafe extern "C" fn(p: *mut c_void) -> CUresult;
+    pub type cuMemHostRegister_v2 =
+        unsafe extern "C" fn(p: *mut c_void, bytes: usize, flags: c_uint) -> CUresult;
+    pub type cuMemHostUnregister = unsafe extern "C" fn(p: *mut c_void) -> CUresult;
     pub type cuGetProcAddress_v2 = unsafe extern "C" fn(
         symbol: *const c_char,
         pfn: *mut *mut c_void,

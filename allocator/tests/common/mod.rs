@@ -79,22 +79,31 @@ pub fn inject(function: &str, n: u32) {
 /// The fake driver's own counts of calls by kind (`fakecuda_call_counts`), in the order of
 /// [`memsaver_allocator::driver::CALL_KINDS`], which is the fake's order too.
 pub fn fake_calls() -> [u64; memsaver_allocator::driver::CALL_KINDS.len()] {
+    fake_figures("fakecuda_call_counts")
+}
+
+/// The fake driver's pinning figures (`fakecuda_pin_stats`): pinning calls, the largest one
+/// (bytes), calls that waited behind one, the largest pinning call another call waited behind.
+pub fn fake_pinning() -> [u64; 4] {
+    fake_figures("fakecuda_pin_stats")
+}
+
+/// The figures of one of the fake driver's `fakecuda_*(out, n) -> count` functions; there must
+/// be exactly `N` of them.
+fn fake_figures<const N: usize>(function: &str) -> [u64; N] {
     let path = CString::new(fake_lib()).unwrap();
-    let mut out = [0u64; memsaver_allocator::driver::CALL_KINDS.len()];
-    // SAFETY: as in `inject`; the function writes at most `n` counts and returns how many
-    // kinds it has.
+    let name = CString::new(function).unwrap();
+    let mut out = [0u64; N];
+    // SAFETY: as in `inject`; the function writes at most `n` figures and returns how many it
+    // has.
     unsafe {
         driver();
         let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
         assert!(!h.is_null(), "fake driver not loaded");
-        let f = libc::dlsym(h, c"fakecuda_call_counts".as_ptr());
-        assert!(!f.is_null(), "the fake driver has no fakecuda_call_counts");
+        let f = libc::dlsym(h, name.as_ptr());
+        assert!(!f.is_null(), "the fake driver has no {function}");
         let f: extern "C" fn(*mut u64, usize) -> usize = std::mem::transmute(f);
-        assert_eq!(
-            f(out.as_mut_ptr(), out.len()),
-            out.len(),
-            "the fake counts other kinds"
-        );
+        assert_eq!(f(out.as_mut_ptr(), N), N, "{function} gives other figures");
     }
     out
 }

@@ -7,6 +7,7 @@
 //! | `FAKE_CUDA_DIR`            | `/dev/shm/fake-cuda-<uid>` (else tmp dir) | state shared by all processes of one "machine" |
 //! | `FAKE_CUDA_FAIL_CREATE_AT` | unset                                     | the Nth `cuMemCreate` of the process fails  |
 //! | `FAKE_CUDA_FAIL_MAP_AT`    | unset                                     | the Nth `cuMemMap` of the process fails     |
+//! | `FAKE_CUDA_PIN_MS_PER_GIB` | 100                                       | how long pinning holds the driver lock, per GiB |
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -22,6 +23,8 @@ pub struct Config {
     pub dir: PathBuf,
     pub fail_create_at: Option<u64>,
     pub fail_map_at: Option<u64>,
+    /// Milliseconds a pinning call holds the driver lock per GiB it pins (`pinning`).
+    pub pin_ms_per_gib: u64,
 }
 
 /// The configuration, or the message saying which knob is malformed.
@@ -58,6 +61,12 @@ impl Config {
             dir,
             fail_create_at: parse_nth(var("FAKE_CUDA_FAIL_CREATE_AT"), "FAKE_CUDA_FAIL_CREATE_AT")?,
             fail_map_at: parse_nth(var("FAKE_CUDA_FAIL_MAP_AT"), "FAKE_CUDA_FAIL_MAP_AT")?,
+            pin_ms_per_gib: match var("FAKE_CUDA_PIN_MS_PER_GIB") {
+                None => 100,
+                Some(s) => s.trim().parse().map_err(|_| {
+                    format!("FAKE_CUDA_PIN_MS_PER_GIB={s:?}: want a whole number of ms")
+                })?,
+            },
         })
     }
 

@@ -31,10 +31,14 @@ pub enum Call {
     HostAlloc,
     /// `cuMemFreeHost`.
     HostFree,
+    /// `cuMemHostRegister_v2`.
+    HostRegister,
+    /// `cuMemHostUnregister`.
+    HostUnregister,
 }
 
 /// How many kinds there are.
-pub const KINDS: usize = 12;
+pub const KINDS: usize = 14;
 
 static COUNTS: [AtomicU64; KINDS] = [const { AtomicU64::new(0) }; KINDS];
 

@@ -13,6 +13,7 @@
 //! | `FAKE_CUDA_DIR`            | `/dev/shm/fake-cuda-<uid>` (else tmp)   | shared state: processes with the same directory share devices |
 //! | `FAKE_CUDA_FAIL_CREATE_AT` | unset                                   | the Nth `cuMemCreate` of the process fails with `CUDA_ERROR_OUT_OF_MEMORY`, once |
 //! | `FAKE_CUDA_FAIL_MAP_AT`    | unset                                   | the Nth `cuMemMap` of the process fails with `CUDA_ERROR_UNKNOWN`, once       |
+//! | `FAKE_CUDA_PIN_MS_PER_GIB` | `100`                                   | how long a pinning call holds the driver lock, per GiB pinned |
 //!
 //! Run-time controls, exported as C functions: `fakecuda_fail_create_at(n)` and
 //! `fakecuda_fail_map_at(n)`, `fakecuda_fail_unmap_at(n)` (the nth call from now fails; 0
@@ -24,7 +25,7 @@
 //! `fakecuda_instantiate_unseen(exec, graph)` for a graph instantiation that no wrapper saw.
 //!
 //! Call counts, per process: `fakecuda_call_counts(out: *mut u64, n: usize) -> usize` writes
-//! the first `min(n, 10)` counts to `out` and returns 10, `fakecuda_reset_call_counts()` sets
+//! the first `min(n, 14)` counts to `out` and returns 14, `fakecuda_reset_call_counts()` sets
 //! them to 0. Every call entered is counted (failed ones too), with one relaxed atomic add. The
 //! order is fixed:
 //!
@@ -40,6 +41,17 @@
 //! | 7     | `copy`         | `cuMemcpyDtoH`, `cuMemcpyHtoD` and their `Async` forms (`_v2` or not) |
 //! | 8     | `reserve`      | `cuMemAddressReserve` |
 //! | 9     | `address_free` | `cuMemAddressFree` |
+//! | 10    | `host_alloc`   | `cuMemHostAlloc` |
+//! | 11    | `host_free`    | `cuMemFreeHost` |
+//! | 12    | `host_register`   | `cuMemHostRegister_v2` |
+//! | 13    | `host_unregister` | `cuMemHostUnregister` |
+//!
+//! Pinning, per process (`pinning.rs`): every entry point takes the driver lock shared and a
+//! pinning call (`cuMemHostAlloc`, `cuMemHostRegister_v2`) takes it exclusive for
+//! `FAKE_CUDA_PIN_MS_PER_GIB` per GiB, as the real driver holds up other threads' calls while
+//! it pins; `fakecuda_pin_stats(out, n)` gives the pinning calls, the largest, the calls that
+//! waited behind one and the largest one waited behind; `fakecuda_reset_pin_stats()`. A copy
+//! whose host side crosses registrations fails with `CUDA_ERROR_INVALID_VALUE`, as measured.
 //!
 //! # Faithful
 //!
@@ -112,6 +124,7 @@ mod errors;
 mod faults;
 mod graphs;
 mod physical;
+mod pinning;
 mod procaddr;
 mod state;
 
@@ -125,8 +138,14 @@ const CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND: c_int = 1;
 /// `cuEventCreate` flags: `BLOCKING_SYNC | DISABLE_TIMING | INTERPROCESS`.
 const EVENT_FLAGS: c_uint = 1 | CU_EVENT_DISABLE_TIMING | 4;
 
-/// Runs an export's body; a panic becomes `CUDA_ERROR_UNKNOWN` instead of unwinding into C.
-fn guard(body: impl FnOnce() -> Result<(), CUresult>) -> CUresult {
+/// The entry points that pin host memory: they take the driver lock exclusive themselves
+/// (`pinning`), where every other one takes it shared in [`guard`].
+const PINNING_CALLS: [&str; 2] = ["cuMemHostAlloc", "cuMemHostRegister_v2"];
+
+/// Runs the body of the export `name` under the driver lock; a panic becomes
+/// `CUDA_ERROR_UNKNOWN` instead of unwinding into C.
+fn guard(name: &str, body: impl FnOnce() -> Result<(), CUresult>) -> CUresult {
+    let _shared = (!PINNING_CALLS.contains(&name)).then(pinning::shared);
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => CUDA_SUCCESS,
         Ok(Err(code)) => code,
@@ -181,7 +200,7 @@ macro_rules! cuda_exports {
             /// driver API documents for this function.
             #[unsafe(no_mangle)]
             pub unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
-                guard(move || $body)
+                guard(stringify!($name), move || $body)
             }
         )*
 
@@ -631,15 +650,17 @@ cuda_exports! {
         Ok(())
     }
 
-    /// Page-aligned host memory (not device memory).
+    /// Page-aligned host memory (not device memory), pinned under the driver lock
+    /// (`pinning`).
     fn cuMemHostAlloc(pp: *mut *mut c_void, bytes: usize, flags: c_uint) {
         counts::count(Call::HostAlloc);
         let out = non_null(pp)?;
-        context::initialised()?;
+        let cfg = context::initialised()?;
         context::require_current()?;
         if flags & !0x7 != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        let _pinning = pinning::exclusive(bytes, cfg.pin_ms_per_gib);
         let p = state::host_alloc(bytes)?;
         // SAFETY: non-null; the caller passes a valid out-pointer.
         unsafe { out.write(p) };
@@ -652,6 +673,27 @@ cuda_exports! {
         context::initialised()?;
         context::require_current()?;
         state::host_free(p)
+    }
+
+    /// Pins host memory the caller mapped, under the driver lock (`pinning`); a range that
+    /// overlaps a registration is `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
+    fn cuMemHostRegister_v2(p: *mut c_void, bytes: usize, flags: c_uint) {
+        counts::count(Call::HostRegister);
+        let cfg = context::initialised()?;
+        context::require_current()?;
+        if flags & !0xf != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let _pinning = pinning::exclusive(bytes, cfg.pin_ms_per_gib);
+        pinning::register(p, bytes)
+    }
+
+    /// Unpins a registration, named by its start.
+    fn cuMemHostUnregister(p: *mut c_void) {
+        counts::count(Call::HostUnregister);
+        context::initialised()?;
+        context::require_current()?;
+        pinning::unregister(p)
     }
 
     /// `CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT` (132) and
@@ -866,6 +908,7 @@ same_signature! {
     cuEventSynchronize: cuEventSynchronize, cuEventDestroy_v2: cuEventDestroy_v2,
     cuMemcpyDtoHAsync_v2: cuMemcpyDtoHAsync_v2, cuMemcpyHtoDAsync_v2: cuMemcpyHtoDAsync_v2,
     cuMemsetD8_v2: cuMemsetD8_v2, cuMemHostAlloc: cuMemHostAlloc, cuMemFreeHost: cuMemFreeHost,
+    cuMemHostRegister_v2: cuMemHostRegister_v2, cuMemHostUnregister: cuMemHostUnregister,
     cuGetProcAddress_v2: cuGetProcAddress_v2,
     // Aliases: same types as the variant they stand for.
     cuMemGetInfo: cuMemGetInfo_v2, cuCtxPushCurrent: cuCtxPushCurrent_v2,
@@ -885,6 +928,7 @@ unsafe fn copy_dtoh(dst: *mut c_void, src: CUdeviceptr, bytes: usize) -> Result<
         return Ok(());
     }
     let dst = non_null(dst)?;
+    pinning::check_host_side(dst, bytes)?;
     let _held = state::access(src, bytes, false)?;
     // SAFETY: `access` checked that the source is mapped readable and holds it mapped; the
     // destination is valid per this function's contract. `copy` tolerates overlap.
@@ -904,6 +948,7 @@ unsafe fn copy_htod(dst: CUdeviceptr, src: *const c_void, bytes: usize) -> Resul
     if src.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    pinning::check_host_side(src, bytes)?;
     let _held = state::access(dst, bytes, true)?;
     // SAFETY: `access` checked that the destination is mapped writable and holds it mapped;
     // the source is valid per this function's contract. `copy` tolerates overlap.
@@ -946,7 +991,7 @@ unsafe fn get_proc_address(
 /// (0 disarms). Replaces `FAKE_CUDA_FAIL_CREATE_AT`.
 #[unsafe(no_mangle)]
 pub extern "C" fn fakecuda_fail_create_at(n: u32) -> CUresult {
-    guard(|| {
+    guard("fakecuda test control", || {
         faults::CREATE.arm(n);
         Ok(())
     })
@@ -956,7 +1001,7 @@ pub extern "C" fn fakecuda_fail_create_at(n: u32) -> CUresult {
 /// (0 disarms). Replaces `FAKE_CUDA_FAIL_MAP_AT`.
 #[unsafe(no_mangle)]
 pub extern "C" fn fakecuda_fail_map_at(n: u32) -> CUresult {
-    guard(|| {
+    guard("fakecuda test control", || {
         faults::MAP.arm(n);
         Ok(())
     })
@@ -965,7 +1010,7 @@ pub extern "C" fn fakecuda_fail_map_at(n: u32) -> CUresult {
 /// Test control: the `n`th `cuMemUnmap` from now fails with `CUDA_ERROR_UNKNOWN` (0 disarms).
 #[unsafe(no_mangle)]
 pub extern "C" fn fakecuda_fail_unmap_at(n: u32) -> CUresult {
-    guard(|| {
+    guard("fakecuda test control", || {
         faults::UNMAP.arm(n);
         Ok(())
     })
@@ -974,7 +1019,7 @@ pub extern "C" fn fakecuda_fail_unmap_at(n: u32) -> CUresult {
 /// Test control: disarms every fault trigger, the knobs' included.
 #[unsafe(no_mangle)]
 pub extern "C" fn fakecuda_reset_faults() -> CUresult {
-    guard(|| {
+    guard("fakecuda test control", || {
         faults::CREATE.reset();
         faults::MAP.reset();
         faults::UNMAP.reset();
@@ -987,7 +1032,7 @@ pub extern "C" fn fakecuda_reset_faults() -> CUresult {
 /// it at launch (NCCL's kernels do this with 2+ ranks; `tests/fake-nccl` calls it then).
 #[unsafe(no_mangle)]
 pub extern "C" fn fakecuda_launch_kernel_needing_stack(bytes: usize) -> CUresult {
-    guard(|| {
+    guard("fakecuda test control", || {
         context::initialised()?;
         graphs::launch_kernel_needing_stack(bytes)
     })
@@ -1035,4 +1080,27 @@ pub unsafe extern "C" fn fakecuda_call_counts(out: *mut u64, n: usize) -> usize 
 #[unsafe(no_mangle)]
 pub extern "C" fn fakecuda_reset_call_counts() {
     counts::reset();
+}
+
+/// Writes the first `min(n, 4)` figures of this process's pinning (`pinning`) to `out`:
+/// pinning calls, the largest one (bytes), calls that waited behind one, and the largest
+/// pinning call (bytes) another call waited behind. Returns 4.
+///
+/// # Safety
+///
+/// `out` must be valid for `n` writes of `u64`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fakecuda_pin_stats(out: *mut u64, n: usize) -> usize {
+    let n = n.min(pinning::STATS);
+    if n > 0 && !out.is_null() {
+        // SAFETY: per this function's contract.
+        pinning::read(unsafe { std::slice::from_raw_parts_mut(out, n) });
+    }
+    pinning::STATS
+}
+
+/// Test control: sets this process's pinning figures to 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_reset_pin_stats() {
+    pinning::reset();
 }

@@ -716,6 +716,8 @@ fn entry_points_and_proc_address() {
         "cuMemsetD8",
         "cuMemHostAlloc",
         "cuMemFreeHost",
+        "cuMemHostRegister_v2",
+        "cuMemHostUnregister",
         "cuGetProcAddress_v2",
         "cuGetProcAddress",
         "fakecuda_fail_create_at",

@@ -98,7 +98,7 @@ fn measure(l: &Layout, group: u32, cycles: usize) -> Vec<Cycle> {
 /// Per rank, with P private and S shared buffers, W ranks, and I = S x (W - 1) imports:
 ///
 /// * pause: a D2H copy of each own handle (full backup, the default) into the pinned buffer
-///   prepared for it in the background (no `cuMemHostAlloc`, also in the first pause), then
+///   prepared for it in the background (no pinning call, also in the first pause), then
 ///   one `cuMemUnmap` per mapping (each handle has one) and one `cuMemRelease` per handle, own
 ///   and imported;
 /// * resume: per own handle one `cuMemCreate`, `cuMemMap` + `cuMemSetAccess` per mapping, one

@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""What memsaver's background work (pinned backups prepared ahead of the first pause) costs the
+application, in one run on one GPU.
+
+Prints, each in its own child process so that one case's memory and threads never touch the
+next's:
+
+* allocation of N x SIZE tensors: plain torch, a ``discard`` region, a ``cpu`` region (backups
+  prepared in the background), a ``cpu`` region with preparation off
+  (``MEMSAVER_BACKUP_PREPARE_MB=0``);
+* the delay of kernels launched by another thread while those backups are prepared: the
+  longest and the 99th percentile launch-to-completion time of a small matmul, from the first
+  allocation until preparation is over, against the same thread with nothing in the background;
+* how long preparation took (until ``stats().backups_preparing`` is 0) and at what GiB/s;
+* the first pause and resume of the ``cpu`` tag against steady ones, in ms and GB/s;
+* a training step whose activations grow torch's cache, in whole-process mode with cpu backup
+  (the preloaded library, ``MEMSAVER_PROCESS_TAG``/``MEMSAVER_PROCESS_BACKUP=cpu``) against the
+  same step with no memsaver at all: first step (the cache grows) and a later step.
+
+Usage (from the repository root, memsaver installed, a GPU present):
+  python3 bench/background_prepare.py [--n 8] [--size-mib 1024] [--cycles 4]
+Exits non-zero if a case fails (an error, or contents wrong after resume).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+MIB = 1 << 20
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+class Launcher:
+    """Another thread of the application: launches a small matmul and waits for it, in a loop,
+    recording each one's launch-to-completion time (ms)."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.stream = torch.cuda.Stream()
+        with torch.cuda.stream(self.stream):
+            self.a = torch.randn(256, 256, device="cuda")
+        self.samples = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        torch = self.torch
+        torch.cuda.set_device(0)
+        with torch.cuda.stream(self.stream):
+            while not self.stop.is_set():
+                t = time.perf_counter()
+                (self.a @ self.a).sum()
+                self.stream.synchronize()
+                self.samples.append((time.perf_counter() - t) * 1e3)
+                time.sleep(0.001)
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.samples:
+            time.sleep(0.001)
+        self.samples.clear()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def case_alloc(kind, n, size, cycles):
+    """One child: allocate n x size in `kind`, with a launcher thread; report as JSON."""
+    import torch
+
+    torch.zeros(1, device="cuda")
+    out = {"case": kind}
+    if kind == "plain":
+        ctx = None
+    else:
+        import memsaver
+
+        policy = "discard" if kind == "discard" else "cpu"
+        ctx = lambda: memsaver.region("w", backup=policy)  # noqa: E731
+    with Launcher(torch) as idle:
+        time.sleep(0.5)
+    out["idle_kernel_max_ms"] = max(idle.samples)
+    out["idle_kernel_p99_ms"] = pct(idle.samples, 0.99)
+    launcher = Launcher(torch)
+    with launcher:
+        t = time.perf_counter()
+        if ctx is None:
+            ts = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(n)]
+        else:
+            with ctx():
+                ts = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(n)]
+        torch.cuda.synchronize()
+        out["alloc_ms"] = (time.perf_counter() - t) * 1e3
+        if kind.startswith("cpu"):
+            import memsaver
+
+            while memsaver.stats().backups_preparing:
+                time.sleep(0.001)
+            out["prepare_ms"] = (time.perf_counter() - t) * 1e3
+            out["prepared_backup_bytes"] = memsaver.stats().total.prepared_backup_bytes
+        else:
+            time.sleep(0.2)
+    out["kernel_max_ms"] = max(launcher.samples)
+    out["kernel_p99_ms"] = pct(launcher.samples, 0.99)
+    out["kernels"] = len(launcher.samples)
+    if kind.startswith("cpu"):
+        import memsaver
+
+        for i, x in enumerate(ts):
+            x.fill_(i % 251)
+        gb = n * size / 1e9
+        pauses, resumes = [], []
+        for _ in range(cycles):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            memsaver.pause("w")
+            pauses.append((time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            memsaver.resume("w")
+            torch.cuda.synchronize()
+            resumes.append((time.perf_counter() - t) * 1e3)
+        for i, x in enumerate(ts):
+            if int(x[size // 2]) != i % 251 or int(x[0]) != i % 251:
+                raise SystemExit(f"tensor {i} wrong after resume")
+        out["first_pause_ms"], out["first_resume_ms"] = pauses[0], resumes[0]
+        out["steady_pause_ms"] = min(pauses[1:])
+        out["steady_resume_ms"] = min(resumes[1:])
+        out["first_pause_gbs"] = gb / pauses[0] * 1e3
+        out["steady_pause_gbs"] = gb / out["steady_pause_ms"] * 1e3
+        out["steady_resume_gbs"] = gb / out["steady_resume_ms"] * 1e3
+    print(json.dumps(out), flush=True)
+
+
+def case_step(kind, steps):
+    """One child: a training step (an MLP whose activations grow torch's cache); per step ms."""
+    import torch
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8192, 8192, device="cuda") for _ in range(8)]
+    opt = torch.optim.Adam([p for l in layers for p in l.parameters()])
+    x = torch.randn(8192, 8192, device="cuda")
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        h = x
+        for l in layers:
+            h = torch.relu(l(h))
+        h.square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    out = {"case": kind, "first_step_ms": times[0], "later_step_ms": min(times[1:])}
+    if kind != "plain-step":
+        import memsaver
+
+        while memsaver.stats().backups_preparing:
+            time.sleep(0.01)
+        out["prepared_backup_bytes"] = memsaver.stats().total.prepared_backup_bytes
+    print(json.dumps(out), flush=True)
+
+
+def child(args, kind, env=None):
+    cmd = [sys.executable, __file__, "--child", kind, "--n", str(args.n),
+           "--size-mib", str(args.size_mib), "--cycles", str(args.cycles)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
+                       timeout=600)
+    if r.returncode != 0:
+        sys.stderr.write(r.stdout + r.stderr)
+        raise SystemExit(f"case {kind} failed ({r.returncode})")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--size-mib", type=int, default=1024)
+    ap.add_argument("--cycles", type=int, default=4)
+    ap.add_argument("--child")
+    args = ap.parse_args()
+    if args.child in ("plain-step", "process-step"):
+        return case_step(args.child, 4)
+    if args.child:
+        return case_alloc(args.child, args.n, args.size_mib * MIB, args.cycles)
+    import memsaver
+
+    preload = {"LD_PRELOAD": memsaver.preload_path()}
+    rows = [
+        child(args, "plain"),
+        child(args, "discard"),
+        child(args, "cpu"),
+        child(args, "cpu-unprepared", {"MEMSAVER_BACKUP_PREPARE_MB": "0"}),
+    ]
+    print(f"{args.n} x {args.size_mib} MiB; kernel times are launch to completion of a "
+          "256x256 matmul on another thread (ms)")
+    print(f"{'case':<16} {'alloc ms':>9} {'kern max':>9} {'kern p99':>9} {'idle max':>9} "
+          f"{'prepare ms':>10}")
+    for r in rows:
+        print(f"{r['case']:<16} {r['alloc_ms']:>9.1f} {r['kernel_max_ms']:>9.2f} "
+              f"{r['kernel_p99_ms']:>9.2f} {r['idle_kernel_max_ms']:>9.2f} "
+              f"{r.get('prepare_ms', float('nan')):>10.0f}")
+    print(f"\n{'case':<16} {'1st pause':>9} {'steady':>9} {'1st/st':>7} {'1st res':>9} "
+          f"{'steady':>9} {'pause GB/s':>10} {'res GB/s':>9}")
+    for r in rows[2:]:
+        print(f"{r['case']:<16} {r['first_pause_ms']:>9.1f} {r['steady_pause_ms']:>9.1f} "
+              f"{r['first_pause_ms'] / r['steady_pause_ms']:>7.2f} {r['first_resume_ms']:>9.1f} "
+              f"{r['steady_resume_ms']:>9.1f} {r['steady_pause_gbs']:>10.1f} "
+              f"{r['steady_resume_gbs']:>9.1f}")
+    steps = [
+        child(args, "plain-step"),
+        child(args, "process-step", {**preload, "MEMSAVER_PROCESS_TAG": "train",
+                                     "MEMSAVER_PROCESS_BACKUP": "cpu"}),
+    ]
+    print(f"\n{'training step':<16} {'1st ms':>9} {'later ms':>9} {'prepared GiB':>12}")
+    for r in steps:
+        print(f"{r['case']:<16} {r['first_step_ms']:>9.1f} {r['later_step_ms']:>9.1f} "
+              f"{r.get('prepared_backup_bytes', 0) / (1 << 30):>12.2f}")
+    print(f"whole-process first step / plain: "
+          f"{steps[1]['first_step_ms'] / steps[0]['first_step_ms']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

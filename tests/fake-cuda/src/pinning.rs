@@ -1,0 +1,164 @@
+//! Pinned host memory and the driver lock it holds.
+//!
+//! Measured on an H100 (driver 580): while one thread pins host memory (`cuMemHostAlloc`,
+//! `cuMemAllocHost`, `cudaHostAlloc`, `cuMemHostRegister`), the process's other driver calls
+//! on other threads (`cuMemCreate`/`cuMemMap`, kernel launches and synchronisation) wait until
+//! it returns, for a time that grows with the bytes pinned: a 1 GiB `cuMemHostAlloc` held a
+//! 2 MiB device allocation for 1.29 s. So the fake has one lock per process that every entry
+//! point takes shared and a pinning call takes exclusive, for `FAKE_CUDA_PIN_MS_PER_GIB`
+//! (default 100) per GiB. What the tests read is not time but counts: how many pinning calls,
+//! the largest one, how many calls of other threads waited behind one, and the largest pinning
+//! call anybody waited behind (`fakecuda_pin_stats`).
+//!
+//! Registrations (`cuMemHostRegister`) are a table of host ranges. As on the real driver, a
+//! copy whose host side crosses from one registration into another (or out of one) fails with
+//! `CUDA_ERROR_INVALID_VALUE` (a 1 GiB `cuMemcpyDtoHAsync` into one mapping registered in 4 MiB
+//! pieces did, on an H100); pageable memory that no registration touches is accepted.
+
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use memsaver_allocator::driver::sys::{CUDA_ERROR_INVALID_VALUE, CUresult};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+/// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
+const ALREADY_REGISTERED: CUresult = 712;
+/// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`.
+const NOT_REGISTERED: CUresult = 713;
+
+/// The driver lock of this process.
+static DRIVER: RwLock<()> = RwLock::new(());
+/// Bytes of the pinning call holding the lock now (0: none).
+static PINNING: AtomicUsize = AtomicUsize::new(0);
+
+/// `fakecuda_pin_stats`, in its order.
+static PIN_CALLS: AtomicU64 = AtomicU64::new(0);
+static LARGEST_PIN: AtomicU64 = AtomicU64::new(0);
+static WAITS: AtomicU64 = AtomicU64::new(0);
+static LARGEST_WAITED_BEHIND: AtomicU64 = AtomicU64::new(0);
+/// How many figures `fakecuda_pin_stats` gives.
+pub const STATS: usize = 4;
+
+/// Registered host ranges: start -> length.
+static REGISTERED: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+
+/// Held by every entry point but the pinning ones for the length of the call.
+pub struct Shared(#[allow(dead_code)] RwLockReadGuard<'static, ()>);
+
+/// Takes the lock shared, counting a wait when a pinning call holds it. Recursive (an entry
+/// point may reach another), so a pinning call waiting for the lock does not block readers
+/// that arrive meanwhile; one holding it does.
+pub fn shared() -> Shared {
+    if let Some(g) = DRIVER.try_read_recursive() {
+        return Shared(g);
+    }
+    WAITS.fetch_add(1, Ordering::Relaxed);
+    LARGEST_WAITED_BEHIND.fetch_max(PINNING.load(Ordering::Relaxed) as u64, Ordering::Relaxed);
+    Shared(DRIVER.read_recursive())
+}
+
+/// Held by a pinning call of `bytes` for as long as the driver would take to pin them.
+pub struct Exclusive(#[allow(dead_code)] RwLockWriteGuard<'static, ()>);
+
+impl Drop for Exclusive {
+    fn drop(&mut self) {
+        PINNING.store(0, Ordering::Relaxed);
+    }
+}
+
+/// Takes the lock exclusive for a pinning call of `bytes` and holds it for the modelled time.
+pub fn exclusive(bytes: usize, ms_per_gib: u64) -> Exclusive {
+    let g = DRIVER.write();
+    PINNING.store(bytes.max(1), Ordering::Relaxed);
+    PIN_CALLS.fetch_add(1, Ordering::Relaxed);
+    LARGEST_PIN.fetch_max(bytes as u64, Ordering::Relaxed);
+    let nanos = (bytes as u128 * ms_per_gib as u128 * 1_000_000) >> 30;
+    std::thread::sleep(Duration::from_nanos(nanos.min(u64::MAX as u128) as u64));
+    Exclusive(g)
+}
+
+/// `fakecuda_pin_stats`: pinning calls, the largest one in bytes, calls that waited behind
+/// one, and the largest pinning call (bytes) that another call waited behind.
+pub fn read(out: &mut [u64]) {
+    let all = [&PIN_CALLS, &LARGEST_PIN, &WAITS, &LARGEST_WAITED_BEHIND];
+    for (o, c) in out.iter_mut().zip(all) {
+        *o = c.load(Ordering::Relaxed);
+    }
+}
+
+pub fn reset() {
+    for c in [&PIN_CALLS, &LARGEST_PIN, &WAITS, &LARGEST_WAITED_BEHIND] {
+        c.store(0, Ordering::Relaxed);
+    }
+}
+
+/// `cuMemHostRegister`: `[p, p + bytes)` must not overlap a registration.
+pub fn register(p: *mut c_void, bytes: usize) -> Result<(), CUresult> {
+    if p.is_null() || bytes == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let start = p as usize;
+    let end = start.checked_add(bytes).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let mut r = REGISTERED.lock();
+    let before = r.range(..end).next_back();
+    if before.is_some_and(|(&s, &n)| s + n > start) {
+        return Err(ALREADY_REGISTERED);
+    }
+    r.insert(start, bytes);
+    Ok(())
+}
+
+/// `cuMemHostUnregister`: `p` must be the start of a registration.
+pub fn unregister(p: *mut c_void) -> Result<(), CUresult> {
+    REGISTERED
+        .lock()
+        .remove(&(p as usize))
+        .map(drop)
+        .ok_or(NOT_REGISTERED)
+}
+
+/// The host side of a copy: `[p, p + bytes)` lies in one registration or touches none.
+pub fn check_host_side(p: *const c_void, bytes: usize) -> Result<(), CUresult> {
+    let start = p as usize;
+    let end = start.checked_add(bytes).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let r = REGISTERED.lock();
+    let mut touching = r.range(..end).rev().take_while(|&(&s, &n)| s + n > start);
+    match (touching.next(), touching.next()) {
+        (None, _) => Ok(()),
+        (Some((&s, &n)), None) if s <= start && end <= s + n => Ok(()),
+        _ => Err(CUDA_ERROR_INVALID_VALUE),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_may_not_cross_registrations() {
+        let mut buf = vec![0u8; 4 << 12];
+        let base = buf.as_mut_ptr() as usize;
+        let at = |off: usize| (base + off) as *mut c_void;
+        register(at(0), 2 << 12).unwrap();
+        register(at(2 << 12), 2 << 12).unwrap();
+        assert_eq!(register(at(4096), 4096), Err(ALREADY_REGISTERED));
+        assert_eq!(check_host_side(at(0), 2 << 12), Ok(()));
+        assert_eq!(check_host_side(at(4096), 4096), Ok(()));
+        assert_eq!(
+            check_host_side(at(4096), 2 << 12),
+            Err(CUDA_ERROR_INVALID_VALUE)
+        );
+        // Out of a registration into unregistered memory.
+        assert_eq!(
+            check_host_side(at(2 << 12), 3 << 12),
+            Err(CUDA_ERROR_INVALID_VALUE)
+        );
+        assert_eq!(check_host_side(at(4 << 12), 4096), Ok(()), "pageable");
+        unregister(at(0)).unwrap();
+        unregister(at(2 << 12)).unwrap();
+        assert_eq!(unregister(at(0)), Err(NOT_REGISTERED));
+        drop(buf);
+    }
+}
