@@ -111,13 +111,15 @@ class Method:
 
 
 class Probe:
-    """The application's calls on the main thread: a 2 MiB VMM allocation and a kernel."""
+    """The application's calls on the main thread: a VMM allocation (2 MiB unless told) and a
+    kernel."""
 
-    def __init__(self):
+    def __init__(self, size):
+        self.size = size
         self.prop = Prop(type=1, requestedHandleTypes=0, location=Location(1, 0))
         self.access = Access(Location(1, 0), 3)
         va = C.c_uint64()
-        ck("reserve", cuda.cuMemAddressReserve(C.byref(va), C.c_size_t(2 * MIB), C.c_size_t(0),
+        ck("reserve", cuda.cuMemAddressReserve(C.byref(va), C.c_size_t(size), C.c_size_t(0),
                                                C.c_uint64(0), C.c_uint64(0)))
         self.va = va.value
         self.a = torch.randn(256, 256, device="cuda")
@@ -125,14 +127,14 @@ class Probe:
     def alloc(self):
         h = C.c_uint64()
         t = time.perf_counter()
-        ck("create", cuda.cuMemCreate(C.byref(h), C.c_size_t(2 * MIB), C.byref(self.prop),
+        ck("create", cuda.cuMemCreate(C.byref(h), C.c_size_t(self.size), C.byref(self.prop),
                                       C.c_uint64(0)))
-        ck("map", cuda.cuMemMap(C.c_uint64(self.va), C.c_size_t(2 * MIB), C.c_size_t(0), h,
+        ck("map", cuda.cuMemMap(C.c_uint64(self.va), C.c_size_t(self.size), C.c_size_t(0), h,
                                 C.c_uint64(0)))
-        ck("access", cuda.cuMemSetAccess(C.c_uint64(self.va), C.c_size_t(2 * MIB),
+        ck("access", cuda.cuMemSetAccess(C.c_uint64(self.va), C.c_size_t(self.size),
                                          C.byref(self.access), C.c_size_t(1)))
         dt = time.perf_counter() - t
-        ck("unmap", cuda.cuMemUnmap(C.c_uint64(self.va), C.c_size_t(2 * MIB)))
+        ck("unmap", cuda.cuMemUnmap(C.c_uint64(self.va), C.c_size_t(self.size)))
         ck("release", cuda.cuMemRelease(h))
         return dt
 
@@ -299,6 +301,8 @@ def main():
     ap.add_argument("--methods",
                     default="host_alloc,alloc_host,cuda_host,register,register_cold,"
                     "register_pop,register_thp,fixed,span,prefault,populate_thp")
+    ap.add_argument("--probe-mib", type=int, default=2,
+                    help="size of the main thread's device allocations")
     ap.add_argument("--no-copies", action="store_true", help="no copies through chunks")
     ap.add_argument("--no-span-copy", action="store_true", help="no copy spanning chunks")
     args = ap.parse_args()
@@ -307,7 +311,7 @@ def main():
     RT = cudart()
     total = args.total_mib * MIB
     chunks = [int(c) for c in args.chunks.split(",")]
-    probe = Probe()
+    probe = Probe(args.probe_mib * MIB)
     for _ in range(50):  # warm up both probes
         probe.alloc()
         probe.kernel()
