@@ -155,15 +155,15 @@ def case_step(kind, steps):
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(8192, 8192, device="cuda") for _ in range(8)]
-    opt = torch.optim.Adam([p for l in layers for p in l.parameters()])
+    opt = torch.optim.Adam([p for layer in layers for p in layer.parameters()])
     x = torch.randn(8192, 8192, device="cuda")
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
         h = x
-        for l in layers:
-            h = torch.relu(l(h))
+        for layer in layers:
+            h = torch.relu(layer(h))
         h.square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -345,8 +345,8 @@ def main():
             copies([c for c in chunks if c * MIB <= 1 << 30], method)
     if not args.no_span_copy:
         span_copies([c for c in chunks if c * MIB <= 1 << 30])
-    print("\nbaseline medians: alloc %.3f ms, kernel %.3f ms" % (
-        statistics.median(base[1]), statistics.median(base[2])))
+    print(f"\nbaseline medians: alloc {statistics.median(base[1]):.3f} ms, "
+          f"kernel {statistics.median(base[2]):.3f} ms")
 
 
 if __name__ == "__main__":
