@@ -197,27 +197,35 @@ def span_copies(chunks_mib):
     """GB/s of one 1 GiB copy each way into one buffer registered in chunks (one call)."""
     n = 1 << 30
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    s = C.c_void_p(torch.cuda.current_stream().cuda_stream)
-    d = C.c_uint64(dev.data_ptr())
     print("\none 1 GiB copy into one buffer registered in chunks (GB/s, best of 3)")
     print(f"{'chunk MiB':>9} {'D2H':>7} {'H2D':>7}")
     for c in chunks_mib:
         addr, m = span_get(n, c * MIB)
-        best = {}
-        for kind in ("D2H", "H2D"):
-            times = []
-            for _ in range(3):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                if kind == "D2H":
-                    ck("d2h", cuda.cuMemcpyDtoHAsync_v2(C.c_void_p(addr), d, C.c_size_t(n), s))
-                else:
-                    ck("h2d", cuda.cuMemcpyHtoDAsync_v2(d, C.c_void_p(addr), C.c_size_t(n), s))
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            best[kind] = n / min(times) / 1e9
+        d2h, h2d = bandwidth([(addr, dev.data_ptr(), n)])
         span_put(n, c * MIB, (addr, m))
-        print(f"{c:>9} {best['D2H']:>7.1f} {best['H2D']:>7.1f}", flush=True)
+        print(f"{c:>9} {d2h:>7.1f} {h2d:>7.1f}", flush=True)
+
+
+def bandwidth(copies):
+    """Best-of-3 GB/s of the copies (host, device, bytes) D2H, then H2D, on one stream."""
+    s = C.c_void_p(torch.cuda.current_stream().cuda_stream)
+    n = sum(c[2] for c in copies)
+    out = []
+    for d2h in (True, False):
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for host, dev, size in copies:
+                h, d, b = C.c_void_p(host), C.c_uint64(dev), C.c_size_t(size)
+                if d2h:
+                    ck("d2h", cuda.cuMemcpyDtoHAsync_v2(h, d, b, s))
+                else:
+                    ck("h2d", cuda.cuMemcpyHtoDAsync_v2(d, h, b, s))
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out.append(n / min(times) / 1e9)
+    return out
 
 
 def pct(xs, q):
@@ -265,32 +273,16 @@ def copies(chunks_mib, method):
     """D2H and H2D GB/s of 1 GiB through pinned chunks of each size, obtained by `method`."""
     n = 1 << 30
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    s = torch.cuda.current_stream().cuda_stream
     print(f"\ncopy of 1 GiB through pinned chunks from {method} (GB/s, best of 3)")
     print(f"{'chunk MiB':>9} {'D2H':>7} {'H2D':>7}")
     for c in chunks_mib:
         size = c * MIB
         bufs = [Method(method).get(size) for _ in range(n // size)]
-        best = {}
-        for kind in ("D2H", "H2D"):
-            times = []
-            for _ in range(3):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for i, (p, _) in enumerate(bufs):
-                    d = C.c_uint64(dev.data_ptr() + i * size)
-                    if kind == "D2H":
-                        ck("d2h", cuda.cuMemcpyDtoHAsync_v2(C.c_void_p(p), d, C.c_size_t(size),
-                                                             C.c_void_p(s)))
-                    else:
-                        ck("h2d", cuda.cuMemcpyHtoDAsync_v2(d, C.c_void_p(p), C.c_size_t(size),
-                                                             C.c_void_p(s)))
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            best[kind] = n / min(times) / 1e9
+        d2h, h2d = bandwidth([(p, dev.data_ptr() + i * size, size)
+                              for i, (p, _) in enumerate(bufs)])
         for b in bufs:
             Method(method).put(b)
-        print(f"{c:>9} {best['D2H']:>7.1f} {best['H2D']:>7.1f}", flush=True)
+        print(f"{c:>9} {d2h:>7.1f} {h2d:>7.1f}", flush=True)
 
 
 def main():
