@@ -10,6 +10,7 @@ __all__ = [
     "stats_json",
     "nccl_stats_json",
     "nccl_diagnose_json",
+    "disk_diagnose_json",
     "status_of",
     "error_from_status",
     "nccl_set_group",
@@ -66,6 +67,10 @@ def resume(tags: list[str]) -> None:
 
 def nccl_stats_json() -> str: ...
 def nccl_diagnose_json() -> str: ...
+def disk_diagnose_json() -> str:
+    """The disk backup directory as a pause would find it and the backup files in it (JSON:
+    {"dir", "state", "files": [{"name", "pid", "bytes", "running", "own"}]})."""
+
 def status_of(e: BaseException) -> int: ...
 def error_from_status(code: int, message: str) -> MemsaverError: ...
 def nccl_set_group(group: int) -> None: ...
