@@ -16,6 +16,11 @@
 //!   resolves through the held descriptor (Linux has no `bindat`/`connectat`), so a rename or
 //!   swap of the directories after the check changes nothing. It also keeps the socket path
 //!   short whatever the length of the runtime directory's path (`sun_path` holds 108 bytes).
+//!
+//! The primitives (the held [`Dir`], `openat` without following links, the `fstat` check of
+//! owner and mode, [`euid`]) are the core's `memsaver_allocator::private_dir`, which the disk
+//! backup directory uses too; this module is the runtime directory's stricter policy: mode
+//! 0700 and no link anywhere in the path.
 
 use std::ffi::OsStr;
 use std::os::fd::{AsFd, OwnedFd};

@@ -103,7 +103,8 @@ def backup_pointer(ptr: int, size: int) -> int:
     ``[ptr, ptr + size)``, holding the contents as of its last pause; 0 if there is none."""
 
 def set_disk_dir(path: str | None) -> None:
-    """Sets (creating it, mode 0700) or unsets the directory of disk backup files."""
+    """Sets (creating it, mode 0700) or unsets the directory of disk backup files; an existing
+    one must be this user's and not writable by group or others."""
 
 def set_memory_margin(bytes: int) -> None:
     """Bytes resume keeps free on each device (0: no check)."""
