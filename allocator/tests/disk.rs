@@ -18,6 +18,15 @@ fn disk_dir(name: &str) -> PathBuf {
     d
 }
 
+/// An allocator with `opts` whose disk backups go to a fresh directory `name` (created by
+/// memsaver).
+fn allocator_in(name: &str, opts: &Options) -> (TestAllocator, PathBuf) {
+    let a = allocator_with(opts);
+    let d = disk_dir(name);
+    a.set_disk_dir(Some(&d)).unwrap();
+    (a, d)
+}
+
 /// The names of the files in `dir`, sorted.
 fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
@@ -134,9 +143,7 @@ fn the_directory_itself_is_never_a_link() {
 
 #[test]
 fn files_are_private_and_named_by_pid_start_time_and_nonce() {
-    let a = allocator();
-    let d = disk_dir("names");
-    a.set_disk_dir(Some(&d)).unwrap();
+    let (a, d) = allocator_in("names", &Options::default());
     let mode = std::fs::metadata(&d).unwrap().mode() & 0o7777;
     assert_eq!(mode, 0o700, "created 0700");
     let ptrs: Vec<u64> = (0..2)
@@ -272,9 +279,7 @@ fn a_backup_changed_after_the_pause_fails_resume_and_the_tag_stays_paused() {
 
 #[test]
 fn a_changed_backup_keeps_only_its_own_allocation_paused() {
-    let a = allocator();
-    let d = disk_dir("one-of-two");
-    a.set_disk_dir(Some(&d)).unwrap();
+    let (a, d) = allocator_in("one-of-two", &Options::default());
     // Adjacent allocations of one tag: the resume backs them with one physical allocation
     // (a run) unless one of them fails.
     let ptrs: Vec<u64> = (0..2)
@@ -308,9 +313,7 @@ fn a_changed_backup_keeps_only_its_own_allocation_paused() {
 
 #[test]
 fn a_backup_replaced_by_another_file_is_neither_read_nor_removed() {
-    let a = allocator();
-    let d = disk_dir("swap");
-    a.set_disk_dir(Some(&d)).unwrap();
+    let (a, d) = allocator_in("swap", &Options::default());
     let p = a.malloc(2 * MIB, 0, "swap", Policy::Disk).unwrap();
     fill(p, 2 * MIB, 12);
     a.pause(&["swap"]).unwrap();
@@ -342,9 +345,7 @@ fn an_intact_backup_resumes_bit_for_bit_across_cycles_and_chunks() {
         disk_chunk: MIB,
         ..Options::default()
     };
-    let a = allocator_with(&opts);
-    let d = disk_dir("intact");
-    a.set_disk_dir(Some(&d)).unwrap();
+    let (a, d) = allocator_in("intact", &opts);
     // 5 MiB (6 MiB rounded): a last chunk of 1 MiB; and an allocation smaller than a chunk
     // after a larger one.
     let p = a.malloc(5 * MIB, 0, "intact", Policy::Disk).unwrap();

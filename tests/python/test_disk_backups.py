@@ -16,7 +16,7 @@ from pathlib import Path
 
 import memsaver
 import pytest
-from helpers import CUDA_SUCCESS, MiB, pattern, read, run_python, write
+from helpers import CUDA_SUCCESS, MiB, as_nobody, pattern, read, run_python, write
 
 
 @pytest.fixture
@@ -34,22 +34,6 @@ def _needs_root() -> None:
             "needs root: the test makes a directory of another user (chown) or switches to "
             "uid 65534 in a forked child (os.setuid); run the tests as root to cover it"
         )
-
-
-def _as_nobody(fn: Callable[[], int]) -> int:
-    """Runs `fn` in a forked child as uid/gid 65534; its exit status (0: as expected)."""
-    child = os.fork()
-    if child == 0:  # pragma: no cover - in the child
-        code = 1
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            code = fn()
-        except BaseException as e:  # noqa: BLE001 - said, then the exit status
-            print(f"in the child: {e!r}", file=sys.stderr, flush=True)
-        finally:
-            os._exit(code)
-    return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
 
 
 def test_a_directory_others_can_write_is_refused(tmp_path, unset_disk_dir):
@@ -146,7 +130,7 @@ def test_another_user_can_neither_read_write_nor_plant_backups(hooks, tag, unset
                     refused += 1
             return 0 if refused == len(tries) else 10 + refused
 
-        assert _as_nobody(attempts) == 0
+        assert as_nobody(attempts) == 0
         assert os.listdir(d) == [name], "nothing planted"
         memsaver.resume(tag)
         assert read(p, 2 * MiB) == data
@@ -161,7 +145,7 @@ def test_another_user_can_neither_read_write_nor_plant_backups(hooks, tag, unset
             (open_dir / "planted.bin").write_bytes(b"theirs")
             return 0
 
-        assert _as_nobody(plant) == 0
+        assert as_nobody(plant) == 0
         with pytest.raises(memsaver.InvalidArgumentError, match="mode 0777"):
             memsaver.set_disk_dir(open_dir)
         assert hooks.free(p) == CUDA_SUCCESS
