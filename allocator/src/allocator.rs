@@ -13,6 +13,7 @@ use crate::error::{Error, Result};
 use crate::external::ExternalTag;
 use crate::options::Options;
 use crate::prepare::Preparer;
+use crate::private_dir::Dir;
 use crate::stats::Stats;
 use crate::table::{Allocation, Backing, Phase, Run, Table};
 use crate::types::{Policy, State};
@@ -58,6 +59,9 @@ struct Settings {
     merge_limit: usize,
     memory_margin: u64,
     disk_dir: Option<PathBuf>,
+    /// `disk_dir`, opened and checked (`disk::open_dir`): by `set_disk_dir`, or by the first
+    /// pause that needs it when the directory came from `MEMSAVER_DISK_DIR`.
+    disk_dir_held: Option<Arc<Dir>>,
     disk_chunk: usize,
 }
 
@@ -80,6 +84,7 @@ impl Allocator {
                 merge_limit: opts.merge_limit,
                 memory_margin: opts.memory_margin,
                 disk_dir: opts.disk_dir.clone(),
+                disk_dir_held: None,
                 disk_chunk: opts.disk_chunk,
             }),
         }
@@ -174,22 +179,32 @@ impl Allocator {
         self.settings.lock().disk_dir.clone()
     }
 
-    /// Sets the directory of disk backup files (created with mode 0700 if missing; it must be a
-    /// directory), or unsets it with `None`. Files of backups already made stay where they are.
+    /// Sets the directory of disk backup files, or unsets it with `None`. The directory is
+    /// created with mode 0700 if missing; an existing one must belong to this user and not be
+    /// writable by group or others (else `InvalidArgument`, naming its owner and mode). It is
+    /// opened now and held (docs/security.md, "Backup files"); stale backup files of processes
+    /// no longer running are removed from it. Files of backups already made stay where they
+    /// are.
     pub fn set_disk_dir(&self, dir: Option<&Path>) -> Result<()> {
-        let dir = dir
-            .map(|d| crate::disk::prepare_dir(d, "memsaver_set_disk_dir"))
+        let held = dir
+            .map(|d| crate::disk::open_dir(d, "memsaver_set_disk_dir"))
             .transpose()?;
-        self.settings.lock().disk_dir = dir;
+        let mut s = self.settings.lock();
+        s.disk_dir = dir.map(Path::to_path_buf);
+        s.disk_dir_held = held;
         Ok(())
     }
 
-    /// The disk backup directory (prepared) and the staging chunk, for a pause of disk-backed
-    /// allocations.
-    pub(crate) fn disk_config(&self) -> Result<(PathBuf, usize)> {
-        let (dir, chunk) = {
+    /// The disk backup directory, opened and checked, for a pause of disk-backed allocations
+    /// (opened here the first time when it came from `MEMSAVER_DISK_DIR`; a refusal is
+    /// returned again by every pause until the directory is fixed or another one is set).
+    pub(crate) fn disk_dir_held(&self) -> Result<Arc<Dir>> {
+        let dir = {
             let s = self.settings.lock();
-            (s.disk_dir.clone(), s.disk_chunk)
+            if let Some(held) = &s.disk_dir_held {
+                return Ok(held.clone());
+            }
+            s.disk_dir.clone()
         };
         let dir = dir.ok_or_else(|| {
             Error::InvalidArgument(
@@ -198,7 +213,13 @@ impl Allocator {
                     .into(),
             )
         })?;
-        Ok((crate::disk::prepare_dir(&dir, "MEMSAVER_DISK_DIR")?, chunk))
+        // Opened outside the settings lock (file I/O); kept unless the setting changed since.
+        let held = crate::disk::open_dir(&dir, "MEMSAVER_DISK_DIR")?;
+        let mut s = self.settings.lock();
+        if s.disk_dir.as_deref() == Some(dir.as_path()) && s.disk_dir_held.is_none() {
+            s.disk_dir_held = Some(held.clone());
+        }
+        Ok(held)
     }
 
     pub(crate) fn disk_chunk(&self) -> usize {

@@ -12,7 +12,6 @@
 //! Pausing a paused allocation and resuming a resident one are no-ops: only `Resident`
 //! allocations are claimed by a pause and only `Paused` ones by a resume.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,6 +22,7 @@ use crate::disk::DiskFile;
 use crate::driver::{DriverError, Event, Handle};
 use crate::error::{Error, Result};
 use crate::external::ExternalTag;
+use crate::private_dir::Dir;
 use crate::table::{Allocation, Backing, Phase, Run, Table};
 use crate::types::Policy;
 
@@ -215,14 +215,16 @@ impl Allocator {
                 retain: true,
                 margin: 0,
                 merge_limit: 0,
-                disk_dir: self.disk_config().map(|(dir, _)| dir),
+                disk_dir: self.disk_dir_held(),
                 disk_chunk: self.disk_chunk(),
             },
             Op::Resume => Plan {
                 retain: self.retain_backups(),
                 margin: self.memory_margin(),
                 merge_limit: self.merge_limit(),
-                disk_dir: Ok(PathBuf::new()),
+                disk_dir: Err(Error::InvalidArgument(
+                    "resume writes no disk backup".into(),
+                )),
                 disk_chunk: self.disk_chunk(),
             },
         })
@@ -447,18 +449,33 @@ impl Allocator {
     }
 
     /// Copies a resident disk-backed allocation into its file, chunk by chunk through the
-    /// staging buffer. The file of an earlier cycle is overwritten in place; on failure it is
-    /// removed (the job keeps no backup) and the allocation stays resident.
-    fn write_disk(&self, j: &mut Job, dir: &Path, staging: &mut Staging) -> Result<()> {
-        let file = match j.backup.take() {
+    /// staging buffer, computing the file's checksum on each chunk as it is written. The file
+    /// of an earlier cycle is overwritten in place; on failure it is removed (the job keeps no
+    /// backup) and the allocation stays resident.
+    fn write_disk(&self, j: &mut Job, dir: &Arc<Dir>, staging: &mut Staging) -> Result<()> {
+        let mut file = match j.backup.take() {
             Some(Backup::Disk(f)) => f,
-            _ => DiskFile::create(dir, j.ptr, j.size).map_err(|e| {
-                Error::Backup(format!("cannot create a file in {}: {e}", dir.display()))
+            _ => DiskFile::create(dir, j.size).map_err(|e| {
+                Error::Backup(format!(
+                    "cannot create a disk backup file of tag '{}' in {}: {e}",
+                    j.tag,
+                    dir.path().display()
+                ))
             })?,
+        };
+        let path = file.path();
+        let failed = |e: std::io::Error| {
+            Error::Backup(format!(
+                "writing the disk backup {} of tag '{}' failed: {e}; the allocation stays \
+                 resident",
+                path.display(),
+                j.tag
+            ))
         };
         let d = &self.driver;
         let dev = j.device.clone();
         let (buf, chunk) = staging.buffer(self, &dev)?;
+        let mut w = file.writer().map_err(failed)?;
         for off in (0..j.size).step_by(chunk) {
             let n = chunk.min(j.size - off);
             d.with_context(dev.ctx, || {
@@ -469,10 +486,10 @@ impl Allocator {
             })?;
             // SAFETY: the copy into `buf[..n]` has completed and nothing else uses the buffer.
             let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr(), n) };
-            file.write_at(bytes, off)
-                .map_err(|e| crate::disk::io_error("writing", file.path(), e))?;
+            w.write(bytes).map_err(failed)?;
         }
-        tracing::debug!(tag = %j.tag, ptr = format_args!("{:#x}", j.ptr), bytes = j.size, path = %file.path().display(), "disk backup written");
+        w.finish();
+        tracing::debug!(tag = %j.tag, ptr = format_args!("{:#x}", j.ptr), bytes = j.size, path = %path.display(), "disk backup written");
         j.backup = Some(Backup::Disk(file));
         Ok(())
     }
@@ -493,6 +510,7 @@ impl Allocator {
                 Ok(())
             }
             Some(Backup::Disk(file)) => {
+                let mut r = file.reader(&j.tag, j.ptr)?;
                 let (buf, chunk) = staging.buffer(self, dev)?;
                 for off in (0..j.size).step_by(chunk) {
                     let n = chunk.min(j.size - off);
@@ -501,15 +519,16 @@ impl Allocator {
                     d.with_context(dev.ctx, || d.stream_synchronize(dev.stream))?;
                     // SAFETY: `buf` has `chunk >= n` bytes and no copy uses it (synchronised).
                     let bytes = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr(), n) };
-                    file.read_at(bytes, off)
-                        .map_err(|e| crate::disk::io_error("reading", file.path(), e))?;
+                    r.read(bytes)?;
                     d.with_context(dev.ctx, || {
                         // SAFETY: just mapped; the staging buffer is not touched again before the
                         // stream is synchronised (next chunk, next job, or the end of resume).
                         unsafe { buf.copy_to_device(d, 0, j.ptr + off as u64, n, dev.stream) }
                     })?;
                 }
-                Ok(())
+                // A mismatch fails the job: its caller unmaps and releases what it mapped, and
+                // the allocation settles paused with this backup.
+                r.finish()
             }
         }
     }
@@ -607,7 +626,9 @@ impl Allocator {
                         j.backing = Some(backing);
                     }
                 }
-                Err(Error::Driver(e)) if e.is_out_of_memory() && unit.len() > 1 => {
+                // A run that does not fit, or one of whose backups cannot be restored (a disk
+                // file that changed), is retried one allocation at a time: the others resume.
+                Err(e) if unit.len() > 1 && (is_oom(&e) || matches!(e, Error::Backup(_))) => {
                     for i in unit.rev() {
                         todo.push_front(i..i + 1);
                     }
@@ -664,6 +685,8 @@ impl Allocator {
         let mut oom_device = None;
         let (mut done, mut still_paused, mut bytes_still_paused) = (0, 0, 0u64);
         let mut tags_still_paused: Vec<Arc<str>> = Vec::new();
+        // Pause: tags with a job that failed, and tags with a job that paused.
+        let (mut tags_failed, mut tags_paused): (Vec<Arc<str>>, Vec<Arc<str>>) = Default::default();
         {
             let mut t = self.table.lock();
             // Runs a resume made, and runs a pause could not release.
@@ -682,6 +705,14 @@ impl Allocator {
                     released.extend(j.backup);
                 } else {
                     a.backup = j.backup;
+                }
+                let seen = if j.error.is_some() {
+                    &mut tags_failed
+                } else {
+                    &mut tags_paused
+                };
+                if op == Op::Pause && !seen.contains(&j.tag) {
+                    seen.push(j.tag.clone());
                 }
                 match j.error {
                     None => done += 1,
@@ -713,6 +744,25 @@ impl Allocator {
                     if !tags_still_paused.contains(tag) {
                         t.tags.get_mut(tag).expect("resolved").paused = false;
                     }
+                }
+            }
+            // A tag whose pause failed for every allocation it claimed is paused only if some
+            // other allocation of it is (claim marked it): what stayed resident is usable and
+            // the tag takes new allocations.
+            tags_failed.retain(|tag| !tags_paused.contains(tag));
+            if !tags_failed.is_empty() {
+                let mut any_paused: Vec<&Arc<str>> = Vec::new();
+                for a in t.allocations.values() {
+                    if matches!(a.phase, Phase::Paused) && !any_paused.contains(&&a.tag) {
+                        any_paused.push(&a.tag);
+                    }
+                }
+                let unpause: Vec<Arc<str>> = tags_failed
+                    .into_iter()
+                    .filter(|tag| !any_paused.contains(&tag))
+                    .collect();
+                for tag in unpause {
+                    t.tags.get_mut(&tag).expect("resolved").paused = false;
                 }
             }
         }
@@ -753,7 +803,7 @@ struct Plan {
     merge_limit: usize,
     /// Pause: the disk backup directory, or why there is none (an error only if a disk-backed
     /// allocation is paused).
-    disk_dir: Result<PathBuf>,
+    disk_dir: Result<Arc<Dir>>,
     /// The staging chunk of disk backups.
     disk_chunk: usize,
 }
@@ -787,6 +837,10 @@ impl Staging {
         }
         Ok((self.buf.as_mut().expect("set above"), self.len))
     }
+}
+
+fn is_oom(e: &Error) -> bool {
+    matches!(e, Error::Driver(d) if d.is_out_of_memory())
 }
 
 /// What a job that ran out of device memory (or was skipped after another did, on the same

@@ -13,9 +13,14 @@
 //!   mmap) and the backup enum; `disk`: disk backup files; `prepare`: pinned backups allocated
 //!   ahead of the first pause, on a background thread.
 //! * [`options`]: every `MEMSAVER_*` option in one table.
+//! * [`process`]: process identity (pid, start time, nonce) and liveness; [`private_dir`]:
+//!   directories held open by descriptor, checked with `fstat` and used through it. Both serve
+//!   the disk backups here and the sockets of `memsaver_nccl_hook`.
 
 pub mod driver;
 pub mod options;
+pub mod private_dir;
+pub mod process;
 pub mod stats;
 pub mod types;
 
@@ -33,6 +38,7 @@ use std::sync::{Arc, Once, OnceLock};
 
 pub use allocator::{Allocator, validate_tag};
 pub use backup::BackupKind;
+pub use disk::{BackupFile, DiskBackups, disk_backups};
 pub use engine::Report;
 pub use error::{Error, Result};
 pub use external::ExternalTag;

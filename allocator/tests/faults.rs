@@ -1,5 +1,5 @@
-//! Running out of memory and failing driver calls during resume: errors, consistent state,
-//! and recovery when retried. Uses the fake driver's fault injection and its memory limit.
+//! Running out of memory and failing driver calls during pause and resume: errors, consistent
+//! state, and recovery when retried. Uses the fake driver's fault injection and its memory limit.
 
 mod common;
 
@@ -181,6 +181,71 @@ fn failing_unmap_during_pause_leaves_the_allocation_resident() {
     for (i, p) in ptrs.iter().enumerate() {
         assert!(check(*p, 2 * MIB, 20 + i as u8), "allocation {i}");
         a.free(*p).unwrap();
+    }
+}
+
+#[test]
+fn a_pause_that_fails_for_every_allocation_leaves_the_tag_unpaused_and_usable() {
+    let a = allocator();
+    let p = a.malloc(2 * MIB, 0, "all_fail", Policy::Cpu).unwrap();
+    let other = a
+        .malloc(2 * MIB, 0, "all_fail_other", Policy::Discard)
+        .unwrap();
+    fill(p, 2 * MIB, 30);
+    // A pause unmaps discard allocations first: the second unmap is the cpu allocation's.
+    inject("fakecuda_fail_unmap_at", 2);
+    let e = a.pause(&["all_fail", "all_fail_other"]).unwrap_err();
+    inject("fakecuda_reset_faults", 0);
+    assert!(
+        matches!(e, Error::Incomplete { failed: 1, .. }) && e.to_string().contains("cuMemUnmap"),
+        "{e}"
+    );
+    assert_eq!(a.state(p), Some(State::Resident));
+    assert!(check(p, 2 * MIB, 30), "resident and intact");
+    assert!(
+        !a.is_paused("all_fail"),
+        "nothing of the tag is paused: the tag is not either"
+    );
+    assert!(!a.stats().tag("all_fail").unwrap().paused);
+    assert_eq!(a.state(other), Some(State::Paused));
+    assert!(
+        a.is_paused("all_fail_other"),
+        "the pause of the other tag stands"
+    );
+    // The tag takes new allocations, and pausing it again works.
+    let q = a.malloc(2 * MIB, 0, "all_fail", Policy::Cpu).unwrap();
+    fill(q, 2 * MIB, 31);
+    a.pause(&["all_fail"]).unwrap();
+    assert!(a.is_paused("all_fail"));
+    a.resume(&[]).unwrap();
+    assert!(check(p, 2 * MIB, 30) && check(q, 2 * MIB, 31));
+    for x in [p, q, other] {
+        a.free(x).unwrap();
+    }
+}
+
+#[test]
+fn a_pause_that_fails_for_some_allocations_keeps_the_tag_paused() {
+    let a = allocator();
+    let ptrs: Vec<u64> = (0..2)
+        .map(|_| a.malloc(2 * MIB, 0, "some_fail", Policy::Discard).unwrap())
+        .collect();
+    inject("fakecuda_fail_unmap_at", 1);
+    a.pause(&["some_fail"]).unwrap_err();
+    inject("fakecuda_reset_faults", 0);
+    let states: Vec<_> = ptrs.iter().map(|p| a.state(*p).unwrap()).collect();
+    assert!(
+        states.contains(&State::Resident) && states.contains(&State::Paused),
+        "{states:?}"
+    );
+    assert!(a.is_paused("some_fail"), "part of it is paused");
+    assert!(matches!(
+        a.malloc(MIB, 0, "some_fail", Policy::Discard),
+        Err(Error::TagPaused { .. })
+    ));
+    a.resume(&["some_fail"]).unwrap();
+    for p in ptrs {
+        a.free(p).unwrap();
     }
 }
 

@@ -16,117 +16,51 @@
 //!   resolves through the held descriptor (Linux has no `bindat`/`connectat`), so a rename or
 //!   swap of the directories after the check changes nothing. It also keeps the socket path
 //!   short whatever the length of the runtime directory's path (`sun_path` holds 108 bytes).
+//!
+//! The primitives (the held [`Dir`], `openat` without following links, the `fstat` check of
+//! owner and mode, [`euid`]) are the core's `memsaver_allocator::private_dir`, which the disk
+//! backup directory uses too; this module is the runtime directory's stricter policy: mode
+//! 0700 and no link anywhere in the path.
 
-use std::ffi::{CString, OsStr};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::ffi::OsStr;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
+
+pub(crate) use memsaver_allocator::private_dir::{Dir, Found, euid};
+use memsaver_allocator::private_dir::{Ownership, is_symlink_at, make_dir_at, open_dir_at};
 
 /// What to do about a directory memsaver cannot use, said in every refusal.
 const ADVICE: &str = "set MEMSAVER_RUNTIME_DIR to a directory of your own (memsaver creates it \
                       mode 0700), or remove the offending entry";
 
-/// The effective uid, which `SO_PEERCRED` reports and which owns what this process creates.
-pub(crate) fn euid() -> u32 {
-    // SAFETY: geteuid cannot fail.
-    unsafe { libc::geteuid() }
-}
-
-/// A directory held open, with the path it was opened at (for messages).
-#[derive(Debug)]
-pub(crate) struct Dir {
-    fd: OwnedFd,
-    path: PathBuf,
-}
-
-impl Dir {
-    pub(crate) fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// The path through which the kernel reaches `name` in this very directory.
-    pub(crate) fn entry(&self, name: &str) -> PathBuf {
-        PathBuf::from(format!("/proc/self/fd/{}/{name}", self.fd.as_raw_fd()))
-    }
-
-    /// The names of the entries of this directory (read through the held descriptor).
-    pub(crate) fn entries(&self) -> Vec<String> {
-        std::fs::read_dir(format!("/proc/self/fd/{}", self.fd.as_raw_fd()))
-            .map(|it| {
-                it.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
-    /// Removes `name` from this directory (`unlinkat`), ignoring a missing entry.
-    pub(crate) fn remove(&self, name: &str) {
-        if let Ok(c) = CString::new(name) {
-            // SAFETY: a held directory fd and a NUL-terminated name.
-            unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), 0) };
-        }
-    }
-}
-
-fn cstr(name: &OsStr) -> std::io::Result<CString> {
-    CString::new(name.as_bytes()).map_err(|_| std::io::Error::other("a path with a NUL byte"))
-}
-
 /// `openat(parent, name, O_NOFOLLOW | O_DIRECTORY)`, with the path in the error.
-fn open_at(parent: libc::c_int, name: &OsStr, path: &Path) -> std::io::Result<OwnedFd> {
-    let c = cstr(name)?;
-    // SAFETY: `parent` is AT_FDCWD or a held directory fd; `c` is NUL-terminated.
-    let fd = unsafe {
-        libc::openat(
-            parent,
-            c.as_ptr(),
-            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(match e.raw_os_error() {
-            // O_NOFOLLOW on a link gives ELOOP; O_DIRECTORY on a link to a file, ENOTDIR.
-            Some(libc::ELOOP) | Some(libc::ENOTDIR) if is_symlink(parent, &c) => {
-                std::io::Error::other(format!(
-                    "{} is a symbolic link: memsaver does not follow links in its runtime \
-                     directory's path (another user could redirect it); {ADVICE}",
-                    path.display()
-                ))
-            }
-            _ => std::io::Error::new(e.kind(), format!("{}: {e}", path.display())),
-        });
-    }
-    // SAFETY: a new fd we own.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-fn is_symlink(parent: libc::c_int, name: &CString) -> bool {
-    // SAFETY: zeroed stat is a valid out-parameter.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: held dir fd (or AT_FDCWD), NUL-terminated name, valid out-pointer.
-    let r = unsafe { libc::fstatat(parent, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) };
-    r == 0 && st.st_mode & libc::S_IFMT == libc::S_IFLNK
+fn open_at(parent: Option<&OwnedFd>, name: &OsStr, path: &Path) -> std::io::Result<OwnedFd> {
+    let parent = parent.map(|p| p.as_fd());
+    open_dir_at(parent, name).map_err(|e| match e.raw_os_error() {
+        // O_NOFOLLOW on a link gives ELOOP; O_DIRECTORY on a link to a file, ENOTDIR.
+        Some(libc::ELOOP) | Some(libc::ENOTDIR) if is_symlink_at(parent, name) => {
+            std::io::Error::other(format!(
+                "{} is a symbolic link: memsaver does not follow links in its runtime \
+                 directory's path (another user could redirect it); {ADVICE}",
+                path.display()
+            ))
+        }
+        _ => std::io::Error::new(e.kind(), format!("{}: {e}", path.display())),
+    })
 }
 
 /// Checks that `fd` (opened at `path`) is a directory of this user's with no access for
 /// group or others.
 fn check_private(fd: &OwnedFd, path: &Path) -> std::io::Result<()> {
-    // SAFETY: zeroed stat is a valid out-parameter.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: a held fd and a valid out-pointer.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let uid = euid();
-    let mode = st.st_mode & 0o7777;
-    if st.st_uid != uid || mode & 0o077 != 0 || st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+    let o = Ownership::of(fd.as_fd())?;
+    if !o.is_private(0o077) {
         return Err(std::io::Error::other(format!(
-            "{} belongs to uid {} with mode {mode:04o}; memsaver needs it to belong to uid {uid} \
+            "{} belongs to uid {} with mode {:04o}; memsaver needs it to belong to uid {} \
              with mode 0700 (others could pose as this job's processes); {ADVICE}",
             path.display(),
-            st.st_uid
+            o.uid,
+            o.mode,
+            euid()
         )));
     }
     Ok(())
@@ -142,13 +76,12 @@ fn open_parent(path: &Path) -> std::io::Result<(OwnedFd, PathBuf)> {
         match c {
             Component::RootDir => {
                 at.push("/");
-                fd = Some(open_at(libc::AT_FDCWD, OsStr::new("/"), &at)?);
+                fd = Some(open_at(None, OsStr::new("/"), &at)?);
             }
             Component::CurDir => {}
             Component::Normal(name) => {
                 at.push(name);
-                let parent = fd.as_ref().map_or(libc::AT_FDCWD, |f| f.as_raw_fd());
-                fd = Some(open_at(parent, name, &at)?);
+                fd = Some(open_at(fd.as_ref(), name, &at)?);
             }
             Component::ParentDir | Component::Prefix(_) => {
                 return Err(std::io::Error::other(format!(
@@ -160,7 +93,7 @@ fn open_parent(path: &Path) -> std::io::Result<(OwnedFd, PathBuf)> {
     }
     let fd = match fd {
         Some(fd) => fd,
-        None => open_at(libc::AT_FDCWD, OsStr::new("."), Path::new("."))?,
+        None => open_at(None, OsStr::new("."), Path::new("."))?,
     };
     Ok((fd, at))
 }
@@ -168,18 +101,10 @@ fn open_parent(path: &Path) -> std::io::Result<(OwnedFd, PathBuf)> {
 /// Creates `name` in `parent` (mode 0700) unless it exists, opens it without following a
 /// link and checks it is private to this user.
 fn private_child(parent: &OwnedFd, name: &OsStr, path: &Path) -> std::io::Result<OwnedFd> {
-    let c = cstr(name)?;
-    // SAFETY: a held dir fd and a NUL-terminated name.
-    if unsafe { libc::mkdirat(parent.as_raw_fd(), c.as_ptr(), 0o700) } != 0 {
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::EEXIST) {
-            return Err(std::io::Error::new(
-                e.kind(),
-                format!("cannot create {}: {e}", path.display()),
-            ));
-        }
-    }
-    let fd = open_at(parent.as_raw_fd(), name, path)?;
+    make_dir_at(Some(parent.as_fd()), name, 0o700).map_err(|e| {
+        std::io::Error::new(e.kind(), format!("cannot create {}: {e}", path.display()))
+    })?;
+    let fd = open_at(Some(parent), name, path)?;
     check_private(&fd, path)?;
     Ok(fd)
 }
@@ -196,7 +121,7 @@ pub(crate) fn group_dir(runtime_dir: &Path, group: i64) -> std::io::Result<Dir> 
     let base = private_child(&parent, name, runtime_dir)?;
     let path = runtime_dir.join(format!("g{group}"));
     let fd = private_child(&base, OsStr::new(&format!("g{group}")), &path)?;
-    Ok(Dir { fd, path })
+    Ok(Dir::new(fd, path))
 }
 
 /// The groups whose directories the runtime directory holds (`g<group>`), if it is usable
@@ -208,16 +133,13 @@ pub(crate) fn group_names(runtime_dir: &Path) -> Vec<i64> {
     let Ok((parent, _)) = open_parent(runtime_dir) else {
         return Vec::new();
     };
-    let Ok(fd) = open_at(parent.as_raw_fd(), name, runtime_dir) else {
+    let Ok(fd) = open_at(Some(&parent), name, runtime_dir) else {
         return Vec::new();
     };
     if check_private(&fd, runtime_dir).is_err() {
         return Vec::new();
     }
-    let dir = Dir {
-        fd,
-        path: runtime_dir.to_owned(),
-    };
+    let dir = Dir::new(fd, runtime_dir.to_owned());
     let mut groups: Vec<i64> = dir
         .entries()
         .iter()
@@ -227,23 +149,11 @@ pub(crate) fn group_names(runtime_dir: &Path) -> Vec<i64> {
     groups
 }
 
-/// What [`inspect`] found at one directory.
-#[derive(Debug, serde::Serialize)]
-#[serde(rename_all = "snake_case", tag = "state", content = "detail")]
-pub enum Found {
-    /// Private to this user: usable.
-    Ok,
-    /// Not created yet (the first process that serves a peer creates it, mode 0700).
-    Missing,
-    /// Unusable, and why (with what to do).
-    Problem(String),
-}
-
 /// The runtime directory and `g<group>` in it as [`group_dir`] would find them, without
 /// creating anything, and the names of the entries of the group directory.
 pub(crate) fn inspect(runtime_dir: &Path, group: i64) -> (Found, Found, Vec<String>) {
     let open = |parent: &OwnedFd, name: &OsStr, path: &Path| -> Result<Option<OwnedFd>, String> {
-        match open_at(parent.as_raw_fd(), name, path) {
+        match open_at(Some(parent), name, path) {
             Ok(fd) => check_private(&fd, path)
                 .map(|()| Some(fd))
                 .map_err(|e| e.to_string()),
@@ -269,7 +179,7 @@ pub(crate) fn inspect(runtime_dir: &Path, group: i64) -> (Found, Found, Vec<Stri
     };
     let path = runtime_dir.join(format!("g{group}"));
     match open(&base, OsStr::new(&format!("g{group}")), &path) {
-        Ok(Some(fd)) => (Found::Ok, Found::Ok, Dir { fd, path }.entries()),
+        Ok(Some(fd)) => (Found::Ok, Found::Ok, Dir::new(fd, path).entries()),
         Ok(None) => (Found::Ok, Found::Missing, Vec::new()),
         Err(e) => (Found::Ok, Found::Problem(e), Vec::new()),
     }

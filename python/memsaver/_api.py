@@ -230,9 +230,12 @@ def retain_backups() -> bool:
 
 def set_disk_dir(path: str | os.PathLike[str] | None) -> None:
     """Sets the directory of ``backup="disk"`` files (``MEMSAVER_DISK_DIR``), creating it with
-    mode 0700 if missing; ``None`` unsets it. Pausing a disk-backed tag without one raises
-    ``InvalidArgumentError`` and changes nothing. Files are named by pid and address, and
-    removed when released."""
+    mode 0700 if missing; ``None`` unsets it. An existing directory must be this user's and not
+    writable by group or others (else ``InvalidArgumentError`` naming its owner and mode).
+    Pausing a disk-backed tag without one raises ``InvalidArgumentError`` and changes nothing.
+    Files are private (0600), named by process, checked on resume (a file changed after the
+    pause fails the resume and the tag stays paused), and removed when released, at exit, and,
+    for processes that died, by the next process that sets the directory (docs/security.md)."""
     _core.ensure_loaded()
     _memsaver.set_disk_dir(None if path is None else os.fspath(path))
 

@@ -3,7 +3,8 @@
 Prints the version, the library and its hook mode, the CUDA driver (real or fake) or why it did
 not load, the devices with free and total memory, the ``MEMSAVER_*`` variables that are set,
 the runtime directory of the ``nccl`` tag's sockets, its group and the processes that serve
-it, and ``nccl_stats()``. Each problem found
+it, ``nccl_stats()``, and the disk backup directory with the backup files left in it (whose,
+how big, running or stale). Each problem found
 adds a line saying what to do; the exit status is 1 if there was any.
 """
 
@@ -75,6 +76,43 @@ def _nccl_coordination(r: _Report, d: dict[str, Any]) -> None:
         )
 
 
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _disk_backups(r: _Report, d: dict[str, Any]) -> None:
+    """The disk backup directory as a pause would find it, and the backup files in it (the
+    rules live in libmemsaver.so: docs/security.md, "Backup files")."""
+    if d["dir"] is None:
+        r.line("disk dir", "not set (backup='disk' needs MEMSAVER_DISK_DIR or memsaver.set_disk_dir)")
+        return
+    state = d["state"]
+    if state["state"] == "problem":
+        r.problem("disk dir", state["detail"], "use a disk backup directory of your own that others cannot write")
+        return
+    if state["state"] == "missing":
+        r.line("disk dir", f"{d['dir']}: not created yet (mode 0700, at the first disk pause)")
+        return
+    r.line("disk dir", f"{d['dir']}: this user's, not writable by others")
+    files = d["files"]
+    stale = [f for f in files if not f["running"]]
+    total = sum(f["bytes"] for f in files)
+    r.line(
+        "disk backups",
+        "none"
+        if not files
+        else f"{len(files)} file(s), {_mib(total)}: {len(files) - len(stale)} of running processes, {len(stale)} stale",
+    )
+    for f in files:
+        if f["own"]:
+            whose = "this process"
+        elif f["running"]:
+            whose = "running"
+        else:
+            whose = "stale: its process is gone; the next process that opens the directory removes it"
+        r.line("", f"pid {f['pid']} ({f['name']}): {_mib(f['bytes'])}, {whose}")
+
+
 def main() -> int:
     import memsaver
     from memsaver import _core, _memsaver
@@ -128,6 +166,10 @@ def main() -> int:
             _nccl_coordination(r, json.loads(_memsaver.nccl_diagnose_json()))
         except memsaver.MemsaverError as e:
             r.problem("runtime dir", str(e), "set MEMSAVER_RUNTIME_DIR to a private directory")
+        try:
+            _disk_backups(r, json.loads(_memsaver.disk_diagnose_json()))
+        except memsaver.MemsaverError as e:
+            r.problem("disk dir", str(e), "run with MEMSAVER_LOG=debug and report it")
         try:
             r.line("nccl_stats", json.dumps(memsaver.nccl_stats(), sort_keys=True))
         except memsaver.MemsaverError as e:

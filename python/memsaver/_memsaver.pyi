@@ -10,6 +10,7 @@ __all__ = [
     "stats_json",
     "nccl_stats_json",
     "nccl_diagnose_json",
+    "disk_diagnose_json",
     "status_of",
     "error_from_status",
     "nccl_set_group",
@@ -66,6 +67,10 @@ def resume(tags: list[str]) -> None:
 
 def nccl_stats_json() -> str: ...
 def nccl_diagnose_json() -> str: ...
+def disk_diagnose_json() -> str:
+    """The disk backup directory as a pause would find it and the backup files in it (JSON:
+    {"dir", "state", "files": [{"name", "pid", "bytes", "running", "own"}]})."""
+
 def status_of(e: BaseException) -> int: ...
 def error_from_status(code: int, message: str) -> MemsaverError: ...
 def nccl_set_group(group: int) -> None: ...
@@ -98,7 +103,8 @@ def backup_pointer(ptr: int, size: int) -> int:
     ``[ptr, ptr + size)``, holding the contents as of its last pause; 0 if there is none."""
 
 def set_disk_dir(path: str | None) -> None:
-    """Sets (creating it, mode 0700) or unsets the directory of disk backup files."""
+    """Sets (creating it, mode 0700) or unsets the directory of disk backup files; an existing
+    one must be this user's and not writable by group or others."""
 
 def set_memory_margin(bytes: int) -> None:
     """Bytes resume keeps free on each device (0: no check)."""

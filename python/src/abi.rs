@@ -79,6 +79,7 @@ macro_rules! with_functions {
             memsaver_stats_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
             memsaver_nccl_stats_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
             memsaver_nccl_diagnose_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
+            memsaver_disk_diagnose_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
             memsaver_nccl_set_group: unsafe extern "C" fn(i64) -> c_int,
             memsaver_nccl_group: unsafe extern "C" fn(*mut i64) -> c_int,
             memsaver_profile_parse: unsafe extern "C" fn(*const c_char, *const c_char, *mut c_char, usize, *mut usize) -> c_int,

@@ -130,6 +130,16 @@ fn nccl_diagnose_json() -> PyResult<String> {
     })
 }
 
+/// The disk backup directory and the backup files in it, as a JSON string.
+#[pyfunction]
+fn disk_diagnose_json() -> PyResult<String> {
+    let l = lib()?;
+    // SAFETY: the buffer protocol of read_json.
+    read_json(l, |b, n, nd| unsafe {
+        (l.memsaver_disk_diagnose_json)(b, n, nd)
+    })
+}
+
 /// Sets the group id of the `nccl` tag.
 #[pyfunction]
 fn nccl_set_group(group: i64) -> PyResult<()> {
@@ -469,6 +479,7 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_diagnose_json, m)?)?;
+    m.add_function(wrap_pyfunction!(disk_diagnose_json, m)?)?;
     m.add_function(wrap_pyfunction!(status_of, m)?)?;
     m.add_function(wrap_pyfunction!(error_from_status, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_set_group, m)?)?;

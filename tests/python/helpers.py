@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import memsaver
 
@@ -54,3 +56,20 @@ def run_python(code: str, env: dict[str, str], *args: str) -> subprocess.Complet
     """Runs `python -c code` (or `python args...` when code is empty) in a child process."""
     argv = [sys.executable, *(["-c", code] if code else []), *args]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+
+def as_nobody(fn: Callable[[], int]) -> int:
+    """Runs `fn` in a forked child as uid and gid 65534 (needs root); returns the child's exit
+    status, `fn`'s result (1 if it raised, said on stderr)."""
+    child = os.fork()
+    if child == 0:  # pragma: no cover - in the child
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            code = fn()
+        except BaseException as e:  # noqa: BLE001 - said, then the exit status
+            print(f"in the child: {e!r}", file=sys.stderr, flush=True)
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import memsaver
 import pytest
+from helpers import as_nobody
 from memsaver import control
 
 MIB = 1 << 20
@@ -233,20 +234,6 @@ def test_a_request_from_another_uid_is_refused(spawn):
     rt = Path(memsaver._memsaver.runtime_dir())
     gdir = rt / f"g{g}"
     (sock,) = gdir.iterdir()
-
-    def as_nobody(fn) -> int:
-        child = os.fork()
-        if child == 0:  # pragma: no cover - in the child
-            code = 1
-            try:
-                os.setgid(65534)
-                os.setuid(65534)
-                code = fn()
-            except BaseException as e:  # noqa: BLE001 - said, then the exit status
-                print(f"in the child: {e!r}", file=sys.stderr, flush=True)
-            finally:
-                os._exit(code)
-        return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
 
     # Through the API: the runtime directory is root's, mode 0700: refused, naming why.
     def through_api() -> int:

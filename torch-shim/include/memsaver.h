@@ -174,6 +174,19 @@ int memsaver_nccl_stats_json(char *buf, size_t len, size_t *needed);
 int memsaver_nccl_diagnose_json(char *buf, size_t len, size_t *needed);
 
 /**
+ * Writes what `memsaver diagnostics` reports about disk backups (JSON, like
+ * `memsaver_stats_json`): `dir` (the disk backup directory in force, or null), `state`
+ * (`{"state": "ok" | "missing" | "problem", "detail": why}`, checked as a pause would check
+ * it, without creating or removing anything) and `files`, the backup files in it
+ * (`{"name", "pid", "bytes", "running", "own"}`; a file whose process is no longer running is
+ * stale: the next process that opens the directory removes it). Does not start the allocator.
+ *
+ * # Safety
+ * As `memsaver_stats_json`.
+ */
+int memsaver_disk_diagnose_json(char *buf, size_t len, size_t *needed);
+
+/**
  * Sets the group id of the `nccl` tag: processes coordinate NCCL's memory with peers of the
  * same group only. Call it before NCCL initialises; once NCCL has shared memory with a peer
  * the group is fixed and another value gives `MEMSAVER_ERR_INVALID_ARGUMENT`.
@@ -262,9 +275,12 @@ int memsaver_backup_pointer(uint64_t ptr, size_t size, void **out);
 
 /**
  * Sets the directory of "disk" backup files (`MEMSAVER_DISK_DIR` at start), creating it with
- * mode 0700 if missing; it must be a directory. NULL or "" unsets it. Pausing a disk-backed
- * allocation without one fails with `MEMSAVER_ERR_INVALID_ARGUMENT` and changes nothing. Files
- * are named memsaver-<pid>-<addr>.bin.
+ * mode 0700 if missing; an existing one must be a directory of this user's that group and
+ * others cannot write, else `MEMSAVER_ERR_INVALID_ARGUMENT` naming its owner and mode. It is
+ * opened and held now, and stale backup files of processes no longer running are removed
+ * from it. NULL or "" unsets it. Pausing a disk-backed allocation without one fails with
+ * `MEMSAVER_ERR_INVALID_ARGUMENT` and changes nothing. Files are named
+ * memsaver-<pid>-<start time>-<nonce>-<n>.bin, mode 0600 (docs/security.md, "Backup files").
  *
  * # Safety
  * `dir` is NULL or a NUL-terminated string.

@@ -367,6 +367,35 @@ pub unsafe extern "C" fn memsaver_nccl_diagnose_json(
     }
 }
 
+/// Writes what `memsaver diagnostics` reports about disk backups (JSON, like
+/// `memsaver_stats_json`): `dir` (the disk backup directory in force, or null), `state`
+/// (`{"state": "ok" | "missing" | "problem", "detail": why}`, checked as a pause would check
+/// it, without creating or removing anything) and `files`, the backup files in it
+/// (`{"name", "pid", "bytes", "running", "own"}`; a file whose process is no longer running is
+/// stale: the next process that opens the directory removes it). Does not start the allocator.
+///
+/// # Safety
+/// As `memsaver_stats_json`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_disk_diagnose_json(
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe {
+        write_json(buf, len, needed, || {
+            let dir = match memsaver_allocator::global_if_started() {
+                Some(a) => a.disk_dir(),
+                None => memsaver_allocator::options::get().disk_dir.clone(),
+            };
+            Ok(serde_json::to_string(&memsaver_allocator::disk_backups(
+                dir.as_deref(),
+            )))
+        })
+    }
+}
+
 /// Sets the group id of the `nccl` tag: processes coordinate NCCL's memory with peers of the
 /// same group only. Call it before NCCL initialises; once NCCL has shared memory with a peer
 /// the group is fixed and another value gives `MEMSAVER_ERR_INVALID_ARGUMENT`.
@@ -537,9 +566,12 @@ pub unsafe extern "C" fn memsaver_backup_pointer(
 }
 
 /// Sets the directory of "disk" backup files (`MEMSAVER_DISK_DIR` at start), creating it with
-/// mode 0700 if missing; it must be a directory. NULL or "" unsets it. Pausing a disk-backed
-/// allocation without one fails with `MEMSAVER_ERR_INVALID_ARGUMENT` and changes nothing. Files
-/// are named memsaver-<pid>-<addr>.bin.
+/// mode 0700 if missing; an existing one must be a directory of this user's that group and
+/// others cannot write, else `MEMSAVER_ERR_INVALID_ARGUMENT` naming its owner and mode. It is
+/// opened and held now, and stale backup files of processes no longer running are removed
+/// from it. NULL or "" unsets it. Pausing a disk-backed allocation without one fails with
+/// `MEMSAVER_ERR_INVALID_ARGUMENT` and changes nothing. Files are named
+/// memsaver-<pid>-<start time>-<nonce>-<n>.bin, mode 0600 (docs/security.md, "Backup files").
 ///
 /// # Safety
 /// `dir` is NULL or a NUL-terminated string.

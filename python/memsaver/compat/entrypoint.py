@@ -224,7 +224,7 @@ class TorchMemorySaver:
         return ans if zero_copy else ans.clone()
 
     def set_disk_backup_dir(self, path: str) -> None:
-        """Directory for disk backups (created if needed); it should be a real disk, not tmpfs."""
+        """Directory for disk backups (created mode 0700 if needed; an existing one must be
+        this user's and not writable by others); it should be a real disk, not tmpfs."""
         self._ensure_initialized()
-        os.makedirs(path, exist_ok=True)
         memsaver.set_disk_dir(path)
