@@ -8,8 +8,9 @@
 //!   for group or others. Everything after that goes through the descriptor.
 //! * **Files** are created with `openat(dir, name, O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC |
 //!   O_RDWR, 0600)`: a name that exists (a planted file or link) is an error, never opened.
-//!   Names are `memsaver-<pid>-<start>-<nonce>-<n>.bin`: this process's identity
-//!   ([`crate::process`]) and a counter, so they cannot be predicted and never collide.
+//!   Names are `memsaver-<pidns>-<pid>-<start>-<nonce>-<n>.bin`: this process's pid namespace
+//!   and identity ([`crate::process`]) and a counter, so they cannot be predicted and never
+//!   collide, and a process only ever judges files of its own pid namespace stale.
 //! * **Integrity**: while a pause writes a file it computes the xxh3 checksum of the bytes
 //!   written (on each staging chunk, as it is written); the size and checksum stay in this
 //!   process's memory ([`DiskFile`]), never trusted from the file. Resume checks the size
@@ -83,7 +84,7 @@ impl DiskFile {
     /// Creates a new file of `len` bytes' room in `dir` (see the module documentation).
     pub(crate) fn create(dir: &Arc<Dir>, len: usize) -> io::Result<Self> {
         let key = NEXT.fetch_add(1, Ordering::Relaxed);
-        let name = file_name(&process::me(), key);
+        let name = file_name(own_namespace(), &process::me(), key);
         let file = dir.create_file(&name, 0o600)?;
         let id = file_id(file.as_fd())?;
         static EXIT_HANDLER: std::sync::Once = std::sync::Once::new();
@@ -276,27 +277,42 @@ impl Reader<'_> {
     }
 }
 
-/// The name of backup file `n` of process `who`.
-fn file_name(who: &Identity, n: u64) -> String {
+/// The name of backup file `n` of process `who` of pid namespace `ns` (0: unknown).
+fn file_name(ns: u64, who: &Identity, n: u64) -> String {
     format!(
-        "memsaver-{}-{}-{:016x}-{n}.bin",
+        "memsaver-{ns}-{}-{}-{:016x}-{n}.bin",
         who.pid, who.start, who.nonce
     )
 }
 
-/// The identity of the process that created the backup file `name`, if it is one.
-fn parse_file_name(name: &str) -> Option<Identity> {
+/// The pid namespace and identity of the process that created the backup file `name`, if it
+/// is one.
+fn parse_file_name(name: &str) -> Option<(u64, Identity)> {
     let mut it = name
         .strip_prefix("memsaver-")?
         .strip_suffix(".bin")?
         .split('-');
+    let ns = it.next()?.parse().ok()?;
     let who = Identity {
         pid: it.next()?.parse().ok()?,
         start: it.next()?.parse().ok()?,
         nonce: u64::from_str_radix(it.next()?, 16).ok()?,
     };
     let n = it.next()?.parse().ok()?;
-    (it.next().is_none() && file_name(&who, n) == name).then_some(who)
+    (it.next().is_none() && file_name(ns, &who, n) == name).then_some((ns, who))
+}
+
+/// This process's pid namespace (0 where `/proc` does not tell).
+fn own_namespace() -> u64 {
+    process::pid_namespace("self").unwrap_or(0)
+}
+
+/// Whether the file of `(ns, who)` belongs to a process of this pid namespace that is no
+/// longer running. A file of another namespace (a container sharing the directory) is never
+/// stale here: its pid means nothing in this one.
+fn is_stale(ns: u64, who: &Identity) -> bool {
+    let ours = own_namespace();
+    ours != 0 && ns == ours && !process::is_running(who)
 }
 
 /// What to do about a disk backup directory memsaver refuses, said in every refusal.
@@ -422,10 +438,10 @@ fn open_checked(
 fn remove_stale(dir: &Dir) {
     let mut removed = (0usize, 0u64);
     for name in dir.entries() {
-        let Some(who) = parse_file_name(&name) else {
+        let Some((ns, who)) = parse_file_name(&name) else {
             continue;
         };
-        if process::is_running(&who) {
+        if !is_stale(ns, &who) {
             continue;
         }
         let Ok(st) = dir.stat_entry(&name) else {
@@ -449,8 +465,11 @@ pub struct BackupFile {
     pub pid: u32,
     pub bytes: u64,
     /// Its process is running (false: a stale file, removed by the next process that opens
-    /// the directory).
+    /// the directory, unless it is of another pid namespace).
     pub running: bool,
+    /// Written by a process of another pid namespace (a container sharing the directory):
+    /// never taken for stale here.
+    pub other_namespace: bool,
     /// It belongs to this very process.
     pub own: bool,
 }
@@ -500,12 +519,13 @@ fn backup_files(dir: &Dir) -> Vec<BackupFile> {
         .entries()
         .into_iter()
         .filter_map(|name| {
-            let who = parse_file_name(&name)?;
+            let (ns, who) = parse_file_name(&name)?;
             let st = dir.stat_entry(&name).ok().filter(|s| s.is_file)?;
             Some(BackupFile {
                 pid: who.pid,
                 bytes: st.bytes,
-                running: process::is_running(&who),
+                running: ns == own_namespace() && process::is_running(&who),
+                other_namespace: ns != own_namespace(),
                 own: who == me,
                 name,
             })
@@ -522,18 +542,25 @@ mod tests {
     #[test]
     fn file_names_carry_the_identity_and_give_it_back_exactly() {
         let me = process::me();
-        let name = file_name(&me, 7);
+        let ns = own_namespace();
+        assert_ne!(ns, 0, "/proc shows this process's pid namespace");
+        let name = file_name(ns, &me, 7);
         assert_eq!(
             name,
-            format!("memsaver-{}-{}-{:016x}-7.bin", me.pid, me.start, me.nonce)
+            format!(
+                "memsaver-{ns}-{}-{}-{:016x}-7.bin",
+                me.pid, me.start, me.nonce
+            )
         );
-        assert_eq!(parse_file_name(&name), Some(me));
+        assert_eq!(parse_file_name(&name), Some((ns, me)));
         for bad in [
+            "memsaver-9-1-2-3-4.bin",
             "memsaver-1-2-3-4.bin",
             "memsaver-1-2-0000000000000003.bin",
             "memsaver-1-2-000000000000000z-4.bin",
             "memsaver-1-2-0000000000000003-4-5.bin",
             "memsaver-1-2-0000000000000003-4.sock",
+            "memsaver-x-1-2-0000000000000003-4.bin",
             "other-1-2-0000000000000003-4.bin",
             "memsaver-1-7fff.bin",
         ] {

@@ -209,7 +209,7 @@ pub const DISK_DIR: OptionDoc = OptionDoc {
     kind: Kind::Path,
     default: "(none)",
     reader: Reader::Library,
-    doc: "directory of the disk backup files (backup='disk'), created with mode 0700 if missing. An existing one must belong to this user with no write access for group or others (not /tmp, not a shared 0777 directory), and its last component must not be a symbolic link: otherwise pausing a disk-backed allocation fails, naming the directory, its owner and mode. Opened once and held; files are memsaver-<pid>-<start>-<nonce>-<n>.bin, mode 0600, checked (size, xxh3) on resume, removed at free and at exit, and those of dead processes by the next process that opens the directory (docs/security.md). Pausing a disk-backed allocation without a directory is refused. Also memsaver.set_disk_dir",
+    doc: "directory of the disk backup files (backup='disk'), created with mode 0700 if missing. An existing one must belong to this user with no write access for group or others (not /tmp, not a shared 0777 directory), and its last component must not be a symbolic link: otherwise pausing a disk-backed allocation fails, naming the directory, its owner and mode. Opened once and held; files are memsaver-<pidns>-<pid>-<start>-<nonce>-<n>.bin, mode 0600, checked (size, xxh3) on resume, removed at free and at exit, and those of dead processes by the next process that opens the directory (docs/security.md). Pausing a disk-backed allocation without a directory is refused. Also memsaver.set_disk_dir",
 };
 pub const DISK_CHUNK_MB: OptionDoc = OptionDoc {
     env: "MEMSAVER_DISK_CHUNK_MB",

@@ -80,6 +80,18 @@ pub fn proc_is_ours() -> bool {
     })
 }
 
+/// The pid namespace of process `pid` (a number, or `self`) as this process's `/proc` shows
+/// it: the inode of `/proc/<pid>/ns/pid` (`pid:[4026531836]`). `None` when it cannot be read
+/// (the process is gone, or `/proc` hides it).
+pub fn pid_namespace(pid: &str) -> Option<u64> {
+    let link = std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok()?;
+    link.to_str()?
+        .strip_prefix("pid:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
+}
+
 /// 64 random bits from `getrandom`; without it (very old kernels), time and address bits,
 /// still enough to tell two processes with the same pid and start time apart.
 pub fn random_u64() -> u64 {

@@ -142,7 +142,7 @@ fn the_directory_itself_is_never_a_link() {
 }
 
 #[test]
-fn files_are_private_and_named_by_pid_start_time_and_nonce() {
+fn files_are_private_and_named_by_pid_namespace_pid_start_time_and_nonce() {
     let (a, d) = allocator_in("names", &Options::default());
     let mode = std::fs::metadata(&d).unwrap().mode() & 0o7777;
     assert_eq!(mode, 0o700, "created 0700");
@@ -163,14 +163,20 @@ fn files_are_private_and_named_by_pid_start_time_and_nonce() {
             .unwrap_or_else(|| panic!("{name}"))
             .split('-')
             .collect();
-        assert_eq!(parts.len(), 4, "pid-start-nonce-n: {name}");
-        assert_eq!(parts[0], std::process::id().to_string(), "{name}");
-        assert_eq!(parts[1], own_start_time().to_string(), "{name}");
-        assert!(
-            parts[2].len() == 16 && u64::from_str_radix(parts[2], 16).is_ok(),
+        assert_eq!(parts.len(), 5, "pidns-pid-start-nonce-n: {name}");
+        let ns = std::fs::read_link("/proc/self/ns/pid").unwrap();
+        assert_eq!(
+            format!("pid:[{}]", parts[0]),
+            ns.to_str().unwrap(),
             "{name}"
         );
-        nonces.push(parts[2].to_owned());
+        assert_eq!(parts[1], std::process::id().to_string(), "{name}");
+        assert_eq!(parts[2], own_start_time().to_string(), "{name}");
+        assert!(
+            parts[3].len() == 16 && u64::from_str_radix(parts[3], 16).is_ok(),
+            "{name}"
+        );
+        nonces.push(parts[3].to_owned());
         for p in &ptrs {
             assert!(!name.contains(&format!("{p:x}")), "no address: {name}");
         }

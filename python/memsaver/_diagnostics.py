@@ -95,19 +95,23 @@ def _disk_backups(r: _Report, d: dict[str, Any]) -> None:
         return
     r.line("disk dir", f"{d['dir']}: this user's, not writable by others")
     files = d["files"]
-    stale = [f for f in files if not f["running"]]
+    stale = [f for f in files if not f["running"] and not f.get("other_namespace")]
+    other = [f for f in files if f.get("other_namespace")]
     total = sum(f["bytes"] for f in files)
     r.line(
         "disk backups",
         "none"
         if not files
-        else f"{len(files)} file(s), {_mib(total)}: {len(files) - len(stale)} of running processes, {len(stale)} stale",
+        else f"{len(files)} file(s), {_mib(total)}: {len(files) - len(stale) - len(other)} of running "
+        f"processes, {len(stale)} stale" + (f", {len(other)} of another pid namespace" if other else ""),
     )
     for f in files:
         if f["own"]:
             whose = "this process"
         elif f["running"]:
             whose = "running"
+        elif f.get("other_namespace"):
+            whose = "another pid namespace's (a container sharing the directory): never removed from here"
         else:
             whose = "stale: its process is gone; the next process that opens the directory removes it"
         r.line("", f"pid {f['pid']} ({f['name']}): {_mib(f['bytes'])}, {whose}")

@@ -200,15 +200,19 @@ if len(sys.argv) > 2 and sys.argv[2] == "fork":
         sys.exit(0)  # a normal exit of a forked child: its exit handlers run
     os.waitpid(child, 0)
     print("forked child exited", flush=True)
-print(" ".join(sorted(n for n in os.listdir(d) if n.startswith(f"memsaver-{os.getpid()}-"))), flush=True)
+# memsaver-<pidns>-<pid>-<start>-<nonce>-<n>.bin
+print(" ".join(sorted(n for n in os.listdir(d) if n.split("-")[2] == str(os.getpid()))), flush=True)
 sys.stdin.read()  # until the parent closes stdin (or kills this process)
 """
 
 
-def _hold(env: dict[str, str], d: Path, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
-    """A process holding two disk backup files in `d`; returns it and its files' names."""
+def _hold(
+    env: dict[str, str], d: Path, *args: str, prefix: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[str], list[str]]:
+    """A process holding two disk backup files in `d` (started through `prefix`, e.g. in
+    another pid namespace); returns it and its files' names."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(d), *args],
+        [*prefix, sys.executable, "-c", HOLDER, str(d), *args],
         env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -320,3 +324,31 @@ def test_a_pause_whose_every_disk_write_fails_leaves_the_tag_resident_and_usable
     assert out["files"] == [], "the partial files are removed"
     assert out["malloc"] == "ok", out
     assert out["cycle"] is True, out
+
+
+def test_files_of_another_pid_namespace_are_never_taken_for_stale(child_env, tmp_path, unset_disk_dir):
+    """A container sharing the directory: its pids mean nothing here, so its files are never
+    removed from here, even once its process is gone, and diagnostics says whose they are."""
+    _needs_root()
+    d = tmp_path / "backups"
+    # --kill-child: killing unshare kills the namespace's first process (the holder, pid 1
+    # there), without its exit handlers, as a crashed container leaves its files.
+    prefix = ("unshare", "--pid", "--fork", "--mount-proc", "--kill-child")
+    theirs, their_names = _hold(child_env, d, prefix=prefix)
+    assert all(n.split("-")[2] == "1" for n in their_names), their_names
+    theirs.kill()
+    theirs.communicate()
+    ours, our_names = _hold(child_env, d)
+    ours.kill()
+    ours.communicate()
+    assert sorted(os.listdir(d)) == sorted(their_names + our_names)
+
+    r = _memsaver_cmd("diagnostics", env=dict(child_env, MEMSAVER_DISK_DIR=str(d)))
+    assert "4 file(s), 12.0 MiB: 0 of running processes, 2 stale, 2 of another pid namespace" in r.stdout, r.stdout
+    assert r.stdout.count("another pid namespace's (a container sharing the directory)") == 2, r.stdout
+
+    # Opening the directory removes this namespace's dead process's files, not the others'.
+    memsaver.set_disk_dir(d)
+    assert sorted(os.listdir(d)) == sorted(their_names)
+    for n in their_names:
+        os.unlink(d / n)
