@@ -97,7 +97,8 @@ lint-rust:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
 
-# Python: ruff (ruff.toml), mypy --strict on the package, and stubtest of the hand-written .pyi
+# Python: ruff (ruff.toml), mypy --strict on the package, and stubtest of the package (its own
+# annotated sources, and the hand-written .pyi of the compiled extension, _memsaver.pyi)
 # stubs against the installed wheel (run outside the source tree, which has no extension).
 LINT_TOOLS := $(VENV)/.lint-tools
 $(LINT_TOOLS): | $(PY)

@@ -60,18 +60,6 @@ pub enum Error {
         first: Box<Error>,
     },
 
-    #[error(
-        "pause of '{tag}' released this process's memory, but after {waited_ms} ms process(es) {} \
-         still hold imports of it, so the device memory is not free yet; every process of the \
-         group (MEMSAVER_GROUP) must pause '{tag}' too",
-        .peers.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
-    )]
-    PeersHoldMemory {
-        tag: String,
-        peers: Vec<u32>,
-        waited_ms: u64,
-    },
-
     #[error("{tag}: {message}")]
     Peer { tag: String, message: String },
 

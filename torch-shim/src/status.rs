@@ -93,7 +93,7 @@ impl Status {
             Error::ResumeOutOfMemory { .. } => Status::ResumeOutOfMemory,
             Error::Incomplete { .. } => Status::Incomplete,
             Error::InvalidArgument(_) => Status::InvalidArgument,
-            Error::PeersHoldMemory { .. } | Error::Peer { .. } => Status::Peer,
+            Error::Peer { .. } => Status::Peer,
             Error::Backup(_) => Status::Backup,
         }
     }
