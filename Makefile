@@ -97,9 +97,9 @@ lint-rust:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
 
-# Python: ruff (ruff.toml), mypy --strict on the package, and stubtest of the package (its own
-# annotated sources, and the hand-written .pyi of the compiled extension, _memsaver.pyi)
-# stubs against the installed wheel (run outside the source tree, which has no extension).
+# Python: ruff (ruff.toml), mypy --strict on the package, and stubtest of the package's types (its
+# annotated sources, and the hand-written _memsaver.pyi of the compiled extension) against the
+# installed wheel (run outside the source tree, which has no extension).
 LINT_TOOLS := $(VENV)/.lint-tools
 $(LINT_TOOLS): | $(PY)
 	$(PY) -m pip install -q "ruff==0.17.6" "mypy==2.4.1"
