@@ -9,7 +9,7 @@ import os
 
 import memsaver
 import pytest
-from helpers import CUDA_SUCCESS, MiB, pattern, read, run_python, write
+from helpers import CUDA_ERROR_INITIALIZATION, CUDA_SUCCESS, MiB, pattern, read, run_python, write
 from memsaver import _memsaver, compat
 from memsaver.compat import TorchMemorySaver, configure_subprocess, torch_memory_saver
 
@@ -50,7 +50,7 @@ def test_disable_inside_region(hooks, tag):
         a = hooks.malloc_ok(2 * MiB)
         with torch_memory_saver.disable():
             rc, _ = hooks.malloc(2 * MiB)
-            assert rc != CUDA_SUCCESS  # untagged: forwarded to the (absent) libcudart
+            assert rc == CUDA_ERROR_INITIALIZATION  # untagged: forwarded to the (absent) libcudart
         b = hooks.malloc_ok(2 * MiB)
     assert memsaver.stats().tags[tag].allocations == 2
     assert hooks.free(a) == hooks.free(b) == CUDA_SUCCESS
