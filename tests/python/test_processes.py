@@ -180,9 +180,17 @@ def test_cli_env_is_evalable_and_preloads(child_env):
 
 
 def test_cli_env_json_preload_path_and_stats(child_env):
-    r = run_python("", child_env, "-m", "memsaver", "env", "--json")
+    env = dict(child_env, MEMSAVER_LOG="warn")
+    r = run_python("", env, "-m", "memsaver", "env", "--json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == memsaver.subprocess_env(child_env)
+    # Written out: the library, preload mode, and the settings children must share (the driver
+    # and the log filter).
+    assert json.loads(r.stdout) == {
+        "LD_PRELOAD": memsaver.preload_path(),
+        "MEMSAVER_HOOK_MODE": "preload",
+        "MEMSAVER_CUDA_LIB": child_env["MEMSAVER_CUDA_LIB"],
+        "MEMSAVER_LOG": "warn",
+    }
     r = run_python("", child_env, "-m", "memsaver", "preload-path")
     assert (r.returncode, r.stdout.strip()) == (0, memsaver.preload_path())
     r = run_python("", child_env, "-m", "memsaver", "stats")
