@@ -350,6 +350,31 @@ def test_disable_nests_inside_and_around_regions(hooks, tag, tag2):
         assert hooks.free(p) == CUDA_SUCCESS
 
 
+def test_disable_under_torch_suspends_the_region_pool(hooks, tag, monkeypatch):
+    """Under torch (a stand-in recording its calls; the real one: tests/gpu/torch_hooks.py), a
+    region allocates from its tag's pool, and disable() inside it suspends that pool, so that
+    the block's tensors come from torch's default pool (untagged), then brings it back."""
+    import sys
+
+    from fake_torch import FakeTorch
+    from memsaver import _torch
+
+    torch = FakeTorch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    # Pools and the pluggable allocator are kept for the process: start and leave them empty.
+    monkeypatch.setattr(_torch, "_pools", {})
+    monkeypatch.setattr(_torch, "_allocator", None)
+    with memsaver.region(tag):
+        assert torch.calls == [("pool", "pool1", "memsaver's pluggable allocator"), ("enter", "pool1", 0)]
+        with memsaver.disable():
+            assert torch.calls[2:] == [("exit", "pool1")], "no pool: torch's default one"
+            rc, _ = hooks.malloc(2 * MiB)
+            assert rc == CUDA_ERROR_INITIALIZATION  # untagged: forwarded
+        assert torch.calls[3:] == [("enter", "pool1", 0)]
+    assert torch.calls[4:] == [("exit", "pool1")]
+    assert memsaver.stats().tags[tag].allocations == 0
+
+
 def test_regions_are_per_thread(hooks, tag):
     results = {}
 

@@ -353,3 +353,43 @@ def test_backup_prepare_limit_bounds_what_is_prepared(child_env):
     out = json.loads(r.stdout)
     assert (out["off"], out["over"], out["fits"]) == (False, False, True)
     assert "takes a byte count >= 0, got -1" in out["-1"] and "got True" in out["True"]
+
+
+WHOLE_PROCESS_DISABLE = r"""
+import ctypes, json, sys
+from fake_torch import FakeTorch
+torch = sys.modules["torch"] = FakeTorch()
+import memsaver
+
+lib = ctypes.CDLL(None)   # the preloaded cudaMalloc, as libc10_cuda reaches it
+lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+def malloc():
+    p = ctypes.c_void_p()
+    return lib.cudaMalloc(ctypes.byref(p), 2 << 20)
+
+out = {"outside": malloc()}
+with memsaver.disable():
+    out["inside"] = malloc()
+    out["calls_inside"] = list(torch.calls)
+out["calls"] = torch.calls
+out["proc"] = memsaver.stats().tags["proc"].allocations
+print(json.dumps(out))
+"""
+
+
+def test_disable_in_whole_process_mode_uses_a_pool_of_its_own(child_env):
+    """Whole-process mode (preloaded, MEMSAVER_PROCESS_TAG): torch's default pool holds the
+    process tag's memory, which may be paused, so disable() allocates from a private pool of
+    torch's allocator and lets it go when the block ends. Under a torch stand-in that records
+    its calls (the real one: tests/gpu/torch_hooks.py)."""
+    env = dict(child_env, LD_PRELOAD=memsaver.preload_path(), MEMSAVER_HOOK_MODE="preload",
+               MEMSAVER_PROCESS_TAG="proc", PYTHONPATH=os.path.dirname(__file__))
+    r = run_python(WHOLE_PROCESS_DISABLE, env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["outside"] == 0 and out["proc"] == 1, "no region: the process tag"
+    assert out["inside"] == 3, "disabled: forwarded (cudaErrorInitializationError: no libcudart)"
+    # A plain pool (torch's own allocator, whose cudaMalloc the preload sees untagged), active
+    # during the block only, and released with it.
+    assert out["calls_inside"] == [["pool", "pool1", None], ["enter", "pool1", 0]]
+    assert out["calls"] == [["pool", "pool1", None], ["enter", "pool1", 0], ["exit", "pool1"], ["freed", "pool1"]]
