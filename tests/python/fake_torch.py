@@ -1,5 +1,5 @@
 """A stand-in for the parts of torch that memsaver's pool scopes use (``torch.cuda``'s
-``MemPool``, ``use_mem_pool``, ``device``, ``CUDAPluggableAllocator``), recording every call, so
+``MemPool``, ``use_mem_pool``, ``device``, ``graph``, ``CUDAPluggableAllocator``), recording every call, so
 that what memsaver does under torch is checked without torch. The real torch:
 tests/gpu/torch_hooks.py."""
 
@@ -14,7 +14,8 @@ from typing import Any
 
 class FakeTorch(types.ModuleType):
     """Put it in ``sys.modules["torch"]``; ``calls`` lists ("pool", name, allocator),
-    ("enter", name, device), ("exit", name) and ("freed", name) in order."""
+    ("enter", name, device), ("exit", name), ("freed", name), and ("capture", pool id,
+    options) / ("captured",) around a graph capture, and ("synchronize",), in order."""
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -45,7 +46,15 @@ class FakeTorch(types.ModuleType):
             def allocator(self) -> str:
                 return "memsaver's pluggable allocator"
 
+        @contextlib.contextmanager
+        def graph(cuda_graph: Any, pool: Any = None, **kwargs: Any) -> Iterator[None]:
+            calls.append(("capture", pool, kwargs))
+            yield
+            calls.append(("captured",))
+
         self.cuda = types.SimpleNamespace(
+            graph=graph,
+            synchronize=lambda: calls.append(("synchronize",)),
             is_available=lambda: True,
             is_initialized=lambda: True,
             current_device=lambda: 0,

@@ -375,6 +375,49 @@ def test_disable_under_torch_suspends_the_region_pool(hooks, tag, monkeypatch):
     assert memsaver.stats().tags[tag].allocations == 0
 
 
+def test_cuda_graph_tags_the_capture_under_torch(hooks, tag, tag2, monkeypatch):
+    """Under torch (a stand-in recording its calls; the real one: tests/gpu/torch_hooks.py),
+    cuda_graph captures into a pool of its own over memsaver's allocator, kept alive with the
+    graph, with the tag's region open: what the capture allocates is the tag's, and pausing
+    the tag gives it back. An enclosing region's pool is suspended meanwhile."""
+    import sys
+
+    from fake_torch import FakeTorch
+    from memsaver import _torch
+
+    torch = FakeTorch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(_torch, "_pools", {})
+    monkeypatch.setattr(_torch, "_allocator", None)
+
+    class Graph:
+        pass
+
+    g = Graph()
+    with memsaver.region(tag2):
+        with memsaver.cuda_graph(g, tag=tag, backup="cpu", capture_error_mode="thread_local"):
+            current = json.loads(_memsaver.region_current_json())
+            p = hooks.malloc_ok(2 * MiB)  # what the capture allocates, through the hook
+    alloc = "memsaver's pluggable allocator"
+    assert torch.calls == [
+        ("pool", "pool1", alloc), ("enter", "pool1", 0),  # the enclosing region
+        ("exit", "pool1"),  # suspended for the capture
+        ("pool", "pool2", alloc), ("capture", (2, 0), {"capture_error_mode": "thread_local"}), ("captured",),
+        ("enter", "pool1", 0), ("exit", "pool1"),
+    ]
+    assert g._memsaver_pool.id == (2, 0), "the capture's pool lives as long as the graph"
+    assert (current["tag"], current["policy"]) == (tag, "cpu")
+    s = memsaver.stats().tags
+    assert (s[tag].allocations, s[tag2].allocations) == (1, 0)
+    write(p, b"graph")
+    memsaver.pause(tag)
+    assert torch.calls[-1] == ("synchronize",), "kernels still queued finish before the pause"
+    assert memsaver.stats().tags[tag].resident_bytes == 0
+    memsaver.resume(tag)
+    assert read(p, 5) == b"graph"
+    assert hooks.free(p) == CUDA_SUCCESS
+
+
 def test_regions_are_per_thread(hooks, tag):
     results = {}
 
