@@ -74,7 +74,7 @@ test-python: fake-cuda python
 	trap 'rm -rf "$$state"' EXIT; \
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state \
 	MEMSAVER_FAKE_NCCL_LIB=$(CURDIR)/target/fake-nccl/libnccl.so.2 \
-	$(PY) -m pytest tests/python -q -rs
+	$(PY) -m pytest tests/python -q -rfEs
 
 # Ray actors driven through memsaver.control on a local Ray cluster (CPU, fake driver). Ray is
 # a large download, installed into .venv for this test only; an install that fails (no PyPI)

@@ -264,14 +264,15 @@ def test_nccl_stats_while_hooked(child_env, fake_nccl):
     b = out["before"]
     assert (b["hooked"], b["owned_bytes"], b["cumem_disabled"]) == (False, 0, False), "NCCL resolved nothing yet"
     a = out["allocated"]
-    assert a["hooked"] is True and a["paused"] is False
+    assert (a["hooked"], a["paused"], a["paused_bytes"]) == (True, False, 0)
     assert (a["owned_bytes"], a["owned_handles"], a["mappings"]) == (10 * MiB, 2, 2)
     assert (a["exported_handles"], a["exported_bytes"], a["imported_bytes"]) == (1, 4 * MiB, 0)
     p = out["paused"]
     assert p["paused"] is True and out["tag_paused"] is True
     assert p["paused_bytes"] == 10 * MiB and p["resident_pinned_bytes"] == 0
     assert out["free_paused"] - out["free_allocated"] == 10 * MiB, "the device got all of it back"
-    assert out["resumed"]["paused"] is False and out["free_resumed"] == out["free_allocated"]
+    assert (out["resumed"]["paused"], out["resumed"]["paused_bytes"]) == (False, 0)
+    assert out["free_resumed"] == out["free_allocated"]
     assert out["contents_kept"]
     f = out["freed"]
     assert (f["owned_bytes"], f["owned_handles"], f["mappings"], f["exported_handles"]) == (0, 0, 0, 0)
