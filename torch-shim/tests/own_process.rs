@@ -372,12 +372,8 @@ fn scenario_backup_prepare_limit() {
     };
     let pause = |name: &str| {
         // SAFETY: C string argument.
-        assert_eq!(
-            unsafe { memsaver_pause(c(name).as_ptr()) },
-            0,
-            "{}",
-            last_error()
-        );
+        let rc = unsafe { memsaver_pause(c(name).as_ptr()) };
+        assert_eq!(rc, 0, "{}", last_error());
     };
 
     assert_eq!(memsaver_set_backup_prepare_limit(4 * M), 0);
