@@ -104,10 +104,10 @@ fn a_refused_directory_from_the_environment_fails_the_pause_and_changes_nothing(
 
 #[test]
 fn another_users_directory_is_refused_even_when_open_to_all() {
-    // SAFETY: geteuid cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIPPED: needs root to make a directory of another user (chown to 65534)");
-        return;
+    if !memsaver_test_support::is_root() {
+        return memsaver_test_support::skip(
+            "needs root to make a directory of another user (chown to 65534): run the tests as root",
+        );
     }
     let a = allocator();
     let d = disk_dir("theirs");

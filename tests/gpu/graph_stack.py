@@ -13,9 +13,14 @@ when nothing needs it. One GPU, one process, a world-size-1 NCCL group, under th
    kept and why; resume; all_reduce and replay correct.
 2. destroyed: the graph is destroyed (del, gc, synchronize); the limit the application set
    still holds the stack (reason changes to the application's limit); figures printed.
-3. freed (a child process, when nvcc is found): no graph and no limit set by the application;
-   a kernel with a large stack frame makes the driver grow the limit, as NCCL's do; pause
-   lowers it to 1024 and frees the local memory (figures printed); resume restores it.
+3. freed (a child process; its kernel is built with nvcc): no graph and no limit set by the
+   application; a kernel with a large stack frame makes the driver grow the limit, as NCCL's
+   do; pause lowers it to 1024 and frees the local memory; resume restores it.
+
+Every pause must free (cudaMemGetInfo) at least 90% of the device memory the hook says NCCL
+owns, plus the stack memory it says it freed by lowering the limit (nccl_floor.py). Without
+nvcc the third case cannot run: that is a failure, unless `--skip-freed-case` says to leave it
+out (it is then reported "SKIP ... (asked)").
 
 Prints PASS/FAIL lines; exits non-zero on any failure.
 """
@@ -30,6 +35,7 @@ import tempfile
 import memsaver
 import torch
 import torch.distributed as dist
+from nccl_floor import PauseCheck
 
 MIB = 1 << 20
 CUDA_LIMIT_STACK_SIZE = 0
@@ -83,6 +89,24 @@ def all_reduce_ok(step):
     return bool(torch.all(x == step).item())
 
 
+def pause_checked(label):
+    """pause("nccl"), checked against the floor of nccl_floor.py: (bytes freed, nccl_stats())."""
+    torch.cuda.synchronize()
+    pc = PauseCheck()
+    free0 = torch.cuda.mem_get_info()[0]
+    pc.before(memsaver.nccl_stats())
+    memsaver.pause("nccl")
+    freed = torch.cuda.mem_get_info()[0] - free0
+    st = memsaver.nccl_stats()
+    pc.paused(freed, st)
+    r = pc.report()
+    check(f"{label}: pause frees NCCL's memory", not pc.failures(),
+          "; ".join(pc.failures()) or f"{r['freed_by_pause_mib_min']} MiB, "
+          f"{r['freed_pct_of_expected_min']}% of the {r['releasable_mib_max']} MiB NCCL owns "
+          "plus the stack lowered")
+    return freed, st
+
+
 def show(label, stats, freed=None):
     extra = f", cudaMemGetInfo freed {freed / MIB:.1f} MiB" if freed is not None else ""
     print(f"  {label}: stack lowered {stats.get('stack_lowered_bytes', 0) / MIB:.1f} MiB, "
@@ -116,16 +140,12 @@ def graph_cases():
 
     # 1. graph alive: pause must keep the stack.
     out.zero_()
-    torch.cuda.synchronize()
-    free0 = torch.cuda.mem_get_info()[0]
-    memsaver.pause("nccl")
-    freed = torch.cuda.mem_get_info()[0] - free0
+    freed, st = pause_checked("graph alive")
     limit = stack_limit(rt)
     check("stack kept while a graph lives", limit >= RAISED, f"{limit} B/thread")
     g.replay()
     torch.cuda.synchronize()  # a lowered limit fails here with 719, for good
     check("replay while nccl paused", torch.allclose(out, expected))
-    st = memsaver.nccl_stats()
     show("graph alive", st, freed)
     check("stats: stack kept, with a reason",
           st.get("stack_kept_bytes", 0) > 0 and bool(st.get("stack_kept_reason")),
@@ -143,11 +163,7 @@ def graph_cases():
     # stack (memsaver never lowers a limit the application set).
     del g
     gc.collect()
-    torch.cuda.synchronize()
-    free0 = torch.cuda.mem_get_info()[0]
-    memsaver.pause("nccl")
-    freed = torch.cuda.mem_get_info()[0] - free0
-    st = memsaver.nccl_stats()
+    freed, st = pause_checked("graph destroyed")
     show("graph destroyed", st, freed)
     limit = stack_limit(rt)
     check("stack kept for the application's limit", limit >= RAISED, f"{limit} B/thread")
@@ -186,10 +202,7 @@ def freed_case():
     rc = k.launch_deep(ctypes.c_void_p(out.data_ptr()), 3)
     grown = stack_limit(rt)
     check("kernel grew the limit", rc == 0 and grown > before, f"{before} -> {grown} B/thread")
-    free0 = torch.cuda.mem_get_info()[0]
-    memsaver.pause("nccl")
-    freed = torch.cuda.mem_get_info()[0] - free0
-    st = memsaver.nccl_stats()
+    freed, st = pause_checked("stack lowered")
     show("no graph, no explicit limit", st, freed)
     check("stack lowered to 1024", stack_limit(rt) == 1024, f"{stack_limit(rt)}")
     check("stats: lowered bytes reported", st.get("stack_lowered_bytes", 0) > 0)
@@ -212,11 +225,15 @@ def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--freed":
         freed_case()
         return 1 if FAILED else 0
+    skip_freed = "--skip-freed-case" in sys.argv[1:]
     graph_cases()
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
                                     if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
-    if nvcc is None:
-        print("SKIP freed case: nvcc not found")
+    if skip_freed:
+        print("SKIP freed case (asked: --skip-freed-case)")
+    elif nvcc is None:
+        check("nvcc found for the freed case", False,
+              "install the CUDA toolkit, or pass --skip-freed-case to leave the case out")
     else:
         with tempfile.TemporaryDirectory() as d:
             src, lib = os.path.join(d, "deep.cu"), os.path.join(d, "libdeep.so")

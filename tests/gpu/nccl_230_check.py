@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Pause/resume of `nccl` on a custom-built NCCL (all_reduce and send/recv only): run by
 tests/gpu/nccl_230.sh. Checks the results after each cycle, reports NCCL's version, the memory
-freed and the times; exits non-zero on a failure."""
+freed and the times; exits non-zero on a wrong result, an NCCL that is not hooked, or a pause
+that frees less than 90% of the device memory the hook says NCCL owns less what it keeps
+resident (nccl_floor.py)."""
 import json
 import os
 import statistics
@@ -11,6 +13,7 @@ import time
 import memsaver
 import torch
 import torch.distributed as dist
+from nccl_floor import PauseCheck
 
 MIB = 1 << 20
 
@@ -48,14 +51,17 @@ def main():
     torch.cuda.empty_cache()
     footprint = free0 - torch.cuda.mem_get_info()[0] - torch.cuda.memory_reserved()
     freed, tp, tr = [], [], []
+    check = PauseCheck()
     for k in range(1, cycles + 1):
         dist.barrier()
         torch.cuda.synchronize()
         f = torch.cuda.mem_get_info()[0]
+        check.before(memsaver.nccl_stats())
         t0 = time.perf_counter()
         memsaver.pause("nccl")
         tp.append((time.perf_counter() - t0) * 1e3)
         freed.append(torch.cuda.mem_get_info()[0] - f)
+        check.paused(freed[-1], memsaver.nccl_stats())
         t0 = time.perf_counter()
         memsaver.resume("nccl")
         tr.append((time.perf_counter() - t0) * 1e3)
@@ -68,9 +74,13 @@ def main():
         "freed_mib_median": round(statistics.median(freed) / MIB, 1),
         "pause_ms_median": round(statistics.median(tp), 1),
         "resume_ms_median": round(statistics.median(tr), 1),
+        **check.report(),
     }), flush=True)
     dist.destroy_process_group()
-    sys.exit(0 if ok and s["hooked"] and min(freed) > 0 else 1)
+    short = check.failures()
+    if not ok or not s["hooked"] or short:
+        print(f"rank {rank}: FAIL (correct={ok}, hooked={s['hooked']}) " + "; ".join(short), flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ against NCCL's footprint and the hook's own figures, pause/resume times, and the
 free device memory and open fds between the end of the first cycle and the end of the last.
 Every rank must run under the preload (exports are exchanged as memsaver tokens).
 MEMSAVER_NCCL_BACKUP=headers is reported in the output when set.
-Exits non-zero on a wrong result, a failed call, nothing freed, or growth in device memory
-(more than one 2 MiB granule) or open fds across cycles.
+Exits non-zero on a wrong result, a failed call, a pause that frees less than 90% of the
+device memory the hook says NCCL owns less what it keeps resident (nccl_floor.py), or growth in
+device memory (more than one 2 MiB granule) or open fds across cycles.
 """
 import json
 import os
@@ -25,6 +26,7 @@ import time
 import memsaver
 import torch
 import torch.distributed as dist
+from nccl_floor import PauseCheck
 
 MIB = 1 << 20
 
@@ -85,16 +87,19 @@ def main():
     torch_growth = torch.cuda.memory_reserved() - reserved_start
     footprint = free_start - free_before - torch_growth
     pause_ms, resume_ms, freed, free_after, fds_after = [], [], [], [], []
+    check = PauseCheck()
     for step in range(1, cycles + 1):
         dist.barrier()
         torch.cuda.synchronize()
         f0 = torch.cuda.mem_get_info()[0]
+        check.before(memsaver.nccl_stats())
         c0 = memsaver.stats().driver_calls
         t0 = time.perf_counter()
         memsaver.pause("nccl")
         pause_ms.append((time.perf_counter() - t0) * 1e3)
         c1 = memsaver.stats().driver_calls
         freed.append(torch.cuda.mem_get_info()[0] - f0)
+        check.paused(freed[-1], memsaver.nccl_stats())
         memsaver.pause("kv_cache")
         memsaver.resume("kv_cache")
         c2 = memsaver.stats().driver_calls
@@ -136,13 +141,15 @@ def main():
         "imported_handles": s["imported_handles"],
         "backup": os.environ.get("MEMSAVER_NCCL_BACKUP", "all"),
         "nccl_proto": os.environ.get("NCCL_PROTO", "default"),
+        **check.report(),
     }
     print("NCCL_PAUSE " + json.dumps(report), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     grew = free_after[0] - free_after[-1] > 2 * MIB or fds_after[-1] > fds_after[0]
-    if not ok or min(freed) <= 0 or grew:
-        print(f"rank {rank}: FAIL (correct={ok}, min freed={min(freed)}, grew={grew})")
+    short = check.failures()
+    if not ok or short or grew:
+        print(f"rank {rank}: FAIL (correct={ok}, grew={grew}) " + "; ".join(short))
         sys.exit(1)
 
 

@@ -13,7 +13,8 @@ Run under the preload, one process per GPU:
     LD_PRELOAD=$(python3 -m memsaver preload-path) torchrun --nproc-per-node 2 \\
         tests/gpu/nccl_pynccl.py [CYCLES]
 
-Exits non-zero on a wrong result, an unexpected NCCL status, or nothing freed.
+Exits non-zero on a wrong result, an unexpected NCCL status, or a pause that frees less than
+90% of the device memory the hook says NCCL owns less what it keeps resident (nccl_floor.py).
 """
 import ctypes
 import json
@@ -23,6 +24,7 @@ import sys
 import memsaver
 import torch
 import torch.distributed as dist
+from nccl_floor import PauseCheck
 
 NCCL_FLOAT32, NCCL_SUM, NCCL_INVALID_USAGE = 7, 0, 5
 
@@ -77,7 +79,8 @@ def main():
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("gloo")  # only to hand the unique id around
     nccl = PyNccl(rank, world)
-    ok, freed, refused = True, [], []
+    ok, refused = True, []
+    check = PauseCheck()
     for step in range(cycles + 1):
         x = torch.full((1 << 20,), float(rank + step), device="cuda")
         nccl.check(nccl.all_reduce(x), "ncclAllReduce")
@@ -87,8 +90,9 @@ def main():
             break
         dist.barrier()
         f0 = torch.cuda.mem_get_info()[0]
+        check.before(memsaver.nccl_stats())
         memsaver.pause("nccl")
-        freed.append(torch.cuda.mem_get_info()[0] - f0)
+        check.paused(torch.cuda.mem_get_info()[0] - f0, memsaver.nccl_stats())
         y = torch.full((1024,), 1.0, device="cuda")
         refused.append(nccl.all_reduce(y))
         torch.cuda.synchronize()
@@ -97,7 +101,7 @@ def main():
     s = memsaver.nccl_stats()
     report = {
         "rank": rank, "cycles": cycles, "correct": ok,
-        "freed_by_pause_mib_min": round(min(freed) / (1 << 20), 1),
+        **check.report(),
         "status_while_paused": sorted(set(refused)),
         "nccl_owned_mib": round(s["owned_bytes"] / (1 << 20), 1),
         "library": nccl_library(),
@@ -105,8 +109,10 @@ def main():
     print("PYNCCL " + json.dumps(report), flush=True)
     nccl.destroy()
     dist.destroy_process_group()
-    if not ok or min(freed) <= 0 or set(refused) != {NCCL_INVALID_USAGE}:
-        print(f"rank {rank}: FAIL")
+    short = check.failures()
+    if not ok or short or set(refused) != {NCCL_INVALID_USAGE}:
+        print(f"rank {rank}: FAIL (correct={ok}, statuses while paused={sorted(set(refused))}) "
+              + "; ".join(short))
         sys.exit(1)
     print(f"rank {rank}: PASS")
 

@@ -10,6 +10,16 @@ once without it ("inprocess": torch's CUDAPluggableAllocator in one MemPool per 
 * graph: a CUDA graph captured with memsaver.cuda_graph replays correctly after its memory
   was paused and resumed.
 * compat: torch_memory_saver's README usage through memsaver.compat.
+* disable: a tensor made in ``memsaver.disable()`` inside a region is not the region's: pausing
+  the tag frees the tag's memory (>= 99%) and leaves that tensor's contents; the region's pool
+  is back after the block.
+* disable_process (preload only, whole-process mode: ``MEMSAVER_PROCESS_TAG=proc``): torch's
+  default pool holds the process tag's memory, so ``disable()`` allocates from a pool of its
+  own: its tensor keeps its contents while ``proc`` is paused.
+
+(The fake-driver tests check the same logic against a torch stand-in:
+tests/python/test_api.py::test_disable_under_torch_suspends_the_region_pool and
+tests/python/test_processes.py::test_disable_in_whole_process_mode_uses_a_pool_of_its_own.)
 
 Exits non-zero on any failure. Usage: python3 tests/gpu/torch_hooks.py
 """
@@ -149,7 +159,59 @@ def scenario_compat():
     return {"freed_bytes": freed}
 
 
-SCENARIOS = {"tensors": scenario_tensors, "graph": scenario_graph, "compat": scenario_compat}
+def scenario_disable():
+    import memsaver
+    import torch
+
+    torch.cuda.init()
+    with memsaver.region("disabled_in"):
+        tagged = torch.full((256 << 20,), 1, dtype=torch.uint8, device="cuda")
+        with memsaver.disable():
+            untagged = torch.full((256 << 20,), 5, dtype=torch.uint8, device="cuda")
+        again = torch.full((64 << 20,), 1, dtype=torch.uint8, device="cuda")  # the region's pool
+    torch.cuda.synchronize()
+    t = memsaver.stats().tags["disabled_in"]
+    check(t.resident_bytes >= 320 << 20, f"the region's tensors are not all tagged: {t}")
+    free0 = torch.cuda.mem_get_info()[0]
+    memsaver.pause("disabled_in")
+    freed = torch.cuda.mem_get_info()[0] - free0
+    check(freed >= 0.99 * t.resident_bytes, f"pause freed {freed} of {t.resident_bytes}")
+    # Read back without allocating on the device (the paused tag's pool must not be touched).
+    check(bool((untagged[-4096:].cpu() == 5).all()), "disable()'s tensor lost its contents")
+    memsaver.resume("disabled_in")
+    tagged.fill_(2)
+    again.fill_(2)
+    check(int(tagged[-1].item()) == 2 and int(again[-1].item()) == 2, "tag unusable after resume")
+    check(bool((untagged[-4096:].cpu() == 5).all()), "disable()'s tensor changed")
+    return {"tagged_bytes": t.resident_bytes, "freed_bytes": freed}
+
+
+def scenario_disable_process():
+    import memsaver
+    import torch
+
+    torch.cuda.init()
+    process = torch.full((256 << 20,), 1, dtype=torch.uint8, device="cuda")  # tag "proc"
+    with memsaver.disable():
+        own = torch.full((256 << 20,), 2, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    t = memsaver.stats().tags["proc"]
+    check(t.resident_bytes >= 256 << 20, f"the process tag holds {t}")
+    free0 = torch.cuda.mem_get_info()[0]
+    memsaver.pause("proc")
+    freed = torch.cuda.mem_get_info()[0] - free0
+    check(freed >= 0.99 * t.resident_bytes, f"pause freed {freed} of {t.resident_bytes}")
+    check(bool((own[-4096:].cpu() == 2).all()), "disable()'s tensor was paused with the process tag")
+    memsaver.resume("proc")
+    process.fill_(3)
+    check(int(process[-1].item()) == 3, "the process tag unusable after resume")
+    return {"process_bytes": t.resident_bytes, "freed_bytes": freed}
+
+
+SCENARIOS = {"tensors": scenario_tensors, "graph": scenario_graph, "compat": scenario_compat,
+             "disable": scenario_disable, "disable_process": scenario_disable_process}
+# Scenarios that run in one mode only, and the environment they add.
+ONLY = {"disable_process": ("preload", {"MEMSAVER_PROCESS_TAG": "proc"})}
 
 
 def run_child(name):
@@ -170,7 +232,10 @@ def main():
         if mode == "preload":
             env["LD_PRELOAD"] = memsaver.preload_path()
         for name in SCENARIOS:
-            p = subprocess.run([sys.executable, __file__, "--child", name], env=env,
+            only_mode, extra = ONLY.get(name, (mode, {}))
+            if only_mode != mode:
+                continue
+            p = subprocess.run([sys.executable, __file__, "--child", name], env={**env, **extra},
                                capture_output=True, text=True, timeout=300)
             line = next((s for s in p.stdout.splitlines() if s.startswith("RESULT ")), None)
             if p.returncode != 0 or line is None:

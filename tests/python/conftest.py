@@ -16,6 +16,21 @@ from collections.abc import Iterator
 import pytest
 from helpers import Hooks
 
+# Every test must run: a skip is a failure. CI sets it (.ci/run): it runs as root, with
+# Chromium and a compiler, so a missing precondition there is a broken machine. The Rust tests
+# read the same variable (tests/support).
+REQUIRE_ALL = "MEMSAVER_REQUIRE_ALL_TESTS"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    report: pytest.TestReport = yield
+    if os.environ.get(REQUIRE_ALL) == "1" and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped, but {REQUIRE_ALL}=1 requires every test to run: {reason}"
+    return report
+
 
 def pytest_configure(config: pytest.Config) -> None:
     lib = os.environ.get("MEMSAVER_CUDA_LIB", "")

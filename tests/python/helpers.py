@@ -11,7 +11,19 @@ from collections.abc import Callable
 import memsaver
 
 CUDA_SUCCESS = 0
+# What the hooked cudaMalloc returns when it forwards a call (no region open, or inside
+# disable()) and the process has no libcudart to forward it to: cudaErrorInitializationError,
+# answered by libmemsaver.so itself (torch-shim/src/hooks.rs; tests/c_abi.rs pins the same
+# code). The test process never loads libcudart (no torch): see `cudart_loaded`. A process that
+# has one gets cudart's own answer (test_api.py::test_forwarded_calls_reach_libcudart).
+CUDA_ERROR_INITIALIZATION = 3
 MiB = 1 << 20
+
+
+def cudart_loaded() -> bool:
+    """Whether a libcudart is mapped into this process."""
+    with open("/proc/self/maps") as f:
+        return "libcudart" in f.read()
 
 
 class Hooks:

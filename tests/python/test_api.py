@@ -3,12 +3,23 @@ would call it, on the fake driver."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 import threading
-import time
 
 import memsaver
 import pytest
-from helpers import CUDA_SUCCESS, MiB, pattern, read, write
+from helpers import (
+    CUDA_ERROR_INITIALIZATION,
+    CUDA_SUCCESS,
+    MiB,
+    cudart_loaded,
+    pattern,
+    read,
+    run_python,
+    write,
+)
 from memsaver import _memsaver
 
 
@@ -28,10 +39,88 @@ def test_region_tags_hooked_cudamalloc(hooks, tag):
 
 def test_cudamalloc_outside_region_forwards_to_cudart(hooks):
     before = memsaver.stats().total.allocations
-    rc, _ = hooks.malloc(2 * MiB)
-    # Forwarded to libcudart, which this process has not loaded: an error, not a tagged block.
-    assert rc != CUDA_SUCCESS
+    rc, p = hooks.malloc(2 * MiB)
+    # Forwarded to libcudart, which this process has not loaded: the hook's own
+    # cudaErrorInitializationError, not a tagged block (nor an allocation failure, 2).
+    assert not cudart_loaded()
+    assert (rc, p) == (CUDA_ERROR_INITIALIZATION, 0)
     assert memsaver.stats().total.allocations == before
+
+
+# A libcudart.so.13 stand-in: cudaMalloc hands out pointers into a static arena and cudaFree
+# takes them back; both count their calls and return codes of their own, so that a test sees
+# that a call reached it and what it answered.
+_STUB_CUDART = r"""
+#include <stddef.h>
+char stub_arena[1 << 16];
+static size_t used;
+int stub_mallocs, stub_frees;
+int cudaMalloc(void **p, size_t n) {
+    stub_mallocs++;
+    if (n > sizeof stub_arena - used) return 2; /* cudaErrorMemoryAllocation */
+    *p = stub_arena + used;
+    used += n;
+    return 0;
+}
+int cudaFree(void *p) {
+    stub_frees++;
+    return (char *)p >= stub_arena && (char *)p < stub_arena + sizeof stub_arena ? 0 : 1;
+}
+"""
+
+_FORWARDING = r"""
+import ctypes, json, sys
+import memsaver
+from memsaver import _memsaver
+
+stub = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)   # loaded as torch loads libcudart
+memsaver.hook_mode()
+lib = ctypes.CDLL(memsaver.preload_path())
+lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+lib.cudaFree.argtypes = [ctypes.c_void_p]
+count = lambda name: ctypes.c_int.in_dll(stub, name).value
+
+def malloc(n):
+    p = ctypes.c_void_p()
+    return lib.cudaMalloc(ctypes.byref(p), n), p.value or 0
+
+out = {}
+out["outside"] = malloc(4096) + (count("stub_mallocs"),)
+with memsaver.region("tagged"):
+    out["region"] = malloc(2 << 20) + (count("stub_mallocs"),)
+    with memsaver.disable():
+        out["disabled"] = malloc(8192) + (count("stub_mallocs"),)
+out["too_big"] = malloc(1 << 20) + (count("stub_mallocs"),)   # cudart's own error, passed on
+out["free_cudart"] = (lib.cudaFree(out["outside"][1]), count("stub_frees"))
+out["free_memsaver"] = (lib.cudaFree(out["region"][1]), count("stub_frees"))
+out["arena"] = ctypes.addressof(ctypes.c_char.in_dll(stub, "stub_arena"))
+out["tagged"] = memsaver.stats().tags["tagged"].allocations
+print(json.dumps(out))
+"""
+
+
+def test_forwarded_calls_reach_libcudart(child_env, tmp_path):
+    """With a libcudart in the process (as under torch), a call the hook does not keep gets
+    cudart's answer, pointer and status unchanged; a cudaFree of memsaver memory never reaches
+    cudart."""
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler (cc) to build the libcudart stand-in")
+    src, so = tmp_path / "cudart.c", tmp_path / "libcudart.so.13"
+    src.write_text(_STUB_CUDART)
+    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcudart.so.13", "-o", str(so), str(src)], check=True)
+    r = run_python(_FORWARDING, child_env, str(so))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    arena = out["arena"]
+    assert out["outside"] == [CUDA_SUCCESS, arena, 1]  # cudart's first block
+    rc, p, calls = out["region"]
+    assert (rc, calls) == (CUDA_SUCCESS, 1) and not arena <= p < arena + (1 << 16)  # memsaver's
+    assert out["disabled"] == [CUDA_SUCCESS, arena + 4096, 2]  # disable() forwards again
+    assert out["too_big"] == [2, 0, 3]  # cudaErrorMemoryAllocation, from cudart
+    assert out["free_cudart"] == [CUDA_SUCCESS, 1]
+    assert out["free_memsaver"] == [CUDA_SUCCESS, 1], "memsaver's block never reaches cudart"
+    assert out["tagged"] == 0
 
 
 def test_cpu_backup_restores_contents_at_same_address(hooks, tag):
@@ -115,19 +204,26 @@ def test_free_while_paused(hooks, tag):
         _memsaver.free(q)
 
 
-def test_stats_figures_add_up(hooks, tag, tag2):
+@pytest.fixture
+def no_prepared_backups():
+    """No pinned backup is prepared in the background for allocations made in the test (the
+    limit is process-wide: back to the default, no limit, after it)."""
+    memsaver.set_backup_prepare_limit(0)
+    yield
+    memsaver.set_backup_prepare_limit(2**64 - 1)
+
+
+def test_stats_figures_add_up(hooks, tag, tag2, no_prepared_backups):
     with memsaver.region(tag):
         p = hooks.malloc_ok(2 * MiB)
+    # No backup prepared in the background: the figures are what they are when malloc returns
+    # (the prepared figure: test_backup_prepare_limit_bounds_what_is_prepared).
     q = _memsaver.malloc(4 * MiB, 1, tag2, "cpu")  # the fake driver has two devices
-    # Its pinned backup is prepared in the background: wait for it (bounded).
-    deadline = time.monotonic() + 30
-    while memsaver.stats().backups_preparing and time.monotonic() < deadline:
-        time.sleep(0.01)
     s = memsaver.stats()
     assert isinstance(s, memsaver.Stats)
     t2 = s.tags[tag2]
     assert isinstance(t2, memsaver.TagStats)
-    assert t2.devices == {1: memsaver.Usage(1, 4 * MiB, 4 * MiB, 0, prepared_backup_bytes=4 * MiB)}
+    assert t2.devices == {1: memsaver.Usage(1, 4 * MiB, 4 * MiB, 0, prepared_backup_bytes=0)}
     for field in ("allocations", "reserved_bytes", "resident_bytes", "backup_bytes"):
         assert getattr(s.total, field) == sum(getattr(t, field) for t in s.tags.values())
     text = str(s)
@@ -140,11 +236,22 @@ def test_stats_figures_add_up(hooks, tag, tag2):
 
 
 def test_register_tag_makes_it_pausable_and_listed(tag):
+    with pytest.raises(memsaver.UnknownTagError):
+        memsaver.pause(tag)
     memsaver.register_tag(tag)
     t = memsaver.stats().tags[tag]
-    assert (t.allocations, t.reserved_bytes) == (0, 0)
+    assert (t.allocations, t.reserved_bytes, t.paused) == (0, 0, False)
+    assert tag in str(memsaver.stats())
     memsaver.pause(tag)
+    # Paused: it says so, and allocating into it is refused until it is resumed.
+    assert memsaver.stats().tags[tag].paused
+    with pytest.raises(memsaver.TagPausedError):
+        _memsaver.malloc(2 * MiB, 0, tag, "discard")
     memsaver.resume(tag)
+    assert not memsaver.stats().tags[tag].paused
+    p = _memsaver.malloc(2 * MiB, 0, tag, "discard")
+    assert memsaver.stats().tags[tag].resident_bytes == 2 * MiB
+    _memsaver.free(p)
 
 
 def test_unknown_tag_lists_known_tags(tag):
@@ -225,22 +332,90 @@ def test_disable_nests_inside_and_around_regions(hooks, tag, tag2):
         a = hooks.malloc_ok(2 * MiB)
         with memsaver.disable():
             rc, _ = hooks.malloc(2 * MiB)
-            assert rc != CUDA_SUCCESS  # untagged: forwarded to the (absent) libcudart
+            assert rc == CUDA_ERROR_INITIALIZATION  # untagged: forwarded to the (absent) libcudart
             with memsaver.region(tag2):
                 b = hooks.malloc_ok(2 * MiB)
             rc, _ = hooks.malloc(2 * MiB)
-            assert rc != CUDA_SUCCESS
+            assert rc == CUDA_ERROR_INITIALIZATION
         c = hooks.malloc_ok(2 * MiB)
     s = memsaver.stats()
     assert s.tags[tag].allocations == 2
     assert s.tags[tag2].allocations == 1
     with memsaver.disable():
         rc, _ = hooks.malloc(2 * MiB)
-        assert rc != CUDA_SUCCESS
+        assert rc == CUDA_ERROR_INITIALIZATION
     with pytest.raises(memsaver.InvalidArgumentError):
         _memsaver.region_exit()
     for p in (a, b, c):
         assert hooks.free(p) == CUDA_SUCCESS
+
+
+def test_disable_under_torch_suspends_the_region_pool(hooks, tag, monkeypatch):
+    """Under torch (a stand-in recording its calls; the real one: tests/gpu/torch_hooks.py), a
+    region allocates from its tag's pool, and disable() inside it suspends that pool, so that
+    the block's tensors come from torch's default pool (untagged), then brings it back."""
+    import sys
+
+    from fake_torch import FakeTorch
+    from memsaver import _torch
+
+    torch = FakeTorch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    # Pools and the pluggable allocator are kept for the process: start and leave them empty.
+    monkeypatch.setattr(_torch, "_pools", {})
+    monkeypatch.setattr(_torch, "_allocator", None)
+    with memsaver.region(tag):
+        assert torch.calls == [("pool", "pool1", "memsaver's pluggable allocator"), ("enter", "pool1", 0)]
+        with memsaver.disable():
+            assert torch.calls[2:] == [("exit", "pool1")], "no pool: torch's default one"
+            rc, _ = hooks.malloc(2 * MiB)
+            assert rc == CUDA_ERROR_INITIALIZATION  # untagged: forwarded
+        assert torch.calls[3:] == [("enter", "pool1", 0)]
+    assert torch.calls[4:] == [("exit", "pool1")]
+    assert memsaver.stats().tags[tag].allocations == 0
+
+
+def test_cuda_graph_tags_the_capture_under_torch(hooks, tag, tag2, monkeypatch):
+    """Under torch (a stand-in recording its calls; the real one: tests/gpu/torch_hooks.py),
+    cuda_graph captures into a pool of its own over memsaver's allocator, kept alive with the
+    graph, with the tag's region open: what the capture allocates is the tag's, and pausing
+    the tag gives it back. An enclosing region's pool is suspended meanwhile."""
+    import sys
+
+    from fake_torch import FakeTorch
+    from memsaver import _torch
+
+    torch = FakeTorch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(_torch, "_pools", {})
+    monkeypatch.setattr(_torch, "_allocator", None)
+
+    class Graph:
+        pass
+
+    g = Graph()
+    with memsaver.region(tag2):
+        with memsaver.cuda_graph(g, tag=tag, backup="cpu", capture_error_mode="thread_local"):
+            current = json.loads(_memsaver.region_current_json())
+            p = hooks.malloc_ok(2 * MiB)  # what the capture allocates, through the hook
+    alloc = "memsaver's pluggable allocator"
+    assert torch.calls == [
+        ("pool", "pool1", alloc), ("enter", "pool1", 0),  # the enclosing region
+        ("exit", "pool1"),  # suspended for the capture
+        ("pool", "pool2", alloc), ("capture", (2, 0), {"capture_error_mode": "thread_local"}), ("captured",),
+        ("enter", "pool1", 0), ("exit", "pool1"),
+    ]
+    assert g._memsaver_pool.id == (2, 0), "the capture's pool lives as long as the graph"
+    assert (current["tag"], current["policy"]) == (tag, "cpu")
+    s = memsaver.stats().tags
+    assert (s[tag].allocations, s[tag2].allocations) == (1, 0)
+    write(p, b"graph")
+    memsaver.pause(tag)
+    assert torch.calls[-1] == ("synchronize",), "kernels still queued finish before the pause"
+    assert memsaver.stats().tags[tag].resident_bytes == 0
+    memsaver.resume(tag)
+    assert read(p, 5) == b"graph"
+    assert hooks.free(p) == CUDA_SUCCESS
 
 
 def test_regions_are_per_thread(hooks, tag):
@@ -253,7 +428,7 @@ def test_regions_are_per_thread(hooks, tag):
         t = threading.Thread(target=other_thread)
         t.start()
         t.join()
-    assert results["rc"] != CUDA_SUCCESS  # the region of this thread does not apply there
+    assert results["rc"] == CUDA_ERROR_INITIALIZATION  # forwarded: this thread's region does not apply there
     assert memsaver.stats().tags[tag].allocations == 0
 
 

@@ -9,7 +9,7 @@ import os
 
 import memsaver
 import pytest
-from helpers import CUDA_SUCCESS, MiB, pattern, read, run_python, write
+from helpers import CUDA_ERROR_INITIALIZATION, CUDA_SUCCESS, MiB, pattern, read, run_python, write
 from memsaver import _memsaver, compat
 from memsaver.compat import TorchMemorySaver, configure_subprocess, torch_memory_saver
 
@@ -50,7 +50,7 @@ def test_disable_inside_region(hooks, tag):
         a = hooks.malloc_ok(2 * MiB)
         with torch_memory_saver.disable():
             rc, _ = hooks.malloc(2 * MiB)
-            assert rc != CUDA_SUCCESS  # untagged: forwarded to the (absent) libcudart
+            assert rc == CUDA_ERROR_INITIALIZATION  # untagged: forwarded to the (absent) libcudart
         b = hooks.malloc_ok(2 * MiB)
     assert memsaver.stats().tags[tag].allocations == 2
     assert hooks.free(a) == hooks.free(b) == CUDA_SUCCESS
@@ -64,21 +64,40 @@ def test_pause_of_a_tag_without_allocations_only_warns(tag, caplog):
     assert "did nothing" in caplog.text and "known tags" in caplog.text and tag in caplog.text
 
 
-def test_hook_mode_and_settings():
+def test_hook_mode_and_settings(hooks, tag):
     tms = TorchMemorySaver()
     assert tms.enabled
     assert tms.hook_mode == "torch"  # this process is not preloaded
-    tms.memory_margin_bytes = 1 << 30
-    assert tms.memory_margin_bytes == 1 << 30
-    tms.memory_margin_bytes = 0  # process-wide: leave it as the other tests expect
+    with torch_memory_saver.region(tag=tag):
+        p = hooks.malloc_ok(2 * MiB)
+    # The margin set through this object reaches the allocator: a resume that would leave less
+    # than that free is refused, and resumes once the margin is 0 again.
+    tms.pause(tag)
+    free, _ = memsaver.device_memory(0)
+    tms.memory_margin_bytes = free
+    try:
+        with pytest.raises(memsaver.ResumeOutOfMemoryError, match="margin"):
+            tms.resume(tag)
+        assert memsaver.stats().tags[tag].paused
+    finally:
+        tms.memory_margin_bytes = 0  # process-wide: leave it as the other tests expect
+    tms.resume(tag)
+    assert memsaver.stats().tags[tag].resident_bytes == 2 * MiB
     with pytest.raises(ValueError):
         tms.hook_mode = "cuda"
     tms.hook_mode = "preload"
     assert tms.hook_mode == "preload"
     with pytest.raises(memsaver.MemsaverError, match="LD_PRELOAD="):
         tms.pause()
+    assert not memsaver.stats().tags[tag].paused, "the refused pause did nothing"
     tms.hook_mode = "torch"
-    tms.resume()  # every tag; nothing is paused, so nothing to do
+    tms.pause()  # every tag
+    t = memsaver.stats().tags[tag]
+    assert (t.paused, t.resident_bytes) == (True, 0)
+    tms.resume()
+    t = memsaver.stats().tags[tag]
+    assert (t.paused, t.resident_bytes) == (False, 2 * MiB)
+    assert hooks.free(p) == CUDA_SUCCESS
 
 
 def test_invalid_options_raise():

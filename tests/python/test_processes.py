@@ -10,7 +10,7 @@ import sys
 
 import memsaver
 import pytest
-from helpers import run_python
+from helpers import MiB, run_python
 
 PRELOADED_PROCESS = r"""
 import ctypes, json, os
@@ -180,9 +180,17 @@ def test_cli_env_is_evalable_and_preloads(child_env):
 
 
 def test_cli_env_json_preload_path_and_stats(child_env):
-    r = run_python("", child_env, "-m", "memsaver", "env", "--json")
+    env = dict(child_env, MEMSAVER_LOG="warn")
+    r = run_python("", env, "-m", "memsaver", "env", "--json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == memsaver.subprocess_env(child_env)
+    # Written out: the library, preload mode, and the settings children must share (the driver
+    # and the log filter).
+    assert json.loads(r.stdout) == {
+        "LD_PRELOAD": memsaver.preload_path(),
+        "MEMSAVER_HOOK_MODE": "preload",
+        "MEMSAVER_CUDA_LIB": child_env["MEMSAVER_CUDA_LIB"],
+        "MEMSAVER_LOG": "warn",
+    }
     r = run_python("", child_env, "-m", "memsaver", "preload-path")
     assert (r.returncode, r.stdout.strip()) == (0, memsaver.preload_path())
     r = run_python("", child_env, "-m", "memsaver", "stats")
@@ -197,3 +205,192 @@ def test_cli_unknown_or_missing_command_exits_2(child_env):
     r = run_python("", child_env, "-m", "memsaver")
     assert r.returncode == 2
     assert "a command is required" in r.stderr
+
+
+NCCL_HOOKED = r"""
+import ctypes, json, os, sys
+import memsaver
+
+class FakeNcclAlloc(ctypes.Structure):  # tests/fake-nccl: what one allocation did
+    _fields_ = [("get_proc_address", ctypes.c_size_t), ("mem_create", ctypes.c_size_t),
+                ("handle", ctypes.c_uint64), ("ptr", ctypes.c_uint64), ("size", ctypes.c_size_t),
+                ("exported_fd", ctypes.c_int)]
+
+nccl = ctypes.CDLL(sys.argv[1])
+nccl.fake_nccl_alloc.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(FakeNcclAlloc)]
+nccl.fake_nccl_free.argtypes = [ctypes.c_char_p, ctypes.POINTER(FakeNcclAlloc)]
+cuda = os.environ["MEMSAVER_CUDA_LIB"].encode()
+out = {"before": memsaver.nccl_stats()}
+shared, private = FakeNcclAlloc(), FakeNcclAlloc()
+assert nccl.fake_nccl_alloc(cuda, 4 << 20, 1, ctypes.byref(shared)) == 0   # exported, as for peers
+assert nccl.fake_nccl_alloc(cuda, 6 << 20, 0, ctypes.byref(private)) == 0
+ctypes.memset(private.ptr, 0x5A, 6 << 20)   # the fake driver's device memory is host memory
+out["allocated"] = memsaver.nccl_stats()
+out["free_allocated"] = memsaver.device_memory(0)[0]
+memsaver.pause("nccl")
+out["paused"] = memsaver.nccl_stats()
+out["tag_paused"] = memsaver.stats().tags["nccl"].paused
+out["free_paused"] = memsaver.device_memory(0)[0]
+memsaver.resume("nccl")
+out["resumed"] = memsaver.nccl_stats()
+out["free_resumed"] = memsaver.device_memory(0)[0]
+out["contents_kept"] = ctypes.string_at(private.ptr, 6 << 20) == b"\x5a" * (6 << 20)
+assert nccl.fake_nccl_free(cuda, ctypes.byref(shared)) == 0
+assert nccl.fake_nccl_free(cuda, ctypes.byref(private)) == 0
+out["freed"] = memsaver.nccl_stats()
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture
+def fake_nccl() -> str:
+    """The libnccl.so.2 stand-in (tests/fake-nccl; `make fake-cuda` builds it)."""
+    path = os.environ.get("MEMSAVER_FAKE_NCCL_LIB") or os.path.join(
+        os.path.dirname(os.environ["MEMSAVER_CUDA_LIB"]), "..", "fake-nccl", "libnccl.so.2"
+    )
+    if not os.path.exists(path):
+        pytest.skip(f"no fake NCCL at {path}: build it with `make fake-cuda`")
+    return path
+
+
+def test_nccl_stats_while_hooked(child_env, fake_nccl):
+    """nccl_stats() from Python in a preloaded process whose NCCL (the stand-in) allocates
+    through the hook: the figures are those of what NCCL allocated, and pausing `nccl` gives
+    its device memory back."""
+    env = dict(child_env, LD_PRELOAD=memsaver.preload_path(), MEMSAVER_HOOK_MODE="preload")
+    r = run_python(NCCL_HOOKED, env, fake_nccl)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    b = out["before"]
+    assert (b["hooked"], b["owned_bytes"], b["cumem_disabled"]) == (False, 0, False), "NCCL resolved nothing yet"
+    a = out["allocated"]
+    assert (a["hooked"], a["paused"], a["paused_bytes"]) == (True, False, 0)
+    assert (a["owned_bytes"], a["owned_handles"], a["mappings"]) == (10 * MiB, 2, 2)
+    assert (a["exported_handles"], a["exported_bytes"], a["imported_bytes"]) == (1, 4 * MiB, 0)
+    p = out["paused"]
+    assert p["paused"] is True and out["tag_paused"] is True
+    assert p["paused_bytes"] == 10 * MiB and p["resident_pinned_bytes"] == 0
+    assert out["free_paused"] - out["free_allocated"] == 10 * MiB, "the device got all of it back"
+    assert (out["resumed"]["paused"], out["resumed"]["paused_bytes"]) == (False, 0)
+    assert out["free_resumed"] == out["free_allocated"]
+    assert out["contents_kept"]
+    f = out["freed"]
+    assert (f["owned_bytes"], f["owned_handles"], f["mappings"], f["exported_handles"]) == (0, 0, 0, 0)
+
+
+DEVICE_MEMORY = r"""
+import json
+import memsaver
+from memsaver import _memsaver
+
+out = {"start": [memsaver.device_memory(d) for d in (0, 1)]}
+w = _memsaver.malloc(3 << 20, 0, "w", "cpu")          # 4 MiB of device 0 (2 MiB granularity)
+kv = _memsaver.malloc(6 << 20, 1, "kv", "discard")    # 6 MiB of device 1
+out["allocated"] = [memsaver.device_memory(d) for d in (0, 1)]
+memsaver.pause("w")
+out["w_paused"] = [memsaver.device_memory(d) for d in (0, 1)]
+memsaver.resume("w")
+_memsaver.free(kv)
+out["kv_freed"] = [memsaver.device_memory(d) for d in (0, 1)]
+try:
+    memsaver.device_memory(2)
+except memsaver.MemsaverError as e:
+    out["device_2"] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def test_device_memory_is_what_the_driver_has_and_what_was_allocated(child_env):
+    # A machine of two 1 GiB devices of its own (child_env: its own fake-driver state).
+    env = dict(child_env, FAKE_CUDA_MEM_BYTES="1GiB", FAKE_CUDA_DEVICES="2")
+    r = run_python(DEVICE_MEMORY, env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    G = 1 << 30
+    assert out["start"] == [[G, G], [G, G]]
+    assert out["allocated"] == [[G - 4 * MiB, G], [G - 6 * MiB, G]]
+    assert out["w_paused"] == [[G, G], [G - 6 * MiB, G]]
+    assert out["kv_freed"] == [[G - 4 * MiB, G], [G, G]]
+    assert out["device_2"] == "InvalidArgumentError"
+
+
+PREPARE_LIMIT = r"""
+import json
+import memsaver
+from memsaver import _memsaver
+
+def requested(tag):
+    # Whether a pinned backup was asked for `tag`'s allocation: it is being prepared or it is
+    # ready. Read twice: the first snapshot may read the prepared bytes just before the thread
+    # finishes and the pending count just after; the second then sees the bytes (nothing takes
+    # them: no pause, no free). Only this process's allocations are counted.
+    a, b = memsaver.stats(), memsaver.stats()
+    return bool(a.tags[tag].prepared_backup_bytes or a.backups_preparing or b.tags[tag].prepared_backup_bytes)
+
+out = {}
+memsaver.set_backup_prepare_limit(0)
+_memsaver.malloc(4 << 20, 0, "off", "cpu")
+out["off"] = requested("off")
+memsaver.set_backup_prepare_limit(4 << 20)
+_memsaver.malloc(6 << 20, 0, "over", "cpu")                 # more than the limit
+out["over"] = requested("over")
+_memsaver.malloc(4 << 20, 0, "fits", "cpu")
+out["fits"] = requested("fits")
+for bad in (-1, True):
+    try:
+        memsaver.set_backup_prepare_limit(bad)
+    except ValueError as e:
+        out[repr(bad)] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_backup_prepare_limit_bounds_what_is_prepared(child_env):
+    """set_backup_prepare_limit reaches the allocator: 0 prepares nothing, and an allocation
+    larger than the limit gets no prepared backup while one that fits does (the limit over
+    several allocations and the bytes held: torch-shim/tests/own_process.rs)."""
+    r = run_python(PREPARE_LIMIT, child_env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["off"], out["over"], out["fits"]) == (False, False, True)
+    assert "takes a byte count >= 0, got -1" in out["-1"] and "got True" in out["True"]
+
+
+WHOLE_PROCESS_DISABLE = r"""
+import ctypes, json, sys
+from fake_torch import FakeTorch
+torch = sys.modules["torch"] = FakeTorch()
+import memsaver
+
+lib = ctypes.CDLL(None)   # the preloaded cudaMalloc, as libc10_cuda reaches it
+lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+def malloc():
+    p = ctypes.c_void_p()
+    return lib.cudaMalloc(ctypes.byref(p), 2 << 20)
+
+out = {"outside": malloc()}
+with memsaver.disable():
+    out["inside"] = malloc()
+    out["calls_inside"] = list(torch.calls)
+out["calls"] = torch.calls
+out["proc"] = memsaver.stats().tags["proc"].allocations
+print(json.dumps(out))
+"""
+
+
+def test_disable_in_whole_process_mode_uses_a_pool_of_its_own(child_env):
+    """Whole-process mode (preloaded, MEMSAVER_PROCESS_TAG): torch's default pool holds the
+    process tag's memory, which may be paused, so disable() allocates from a private pool of
+    torch's allocator and lets it go when the block ends. Under a torch stand-in that records
+    its calls (the real one: tests/gpu/torch_hooks.py)."""
+    env = dict(child_env, LD_PRELOAD=memsaver.preload_path(), MEMSAVER_HOOK_MODE="preload",
+               MEMSAVER_PROCESS_TAG="proc", PYTHONPATH=os.path.dirname(__file__))
+    r = run_python(WHOLE_PROCESS_DISABLE, env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["outside"] == 0 and out["proc"] == 1, "no region: the process tag"
+    assert out["inside"] == 3, "disabled: forwarded (cudaErrorInitializationError: no libcudart)"
+    # A plain pool (torch's own allocator, whose cudaMalloc the preload sees untagged), active
+    # during the block only, and released with it.
+    assert out["calls_inside"] == [["pool", "pool1", None], ["enter", "pool1", 0]]
+    assert out["calls"] == [["pool", "pool1", None], ["enter", "pool1", 0], ["exit", "pool1"], ["freed", "pool1"]]

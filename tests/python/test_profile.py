@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import subprocess
 import sys
 
 import memsaver
 import pytest
-from helpers import MiB, pattern, read, write
+from helpers import CUDA_SUCCESS, MiB, pattern, read, write
 from memsaver import _memsaver
 
 BAD = sorted((pathlib.Path(__file__).parent / "profiles" / "bad").glob("*.yaml"))
@@ -123,13 +124,27 @@ def test_assert_free_memory_fails_clearly(tmp_path, tag):
         memsaver.load_profile(str(path)).run("s")
 
 
-def test_profile_region_uses_the_declared_policy(tmp_path, tag, tag2):
-    profile = _profile(tmp_path, tag, tag2)
+def test_profile_region_uses_the_declared_policy(hooks, tmp_path, tag, tag2):
+    profile = _profile(tmp_path, tag, tag2)  # tag: backup cpu; tag2: nothing said, discard
     with pytest.raises(memsaver.MemsaverError, match="not declared"):
         with profile.region("other"):
             pass
-    with profile.region(tag):
-        pass
+    ptrs = {}
+    for t, policy in ((tag, "cpu"), (tag2, "discard")):
+        with profile.region(t):
+            current = json.loads(_memsaver.region_current_json())
+            ptrs[t] = hooks.malloc_ok(2 * MiB)
+        assert (current["tag"], current["policy"]) == (t, policy)
+    data = pattern(2 * MiB)
+    write(ptrs[tag], data)
+    memsaver.pause(tag, tag2)
+    # The policy is what the allocations got: the cpu tag is backed up, the other is not.
+    s = memsaver.stats().tags
+    assert (s[tag].pinned_backup_bytes, s[tag2].backup_bytes) == (2 * MiB, 0)
+    memsaver.resume(tag, tag2)
+    assert read(ptrs[tag], len(data)) == data
+    for p in ptrs.values():
+        assert hooks.free(p) == CUDA_SUCCESS
 
 
 def test_the_verl_example_runs_on_the_fake_driver():

@@ -10,7 +10,7 @@ use std::process::Command;
 use memsaver::*;
 
 mod common;
-use common::{c, last_error};
+use common::{c, last_error, stats, tag};
 
 /// Runs the ignored test `name` in a child process with `env` added, its own fake-driver
 /// state and no inherited MEMSAVER_*/TMS_* options.
@@ -264,4 +264,137 @@ fn scenario_memory_margin() {
     let rc = unsafe { memsaver_resume(c("m").as_ptr()) };
     assert_eq!(rc, 0, "{}", last_error());
     assert_eq!(memsaver_free(p), 0);
+}
+
+#[test]
+fn run_device_memory() {
+    run(
+        "scenario_device_memory",
+        &[
+            ("FAKE_CUDA_MEM_BYTES", "512MiB"),
+            ("FAKE_CUDA_DEVICES", "2"),
+        ],
+    );
+}
+
+/// (free, total) of `device` through the C ABI.
+fn device_memory(device: i32) -> (usize, usize) {
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: valid out-pointers.
+    let rc = unsafe { memsaver_device_memory(device, &mut free, &mut total) };
+    assert_eq!(rc, 0, "{}", last_error());
+    (free, total)
+}
+
+/// memsaver_device_memory gives the driver's figures: the configured memory of each device
+/// (two of 512 MiB, a machine of this process's own), less what is allocated on it.
+#[test]
+#[ignore = "run by run_device_memory in a process of its own"]
+fn scenario_device_memory() {
+    const M: usize = 1 << 20;
+    let all = |f0: usize, f1: usize| [(f0, 512 * M), (f1, 512 * M)];
+    let both = || [device_memory(0), device_memory(1)];
+    assert_eq!(both(), all(512 * M, 512 * M));
+    let (mut w, mut kv): (*mut c_void, *mut c_void) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: valid out-pointers, C strings.
+    unsafe {
+        assert_eq!(
+            memsaver_malloc(&mut w, 3 * M, 0, c("w").as_ptr(), c("cpu").as_ptr()),
+            0
+        );
+        assert_eq!(
+            memsaver_malloc(&mut kv, 6 * M, 1, c("kv").as_ptr(), c("discard").as_ptr()),
+            0
+        );
+    }
+    // 3 MiB takes 4 MiB of device 0 (2 MiB granularity).
+    assert_eq!(both(), all(508 * M, 506 * M));
+    // SAFETY: C string argument.
+    assert_eq!(unsafe { memsaver_pause(c("w").as_ptr()) }, 0);
+    assert_eq!(both(), all(512 * M, 506 * M));
+    // SAFETY: C string argument.
+    assert_eq!(unsafe { memsaver_resume(c("w").as_ptr()) }, 0);
+    assert_eq!(memsaver_free(kv), 0);
+    assert_eq!(both(), all(508 * M, 512 * M));
+    assert_eq!(memsaver_free(w), 0);
+    assert_eq!(both(), all(512 * M, 512 * M));
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: valid out-pointers; then NULL ones, which the function refuses.
+    unsafe {
+        let rc = memsaver_device_memory(2, &mut free, &mut total);
+        assert_eq!(rc, Status::InvalidArgument as i32);
+        assert!(
+            last_error().contains("device 2 does not exist"),
+            "{}",
+            last_error()
+        );
+        let rc = memsaver_device_memory(0, std::ptr::null_mut(), &mut total);
+        assert_eq!(rc, Status::InvalidArgument as i32);
+    }
+}
+
+#[test]
+fn run_backup_prepare_limit() {
+    run("scenario_backup_prepare_limit", &[]);
+}
+
+/// memsaver_set_backup_prepare_limit bounds the pinned memory prepared ahead of first pauses,
+/// over all allocations; a first pause takes a prepared buffer instead of allocating one.
+#[test]
+#[ignore = "run by run_backup_prepare_limit in a process of its own"]
+fn scenario_backup_prepare_limit() {
+    const M: u64 = 1 << 20;
+    let malloc = |name: &str, bytes: u64| {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer, C strings.
+        let rc = unsafe {
+            memsaver_malloc(
+                &mut p,
+                bytes as usize,
+                0,
+                c(name).as_ptr(),
+                c("cpu").as_ptr(),
+            )
+        };
+        assert_eq!(rc, 0, "{}", last_error());
+        p
+    };
+    let prepared = |name: &str| -> u64 {
+        memsaver::allocator().unwrap().wait_backups_prepared();
+        tag(&stats(), name)["prepared_backup_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    // Pinning host memory: cuMemHostAlloc, or cuMemHostRegister of mapped chunks.
+    let pinning = || {
+        let calls = &stats()["driver_calls"];
+        calls["host_alloc"].as_u64().unwrap() + calls["host_register"].as_u64().unwrap()
+    };
+    let pause = |name: &str| {
+        // SAFETY: C string argument.
+        let rc = unsafe { memsaver_pause(c(name).as_ptr()) };
+        assert_eq!(rc, 0, "{}", last_error());
+    };
+
+    assert_eq!(memsaver_set_backup_prepare_limit(4 * M), 0);
+    malloc("fits", 4 * M);
+    malloc("over", 2 * M); // 4 + 2 MiB would be over the limit
+    assert_eq!((prepared("fits"), prepared("over")), (4 * M, 0));
+    assert_eq!(stats()["total"]["prepared_backup_bytes"], 4 * M);
+    // The first pause of "fits" takes its prepared buffer; "over" allocates its backup.
+    let before = pinning();
+    pause("fits");
+    assert_eq!(pinning(), before, "a prepared buffer was taken");
+    pause("over");
+    assert!(
+        pinning() > before,
+        "no prepared buffer: pinned by the pause"
+    );
+    // Taken buffers no longer count against the limit.
+    malloc("next", 4 * M);
+    assert_eq!(prepared("next"), 4 * M);
+    // 0: nothing more is prepared; what is prepared stays.
+    assert_eq!(memsaver_set_backup_prepare_limit(0), 0);
+    malloc("none", 2 * M);
+    assert_eq!((prepared("none"), prepared("next")), (0, 4 * M));
 }

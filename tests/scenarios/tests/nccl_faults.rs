@@ -12,13 +12,70 @@ mod common;
 
 use common::{Dirs, Job, MIB};
 
-/// A timeout short enough for tests, long enough for a loaded machine.
+/// The timeout of ranks whose peers all answer (or are dead): far above any delay a live peer
+/// can have on a loaded machine, so that "ok" never turns into a Peer error there; it costs
+/// nothing, since such a pause or resume ends as soon as the peers have answered.
+const PATIENT_MS: u32 = 60_000;
+
+/// The timeout of a rank whose pause or resume must run into a stopped or non-pausing peer: the
+/// test waits for it once. Its outcome does not depend on speed (the peer never answers);
+/// what that rank does afterwards, with live peers, goes through [`ok_or_slow`].
 const TIMEOUT_MS: u32 = 2000;
 
 /// `world` ranks of `group` on the fake machine and runtime directory of `dirs`, under
-/// [`TIMEOUT_MS`].
-fn start(dirs: &Dirs, world: usize, group: u32) -> Job {
-    Job::start(world, group, &dirs.fake, &dirs.rt, TIMEOUT_MS)
+/// [`PATIENT_MS`] except rank 0 when `short` ([`TIMEOUT_MS`]).
+fn start(dirs: &Dirs, world: usize, group: u32, short: bool) -> Job {
+    Job::start_per_rank(world, group, &dirs.fake, &dirs.rt, PATIENT_MS, |r| {
+        let ms = if r == 0 && short {
+            TIMEOUT_MS
+        } else {
+            PATIENT_MS
+        };
+        [("MEMSAVER_NCCL_TIMEOUT_MS", ms.to_string())]
+    })
+}
+
+/// `cmd` on ranks 0 and 1 together, rank 0 running under the short [`TIMEOUT_MS`]. Each must
+/// answer "ok", or, when the other was slower than that timeout on a loaded machine (rank 0
+/// waiting for rank 1, or rank 1 asking rank 0 for a buffer rank 0 waits that long to serve),
+/// the Peer error that names the other and says to raise the timeout; then the same command on
+/// that rank alone completes (what one pause or resume left, the next one does), retried while
+/// the other stays that slow. Any other answer fails.
+fn ok_or_slow(job: &mut Job, cmd: &str) {
+    let answers = job.on(&[0, 1], cmd);
+    for (r, mut a) in answers.into_iter().enumerate() {
+        let other = format!("process {} (group", job.pid(1 - r));
+        let mut retries = 0;
+        while a != "ok" {
+            assert!(
+                a.starts_with("err 11 ")
+                    && a.contains(&other)
+                    && a.contains("raise MEMSAVER_NCCL_TIMEOUT_MS if it is slow")
+                    && retries < 30,
+                "rank {r}: {cmd} (retry {retries}): {a}"
+            );
+            retries += 1;
+            a = job.one(r, cmd);
+        }
+        if retries > 0 {
+            println!("rank {r}'s {cmd} completed after {retries} retries (a slow peer)");
+        }
+    }
+}
+
+/// SIGSTOPs rank `r` and waits until it has stopped (`waitpid` with `WUNTRACED` reports a
+/// child's stop without reaping it): a signal takes effect when the rank next runs, and its
+/// peers must find it stopped however long that takes on a loaded machine.
+fn stop(job: &Job, r: usize) {
+    job.signal(r, libc::SIGSTOP);
+    let pid = job.pid(r) as libc::pid_t;
+    let mut status = 0;
+    // SAFETY: a child of this test, not reaped; a valid out-pointer.
+    let got = unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED) };
+    assert!(
+        got == pid && libc::WIFSTOPPED(status),
+        "rank {r} did not stop (waitpid: {got}, status {status:#x})"
+    );
 }
 
 /// Asserts that `a` is a Peer error (MEMSAVER_ERR_PEER = 11) containing every one of `parts`.
@@ -38,7 +95,7 @@ fn assert_peer_error(a: &str, parts: &[&str]) {
 #[test]
 fn a_dead_owner_leaves_only_its_imports_paused() {
     let dirs = Dirs::new();
-    let mut job = start(&dirs, 3, 21);
+    let mut job = start(&dirs, 3, 21, false);
     job.setup(4);
     job.ok(&[0, 1, 2], "pause");
     assert_eq!(job.used(), 0);
@@ -87,7 +144,7 @@ fn a_dead_owner_leaves_only_its_imports_paused() {
 #[test]
 fn an_import_that_cannot_be_mapped_is_not_held() {
     let dirs = Dirs::new();
-    let mut job = Job::start_per_rank(3, 22, &dirs.fake, &dirs.rt, TIMEOUT_MS, |r| {
+    let mut job = Job::start_per_rank(3, 22, &dirs.fake, &dirs.rt, PATIENT_MS, |r| {
         if r == 0 {
             vec![("FAKE_CUDA_FAIL_MAP_AT", "5")]
         } else {
@@ -124,9 +181,9 @@ fn an_import_that_cannot_be_mapped_is_not_held() {
 #[test]
 fn a_stopped_peer_bounds_the_pause_by_the_timeout() {
     let dirs = Dirs::new();
-    let mut job = start(&dirs, 2, 23);
+    let mut job = start(&dirs, 2, 23, true);
     job.setup(4);
-    job.signal(1, libc::SIGSTOP);
+    stop(&job, 1);
     let (a, took) = job.timed(0, "pause");
     println!("pause with a stopped peer (timeout {TIMEOUT_MS} ms): {took:?}");
     let stopped = job.pid(1);
@@ -139,10 +196,12 @@ fn a_stopped_peer_bounds_the_pause_by_the_timeout() {
         ],
     );
     job.signal(1, libc::SIGCONT);
+    // Rank 1 (patient) completes once rank 0's notice of its release reaches it, and returns
+    // once rank 0 has acknowledged its own: rank 0 then waits for nobody.
     assert_eq!(job.one(1, "pause"), "ok");
     assert_eq!(job.one(0, "pause"), "ok", "retried once rank 1 let go");
     assert_eq!(job.used(), 0);
-    job.ok(&[0, 1], "resume");
+    ok_or_slow(&mut job, "resume");
     job.check_all();
 }
 
@@ -153,10 +212,10 @@ fn a_stopped_peer_bounds_the_pause_by_the_timeout() {
 #[test]
 fn a_stopped_owner_bounds_the_resume_by_the_timeout() {
     let dirs = Dirs::new();
-    let mut job = start(&dirs, 2, 24);
+    let mut job = start(&dirs, 2, 24, true);
     job.setup(4);
-    job.ok(&[0, 1], "pause");
-    job.signal(1, libc::SIGSTOP);
+    ok_or_slow(&mut job, "pause");
+    stop(&job, 1);
     let (a, took) = job.timed(0, "resume");
     println!("resume with a stopped owner (timeout {TIMEOUT_MS} ms): {took:?}");
     let stopped = job.pid(1);
@@ -169,21 +228,22 @@ fn a_stopped_owner_bounds_the_resume_by_the_timeout() {
     );
     assert_eq!(job.used(), 4 * MIB, "rank 0's own memory is back");
     job.signal(1, libc::SIGCONT);
-    job.ok(&[0, 1], "resume");
+    ok_or_slow(&mut job, "resume");
     job.check_all();
     for cycle in 0..2 {
-        job.ok(&[0, 1], "pause");
+        ok_or_slow(&mut job, "pause");
         assert_eq!(job.used(), 0, "cycle {cycle}");
-        job.ok(&[0, 1], "resume");
+        ok_or_slow(&mut job, "resume");
         job.check_all();
     }
 }
 
-/// A peer that runs but does not pause is named with what it holds.
+/// A peer that runs but does not pause is named with what it holds (it never lets go, so the
+/// error does not depend on how fast it is).
 #[test]
 fn a_peer_that_does_not_pause_is_named_with_what_it_holds() {
     let dirs = Dirs::new();
-    let mut job = start(&dirs, 2, 25);
+    let mut job = start(&dirs, 2, 25, true);
     job.setup(4);
     let (a, took) = job.timed(0, "pause");
     println!("pause with a peer that does not pause: {took:?}");
@@ -200,11 +260,12 @@ fn a_peer_that_does_not_pause_is_named_with_what_it_holds() {
     );
 }
 
-/// An importer that died has let go.
+/// An importer that died has let go. (Rank 0's short timeout: no live peer is waited for, so
+/// speed cannot change the outcome, and a wrong wait fails in 2 s.)
 #[test]
 fn a_dead_importer_counts_as_released() {
     let dirs = Dirs::new();
-    let mut job = start(&dirs, 2, 26);
+    let mut job = start(&dirs, 2, 26, true);
     job.setup(4);
     job.kill(1, true);
     // Waiting for it would end in a Peer error at the timeout, not "ok".
@@ -217,7 +278,7 @@ fn a_dead_importer_counts_as_released() {
 #[test]
 fn a_zombie_importer_counts_as_released() {
     let dirs = Dirs::new();
-    let mut job = start(&dirs, 2, 27);
+    let mut job = start(&dirs, 2, 27, true);
     job.setup(4);
     job.kill_to_zombie(1);
     // Waiting for it would end in a Peer error at the timeout, not "ok".

@@ -8,10 +8,15 @@ mod common;
 
 use common::{Dirs, Job, MIB};
 
+/// The timeout of ranks whose peers all answer: far above any delay a live peer can have on a
+/// loaded machine, so that "ok" never turns into a Peer error there; it costs nothing, since a
+/// pause or resume ends as soon as the peers have answered.
+const PATIENT_MS: u32 = 60_000;
+
 fn pause_resume_cycles(world: usize) {
     let dirs = Dirs::new();
     let (fake, rt) = (&dirs.fake, &dirs.rt);
-    let mut job = Job::start(world, 7, fake, rt, 5000);
+    let mut job = Job::start(world, 7, fake, rt, PATIENT_MS);
     job.setup(4);
     let resident = job.used();
     assert_eq!(
@@ -53,6 +58,8 @@ fn eight_ranks_pause_and_resume_together() {
 fn a_peer_that_does_not_pause_is_named_and_a_dead_one_releases() {
     let dirs = Dirs::new();
     let (fake, rt) = (&dirs.fake, &dirs.rt);
+    // A short timeout: rank 0 waits for it once, and nothing in this test depends on a live
+    // peer answering within it (rank 1 never pauses, then is dead).
     let mut job = Job::start(2, 9, fake, rt, 300);
     job.setup(4);
     // Rank 1 keeps running and does not pause: rank 0's pause releases its side, then fails
@@ -85,8 +92,8 @@ fn a_peer_that_does_not_pause_is_named_and_a_dead_one_releases() {
 fn two_groups_on_the_same_devices_stay_apart() {
     let dirs = Dirs::new();
     let (fake, rt) = (&dirs.fake, &dirs.rt);
-    let mut train = Job::start(2, 100, fake, rt, 5000);
-    let mut infer = Job::start(2, 200, fake, rt, 5000);
+    let mut train = Job::start(2, 100, fake, rt, PATIENT_MS);
+    let mut infer = Job::start(2, 200, fake, rt, PATIENT_MS);
     train.setup(4);
     infer.setup(6);
     assert_eq!(train.used(), 20 * MIB);
@@ -114,7 +121,7 @@ fn shared_host_memory_stays_and_does_not_block_resume() {
     // generation that never comes.
     let dirs = Dirs::new();
     let (fake, rt) = (&dirs.fake, &dirs.rt);
-    let mut job = Job::start(2, 15, fake, rt, 2000);
+    let mut job = Job::start(2, 15, fake, rt, PATIENT_MS);
     job.all_ok("alloc 4 host");
     job.all_ok("exchange");
     for r in 0..2 {
@@ -138,7 +145,7 @@ fn shared_host_memory_stays_and_does_not_block_resume() {
 fn the_group_is_fixed_once_nccl_shared_memory() {
     let dirs = Dirs::new();
     let (fake, rt) = (&dirs.fake, &dirs.rt);
-    let mut job = Job::start(2, 13, fake, rt, 5000);
+    let mut job = Job::start(2, 13, fake, rt, PATIENT_MS);
     // Before anything is shared, a process may move to another group (and back).
     assert_eq!(job.on(&[0], "group 14"), ["ok"]);
     assert_eq!(job.on(&[0], "group 13"), ["ok"]);
@@ -164,7 +171,7 @@ fn backup_headers_keeps_the_control_blocks_of_shared_buffers_only() {
         11,
         fake,
         rt,
-        5000,
+        PATIENT_MS,
         &[("MEMSAVER_NCCL_BACKUP", "headers")],
     );
     job.setup(4);
@@ -208,7 +215,7 @@ fn a_bad_nccl_setting_is_named_and_nothing_is_paused() {
     for (var, value, accepted) in cases {
         let dirs = Dirs::new();
         let (fake, rt) = (&dirs.fake, &dirs.rt);
-        let mut job = Job::start_with(2, 12, fake, rt, 5000, &[(var, value)]);
+        let mut job = Job::start_with(2, 12, fake, rt, PATIENT_MS, &[(var, value)]);
         job.setup(4);
         let want = format!("{var}='{value}': {accepted}");
         for (r, a) in job.all("pause").iter().enumerate() {
