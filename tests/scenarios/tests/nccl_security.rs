@@ -509,10 +509,8 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 fn unread(s: &UnixStream) -> i32 {
     let mut n: libc::c_int = 0;
     // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one int.
-    assert_eq!(
-        unsafe { libc::ioctl(s.as_raw_fd(), libc::TIOCOUTQ, &mut n) },
-        0
-    );
+    let rc = unsafe { libc::ioctl(s.as_raw_fd(), libc::TIOCOUTQ, &mut n) };
+    assert_eq!(rc, 0);
     n
 }
 
@@ -592,12 +590,16 @@ fn refusals_with_stderr_on_a_full_pipe_do_not_stop_the_server() {
         .custom_flags(libc::O_NONBLOCK)
         .open(format!("/proc/self/fd/{}", read_end.as_raw_fd()))
         .unwrap();
-    while (&filler).write(&[b'.'; 4096]).is_ok() {}
+    while (&filler).write(b".").is_ok() {}
     let path = socket_of(rt, 49, job.pid(0));
-    for _ in 0..500 {
-        if let Ok(mut s) = UnixStream::connect(&path) {
-            let _ = s.write_all(&wire::frame(&[0x7f]));
-        }
+    // One after the other, each refused before the next is sent: the workers must keep
+    // refusing while nothing they log can be written.
+    for i in 0..500 {
+        let r = wire::ask(&path, &[0x7f], ANSWER).unwrap_or_else(|e| panic!("request {i}: {e}"));
+        assert!(
+            refusal(&r).contains("unknown message kind"),
+            "request {i}: {r:?}"
+        );
     }
     let stats = wire::head(
         STATS,
