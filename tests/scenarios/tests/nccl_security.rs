@@ -261,10 +261,7 @@ fn the_server_bounds_threads_and_frames() {
     // A well-framed body of an unknown kind: refused, with the reason.
     let text = refusal(&wire::ask(&path, &[0x7f, 1, 2, 3], ANSWER).unwrap());
     assert!(text.contains("unknown message kind 0x7f"), "{text}");
-    job.all_ok("pause");
-    assert_eq!(job.used(), 0);
-    job.all_ok("resume");
-    job.check_all();
+    pauses_and_resumes(&mut job);
 }
 
 /// A peer that exited but was not reaped yet (a zombie) holds nothing: the owner's pause does
@@ -280,6 +277,15 @@ fn a_zombie_peer_is_dead() {
     assert_eq!(job.on(&[0], "pause"), ["ok"]);
     assert_eq!(job.used(), 0);
     job.kill(1, true);
+}
+
+/// The job pauses (every process lets go: nothing is left in use) and resumes (every import
+/// reads its owner's contents): its processes still serve each other.
+fn pauses_and_resumes(job: &mut Job) {
+    job.all_ok("pause");
+    assert_eq!(job.used(), 0);
+    job.all_ok("resume");
+    job.check_all();
 }
 
 /// The whole numbers in `text`.
@@ -351,11 +357,7 @@ fn another_pid_namespace_is_refused_even_naming_the_pid_the_owner_sees() {
             "the refusal tells the sender what the owner sees of it (pid {pid}, start {start}): {text}"
         );
     }
-    // The owner serves its own job as before.
-    job.all_ok("pause");
-    assert_eq!(job.used(), 0);
-    job.all_ok("resume");
-    job.check_all();
+    pauses_and_resumes(&mut job);
 }
 
 /// A process of the same user and pid namespace but not of the group names the group and
@@ -406,11 +408,7 @@ fn buffers_cannot_be_had_by_naming_the_group_and_counting_ids() {
     let (exists, absent) = (ask_one(VH_BASE | 1), ask_one(VH_BASE | 999_999));
     no_fd("an existing buffer", &exists);
     assert_eq!(exists, absent);
-    // The job's own imports still work.
-    job.all_ok("pause");
-    assert_eq!(job.used(), 0);
-    job.all_ok("resume");
-    job.check_all();
+    pauses_and_resumes(&mut job);
 }
 
 /// Connections that announce a whole frame and send it one byte at a time, forever
@@ -490,10 +488,7 @@ fn slow_clients_do_not_starve_stats_nor_the_peers_pause_and_resume() {
         matches!(r.frames.as_slice(), [f] if f.kind == R_JSON),
         "{r:?}"
     );
-    job.all_ok("pause");
-    assert_eq!(job.used(), 0);
-    job.all_ok("resume");
-    job.check_all();
+    pauses_and_resumes(&mut job);
 }
 
 /// Waits until `done()` holds; panics naming `what` after a generous bound.
@@ -554,9 +549,7 @@ fn a_frame_with_an_fd_on_each_byte_leaves_no_fd_in_the_server() {
         "{sent} bytes sent, each with an fd: the server had {before} fds open before, {after} after"
     );
     drop(s);
-    job.all_ok("pause");
-    job.all_ok("resume");
-    job.check_all();
+    pauses_and_resumes(&mut job);
 }
 
 /// Rank 0's stderr is a pipe that is full and that nobody reads, and 500 requests it refuses
@@ -570,13 +563,13 @@ fn refusals_with_stderr_on_a_full_pipe_do_not_stop_the_server() {
     let (fake, rt) = (&dirs.fake, &dirs.rt);
     let (read_end, write_end): (OwnedFd, OwnedFd) = nix::unistd::pipe().unwrap();
     let mut stderr = Some(write_end);
-    let mut job = Job::start_with_stderr(
+    let mut job = Job::start_per_rank(
         2,
         49,
         fake,
         rt,
         5000,
-        &[("MEMSAVER_CONTROL", "1"), ("MEMSAVER_LOG", "warn")],
+        |_| [("MEMSAVER_CONTROL", "1"), ("MEMSAVER_LOG", "warn")],
         |r| match (r, stderr.take()) {
             (0, Some(w)) => Stdio::from(w),
             _ => Stdio::inherit(),
@@ -612,9 +605,7 @@ fn refusals_with_stderr_on_a_full_pipe_do_not_stop_the_server() {
         matches!(r.frames.as_slice(), [f] if f.kind == R_JSON),
         "{r:?}"
     );
-    job.all_ok("pause");
-    job.all_ok("resume");
-    job.check_all();
+    pauses_and_resumes(&mut job);
     // Read the pipe now: the refusals are a few lines, one of them counting what it did not
     // show one by one.
     drop(filler);

@@ -109,53 +109,20 @@ impl Job {
         timeout_ms: u32,
         env: &[(&str, &str)],
     ) -> Job {
-        Self::start_per_rank(world, group, fake_dir, runtime_dir, timeout_ms, |_| {
-            env.iter().copied()
-        })
-    }
-
-    /// As [`Job::start`], with extra environment variables `env(rank)` for each rank.
-    pub fn start_per_rank<I, K, V>(
-        world: usize,
-        group: u32,
-        fake_dir: &Path,
-        runtime_dir: &Path,
-        timeout_ms: u32,
-        env: impl Fn(usize) -> I,
-    ) -> Job
-    where
-        I: IntoIterator<Item = (K, V)>,
-        K: AsRef<OsStr>,
-        V: AsRef<OsStr>,
-    {
-        Self::spawn_ranks(world, group, fake_dir, runtime_dir, timeout_ms, env, |_| {
-            Stdio::inherit()
-        })
-    }
-
-    /// As [`Job::start_with`], with each rank's stderr `stderr(rank)` (a pipe nobody reads,
-    /// for example).
-    pub fn start_with_stderr(
-        world: usize,
-        group: u32,
-        fake_dir: &Path,
-        runtime_dir: &Path,
-        timeout_ms: u32,
-        env: &[(&str, &str)],
-        stderr: impl FnMut(usize) -> Stdio,
-    ) -> Job {
-        Self::spawn_ranks(
+        Self::start_per_rank(
             world,
             group,
             fake_dir,
             runtime_dir,
             timeout_ms,
             |_| env.iter().copied(),
-            stderr,
+            |_| Stdio::inherit(),
         )
     }
 
-    fn spawn_ranks<I, K, V>(
+    /// As [`Job::start`], with extra environment variables `env(rank)` and stderr
+    /// `stderr(rank)` (inherited, or a pipe nobody reads, for example) for each rank.
+    pub fn start_per_rank<I, K, V>(
         world: usize,
         group: u32,
         fake_dir: &Path,
