@@ -10,8 +10,6 @@
 
 mod common;
 
-use std::process::Stdio;
-
 use common::{Dirs, Job, MIB};
 
 /// A timeout short enough for tests, long enough for a loaded machine.
@@ -89,21 +87,13 @@ fn a_dead_owner_leaves_only_its_imports_paused() {
 #[test]
 fn an_import_that_cannot_be_mapped_is_not_held() {
     let dirs = Dirs::new();
-    let mut job = Job::start_per_rank(
-        3,
-        22,
-        &dirs.fake,
-        &dirs.rt,
-        TIMEOUT_MS,
-        |r| {
-            if r == 0 {
-                vec![("FAKE_CUDA_FAIL_MAP_AT", "5")]
-            } else {
-                Vec::new()
-            }
-        },
-        |_| Stdio::inherit(),
-    );
+    let mut job = Job::start_per_rank(3, 22, &dirs.fake, &dirs.rt, TIMEOUT_MS, |r| {
+        if r == 0 {
+            vec![("FAKE_CUDA_FAIL_MAP_AT", "5")]
+        } else {
+            Vec::new()
+        }
+    });
     job.setup(4);
     job.ok(&[0, 1, 2], "pause");
     let dead = job.pid(2).to_string();

@@ -563,7 +563,7 @@ fn refusals_with_stderr_on_a_full_pipe_do_not_stop_the_server() {
     let (fake, rt) = (&dirs.fake, &dirs.rt);
     let (read_end, write_end): (OwnedFd, OwnedFd) = nix::unistd::pipe().unwrap();
     let mut stderr = Some(write_end);
-    let mut job = Job::start_per_rank(
+    let mut job = Job::start_per_rank_with_stderr(
         2,
         49,
         fake,

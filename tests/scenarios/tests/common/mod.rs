@@ -109,20 +109,40 @@ impl Job {
         timeout_ms: u32,
         env: &[(&str, &str)],
     ) -> Job {
-        Self::start_per_rank(
+        Self::start_per_rank(world, group, fake_dir, runtime_dir, timeout_ms, |_| {
+            env.iter().copied()
+        })
+    }
+
+    /// As [`Job::start`], with extra environment variables `env(rank)` for each rank.
+    pub fn start_per_rank<I, K, V>(
+        world: usize,
+        group: u32,
+        fake_dir: &Path,
+        runtime_dir: &Path,
+        timeout_ms: u32,
+        env: impl Fn(usize) -> I,
+    ) -> Job
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<OsStr>,
+        V: AsRef<OsStr>,
+    {
+        let inherit = |_| Stdio::inherit();
+        Self::start_per_rank_with_stderr(
             world,
             group,
             fake_dir,
             runtime_dir,
             timeout_ms,
-            |_| env.iter().copied(),
-            |_| Stdio::inherit(),
+            env,
+            inherit,
         )
     }
 
-    /// As [`Job::start`], with extra environment variables `env(rank)` and stderr
-    /// `stderr(rank)` (inherited, or a pipe nobody reads, for example) for each rank.
-    pub fn start_per_rank<I, K, V>(
+    /// As [`Job::start_per_rank`], with stderr `stderr(rank)` for each rank (a pipe nobody
+    /// reads, for example).
+    pub fn start_per_rank_with_stderr<I, K, V>(
         world: usize,
         group: u32,
         fake_dir: &Path,
