@@ -2,10 +2,11 @@
 //! tags, run a profile stage in it, read its stats.
 //!
 //! This is the transport only, on the same runtime directory, sockets, credentials and wire as
-//! the `nccl` tag's sharing (`rundir`, `peer`, `protocol`; docs/security.md): a control request
-//! is a [`Request::Control`] frame sent to a process's socket in `<runtime dir>/g<group>/`,
-//! admitted by the same checks (this user, the pid `SO_PEERCRED` shows is the one the request
-//! names, the addressee's identity, the group). What each request does is the business of
+//! the `nccl` tag's sharing (`rundir`, `peer`, `server`, `protocol`; docs/security.md): a
+//! control request is a [`Request::Control`] frame sent to a process's socket in
+//! `<runtime dir>/g<group>/`, admitted by the same checks (this user, this pid namespace, the
+//! pid `SO_PEERCRED` shows and its start time are the ones the request names, the addressee's
+//! identity, the group). What each request does is the business of
 //! libmemsaver.so's C ABI layer, which installs an [`Executor`].
 //!
 //! A process serves control requests only once it opted in ([`serve`]: `MEMSAVER_CONTROL=1`
@@ -28,7 +29,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::peer;
 use crate::protocol::{self, Identity, Reply, Request};
@@ -76,13 +77,31 @@ pub fn serving() -> bool {
     SERVING.load(Ordering::SeqCst)
 }
 
-/// At the allocator's start: serve control requests if `MEMSAVER_CONTROL=1`.
+/// Why `MEMSAVER_CONTROL=1` could not be honoured when the allocator started.
+static START_ERROR: OnceLock<String> = OnceLock::new();
+
+/// At the allocator's start: serve control requests if `MEMSAVER_CONTROL=1`. A process that
+/// was asked to and cannot keeps the reason: every operation done for the application fails
+/// with it ([`start_error`]), as with an invalid option; the hooks that answer NCCL's driver
+/// calls go on.
 pub(crate) fn on_start() {
-    if memsaver_allocator::options::get().control
-        && let Err(e) = serve()
-    {
-        tracing::warn!("memsaver: MEMSAVER_CONTROL=1: {e}");
+    if !memsaver_allocator::options::get().control {
+        return;
     }
+    SERVING.store(true, Ordering::SeqCst);
+    if let Err(e) = peer::ensure_server() {
+        let message = format!(
+            "MEMSAVER_CONTROL=1 is set, but this process cannot serve control requests: {e}; \
+             or unset MEMSAVER_CONTROL"
+        );
+        tracing::warn!("memsaver: {message}");
+        let _ = START_ERROR.set(message);
+    }
+}
+
+/// Why this process could not serve control requests as `MEMSAVER_CONTROL=1` asked at start.
+pub(crate) fn start_error() -> Option<&'static str> {
+    START_ERROR.get().map(String::as_str)
 }
 
 struct Job {
@@ -142,8 +161,12 @@ fn run(job: Job) {
         }
         .encode();
     }
-    if let Err(e) = protocol::write_frame(stream.as_fd(), &body, None) {
-        tracing::warn!(pid = from, error = %e, "memsaver: cannot answer a control request");
+    let deadline = Instant::now() + crate::server::WRITE_TIMEOUT;
+    if let Err(e) = protocol::write_frame(stream.as_fd(), &body, None, deadline) {
+        // Through the server's log: this thread never waits on stderr.
+        crate::server::note(format!(
+            "cannot answer a control request of process {from}: {e}"
+        ));
     }
 }
 
@@ -291,27 +314,27 @@ pub fn targets(pid: Option<u32>, group: Option<i64>) -> Result<Vec<Target>, Stri
 fn send(t: &Target, op: &Control, timeout: Duration) -> Result<Outcome, String> {
     let pid = t.pid;
     let stream = peer::connect(t.group, &t.identity)?;
-    stream
-        .set_read_timeout(Some(timeout))
-        .map_err(|e| format!("process {pid}: {e}"))?;
     let request = Request::Control {
         from: peer::me(),
         to: t.identity,
         group: t.group,
         op: op.clone(),
     };
-    protocol::write_frame(stream.as_fd(), &request.encode(), None)
+    let sent_by = Instant::now() + crate::server::WRITE_TIMEOUT;
+    protocol::write_frame(stream.as_fd(), &request.encode(), None, sent_by)
         .map_err(|e| format!("process {pid}: {e}"))?;
-    let (body, _) = protocol::read_frame(stream.as_fd()).map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => {
-            format!("process {pid} closed the connection without an answer (did it exit?)")
-        }
-        std::io::ErrorKind::TimedOut => format!(
-            "process {pid} did not answer within {:.0} s (it may still complete the request)",
-            timeout.as_secs_f64()
-        ),
-        _ => format!("process {pid}: {e}"),
-    })?;
+    let answered_by = Instant::now() + timeout;
+    let (body, _) =
+        protocol::read_frame(stream.as_fd(), answered_by).map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => {
+                format!("process {pid} closed the connection without an answer (did it exit?)")
+            }
+            std::io::ErrorKind::TimedOut => format!(
+                "process {pid} did not answer within {:.0} s (it may still complete the request)",
+                timeout.as_secs_f64()
+            ),
+            _ => format!("process {pid}: {e}"),
+        })?;
     match Reply::decode(&body) {
         Ok(Reply::Done) => Ok(Outcome::Done),
         Ok(Reply::Json { text }) => Ok(Outcome::Json(text)),

@@ -34,6 +34,7 @@ mod protocol;
 mod provider;
 mod registry;
 mod rundir;
+mod server;
 mod vmm;
 
 pub use provider::NcclTag;
@@ -69,11 +70,16 @@ pub fn init_logging() {
 /// (lock order in docs/architecture.md), never under `REGISTRY`.
 ///
 /// An invalid `MEMSAVER_*` option is an error here (every operation done for the application
-/// names it); the hooks that must answer NCCL's driver calls whatever the options say use
+/// names it), and so is `MEMSAVER_CONTROL=1` in a process that could not start serving control
+/// requests; the hooks that must answer NCCL's driver calls whatever the options say use
 /// [`driver`] instead.
 pub fn allocator() -> Result<&'static Allocator> {
     memsaver_allocator::options::get().check()?;
-    started()
+    let a = started()?;
+    match control::start_error() {
+        Some(e) => Err(memsaver_allocator::Error::InvalidArgument(e.to_owned())),
+        None => Ok(a),
+    }
 }
 
 /// The process-wide driver, also when an option is invalid (an import's properties, a peer's

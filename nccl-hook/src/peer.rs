@@ -4,10 +4,12 @@
 //! NCCL shares a P2P buffer by exporting its handle as a POSIX fd, sending the fd over its own
 //! Unix socket and importing it in the peer. An exported fd does not say which buffer it is, so
 //! the export wrapper hands NCCL a **token** instead: a sealed memfd holding (group, owner
-//! identity, virtual handle, generation). The importer's wrapper recognises the token (a memfd
-//! with exactly our seals), asks the owner's memsaver for the real fd over memsaver's own
+//! identity, virtual handle, key, generation). The importer's wrapper recognises the token (a
+//! memfd with exactly our seals), asks the owner's memsaver for the real fd over memsaver's own
 //! socket, and imports that. So the owner knows every importer of each buffer, and every
-//! importer knows the owner and buffer behind each import.
+//! importer knows the owner and buffer behind each import. The **key** is 64 random bits the
+//! owner draws when it first exports a buffer: the owner hands out the buffer's fd only to a
+//! request that carries it, so only a process that was given the token can get the memory.
 //!
 //! A process's **identity** is (pid, start time, random nonce): unique across pid namespaces
 //! and pid reuse, where a pid alone is not. Each process that exports serves
@@ -17,44 +19,40 @@
 //!
 //! * directories: [`crate::rundir`] (no symbolic links, owner and mode checked on the open
 //!   descriptor, sockets reached through it);
-//! * credentials (`SO_PEERCRED`), both ends: the server serves this user's processes whose
-//!   pid (as it sees it) is the one they claim; the client talks only to a server of this user
-//!   whose pid (as it sees it) is the one the token names; a process of another pid namespace
-//!   shows another pid (or 0) and is refused;
+//! * credentials (`SO_PEERCRED`) and pid namespaces, both ends: the server (`server`) serves
+//!   this user's processes of its own pid namespace (`/proc/<pid>/ns/pid`) whose pid and start
+//!   time are the ones they claim; the client ([`connect`]) talks only to a server of this user
+//!   and pid namespace whose pid and start time are the owner's;
+//! * keys: an `Fds` request must carry each buffer's key, which only its token gives;
 //! * group: a token names its group; an importer refuses another group's token and a server
 //!   refuses another group's requests;
-//! * the wire: [`crate::protocol`] (framed, typed, bounded, with timeouts), served by a fixed
-//!   pool of [`WORKERS`] threads with at most [`QUEUED`] connections waiting.
+//! * the wire: [`crate::protocol`] (framed, typed, bounded, one deadline per frame), read by
+//!   the server's one reading thread and answered by a fixed pool of workers (`server`).
 
 use std::collections::HashMap;
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::{getsockopt, sockopt};
 use parking_lot::Mutex;
 
-use memsaver_allocator::driver::Handle;
 use memsaver_allocator::options;
 
 use crate::protocol::{self, Identity, Item, MAX_ITEMS, Reply, Request};
 use crate::registry;
 use crate::rundir::{self, Dir};
 
-const MAGIC: &[u8] = b"memsaver-token-v2";
+const MAGIC: &[u8] = b"memsaver-token-v3";
 const SEALS: libc::c_int =
     libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
 
-/// Threads serving peers, per owner process.
-const WORKERS: usize = 4;
-/// Connections accepted and waiting for a worker; more are closed at once (refused).
-const QUEUED: usize = 64;
-/// How long a server waits for a connection's request, and either end for a write.
+/// How long a client waits to hand over a request (and, on top of the owner's own wait, for
+/// its answers).
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What a token names.
@@ -66,12 +64,14 @@ pub(crate) struct Token {
     pub start: u64,
     pub nonce: u64,
     pub vh: u64,
+    /// The buffer's key: what the owner asks of whoever names the buffer (see `server`).
+    pub key: u64,
     pub generation: u64,
 }
 
 impl Token {
-    /// A token of this process for its buffer `vh`.
-    pub(crate) fn own(group: i64, vh: u64, generation: u64) -> Self {
+    /// A token of this process for its buffer `vh`, whose key is `key`.
+    pub(crate) fn own(group: i64, vh: u64, key: u64, generation: u64) -> Self {
         let me = me();
         Self {
             group,
@@ -79,6 +79,7 @@ impl Token {
             start: me.start,
             nonce: me.nonce,
             vh,
+            key,
             generation,
         }
     }
@@ -129,19 +130,87 @@ fn proc_is_ours() -> bool {
     })
 }
 
-fn random_nonce() -> u64 {
+/// The start time of process `pid` of this pid namespace, where `/proc` shows it.
+pub(crate) fn start_of(pid: u32) -> Option<u64> {
+    proc_is_ours()
+        .then(|| proc_stat(&pid.to_string()))
+        .flatten()
+        .map(|(_, start)| start)
+}
+
+/// Why a process is not known to be in this process's pid namespace.
+pub(crate) enum Namespace {
+    /// It is in another one.
+    Other,
+    /// This process cannot tell, and why (a reason fit for any process to read).
+    Unknown(String),
+}
+
+/// The pid namespace of process `pid` as `/proc` shows it: the device and inode of
+/// `/proc/<pid>/ns/pid` (two processes share a namespace exactly when these are equal).
+fn pid_namespace(pid: &str) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(format!("/proc/{pid}/ns/pid")).ok()?;
+    Some((m.dev(), m.ino()))
+}
+
+/// Whether process `pid` (as this process sees it, from `SO_PEERCRED`) is in this process's
+/// pid namespace. A pid is a process of this namespace only where `/proc` shows this
+/// namespace; elsewhere (`unshare --pid` without a `/proc` of its own) nobody can tell.
+pub(crate) fn same_pid_namespace(pid: u32) -> Result<(), Namespace> {
+    if !proc_is_ours() {
+        return Err(Namespace::Unknown(
+            "the owner cannot tell which pid namespace (container) a process is in: its /proc \
+             does not show its own pid namespace (mount a /proc for it, as containers do)"
+                .into(),
+        ));
+    }
+    let ours = pid_namespace("self").ok_or_else(|| {
+        Namespace::Unknown("the owner cannot read its own /proc/self/ns/pid".into())
+    })?;
+    match pid_namespace(&pid.to_string()) {
+        Some(theirs) if theirs == ours => Ok(()),
+        Some(_) => Err(Namespace::Other),
+        // Gone, or not ours to look at (a process that is not dumpable): not known to be in
+        // this namespace, so not in it.
+        None => Err(Namespace::Other),
+    }
+}
+
+/// 64 random bits from the kernel (`getrandom`).
+fn random_u64() -> std::io::Result<u64> {
     let mut b = [0u8; 8];
-    // SAFETY: `b` is writable for its length.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n != b.len() as isize {
+    loop {
+        // SAFETY: `b` is writable for its length.
+        let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+        if n == b.len() as isize {
+            return Ok(u64::from_le_bytes(b));
+        }
+        let e = std::io::Error::last_os_error();
+        if n >= 0 || e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(std::io::Error::other(format!(
+                "no random bits from the kernel (getrandom: {e})"
+            )));
+        }
+    }
+}
+
+fn random_nonce() -> u64 {
+    random_u64().unwrap_or_else(|_| {
         // No getrandom (very old kernel): time and address bits, still unique enough to tell
-        // two processes with the same pid and start time apart.
+        // two processes with the same pid and start time apart (a nonce is not a secret).
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
-        return t ^ (&b as *const _ as u64).rotate_left(32);
-    }
-    u64::from_le_bytes(b)
+        let here = 0u8;
+        t ^ (&here as *const u8 as u64).rotate_left(32)
+    })
+}
+
+/// A new buffer key: 64 random bits, or an error (a key must not be guessable: without
+/// random bits the buffer is exported as a plain fd instead, and that is recorded).
+pub(crate) fn new_key() -> std::io::Result<u64> {
+    random_u64()
 }
 
 /// This process's identity (made again in a forked child, whose pid differs).
@@ -168,7 +237,7 @@ pub(crate) fn me() -> Identity {
 /// same pid in [`alive`].
 static STARTS: Mutex<Option<HashMap<u32, u64>>> = Mutex::new(None);
 
-fn remember_start(pid: u32, start: u64) {
+pub(crate) fn remember_start(pid: u32, start: u64) {
     STARTS
         .lock()
         .get_or_insert_with(HashMap::new)
@@ -230,13 +299,14 @@ pub(crate) fn make_token(t: Token) -> std::io::Result<OwnedFd> {
     // SAFETY: a new fd we own.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let text = format!(
-        "{} {} {} {} {} {} {}\n",
+        "{} {} {} {} {} {} {} {}\n",
         std::str::from_utf8(MAGIC).unwrap_or(""),
         t.group,
         t.pid,
         t.start,
         t.nonce,
         t.vh,
+        t.key,
         t.generation
     );
     let mut f = std::fs::File::from(fd);
@@ -269,6 +339,7 @@ pub(crate) fn read_token(fd: RawFd) -> Option<Token> {
         start: it.next()?.parse().ok()?,
         nonce: it.next()?.parse().ok()?,
         vh: it.next()?.parse().ok()?,
+        key: it.next()?.parse().ok()?,
         generation: it.next()?.parse().ok()?,
     };
     it.next().is_none().then_some(t)
@@ -381,263 +452,21 @@ pub(crate) fn ensure_server() -> std::io::Result<()> {
             let _ = SERVING.set((dir, name, me.pid));
             // SAFETY: registers a plain extern "C" function without arguments.
             unsafe { libc::atexit(remove_own_socket) };
-            start_workers(listener, group, me).map_err(|e| e.to_string())
+            crate::server::start(listener, group, me).map_err(|e| e.to_string())
         })
         .clone()
         .map_err(std::io::Error::other)
 }
 
-fn start_workers(listener: UnixListener, group: i64, me: Identity) -> std::io::Result<()> {
-    let (tx, rx): (SyncSender<UnixStream>, Receiver<UnixStream>) =
-        std::sync::mpsc::sync_channel(QUEUED);
-    let rx = Arc::new(Mutex::new(rx));
-    for n in 0..WORKERS {
-        let rx = rx.clone();
-        std::thread::Builder::new()
-            .name(format!("memsaver-nccl-{n}"))
-            .spawn(move || {
-                loop {
-                    let conn = rx.lock().recv();
-                    match conn {
-                        Ok(c) => serve(c, group, me),
-                        Err(_) => return,
-                    }
-                }
-            })?;
-    }
-    std::thread::Builder::new()
-        .name("memsaver-nccl".into())
-        .spawn(move || {
-            // `accept` retries EINTR.
-            for conn in listener.incoming() {
-                match conn {
-                    Ok(c) => match tx.try_send(c) {
-                        Ok(()) => {}
-                        Err(TrySendError::Full(_)) => {
-                            // Said once: a flood of connections is not a flood of lines.
-                            static SAID: std::sync::Once = std::sync::Once::new();
-                            SAID.call_once(|| {
-                                tracing::warn!(
-                                    "memsaver: refusing peers' connections: {QUEUED} are already waiting"
-                                )
-                            });
-                        }
-                        Err(TrySendError::Disconnected(_)) => return,
-                    },
-                    // Out of fds and the like: do not spin.
-                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
-                }
-            }
-        })?;
-    Ok(())
-}
-
 /// The peer's (uid, pid) as this process sees them; pid 0 for a process outside this pid
 /// namespace.
-fn peer_cred(s: &UnixStream) -> std::io::Result<(u32, u32)> {
+pub(crate) fn peer_cred(s: &UnixStream) -> std::io::Result<(u32, u32)> {
     let c = getsockopt(s, sockopt::PeerCredentials).map_err(std::io::Error::from)?;
     Ok((c.uid(), u32::try_from(c.pid()).unwrap_or(0)))
 }
 
-/// Checks a request's sender and addressee; the refusal's reason otherwise.
-fn admit(
-    from: &Identity,
-    to: &Identity,
-    group: i64,
-    me: Identity,
-    my_group: i64,
-    cred_pid: u32,
-) -> Result<(), String> {
-    if cred_pid == 0 || cred_pid != from.pid {
-        return Err(format!(
-            "process {} (as it says) is process {cred_pid} here: it runs in another pid \
-             namespace (container); memsaver shares NCCL memory only within one",
-            from.pid
-        ));
-    }
-    if *to != me {
-        return Err(format!(
-            "this is process {} started at {} (nonce {:016x}), not the one the token names",
-            me.pid, me.start, me.nonce
-        ));
-    }
-    if group != my_group {
-        return Err(format!(
-            "process {} of group {group} asked for buffers of group {my_group}: groups do not \
-             share NCCL memory (MEMSAVER_GROUP, memsaver.set_group, ncclSetGroupID)",
-            from.pid
-        ));
-    }
-    if proc_is_ours()
-        && let Some((_, start)) = proc_stat(&cred_pid.to_string())
-        && start != from.start
-    {
-        return Err(format!(
-            "process {cred_pid} started at {start}, not at {} as it says",
-            from.start
-        ));
-    }
-    Ok(())
-}
-
-/// One connection from a peer: one request, answered, then closed.
-fn serve(stream: UnixStream, my_group: i64, me: Identity) {
-    let (uid, cred_pid) = match peer_cred(&stream) {
-        Ok(c) => c,
-        Err(_) => return,
-    };
-    if uid != rundir::euid() {
-        tracing::warn!(uid, "memsaver: refused a connection from another user");
-        return;
-    }
-    if stream.set_read_timeout(Some(IO_TIMEOUT)).is_err()
-        || stream.set_write_timeout(Some(IO_TIMEOUT)).is_err()
-    {
-        return;
-    }
-    let refuse = |reason: String| {
-        tracing::warn!(
-            pid = cred_pid,
-            "memsaver: refused a peer's request: {reason}"
-        );
-        let _ = protocol::write_frame(stream.as_fd(), &Reply::Refused { reason }.encode(), None);
-    };
-    let request = match protocol::read_frame(stream.as_fd()) {
-        Ok((body, None)) => Request::decode(&body).map_err(|e| e.to_string()),
-        Ok((_, Some(_))) => Err("a request came with an fd".to_owned()),
-        Err(e) => {
-            tracing::debug!(pid = cred_pid, error = %e, "memsaver: a peer's connection ended");
-            return;
-        }
-    };
-    let request = match request {
-        Ok(r) => r,
-        Err(e) => return refuse(format!("a malformed request: {e}")),
-    };
-    let (from, to, group) = request.head();
-    if let Err(reason) = admit(from, to, group, me, my_group, cred_pid) {
-        return refuse(reason);
-    }
-    let _ = match request {
-        Request::Fds { from, items, .. } => {
-            remember_start(from.pid, from.start);
-            answer(&stream, from.pid, &items)
-        }
-        Request::Released { from, items, .. } => {
-            remember_start(from.pid, from.start);
-            let mut reg = registry::lock();
-            for i in &items {
-                if let Some(p) = reg.physicals.get_mut(&i.vh)
-                    && p.generation == i.generation
-                {
-                    p.importers.remove(&from.pid);
-                }
-            }
-            drop(reg);
-            protocol::write_frame(stream.as_fd(), &Reply::Done.encode(), None)
-        }
-        // Run on the control thread, never on this worker (see `control`).
-        Request::Control { from, op, .. } => match crate::control::submit(stream, from.pid, op) {
-            Ok(()) => Ok(()),
-            Err((stream, reason)) => {
-                tracing::warn!(
-                    pid = cred_pid,
-                    "memsaver: refused a control request: {reason}"
-                );
-                protocol::write_frame(stream.as_fd(), &Reply::Refused { reason }.encode(), None)
-            }
-        },
-    };
-}
-
-/// Answers `items` in order: the real fd of buffer `vh` once its generation is at least the
-/// one asked for (waiting for an owner still resuming, up to the timeout), recording `pid` as
-/// an importer. Every item already answerable is answered under one hold of the registry
-/// lock, so that a process busy resuming serves a peer's hundreds of buffers in one go.
-fn answer(stream: &UnixStream, pid: u32, items: &[Item]) -> std::io::Result<()> {
-    let deadline = Instant::now() + timeout();
-    // Before the registry lock: this may start the allocator. The driver whatever the options
-    // say: a peer's import must be served.
-    let driver = crate::driver();
-    let mut next = 0;
-    while next < items.len() {
-        let mut replies: Vec<(Reply, Option<OwnedFd>)> = Vec::new();
-        {
-            let mut reg = registry::lock();
-            for r in &items[next..] {
-                let Some(p) = reg.physicals.get_mut(&r.vh) else {
-                    replies.push((Reply::Unknown { vh: r.vh }, None));
-                    continue;
-                };
-                // A buffer that stays resident through pauses (host memory, given to a NIC,
-                // ...) keeps its generation: serve it as it is. Otherwise wait until the owner
-                // has re-created the generation asked for.
-                let stays = p.pausable().is_err();
-                let Some(h) = p.real.filter(|_| stays || p.generation >= r.generation) else {
-                    break; // not restored yet: answers go out in order, wait
-                };
-                match driver.clone().and_then(|d| Ok(d.export_fd(Handle(h))?)) {
-                    Ok(fd) => {
-                        p.importers.insert(pid);
-                        let reply = Reply::Fd {
-                            vh: r.vh,
-                            generation: p.generation,
-                        };
-                        replies.push((reply, Some(fd)));
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, "memsaver: cannot export an NCCL buffer to a peer");
-                        replies.push((Reply::Failed { vh: r.vh }, None));
-                    }
-                }
-            }
-        }
-        for (i, (reply, fd)) in replies.iter().enumerate() {
-            let sent = protocol::write_frame(
-                stream.as_fd(),
-                &reply.encode(),
-                fd.as_ref().map(|f| f.as_fd()),
-            );
-            if let Err(e) = sent {
-                // The importer is gone (or gave up waiting): it holds none of the fds not
-                // delivered, so it must not stay registered for them (its owner's next pause
-                // would wait for it).
-                unregister(pid, &replies[i..]);
-                return Err(e);
-            }
-        }
-        next += replies.len();
-        if next < items.len() {
-            if Instant::now() >= deadline {
-                for r in &items[next..] {
-                    protocol::write_frame(
-                        stream.as_fd(),
-                        &Reply::NotReady { vh: r.vh }.encode(),
-                        None,
-                    )?;
-                }
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_micros(500));
-        }
-    }
-    Ok(())
-}
-
-/// Forgets `pid` as an importer of the buffers of `replies` that carried an fd.
-fn unregister(pid: u32, replies: &[(Reply, Option<OwnedFd>)]) {
-    let mut reg = registry::lock();
-    for (reply, _) in replies {
-        if let Reply::Fd { vh, generation } = reply
-            && let Some(p) = reg.physicals.get_mut(vh)
-            && p.generation == *generation
-        {
-            p.importers.remove(&pid);
-        }
-    }
-}
-
-/// Connects to the server of `owner` in `group`'s directory and checks who answers.
+/// Connects to the server of `owner` in `group`'s directory and checks who answers: a process
+/// of this user, in this pid namespace, whose pid and start time are the owner's.
 pub(crate) fn connect(group: i64, owner: &Identity) -> Result<UnixStream, String> {
     let dir = rundir::group_dir(&runtime_dir(), group).map_err(|e| e.to_string())?;
     let name = socket_name(owner);
@@ -664,23 +493,36 @@ pub(crate) fn connect(group: i64, owner: &Identity) -> Result<UnixStream, String
             rundir::euid()
         ));
     }
-    if pid != owner.pid {
+    let namespace = match same_pid_namespace(pid) {
+        Ok(()) if pid != 0 => None,
+        Ok(()) | Err(Namespace::Other) => Some(
+            "it runs in another pid namespace (container); memsaver shares NCCL memory and \
+             control only within one"
+                .to_owned(),
+        ),
+        Err(Namespace::Unknown(why)) => Some(why),
+    };
+    if let Some(why) = namespace {
         return Err(format!(
-            "{} is served by the process this process sees as pid {pid}, not the process {} the \
-             token names: it runs in another pid namespace (container); memsaver shares NCCL \
-             memory only within one",
+            "{} is not served by process {} of this pid namespace: {why}",
             shown(),
             owner.pid
         ));
     }
-    stream
-        .set_read_timeout(Some(timeout() + IO_TIMEOUT))
-        .and_then(|()| stream.set_write_timeout(Some(IO_TIMEOUT)))
-        .map_err(|e| e.to_string())?;
+    if pid != owner.pid || start_of(pid) != Some(owner.start) {
+        return Err(format!(
+            "{} is served by another process than process {} (started at {}) that the token \
+             or socket names: refused",
+            shown(),
+            owner.pid,
+            owner.start
+        ));
+    }
     Ok(stream)
 }
 
-/// Sends `request` (at most [`MAX_ITEMS`] items) to `owner` and reads `n` replies.
+/// Sends `request` (at most [`MAX_ITEMS`] items) to `owner` and reads `n` replies, all by one
+/// deadline: the owner's own wait for buffers still resuming, and [`IO_TIMEOUT`].
 fn exchange(
     group: i64,
     owner: &Identity,
@@ -689,16 +531,19 @@ fn exchange(
 ) -> Result<Vec<(Reply, Option<OwnedFd>)>, String> {
     let stream = connect(group, owner)?;
     let pid = owner.pid;
-    protocol::write_frame(stream.as_fd(), &request.encode(), None)
+    let sent_by = Instant::now() + IO_TIMEOUT;
+    protocol::write_frame(stream.as_fd(), &request.encode(), None, sent_by)
         .map_err(|e| format!("process {pid}: {e}"))?;
+    let answered_by = Instant::now() + timeout() + IO_TIMEOUT;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
-        let (body, fd) = protocol::read_frame(stream.as_fd()).map_err(|e| match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => {
-                format!("process {pid} closed the connection (did it exit?)")
-            }
-            _ => format!("process {pid}: {e}"),
-        })?;
+        let (body, fd) =
+            protocol::read_frame(stream.as_fd(), answered_by).map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => {
+                    format!("process {pid} closed the connection (did it exit?)")
+                }
+                _ => format!("process {pid}: {e}"),
+            })?;
         match Reply::decode(&body) {
             Ok(Reply::Refused { reason }) => {
                 return Err(format!("process {pid} refused: {reason}"));
@@ -710,44 +555,36 @@ fn exchange(
     Ok(out)
 }
 
-fn fetch(
-    group: i64,
-    owner: &Identity,
-    wants: &[(u64, u64)],
-) -> Result<Vec<(OwnedFd, u64)>, String> {
+/// The real fds of the buffers `wants` of `owner`, with the generation each one is.
+fn fetch(group: i64, owner: &Identity, wants: &[Item]) -> Result<Vec<(OwnedFd, u64)>, String> {
     let pid = owner.pid;
     let mut out = Vec::with_capacity(wants.len());
     for chunk in wants.chunks(MAX_ITEMS) {
-        let items: Vec<Item> = chunk
-            .iter()
-            .map(|(vh, generation)| Item {
-                vh: *vh,
-                generation: *generation,
-            })
-            .collect();
         let request = Request::Fds {
             from: me(),
             to: *owner,
             group,
-            items,
+            items: chunk.to_vec(),
         };
-        for ((reply, fd), (vh, want)) in exchange(group, owner, request, chunk.len())?
+        for ((reply, fd), want) in exchange(group, owner, request, chunk.len())?
             .into_iter()
             .zip(chunk)
         {
+            let vh = want.vh;
             out.push(match (reply, fd) {
-                (Reply::Fd { vh: got, generation }, Some(fd)) if got == *vh => (fd, generation),
+                (Reply::Fd { vh: got, generation }, Some(fd)) if got == vh => (fd, generation),
                 (Reply::NotReady { .. }, _) => {
                     return Err(format!(
-                        "process {pid} did not resume buffer {vh:#x} (generation {want}) within {} ms; it must resume 'nccl' too",
+                        "process {pid} did not resume buffer {vh:#x} (generation {}) within {} ms; it must resume 'nccl' too",
+                        want.generation,
                         timeout().as_millis()
                     ));
                 }
-                (Reply::Unknown { .. }, _) => {
-                    return Err(format!("process {pid} no longer has buffer {vh:#x}"));
-                }
                 (Reply::Failed { .. }, _) => {
-                    return Err(format!("process {pid} could not export buffer {vh:#x}"));
+                    return Err(format!(
+                        "process {pid} could not export buffer {vh:#x} (its driver failed, or \
+                         NCCL freed the buffer there)"
+                    ));
                 }
                 (r, _) => {
                     return Err(format!(
@@ -772,36 +609,35 @@ pub(crate) fn import(t: &Token) -> Result<(OwnedFd, u64), String> {
         ));
     }
     bind_owner(t)?;
-    fetch(t.group, &t.owner(), &[(t.vh, t.generation)])?
+    let want = Item {
+        vh: t.vh,
+        key: t.key,
+        generation: t.generation,
+    };
+    fetch(t.group, &t.owner(), &[want])?
         .pop()
         .ok_or_else(|| format!("process {}: no answer", t.pid))
 }
 
-/// The real fds of buffers `(vh, generation)` of `owner`, with the generation each one is.
+/// The real fds of buffers `wants` of `owner` (each at least the generation given), with the
+/// generation each one is.
 pub(crate) fn request_fds(
     group: i64,
     owner: u32,
-    wants: &[(u64, u64)],
+    wants: &[Item],
 ) -> Result<Vec<(OwnedFd, u64)>, String> {
     fetch(group, &owner_identity(owner)?, wants)
 }
 
-/// Tells `owner` that this process released its imports `(vh, generation)`.
-pub(crate) fn notify_released(group: i64, owner: u32, items: &[(u64, u64)]) -> Result<(), String> {
+/// Tells `owner` that this process released its imports `items`.
+pub(crate) fn notify_released(group: i64, owner: u32, items: &[Item]) -> Result<(), String> {
     let owner = owner_identity(owner)?;
     for chunk in items.chunks(MAX_ITEMS) {
-        let items = chunk
-            .iter()
-            .map(|(vh, generation)| Item {
-                vh: *vh,
-                generation: *generation,
-            })
-            .collect();
         let request = Request::Released {
             from: me(),
             to: owner,
             group,
-            items,
+            items: chunk.to_vec(),
         };
         exchange(group, &owner, request, 1)?;
     }
@@ -860,7 +696,7 @@ mod tests {
 
     #[test]
     fn tokens_round_trip_and_reject_extra_fields() {
-        let t = Token::own(-3, 0x6d73_0000_0000_0007, 2);
+        let t = Token::own(-3, 0x6d73_0000_0000_0007, new_key().unwrap(), 2);
         assert_eq!(t.pid, std::process::id());
         let fd = make_token(t).unwrap();
         assert_eq!(read_token(fd.as_raw_fd()), Some(t));

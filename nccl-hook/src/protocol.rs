@@ -9,14 +9,13 @@
 //!
 //! | kind | message | fields | answer |
 //! | --- | --- | --- | --- |
-//! | 0x01 | [`Request::Fds`] | from, to (identities), group, items (vh, generation) | one [`Reply::Fd`] (fd attached), `Unknown`, `NotReady` or `Failed` per item, in order; or `Refused` |
+//! | 0x01 | [`Request::Fds`] | from, to (identities), group, items (vh, key, generation) | one [`Reply::Fd`] (fd attached), `NotReady` or `Failed` per item, in order; or `Refused` (not admitted, or an item that names no buffer of the owner with that key) |
 //! | 0x02 | [`Request::Released`] | from, to, group, items | [`Reply::Done`], or `Refused` |
 //! | 0x03 | [`Control::Pause`] | from, to, group, tags | `Done`, `Error` or `Refused` |
 //! | 0x04 | [`Control::Resume`] | from, to, group, tags | `Done`, `Error` or `Refused` |
 //! | 0x05 | [`Control::Stats`] | from, to, group | `Json`, `Error` or `Refused` |
 //! | 0x06 | [`Control::Run`] | from, to, group, source, stage, profile text | `Json` (the stage's report), `Error` or `Refused` |
 //! | 0x81 | [`Reply::Fd`] | vh, generation; the fd by `SCM_RIGHTS` | |
-//! | 0x82 | [`Reply::Unknown`] | vh: the owner has no such buffer | |
 //! | 0x83 | [`Reply::NotReady`] | vh: not restored within the timeout | |
 //! | 0x84 | [`Reply::Failed`] | vh: the owner's export failed | |
 //! | 0x85 | [`Reply::Done`] | | |
@@ -29,25 +28,39 @@
 //! length (1 to [`MAX_TAG`]) and its bytes. Source and stage: a `u16` length (at most
 //! [`MAX_TEXT`]) and UTF-8; the profile text: a `u32` length and UTF-8, within the frame.
 //!
-//! An identity is (pid `u32`, start time `u64`, nonce `u64`): see `peer`.
+//! An identity is (pid `u32`, start time `u64`, nonce `u64`): see `peer`. An item is (vh
+//! `u64`, key `u64`, generation `u64`): the owner's virtual handle of the buffer, the buffer's
+//! **key** (64 random bits the owner drew when it first exported the buffer, carried by the
+//! token and nowhere else: a process that was not given the token cannot name the buffer), and
+//! a generation. An item that names no buffer of the owner with that key makes the owner
+//! refuse the whole request, saying nothing of which part was wrong.
 //!
 //! Every read and write here retries `EINTR`, sends with `MSG_NOSIGNAL` (a peer that went away
-//! is an error, not a `SIGPIPE` to the host process), and relies on the socket's timeouts
-//! (`SO_RCVTIMEO`/`SO_SNDTIMEO`, set by the caller on every connection): a silent peer is a
-//! `TimedOut` error.
+//! is an error, not a `SIGPIPE` to the host process) and has a **deadline** that covers the
+//! whole frame, however it is split (each `recvmsg`/`sendmsg` waits at most the time left:
+//! `SO_RCVTIMEO`/`SO_SNDTIMEO`): a peer that is silent or trickles bytes is a `TimedOut`
+//! error. A frame carries at most the fds its reader expects (one for a reply, none for a
+//! request): one more is an error at once, and the fds that came with it are closed at once
+//! (a reader that expects none gives the kernel no room for any: it never holds one).
 
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
-use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, UnixAddr, recvmsg, sendmsg};
+use nix::sys::socket::{
+    ControlMessage, ControlMessageOwned, MsgFlags, UnixAddr, recvmsg, sendmsg, setsockopt, sockopt,
+};
+use nix::sys::time::TimeVal;
 
 /// The largest frame body, in bytes.
 pub(crate) const MAX_FRAME: usize = 256 << 10;
 /// Bytes of a request before its items: kind, two identities, group, count.
 const REQUEST_HEAD: usize = 1 + 2 * 20 + 8 + 4;
+/// Bytes of an item: vh, key, generation.
+const ITEM: usize = 24;
 /// The most items one request may carry (callers split longer lists).
-pub(crate) const MAX_ITEMS: usize = (MAX_FRAME - REQUEST_HEAD) / 16;
+pub(crate) const MAX_ITEMS: usize = (MAX_FRAME - REQUEST_HEAD) / ITEM;
 /// The longest reason text of a refusal, in bytes.
 pub(crate) const MAX_TEXT: usize = 1024;
 /// The longest error message of a control reply, in bytes.
@@ -66,17 +79,19 @@ pub(crate) struct Identity {
     pub nonce: u64,
 }
 
-/// One buffer: the owner's virtual handle and a generation.
+/// One buffer: the owner's virtual handle, the buffer's key (from its token) and a
+/// generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Item {
     pub vh: u64,
+    pub key: u64,
     pub generation: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Request {
     /// The real fds of `items`, each once its generation is at least the one given; `from`
-    /// becomes an importer of each.
+    /// becomes an importer of each. Every item must name a buffer of the owner with its key.
     Fds {
         from: Identity,
         to: Identity,
@@ -122,9 +137,6 @@ pub(crate) enum Reply {
         vh: u64,
         generation: u64,
     },
-    Unknown {
-        vh: u64,
-    },
     NotReady {
         vh: u64,
     },
@@ -154,6 +166,7 @@ pub(crate) enum DecodeError {
     Truncated,
     TrailingBytes(usize),
     TooManyItems(u64),
+    TooManyTags(usize),
     BadText,
 }
 
@@ -166,6 +179,7 @@ impl std::fmt::Display for DecodeError {
             Self::Truncated => write!(f, "a truncated message"),
             Self::TrailingBytes(n) => write!(f, "{n} bytes after the message"),
             Self::TooManyItems(n) => write!(f, "{n} items (at most {MAX_ITEMS})"),
+            Self::TooManyTags(n) => write!(f, "{n} tags (at most {MAX_TAGS})"),
             Self::BadText => write!(f, "a text that is not UTF-8 or too long"),
         }
     }
@@ -174,7 +188,6 @@ impl std::fmt::Display for DecodeError {
 const FDS: u8 = 0x01;
 const RELEASED: u8 = 0x02;
 const R_FD: u8 = 0x81;
-const R_UNKNOWN: u8 = 0x82;
 const R_NOT_READY: u8 = 0x83;
 const R_FAILED: u8 = 0x84;
 const R_DONE: u8 = 0x85;
@@ -228,7 +241,7 @@ impl<'a> Cursor<'a> {
     fn tags(&mut self) -> Result<Vec<String>, DecodeError> {
         let n = self.u16()? as usize;
         if n > MAX_TAGS {
-            return Err(DecodeError::TooManyItems(n as u64));
+            return Err(DecodeError::TooManyTags(n));
         }
         let mut tags = Vec::with_capacity(n);
         for _ in 0..n {
@@ -311,6 +324,7 @@ impl Request {
                 out.extend_from_slice(&(items.len() as u32).to_le_bytes());
                 for i in items {
                     out.extend_from_slice(&i.vh.to_le_bytes());
+                    out.extend_from_slice(&i.key.to_le_bytes());
                     out.extend_from_slice(&i.generation.to_le_bytes());
                 }
             }
@@ -362,7 +376,7 @@ impl Request {
             return Err(DecodeError::TooManyItems(n));
         }
         // Checked against what is there before anything is allocated.
-        let want = n as usize * 16;
+        let want = n as usize * ITEM;
         if c.0.len() < want {
             return Err(DecodeError::Truncated);
         }
@@ -370,6 +384,7 @@ impl Request {
         for _ in 0..n {
             items.push(Item {
                 vh: c.u64()?,
+                key: c.u64()?,
                 generation: c.u64()?,
             });
         }
@@ -468,9 +483,8 @@ impl Reply {
                 out.extend_from_slice(&vh.to_le_bytes());
                 out.extend_from_slice(&generation.to_le_bytes());
             }
-            Self::Unknown { vh } | Self::NotReady { vh } | Self::Failed { vh } => {
+            Self::NotReady { vh } | Self::Failed { vh } => {
                 out.push(match self {
-                    Self::Unknown { .. } => R_UNKNOWN,
                     Self::NotReady { .. } => R_NOT_READY,
                     _ => R_FAILED,
                 });
@@ -507,7 +521,6 @@ impl Reply {
                 vh: c.u64()?,
                 generation: c.u64()?,
             },
-            R_UNKNOWN => Self::Unknown { vh: c.u64()? },
             R_NOT_READY => Self::NotReady { vh: c.u64()? },
             R_FAILED => Self::Failed { vh: c.u64()? },
             R_DONE => Self::Done,
@@ -550,11 +563,46 @@ fn io(e: Errno) -> std::io::Error {
     std::io::Error::from(e)
 }
 
-/// Writes one frame of `body` on `sock`, with `fd` attached (`SCM_RIGHTS`) if given.
+/// The time left until `deadline`, or a `TimedOut` error naming `what` when none is.
+fn left(deadline: Instant, what: &str) -> std::io::Result<Duration> {
+    match deadline.checked_duration_since(Instant::now()) {
+        // Below a microsecond a socket timeout would read as "none": no time left.
+        Some(d) if d >= Duration::from_micros(1) => Ok(d),
+        _ => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            what.to_owned(),
+        )),
+    }
+}
+
+/// Sets the socket's `SO_RCVTIMEO` (`receive`) or `SO_SNDTIMEO` to the time left until
+/// `deadline`, so that the next call waits no longer.
+fn wait_at_most(sock: BorrowedFd<'_>, receive: bool, deadline: Instant) -> std::io::Result<()> {
+    let what = if receive {
+        "the peer did not send its whole frame in time"
+    } else {
+        "the peer did not take the whole frame in time"
+    };
+    let d = left(deadline, what)?;
+    let tv = TimeVal::new(
+        libc::time_t::try_from(d.as_secs()).unwrap_or(libc::time_t::MAX),
+        libc::suseconds_t::from(d.subsec_micros().max(1)),
+    );
+    if receive {
+        setsockopt(&sock, sockopt::ReceiveTimeout, &tv)
+    } else {
+        setsockopt(&sock, sockopt::SendTimeout, &tv)
+    }
+    .map_err(io)
+}
+
+/// Writes one frame of `body` on `sock`, with `fd` attached (`SCM_RIGHTS`) if given, by
+/// `deadline` (a non-blocking socket: what fits at once, else an error).
 pub(crate) fn write_frame(
     sock: BorrowedFd<'_>,
     body: &[u8],
     fd: Option<BorrowedFd<'_>>,
+    deadline: Instant,
 ) -> std::io::Result<()> {
     if body.is_empty() || body.len() > MAX_FRAME {
         return Err(std::io::Error::other(
@@ -567,6 +615,7 @@ pub(crate) fn write_frame(
     let fds = fd.map(|f| [f.as_raw_fd()]);
     let mut sent = 0;
     while sent < frame.len() {
+        wait_at_most(sock, false, deadline)?;
         // The fd goes with the frame's first byte.
         let cmsg: Vec<ControlMessage> = match (&fds, sent) {
             (Some(f), 0) => vec![ControlMessage::ScmRights(f)],
@@ -581,86 +630,177 @@ pub(crate) fn write_frame(
         ) {
             Ok(n) => sent += n,
             Err(Errno::EINTR) => continue,
+            Err(Errno::EAGAIN) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the peer did not take the whole frame in time",
+                ));
+            }
             Err(e) => return Err(io(e)),
         }
     }
     Ok(())
 }
 
-/// Reads exactly `buf.len()` bytes, keeping any fd received on the way in `fds`.
-fn read_exact(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<()> {
-    let mut got = 0;
-    while got < buf.len() {
-        let mut space = nix::cmsg_space!([RawFd; 2]);
-        let mut iov = [IoSliceMut::new(&mut buf[got..])];
-        let msg = match recvmsg::<UnixAddr>(
-            sock.as_raw_fd(),
-            &mut iov,
-            Some(&mut space),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        ) {
-            Ok(m) => m,
-            Err(Errno::EINTR) => continue,
-            Err(Errno::EAGAIN) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "the peer sent nothing within the timeout",
-                ));
+/// A frame read in as many pieces as its bytes take to arrive: the server feeds it whatever a
+/// non-blocking socket has, a client reads a whole frame by a deadline ([`read_frame`]).
+pub(crate) struct FrameReader {
+    head: [u8; 4],
+    /// Bytes of the head received so far.
+    got_head: usize,
+    body: Vec<u8>,
+    /// The body's length, once the head is complete.
+    len: usize,
+    /// How many fds the frame may carry: 0 (a request) or 1 (a reply).
+    max_fds: usize,
+    fd: Option<OwnedFd>,
+}
+
+impl FrameReader {
+    /// A reader of one frame that may carry at most `max_fds` (0 or 1) fds.
+    pub(crate) fn new(max_fds: usize) -> Self {
+        Self {
+            head: [0; 4],
+            got_head: 0,
+            body: Vec::new(),
+            len: 0,
+            max_fds: max_fds.min(1),
+            fd: None,
+        }
+    }
+
+    /// Reads what `sock` has for this frame (never past its end), each `recvmsg` waiting at
+    /// most until `deadline` when one is given: `Some` with the body and its fd once the frame
+    /// is complete, `None` when the socket has nothing more now (a non-blocking socket, or the
+    /// deadline passed). A length of 0 or over [`MAX_FRAME`] is refused before anything is
+    /// allocated, an fd more than allowed at once, and the end of the connection is
+    /// `UnexpectedEof`.
+    pub(crate) fn advance(
+        &mut self,
+        sock: BorrowedFd<'_>,
+        deadline: Option<Instant>,
+    ) -> std::io::Result<Option<(Vec<u8>, Option<OwnedFd>)>> {
+        let mut chunk = [0u8; 16 << 10];
+        loop {
+            if let Some(d) = deadline {
+                wait_at_most(sock, true, d)?;
             }
-            Err(e) => return Err(io(e)),
-        };
-        let n = msg.bytes;
-        let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
+            let in_head = self.got_head < 4;
+            let buf = if in_head {
+                &mut self.head[self.got_head..]
+            } else {
+                let n = (self.len - self.body.len()).min(chunk.len());
+                &mut chunk[..n]
+            };
+            let Some(n) = recv_some(sock, buf, self.max_fds, &mut self.fd)? else {
+                return Ok(None);
+            };
+            if in_head {
+                self.got_head += n;
+                if self.got_head < 4 {
+                    continue;
+                }
+                self.len = u32::from_le_bytes(self.head) as usize;
+                if self.len == 0 || self.len > MAX_FRAME {
+                    let e = if self.len == 0 {
+                        DecodeError::Empty
+                    } else {
+                        DecodeError::TooLong(self.len)
+                    };
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        e.to_string(),
+                    ));
+                }
+                // Grown as bytes arrive: a frame announced is not memory taken.
+                self.body = Vec::with_capacity(self.len.min(chunk.len()));
+            } else {
+                self.body.extend_from_slice(&chunk[..n]);
+            }
+            if self.got_head == 4 && self.body.len() == self.len {
+                return Ok(Some((std::mem::take(&mut self.body), self.fd.take())));
+            }
+        }
+    }
+}
+
+/// One `recvmsg` into `buf`: `Some(bytes)`, or `None` when nothing is there now (`EAGAIN`: a
+/// non-blocking socket, or its receive timeout passed). An fd beyond `max_fds` (counting the
+/// one already in `fd`) is an error at once; with `max_fds` 0 the kernel gets no room for
+/// fds, so none is ever installed here (it discards them and says so with `MSG_CTRUNC`).
+fn recv_some(
+    sock: BorrowedFd<'_>,
+    buf: &mut [u8],
+    max_fds: usize,
+    fd: &mut Option<OwnedFd>,
+) -> std::io::Result<Option<usize>> {
+    let refused = || {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            if max_fds == 0 {
+                "a request came with an fd"
+            } else {
+                "a frame came with more than one fd"
+            },
+        )
+    };
+    let mut space = nix::cmsg_space!([RawFd; 1]);
+    loop {
+        let mut iov = [IoSliceMut::new(buf)];
+        let cmsg = (max_fds > 0).then_some(&mut space[..]);
+        let msg =
+            match recvmsg::<UnixAddr>(sock.as_raw_fd(), &mut iov, cmsg, MsgFlags::MSG_CMSG_CLOEXEC)
+            {
+                Ok(m) => m,
+                Err(Errno::EINTR) => continue,
+                Err(Errno::EAGAIN) => return Ok(None),
+                Err(e) => return Err(io(e)),
+            };
+        let mut extra = false;
         if let Ok(cmsgs) = msg.cmsgs() {
             for c in cmsgs {
                 if let ControlMessageOwned::ScmRights(received) = c {
                     for f in received {
-                        // SAFETY: fds received with SCM_RIGHTS are new descriptors we own.
-                        fds.push(unsafe { OwnedFd::from_raw_fd(f) });
+                        // SAFETY: fds received with SCM_RIGHTS are new descriptors we own
+                        // (closed right here when there is no room for them).
+                        let f = unsafe { OwnedFd::from_raw_fd(f) };
+                        if fd.is_none() && max_fds > 0 {
+                            *fd = Some(f);
+                        } else {
+                            extra = true;
+                        }
                     }
                 }
             }
         }
-        if truncated {
-            return Err(std::io::Error::other(
-                "the peer sent more fds than a frame carries",
-            ));
+        if extra || msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+            *fd = None;
+            return Err(refused());
         }
-        if n == 0 {
-            return Err(std::io::Error::new(
+        return match msg.bytes {
+            0 => Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
                 "the peer closed the connection",
-            ));
-        }
-        got += n;
+            )),
+            n => Ok(Some(n)),
+        };
     }
-    Ok(())
 }
 
-/// Reads one frame: its body and the fd that came with it, if any. A length over
-/// [`MAX_FRAME`] is refused before anything is allocated; more than one fd is an error.
-pub(crate) fn read_frame(sock: BorrowedFd<'_>) -> std::io::Result<(Vec<u8>, Option<OwnedFd>)> {
-    let mut fds = Vec::new();
-    let mut head = [0u8; 4];
-    read_exact(sock, &mut head, &mut fds)?;
-    let len = u32::from_le_bytes(head) as usize;
-    if len == 0 || len > MAX_FRAME {
-        let e = if len == 0 {
-            DecodeError::Empty
-        } else {
-            DecodeError::TooLong(len)
-        };
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            e.to_string(),
-        ));
+/// Reads one frame by `deadline`, the whole frame however it is split: its body and the fd
+/// that came with it, if any (a reply carries at most one).
+pub(crate) fn read_frame(
+    sock: BorrowedFd<'_>,
+    deadline: Instant,
+) -> std::io::Result<(Vec<u8>, Option<OwnedFd>)> {
+    let mut reader = FrameReader::new(1);
+    loop {
+        if let Some(frame) = reader.advance(sock, Some(deadline))? {
+            return Ok(frame);
+        }
+        // The receive timeout passed, maybe a moment early: the deadline decides.
+        left(deadline, "the peer sent nothing within the timeout")?;
     }
-    let mut body = vec![0u8; len];
-    read_exact(sock, &mut body, &mut fds)?;
-    if fds.len() > 1 {
-        return Err(std::io::Error::other("a frame came with more than one fd"));
-    }
-    Ok((body, fds.pop()))
 }
 
 #[cfg(test)]
@@ -678,7 +818,11 @@ mod tests {
 
     fn items() -> impl Strategy<Value = Vec<Item>> {
         proptest::collection::vec(
-            (any::<u64>(), any::<u64>()).prop_map(|(vh, generation)| Item { vh, generation }),
+            (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(vh, key, generation)| Item {
+                vh,
+                key,
+                generation,
+            }),
             0..64,
         )
     }
@@ -733,7 +877,6 @@ mod tests {
     fn reply() -> impl Strategy<Value = Reply> {
         prop_oneof![
             (any::<u64>(), any::<u64>()).prop_map(|(vh, generation)| Reply::Fd { vh, generation }),
-            any::<u64>().prop_map(|vh| Reply::Unknown { vh }),
             any::<u64>().prop_map(|vh| Reply::NotReady { vh }),
             any::<u64>().prop_map(|vh| Reply::Failed { vh }),
             Just(Reply::Done),
@@ -780,7 +923,7 @@ mod tests {
             body.extend_from_slice(&tail);
             match Request::decode(&body) {
                 Ok(Request::Fds { items, .. } | Request::Released { items, .. }) => {
-                    prop_assert_eq!(items.len() * 16, tail.len());
+                    prop_assert_eq!(items.len() * ITEM, tail.len());
                 }
                 Ok(Request::Control { .. }) => prop_assert!(false, "kinds 1 and 2 only"),
                 Err(e) => prop_assert!(matches!(e, DecodeError::Truncated
@@ -805,6 +948,7 @@ mod tests {
             group: -7,
             items: vec![Item {
                 vh: 8,
+                key: 10,
                 generation: 9,
             }],
         };
@@ -888,24 +1032,108 @@ mod tests {
     }
 
     #[test]
+    fn a_request_naming_too_many_tags_names_the_tag_limit() {
+        let id = Identity {
+            pid: 1,
+            start: 2,
+            nonce: 3,
+        };
+        let tags: Vec<String> = (0..2000).map(|i| format!("t{i}")).collect();
+        let mut body = vec![PAUSE];
+        put_identity(&mut body, &id);
+        put_identity(&mut body, &id);
+        body.extend_from_slice(&4i64.to_le_bytes());
+        body.extend_from_slice(&(tags.len() as u16).to_le_bytes());
+        for t in &tags {
+            body.push(t.len() as u8);
+            body.extend_from_slice(t.as_bytes());
+        }
+        let e = Request::decode(&body).unwrap_err();
+        assert_eq!(e.to_string(), "2000 tags (at most 1024)");
+    }
+
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(10)
+    }
+
+    #[test]
     fn frames_carry_an_fd_and_refuse_oversized_lengths() {
         use std::io::Write;
         use std::os::fd::AsFd;
         let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
         let f = std::fs::File::open("/dev/null").unwrap();
-        write_frame(a.as_fd(), &Reply::Done.encode(), Some(f.as_fd())).unwrap();
-        write_frame(a.as_fd(), &Reply::Unknown { vh: 3 }.encode(), None).unwrap();
-        let (body, fd) = read_frame(b.as_fd()).unwrap();
+        write_frame(a.as_fd(), &Reply::Done.encode(), Some(f.as_fd()), soon()).unwrap();
+        write_frame(a.as_fd(), &Reply::Failed { vh: 3 }.encode(), None, soon()).unwrap();
+        let (body, fd) = read_frame(b.as_fd(), soon()).unwrap();
         assert_eq!(Reply::decode(&body), Ok(Reply::Done));
         assert!(fd.is_some());
-        let (body, fd) = read_frame(b.as_fd()).unwrap();
-        assert_eq!(Reply::decode(&body), Ok(Reply::Unknown { vh: 3 }));
+        let (body, fd) = read_frame(b.as_fd(), soon()).unwrap();
+        assert_eq!(Reply::decode(&body), Ok(Reply::Failed { vh: 3 }));
         assert!(fd.is_none());
         (&a).write_all(&u32::MAX.to_le_bytes()).unwrap();
-        let e = read_frame(b.as_fd()).unwrap_err();
+        let e = read_frame(b.as_fd(), soon()).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
         drop(a);
-        let e = read_frame(b.as_fd()).unwrap_err();
+        let e = read_frame(b.as_fd(), soon()).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+
+    /// Sends `bytes` one per message, each with `fd` attached.
+    fn each_byte_with(sock: &std::os::unix::net::UnixStream, bytes: &[u8], fd: RawFd) {
+        for b in bytes {
+            sendmsg::<UnixAddr>(
+                sock.as_raw_fd(),
+                &[IoSlice::new(std::slice::from_ref(b))],
+                &[ControlMessage::ScmRights(&[fd])],
+                MsgFlags::empty(),
+                None,
+            )
+            .unwrap();
+        }
+    }
+
+    #[test]
+    fn an_fd_where_none_is_expected_is_refused_at_the_first_one() {
+        use std::os::fd::AsFd;
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let f = std::fs::File::open("/dev/null").unwrap();
+        let mut frame = 100u32.to_le_bytes().to_vec();
+        frame.resize(4 + 100, 0);
+        each_byte_with(&a, &frame, f.as_raw_fd());
+        // (That the owner holds none of them is checked on a real owner, whose fds can be
+        // counted: tests/scenarios/tests/nccl_security.rs.)
+        let mut r = FrameReader::new(0);
+        let e = r.advance(b.as_fd(), None).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+        assert_eq!(e.to_string(), "a request came with an fd");
+        // A reply may carry one: the second is refused when it arrives, and closed.
+        let mut r = FrameReader::new(1);
+        let e = r.advance(b.as_fd(), None).unwrap_err();
+        assert_eq!(e.to_string(), "a frame came with more than one fd");
+    }
+
+    #[test]
+    fn one_deadline_covers_every_read_of_a_frame() {
+        use std::io::Write;
+        use std::os::fd::AsFd;
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        // A peer that sends a byte every 20 ms: each read gets one in time, the frame never
+        // comes whole within the 300 ms it is given.
+        let trickle = std::thread::spawn(move || {
+            let mut a = a;
+            a.write_all(&1000u32.to_le_bytes()).unwrap();
+            for _ in 0..1000 {
+                if a.write_all(b"x").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let start = Instant::now();
+        let e = read_frame(b.as_fd(), start + Duration::from_millis(300)).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+        drop(b);
+        trickle.join().unwrap();
     }
 }

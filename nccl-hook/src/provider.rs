@@ -49,6 +49,7 @@ use memsaver_allocator::{Allocator, DeviceUsage, Error, ExternalTag, Report, Res
 
 use crate::graphs::{self, DEFAULT_STACK_SIZE};
 use crate::peer;
+use crate::protocol::Item;
 use crate::registry::{self, Kind, Range, Registry};
 
 const TAG: &str = "nccl";
@@ -261,8 +262,8 @@ fn peer_error(message: String) -> Error {
     }
 }
 
-/// Released imports to tell their owners about: owner -> [(owner's handle, generation)].
-type Notices = BTreeMap<u32, Vec<(u64, u64)>>;
+/// Released imports to tell their owners about: owner -> the items naming them there.
+type Notices = BTreeMap<u32, Vec<Item>>;
 
 /// What resume step 1 restored.
 #[derive(Default)]
@@ -312,7 +313,7 @@ fn release_one(
             out.notices
                 .entry(s.owner)
                 .or_default()
-                .push((s.vh, s.generation));
+                .push(s.item(s.generation));
             out.released_imports.entry(s.owner).or_default().add(p);
         }
         _ => out.bytes += p.size,
@@ -796,7 +797,7 @@ fn notify_owners(
         "notify",
         notices,
         deadline,
-        move |owner, items: Vec<(u64, u64)>| peer::notify_released(group, owner, &items),
+        move |owner, items: Vec<Item>| peer::notify_released(group, owner, &items),
         // Delivered late, the notice still does its job.
         |_, _| {},
     )
@@ -960,20 +961,19 @@ fn pause_error(
     ))
 }
 
-/// An import to fetch at resume.
+/// An import to fetch at resume: its handle here, and the item asking its owner for it.
 #[derive(Clone, Copy)]
 struct Wanted {
     vh: u64,
-    owner_vh: u64,
-    generation: u64,
+    owner: Item,
 }
 
-/// An import's new generation, served by its owner.
+/// An import's new generation, served by its owner: its handle here, the item naming it there
+/// (with the generation served), and the fd.
 struct Fetched {
     vh: u64,
-    owner_vh: u64,
+    owner: Item,
     fd: OwnedFd,
-    generation: u64,
 }
 
 type FetchResult = std::result::Result<Vec<Fetched>, String>;
@@ -985,8 +985,7 @@ fn imports_to_fetch() -> BTreeMap<u32, Vec<Wanted>> {
         if let (None, Some(s)) = (p.real, p.source) {
             fetch.entry(s.owner).or_default().push(Wanted {
                 vh: *vh,
-                owner_vh: s.vh,
-                generation: s.generation + 1,
+                owner: s.item(s.generation + 1),
             });
         }
     }
@@ -1007,16 +1006,18 @@ fn fetch_imports(
         fetch,
         deadline,
         move |owner, wants: Vec<Wanted>| {
-            let asks: Vec<(u64, u64)> = wants.iter().map(|w| (w.owner_vh, w.generation)).collect();
+            let asks: Vec<Item> = wants.iter().map(|w| w.owner).collect();
             match peer::request_fds(group, owner, &asks) {
                 Ok(fds) => Ok(wants
                     .into_iter()
                     .zip(fds)
                     .map(|(w, (fd, generation))| Fetched {
                         vh: w.vh,
-                        owner_vh: w.owner_vh,
+                        owner: Item {
+                            generation,
+                            ..w.owner
+                        },
                         fd,
-                        generation,
                     })
                     .collect()),
                 Err(e) => {
@@ -1029,8 +1030,7 @@ fn fetch_imports(
         },
         move |owner, late: FetchResult| {
             if let Ok(fetched) = late {
-                let items: Vec<(u64, u64)> =
-                    fetched.iter().map(|f| (f.owner_vh, f.generation)).collect();
+                let items: Vec<Item> = fetched.iter().map(|f| f.owner).collect();
                 let _ = peer::notify_released(group, owner, &items);
             }
         },
@@ -1086,10 +1086,7 @@ impl NcclTag {
             for f in served {
                 let Some(p) = reg.physicals.get(&f.vh) else {
                     // NCCL freed it meanwhile.
-                    unused
-                        .entry(owner)
-                        .or_default()
-                        .push((f.owner_vh, f.generation));
+                    unused.entry(owner).or_default().push(f.owner);
                     continue;
                 };
                 if p.real.is_some() {
@@ -1109,15 +1106,12 @@ impl NcclTag {
                         let p = reg.physicals.get_mut(&f.vh).expect("checked above");
                         p.real = Some(h.0);
                         if let Some(s) = p.source.as_mut() {
-                            s.generation = f.generation;
+                            s.generation = f.owner.generation;
                         }
                         out.mapped += 1;
                     }
                     Err(e) => {
-                        unused
-                            .entry(owner)
-                            .or_default()
-                            .push((f.owner_vh, f.generation));
+                        unused.entry(owner).or_default().push(f.owner);
                         out.map_error.get_or_insert(e);
                     }
                 }

@@ -44,6 +44,10 @@ pub(crate) struct Physical {
     pub exported: bool,
     /// Exported as a driver fd (tokens off): its importers are unknown, so it stays resident.
     pub exported_raw: bool,
+    /// The key a request must carry to be given this buffer (owner side): 64 random bits
+    /// drawn when it is first exported through a token, which carries it (see `peer`).
+    /// `None`: never exported so, and never handed out.
+    pub key: Option<u64>,
     /// Processes holding an import of the current generation (owner side).
     pub importers: HashSet<u32>,
     /// Incremented each time the memory is re-created by a resume (owner side).
@@ -62,8 +66,21 @@ pub(crate) struct Physical {
 pub(crate) struct Source {
     pub owner: u32,
     pub vh: u64,
+    /// The buffer's key, from its token.
+    pub key: u64,
     /// The owner's generation this import maps.
     pub generation: u64,
+}
+
+impl Source {
+    /// The item that names this import's buffer at the owner, in `generation`.
+    pub fn item(&self, generation: u64) -> crate::protocol::Item {
+        crate::protocol::Item {
+            vh: self.vh,
+            key: self.key,
+            generation,
+        }
+    }
 }
 
 impl Physical {
@@ -81,6 +98,7 @@ impl Physical {
             refs: 1,
             exported: false,
             exported_raw: false,
+            key: None,
             importers: HashSet::new(),
             generation: 0,
             source: None,

@@ -295,9 +295,15 @@ unsafe extern "C" fn mem_export(
     {
         // Hand NCCL a token naming this buffer; the importer's memsaver trades it for the
         // real fd with us, so we learn who imports what (see `peer`).
-        let token = peer::Token::own(crate::amem::group_id(), handle, p.generation);
-        match peer::ensure_server().and_then(|()| peer::make_token(token)) {
-            Ok(fd) => {
+        let made = peer::ensure_server()
+            .and_then(|()| p.key.map_or_else(peer::new_key, Ok))
+            .and_then(|key| {
+                let token = peer::Token::own(crate::amem::group_id(), handle, key, p.generation);
+                Ok((key, peer::make_token(token)?))
+            });
+        match made {
+            Ok((key, fd)) => {
+                p.key = Some(key);
                 p.exported = true;
                 // SAFETY: for POSIX fds the out-pointer holds one int; NCCL owns the fd now.
                 unsafe { *shareable.cast::<c_int>() = fd.into_raw_fd() };
@@ -347,6 +353,7 @@ unsafe extern "C" fn mem_import(
                     Some(Source {
                         owner: t.pid,
                         vh: t.vh,
+                        key: t.key,
                         generation,
                     }),
                 )

@@ -246,8 +246,8 @@ def test_a_request_from_another_uid_is_refused(spawn):
     assert as_nobody(through_api) == 0
 
     # Straight to the socket, with the directories opened up: the server's SO_PEERCRED check
-    # refuses another uid without a word, where the same uid gets an answer (a refusal that
-    # names the start time it claimed).
+    # refuses another uid without a word, where the same uid gets an answer (a refusal: it
+    # claimed start time 0).
     assert _raw_stats_request(sock, g)[4:5] == b"\x86"
     modes = rt.stat().st_mode, gdir.stat().st_mode
     try:

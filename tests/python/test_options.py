@@ -45,3 +45,36 @@ def test_an_invalid_alias_switch_warns_and_stays_off(child_env):
     r = run_python("import torch_memory_saver", env)
     assert "MEMSAVER_TORCH_MEMORY_SAVER='yes': expected 0 or 1" in r.stderr, r.stderr
     assert "No module named 'torch_memory_saver'" in r.stderr
+
+
+_STATS_AND_SERVE = """
+import memsaver
+for call in (memsaver.stats, memsaver.serve_control):
+    try:
+        call()
+    except memsaver.MemsaverError as e:
+        print(f"{call.__name__}: {type(e).__name__}: {e}")
+    else:
+        print(f"{call.__name__}: no error")
+"""
+
+
+def test_control_that_cannot_be_served_fails_at_start(child_env, tmp_path):
+    """MEMSAVER_CONTROL=1 in a process whose runtime directory is not private: the first
+    memsaver call fails, naming the directory and what to do, as an invalid option does, and
+    serve_control() says the same. (Before: one warning, and the process ran without control.)"""
+    rt = tmp_path / "shared"
+    rt.mkdir()
+    rt.chmod(0o755)
+    env = dict(child_env, MEMSAVER_CONTROL="1", MEMSAVER_RUNTIME_DIR=str(rt))
+    r = run_python(_STATS_AND_SERVE, env)
+    assert r.returncode == 0, r.stderr
+    said = dict(line.split(": ", 1) for line in r.stdout.splitlines())
+    stats = said["stats"]
+    assert stats.startswith("InvalidArgumentError: ") and (
+        "MEMSAVER_CONTROL=1 is set, but this process cannot serve control requests" in stats
+    ), stats
+    assert str(rt) in stats and "mode 0755" in stats and "set MEMSAVER_RUNTIME_DIR" in stats, stats
+    assert "unset MEMSAVER_CONTROL" in stats, stats
+    serve = said["serve_control"]
+    assert serve.startswith("ControlError: cannot serve control requests") and str(rt) in serve, serve

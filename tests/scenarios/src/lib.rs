@@ -4,6 +4,8 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+pub mod wire;
+
 /// What `fake_nccl_alloc` / `fake_nccl_import` report (layout of the fake NCCL's struct).
 #[repr(C)]
 #[derive(Default, Clone, Copy)]

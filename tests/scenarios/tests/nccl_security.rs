@@ -5,13 +5,24 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::os::unix::fs::PermissionsExt;
+use std::io::{BufRead, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
-use common::{Dirs, Job, MIB, pid_namespaces_unavailable};
+use common::{Dirs, Job, MIB};
+use memsaver_scenarios::wire::{
+    self, FDS, Identity, R_FD, R_JSON, R_REFUSED, RELEASED, STATS, VH_BASE,
+};
+
+/// How long a test waits for an answer that must come: generous, since the outcome, not the
+/// time, is what is checked.
+const ANSWER: Duration = Duration::from_secs(60);
 
 /// The owner socket of the process with `pid` in `rt/g<group>`.
 fn socket_of(rt: &Path, group: u32, pid: u32) -> PathBuf {
@@ -136,11 +147,11 @@ fn an_unsafe_runtime_directory_is_refused_and_the_fallback_is_recorded() {
 /// and a client talks only to the process its token names. (Before: the second job deleted the
 /// first one's `<pid>.sock` and the first job's imports mapped the second job's buffers.)
 #[test]
+#[cfg_attr(
+    no_pid_namespaces,
+    ignore = "needs pid namespaces: `unshare --user --map-root-user --pid --fork` fails on this machine (the build says why)"
+)]
 fn jobs_in_two_pid_namespaces_with_the_same_pids_stay_apart() {
-    if let Some(why) = pid_namespaces_unavailable() {
-        eprintln!("skipped: this kernel does not let this user make pid namespaces ({why})");
-        return;
-    }
     // The fake driver names its allocation files by pid: one state directory per namespace
     // (two machines' devices), one runtime directory for both.
     let (dirs, other) = (Dirs::new(), Dirs::new());
@@ -189,58 +200,28 @@ fn another_group_cannot_cross() {
         assert!(a.starts_with("err import"), "rank {r}: {a}");
     }
     // Asked directly, with a well-formed request naming the owner and another group.
-    let owner = job.pid(0);
-    let path = socket_of(rt, 21, owner);
-    let name = path.file_name().unwrap().to_string_lossy().into_owned();
-    let parts: Vec<&str> = name.trim_end_matches(".sock").split('-').collect();
-    assert_eq!(parts.len(), 3, "{name}: <pid>-<start>-<nonce>.sock");
-    let (start, nonce): (u64, u64) = (
-        parts[1].parse().unwrap(),
-        u64::from_str_radix(parts[2], 16).unwrap(),
+    let path = socket_of(rt, 21, job.pid(0));
+    let body = wire::items_request(
+        RELEASED,
+        Identity::this_process(7),
+        Identity::of_socket(&path),
+        22,
+        &[],
     );
-    let me = std::process::id();
-    let my_start: u64 =
-        std::fs::read_to_string("/proc/self/stat").unwrap()[std::fs::read_to_string(
-            "/proc/self/stat",
-        )
-        .unwrap()
-        .rfind(')')
-        .unwrap()
-            + 2..]
-            .split_whitespace()
-            .nth(19)
-            .unwrap()
-            .parse()
-            .unwrap();
-    let mut body = vec![0x02u8]; // Released
-    body.extend_from_slice(&me.to_le_bytes());
-    body.extend_from_slice(&my_start.to_le_bytes());
-    body.extend_from_slice(&7u64.to_le_bytes());
-    body.extend_from_slice(&owner.to_le_bytes());
-    body.extend_from_slice(&start.to_le_bytes());
-    body.extend_from_slice(&nonce.to_le_bytes());
-    body.extend_from_slice(&22i64.to_le_bytes());
-    body.extend_from_slice(&0u32.to_le_bytes());
-    let reply = ask(&path, &body);
-    assert_eq!(reply.first(), Some(&0x86), "refused: {reply:?}");
-    let text = String::from_utf8_lossy(&reply[3..]);
+    let reply = refusal(&wire::ask(&path, &body, ANSWER).unwrap());
     assert!(
-        text.contains("group 22") && text.contains("group 21"),
-        "{text}"
+        reply.contains("group 22") && reply.contains("group 21"),
+        "{reply}"
     );
 }
 
-/// Sends one frame of `body` and returns the body of the answer.
-fn ask(path: &Path, body: &[u8]) -> Vec<u8> {
-    let mut s = UnixStream::connect(path).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
-    s.write_all(body).unwrap();
-    let mut head = [0u8; 4];
-    s.read_exact(&mut head).unwrap();
-    let mut reply = vec![0u8; u32::from_le_bytes(head) as usize];
-    s.read_exact(&mut reply).unwrap();
-    reply
+/// The reason of the one refusal in `r` (panics on anything else).
+fn refusal(r: &wire::Replies) -> String {
+    assert_eq!(r.fds, 0, "{r:?}");
+    match r.frames.as_slice() {
+        [f] if f.kind == R_REFUSED => f.text.clone(),
+        _ => panic!("expected one refusal, got {r:?}"),
+    }
 }
 
 /// An owner's server holds a bounded number of threads whatever the number of connections,
@@ -278,14 +259,9 @@ fn the_server_bounds_threads_and_frames() {
         "the server read all 64 MiB of a frame it should refuse"
     );
     // A well-framed body of an unknown kind: refused, with the reason.
-    let reply = ask(&path, &[0x7f, 1, 2, 3]);
-    assert_eq!(reply.first(), Some(&0x86), "{reply:?}");
-    let text = String::from_utf8_lossy(&reply[3..]);
+    let text = refusal(&wire::ask(&path, &[0x7f, 1, 2, 3], ANSWER).unwrap());
     assert!(text.contains("unknown message kind 0x7f"), "{text}");
-    job.all_ok("pause");
-    assert_eq!(job.used(), 0);
-    job.all_ok("resume");
-    job.check_all();
+    pauses_and_resumes(&mut job);
 }
 
 /// A peer that exited but was not reaped yet (a zombie) holds nothing: the owner's pause does
@@ -301,4 +277,382 @@ fn a_zombie_peer_is_dead() {
     assert_eq!(job.on(&[0], "pause"), ["ok"]);
     assert_eq!(job.used(), 0);
     job.kill(1, true);
+}
+
+/// The job pauses (every process lets go: nothing is left in use) and resumes (every import
+/// reads its owner's contents): its processes still serve each other.
+fn pauses_and_resumes(job: &mut Job) {
+    job.all_ok("pause");
+    assert_eq!(job.used(), 0);
+    job.all_ok("resume");
+    job.check_all();
+}
+
+/// The whole numbers in `text`.
+fn numbers(text: &str) -> Vec<u64> {
+    text.split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse().ok())
+        .collect()
+}
+
+/// A process of another pid namespace (same user, same runtime directory) asks an owner for
+/// its stats (a control request) and for its NCCL buffers' fds, naming itself as its own
+/// namespace shows it, then with the pid and start time the owner's namespace shows for it.
+/// Every request is refused at admission, and no refusal tells it the pid or start time the
+/// owner sees. (Before: the first refusal said "process 1 (as it says) is process <pid>
+/// here", and the request resent with that pid was served.)
+#[test]
+#[cfg_attr(
+    no_pid_namespaces,
+    ignore = "needs pid namespaces: `unshare --user --map-root-user --pid --fork` fails on this machine (the build says why)"
+)]
+fn another_pid_namespace_is_refused_even_naming_the_pid_the_owner_sees() {
+    let dirs = Dirs::new();
+    let (fake, rt) = (&dirs.fake, &dirs.rt);
+    let mut job = Job::start_with(2, 41, fake, rt, 5000, &[("MEMSAVER_CONTROL", "1")]);
+    job.setup(4);
+    let path = socket_of(rt, 41, job.pid(0));
+    // Without --mount-proc: the client reads its pid in the owner's namespace from /proc, as
+    // any process of a child namespace can.
+    let out = Command::new("unshare")
+        .args(["--user", "--map-root-user", "--pid", "--fork"])
+        .arg(env!("CARGO_BIN_EXE_wire-client"))
+        .arg(&path)
+        .arg("41")
+        .arg("8")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let answers: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(answers.len(), 4, "{stdout}");
+    let outer = answers.iter().find(|a| a["as"] == "outer").unwrap();
+    let (pid, start) = (
+        outer["pid"].as_u64().unwrap(),
+        outer["start"].as_u64().unwrap(),
+    );
+    assert_ne!(
+        answers[0]["pid"], outer["pid"],
+        "the client runs in another pid namespace"
+    );
+    for a in &answers {
+        assert_eq!(a["fds"], 0, "{a}");
+        let replies = a["replies"].as_array().unwrap();
+        assert!(
+            replies.len() == 1 && replies[0]["kind"] == R_REFUSED,
+            "refused at admission, as a whole: {a}"
+        );
+        let text = replies[0]["text"].as_str().unwrap();
+        assert!(text.contains("pid namespace"), "{a}");
+        let said = numbers(text);
+        assert!(
+            !said.contains(&pid) && !said.contains(&start),
+            "the refusal tells the sender what the owner sees of it (pid {pid}, start {start}): {text}"
+        );
+    }
+    pauses_and_resumes(&mut job);
+}
+
+/// A process of the same user and pid namespace but not of the group names the group and
+/// counts virtual handles: it gets no fd, whatever keys it guesses and whatever layout it
+/// sends, and a buffer that exists is refused exactly as one that does not. (Before: buffer
+/// ids were the registry's counter, the group was whatever the request said, and the owner
+/// sent the fd of every buffer it was asked for, its imports of other processes' buffers
+/// included.)
+#[test]
+fn buffers_cannot_be_had_by_naming_the_group_and_counting_ids() {
+    let dirs = Dirs::new();
+    let (fake, rt) = (&dirs.fake, &dirs.rt);
+    let mut job = Job::start(2, 43, fake, rt, 5000);
+    job.setup(4);
+    let path = socket_of(rt, 43, job.pid(0));
+    let (me, owner) = (Identity::this_process(7), Identity::of_socket(&path));
+    let no_fd = |what: &str, r: &wire::Replies| {
+        assert!(
+            r.fds == 0 && r.frames.iter().all(|f| f.kind != R_FD),
+            "{what}: {r:?}"
+        );
+    };
+    // Ids 1 to 64 with guessed keys.
+    let guesses: Vec<(u64, u64, u64)> = (1..=64)
+        .flat_map(|n| {
+            [
+                (VH_BASE | n, 0, 0),
+                (VH_BASE | n, n, 1),
+                (VH_BASE | n, !0, 0),
+            ]
+        })
+        .collect();
+    let body = wire::items_request(FDS, me, owner, 43, &guesses);
+    no_fd("guessed keys", &wire::ask(&path, &body, ANSWER).unwrap());
+    // The same ids as items of (vh, generation), without a key.
+    let mut body = wire::head(FDS, me, owner, 43);
+    body.extend_from_slice(&64u32.to_le_bytes());
+    for n in 1..=64u64 {
+        body.extend_from_slice(&(VH_BASE | n).to_le_bytes());
+        body.extend_from_slice(&0u64.to_le_bytes());
+    }
+    no_fd("no key", &wire::ask(&path, &body, ANSWER).unwrap());
+    // Nothing tells which part of an item was wrong.
+    let ask_one = |vh: u64| {
+        let body = wire::items_request(FDS, me, owner, 43, &[(vh, 12345, 0)]);
+        wire::ask(&path, &body, ANSWER).unwrap()
+    };
+    let (exists, absent) = (ask_one(VH_BASE | 1), ask_one(VH_BASE | 999_999));
+    no_fd("an existing buffer", &exists);
+    assert_eq!(exists, absent);
+    pauses_and_resumes(&mut job);
+}
+
+/// Connections that announce a whole frame and send it one byte at a time, forever
+/// (reconnecting when the server closes them), until dropped.
+struct Dribblers {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Dribblers {
+    /// `n` connections to each of `paths`, connected and started before this returns.
+    fn start(paths: &[PathBuf], n: usize) -> Self {
+        let open = |p: &PathBuf| {
+            let mut s = UnixStream::connect(p).ok()?;
+            s.set_write_timeout(Some(Duration::from_secs(1))).ok()?;
+            // A frame of 256 KiB, of which only the length is sent now.
+            s.write_all(&(256u32 << 10).to_le_bytes()).ok()?;
+            Some(s)
+        };
+        let mut conns: Vec<(PathBuf, Option<UnixStream>)> = paths
+            .iter()
+            .flat_map(|p| (0..n).map(|_| (p.clone(), open(p))))
+            .collect();
+        assert!(conns.iter().all(|(_, c)| c.is_some()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let halt = stop.clone();
+        let thread = std::thread::spawn(move || {
+            while !halt.load(Ordering::Relaxed) {
+                for (p, c) in &mut conns {
+                    let sent = c.as_mut().is_some_and(|s| s.write_all(b"x").is_ok());
+                    if !sent {
+                        *c = open(p);
+                    }
+                }
+                // The pace of the attack, not a synchronisation: one byte per connection every
+                // 200 ms keeps any per-read timeout from firing.
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        });
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Dribblers {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Eight connections per owner that send their request one byte at a time never hold up a
+/// stats request nor the peers' requests that pause and resume need. (Before: the server's
+/// timeout applied to each read, so four such connections held its four workers for as long
+/// as they kept sending, and the peers' pause and resume timed out.)
+#[test]
+fn slow_clients_do_not_starve_stats_nor_the_peers_pause_and_resume() {
+    let dirs = Dirs::new();
+    let (fake, rt) = (&dirs.fake, &dirs.rt);
+    let mut job = Job::start_with(2, 45, fake, rt, 20_000, &[("MEMSAVER_CONTROL", "1")]);
+    job.setup(4);
+    let paths = [socket_of(rt, 45, job.pid(0)), socket_of(rt, 45, job.pid(1))];
+    // Connected first: ahead of every request below.
+    let _slow = Dribblers::start(&paths, 8);
+    let stats = wire::head(
+        STATS,
+        Identity::this_process(7),
+        Identity::of_socket(&paths[0]),
+        45,
+    );
+    let r = wire::ask(&paths[0], &stats, ANSWER).expect("stats answered");
+    assert!(
+        matches!(r.frames.as_slice(), [f] if f.kind == R_JSON),
+        "{r:?}"
+    );
+    pauses_and_resumes(&mut job);
+}
+
+/// Waits until `done()` holds; panics naming `what` after a generous bound.
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !done() {
+        assert!(t.elapsed() < ANSWER, "{what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Bytes this end sent that the other end has not read yet (`SIOCOUTQ`).
+fn unread(s: &UnixStream) -> i32 {
+    let mut n: libc::c_int = 0;
+    // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one int.
+    let rc = unsafe { libc::ioctl(s.as_raw_fd(), libc::TIOCOUTQ, &mut n) };
+    assert_eq!(rc, 0);
+    n
+}
+
+/// Whether the other end of `s` closed it.
+fn hung_up(s: &UnixStream) -> bool {
+    let mut p = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, no wait.
+    unsafe { libc::poll(&mut p, 1, 0) };
+    p.revents & libc::POLLHUP != 0
+}
+
+/// A request whose every byte comes with an fd attached is refused at the first one: the
+/// server holds none of them. (Before: it read the whole frame, keeping every fd, and only
+/// then found it had more than one: 1004 bytes left 1004 fds open in the target.)
+#[test]
+fn a_frame_with_an_fd_on_each_byte_leaves_no_fd_in_the_server() {
+    let dirs = Dirs::new();
+    let (fake, rt) = (&dirs.fake, &dirs.rt);
+    let mut job = Job::start(2, 47, fake, rt, 5000);
+    job.setup(4);
+    let owner = job.pid(0);
+    let path = socket_of(rt, 47, owner);
+    let before = wire::open_fds(owner);
+    let s = UnixStream::connect(&path).unwrap();
+    let devnull = std::fs::File::open("/dev/null").unwrap();
+    let mut bytes = 4096u32.to_le_bytes().to_vec();
+    bytes.resize(4 + 1000, 0);
+    let sent = wire::send_each_byte_with_fd(&s, &bytes, devnull.as_raw_fd());
+    // Either the server closed the connection or it read every byte sent.
+    wait_until(
+        "the server neither closed the connection nor read it",
+        || hung_up(&s) || unread(&s) == 0,
+    );
+    let after = wire::open_fds(owner);
+    assert!(
+        after <= before + 2,
+        "{sent} bytes sent, each with an fd: the server had {before} fds open before, {after} after"
+    );
+    drop(s);
+    pauses_and_resumes(&mut job);
+}
+
+/// Rank 0's stderr is a pipe that is full and that nobody reads, and 500 requests it refuses
+/// arrive at once: a legitimate request is still answered and the job pauses and resumes, and
+/// once the pipe is read the refusals are there as a few lines with a count, not one line
+/// each. (Before: each refusal was a WARN line written by the worker that refused it, so the
+/// first four blocked all four workers on the pipe.)
+#[test]
+fn refusals_with_stderr_on_a_full_pipe_do_not_stop_the_server() {
+    let dirs = Dirs::new();
+    let (fake, rt) = (&dirs.fake, &dirs.rt);
+    let (read_end, write_end): (OwnedFd, OwnedFd) = nix::unistd::pipe().unwrap();
+    let mut stderr = Some(write_end);
+    let mut job = Job::start_per_rank_with_stderr(
+        2,
+        49,
+        fake,
+        rt,
+        5000,
+        |_| [("MEMSAVER_CONTROL", "1"), ("MEMSAVER_LOG", "warn")],
+        |r| match (r, stderr.take()) {
+            (0, Some(w)) => Stdio::from(w),
+            _ => Stdio::inherit(),
+        },
+    );
+    job.setup(4);
+    // Fill the pipe through another open of it (non-blocking there only: rank 0's writes
+    // still block).
+    let filler = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(format!("/proc/self/fd/{}", read_end.as_raw_fd()))
+        .unwrap();
+    while (&filler).write(b".").is_ok() {}
+    let path = socket_of(rt, 49, job.pid(0));
+    // One after the other, each refused before the next is sent: the workers must keep
+    // refusing while nothing they log can be written.
+    for i in 0..500 {
+        let r = wire::ask(&path, &[0x7f], ANSWER).unwrap_or_else(|e| panic!("request {i}: {e}"));
+        assert!(
+            refusal(&r).contains("unknown message kind"),
+            "request {i}: {r:?}"
+        );
+    }
+    let stats = wire::head(
+        STATS,
+        Identity::this_process(7),
+        Identity::of_socket(&path),
+        49,
+    );
+    let r = wire::ask(&path, &stats, ANSWER).expect("stats answered");
+    assert!(
+        matches!(r.frames.as_slice(), [f] if f.kind == R_JSON),
+        "{r:?}"
+    );
+    pauses_and_resumes(&mut job);
+    // Read the pipe now: the refusals are a few lines, one of them counting what it did not
+    // show one by one.
+    drop(filler);
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(std::fs::File::from(read_end))
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let mut refusals = Vec::new();
+    while !refusals.iter().any(|l: &String| l.contains(" more ")) {
+        let line = rx
+            .recv_timeout(ANSWER)
+            .expect("a line counting the refusals not shown");
+        if line.contains("refused") {
+            refusals.push(line);
+        }
+    }
+    assert!(
+        refusals.len() < 50,
+        "{} lines: {refusals:#?}",
+        refusals.len()
+    );
+}
+
+/// A control request naming 2000 tags is refused naming the limit on tags (1024), not the
+/// limit on a request's items. (Before: "2000 items (at most 16380)".)
+#[test]
+fn too_many_tags_are_refused_naming_the_tag_limit() {
+    let dirs = Dirs::new();
+    let (fake, rt) = (&dirs.fake, &dirs.rt);
+    let mut job = Job::start_with(1, 51, fake, rt, 5000, &[("MEMSAVER_CONTROL", "1")]);
+    job.all_ok("alloc 4");
+    let path = socket_of(rt, 51, job.pid(0));
+    let names: Vec<String> = (0..2000).map(|i| format!("t{i}")).collect();
+    let tags: Vec<&str> = names.iter().map(String::as_str).collect();
+    let body = wire::pause_request(
+        Identity::this_process(7),
+        Identity::of_socket(&path),
+        51,
+        &tags,
+    );
+    let text = refusal(&wire::ask(&path, &body, ANSWER).unwrap());
+    assert!(text.contains("2000 tags (at most 1024)"), "{text}");
 }

@@ -85,21 +85,6 @@ fn rank_commands(
     (rendezvous, commands)
 }
 
-/// Whether this kernel lets this user make a user and pid namespace (`None`), else why not.
-pub fn pid_namespaces_unavailable() -> Option<String> {
-    match Command::new("unshare")
-        .args(["--user", "--map-root-user", "--pid", "--fork", "true"])
-        .output()
-    {
-        Ok(o) if o.status.success() => None,
-        Ok(o) => Some(format!(
-            "unshare --user --map-root-user --pid --fork: {}",
-            String::from_utf8_lossy(&o.stderr).trim()
-        )),
-        Err(e) => Some(format!("unshare: {e}")),
-    }
-}
-
 fn quote(p: &Path) -> String {
     format!("'{}'", p.display().to_string().replace('\'', r"'\''"))
 }
@@ -143,6 +128,34 @@ impl Job {
         K: AsRef<OsStr>,
         V: AsRef<OsStr>,
     {
+        let inherit = |_| Stdio::inherit();
+        Self::start_per_rank_with_stderr(
+            world,
+            group,
+            fake_dir,
+            runtime_dir,
+            timeout_ms,
+            env,
+            inherit,
+        )
+    }
+
+    /// As [`Job::start_per_rank`], with stderr `stderr(rank)` for each rank (a pipe nobody
+    /// reads, for example).
+    pub fn start_per_rank_with_stderr<I, K, V>(
+        world: usize,
+        group: u32,
+        fake_dir: &Path,
+        runtime_dir: &Path,
+        timeout_ms: u32,
+        env: impl Fn(usize) -> I,
+        mut stderr: impl FnMut(usize) -> Stdio,
+    ) -> Job
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<OsStr>,
+        V: AsRef<OsStr>,
+    {
         let (rendezvous, commands) = rank_commands(world, group, fake_dir, runtime_dir, timeout_ms);
         let ranks = commands
             .into_iter()
@@ -150,6 +163,7 @@ impl Job {
             .map(|(r, mut c)| {
                 let mut child = c
                     .envs(env(r))
+                    .stderr(stderr(r))
                     .stdin(Stdio::piped())
                     .stdout(Stdio::piped())
                     .spawn()
@@ -172,7 +186,8 @@ impl Job {
     }
 
     /// As [`Job::start`], with all ranks in one new pid namespace (and user namespace, which
-    /// an unprivileged user needs for it): `unshare` runs a shell there that starts the ranks
+    /// an unprivileged user needs for it, and mount namespace, with a `/proc` of the new pid
+    /// namespace as a container has): `unshare` runs a shell there that starts the ranks
     /// with their stdin and stdout on FIFOs. Their pids are small and the same in every such
     /// job (the shell is 1, the ranks 2, 3, ...).
     pub fn start_in_pid_namespace(
@@ -204,7 +219,15 @@ impl Job {
         }
         script += "wait";
         let launcher = Command::new("unshare")
-            .args(["--user", "--map-root-user", "--pid", "--fork", "sh", "-c"])
+            .args([
+                "--user",
+                "--map-root-user",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "sh",
+                "-c",
+            ])
             .arg(script)
             .envs(
                 commands[0]
