@@ -302,9 +302,10 @@ fn parse_file_name(name: &str) -> Option<(u64, Identity)> {
     (it.next().is_none() && file_name(ns, &who, n) == name).then_some((ns, who))
 }
 
-/// This process's pid namespace (0 where `/proc` does not tell).
+/// This process's pid namespace: the inode of `/proc/self/ns/pid` (0 where `/proc` does not
+/// tell).
 fn own_namespace() -> u64 {
-    process::pid_namespace("self").unwrap_or(0)
+    process::pid_namespace("self").map_or(0, |(_, ino)| ino)
 }
 
 /// Whether the file of `(ns, who)` belongs to a process of this pid namespace that is no

@@ -169,7 +169,7 @@ pub const CONTROL: OptionDoc = OptionDoc {
     kind: Kind::Bool,
     default: "0",
     reader: Reader::Library,
-    doc: "1: the process serves control requests (pause, resume, run a profile stage, stats) from other processes of its user and group once memsaver starts in it (`memsaver pause --pid/--group`, memsaver.control; also memsaver.serve_control()); see docs/security.md",
+    doc: "1: the process serves control requests (pause, resume, run a profile stage, stats) from other processes of its user and group once memsaver starts in it (`memsaver pause --pid/--group`, memsaver.control; also memsaver.serve_control()). A process that cannot serve them (a runtime directory that is not private) fails its first memsaver call, naming the directory; see docs/security.md",
 };
 pub const RETAIN_BACKUP: OptionDoc = OptionDoc {
     env: "MEMSAVER_RETAIN_BACKUP",

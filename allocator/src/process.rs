@@ -81,30 +81,45 @@ pub fn proc_is_ours() -> bool {
 }
 
 /// The pid namespace of process `pid` (a number, or `self`) as this process's `/proc` shows
-/// it: the inode of `/proc/<pid>/ns/pid` (`pid:[4026531836]`). `None` when it cannot be read
-/// (the process is gone, or `/proc` hides it).
-pub fn pid_namespace(pid: &str) -> Option<u64> {
-    let link = std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok()?;
-    link.to_str()?
-        .strip_prefix("pid:[")?
-        .strip_suffix(']')?
-        .parse()
-        .ok()
+/// it: the device and inode of `/proc/<pid>/ns/pid` (two processes share a namespace exactly
+/// when these are equal). `None` when it cannot be read (the process is gone, or is not ours
+/// to look at).
+pub fn pid_namespace(pid: &str) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(format!("/proc/{pid}/ns/pid")).ok()?;
+    Some((m.dev(), m.ino()))
 }
 
-/// 64 random bits from `getrandom`; without it (very old kernels), time and address bits,
-/// still enough to tell two processes with the same pid and start time apart.
-pub fn random_u64() -> u64 {
+/// 64 random bits from the kernel (`getrandom`), or why there are none: for secrets (keys),
+/// which must not fall back to anything guessable.
+pub fn random_bits() -> std::io::Result<u64> {
     let mut b = [0u8; 8];
-    // SAFETY: `b` is writable for its length.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n != b.len() as isize {
+    loop {
+        // SAFETY: `b` is writable for its length.
+        let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+        if n == b.len() as isize {
+            return Ok(u64::from_le_bytes(b));
+        }
+        let e = std::io::Error::last_os_error();
+        if n >= 0 || e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(std::io::Error::other(format!(
+                "no random bits from the kernel (getrandom: {e})"
+            )));
+        }
+    }
+}
+
+/// 64 random bits ([`random_bits`]); without them (very old kernels), time and address bits,
+/// still enough to tell two processes with the same pid and start time apart (a nonce is not a
+/// secret).
+pub fn random_u64() -> u64 {
+    random_bits().unwrap_or_else(|_| {
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
-        return t ^ (&b as *const _ as u64).rotate_left(32);
-    }
-    u64::from_le_bytes(b)
+        let here = 0u8;
+        t ^ (&here as *const u8 as u64).rotate_left(32)
+    })
 }
 
 /// Whether process `pid` (of this pid namespace) exists and has not exited: a zombie is dead,

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 use nix::sys::socket::{getsockopt, sockopt};
 use parking_lot::Mutex;
 
-use memsaver_allocator::options;
+use memsaver_allocator::{options, process};
 
 use crate::protocol::{self, Identity, Item, MAX_ITEMS, Reply, Request};
 use crate::registry;
@@ -107,35 +107,11 @@ pub(crate) fn timeout() -> Duration {
     options::get().nccl_timeout
 }
 
-/// The start time of process `pid` as this process's `/proc` shows it (field 22 of
-/// `/proc/<pid>/stat`, clock ticks after boot), and its state letter.
-fn proc_stat(pid: &str) -> Option<(char, u64)> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) is in parentheses and may hold anything: parse after it.
-    let rest = &text[text.rfind(')')? + 1..];
-    let mut f = rest.split_whitespace();
-    let state = f.next()?.chars().next()?;
-    // Fields 4.. ; the start time is field 22, the 20th after the state.
-    let start = f.nth(18)?.parse().ok()?;
-    Some((state, start))
-}
-
-/// Whether `/proc` shows this process's pid namespace (it shows another one where /proc was
-/// mounted for a parent namespace: `unshare --pid` without `--mount-proc`).
-fn proc_is_ours() -> bool {
-    static OURS: OnceLock<bool> = OnceLock::new();
-    *OURS.get_or_init(|| {
-        std::fs::read_link("/proc/self")
-            .is_ok_and(|p| p.to_str() == Some(&std::process::id().to_string()))
-    })
-}
-
 /// The start time of process `pid` of this pid namespace, where `/proc` shows it.
 pub(crate) fn start_of(pid: u32) -> Option<u64> {
-    proc_is_ours()
-        .then(|| proc_stat(&pid.to_string()))
+    process::proc_is_ours()
+        .then(|| process::start_time(pid))
         .flatten()
-        .map(|(_, start)| start)
 }
 
 /// Why a process is not known to be in this process's pid namespace.
@@ -146,29 +122,21 @@ pub(crate) enum Namespace {
     Unknown(String),
 }
 
-/// The pid namespace of process `pid` as `/proc` shows it: the device and inode of
-/// `/proc/<pid>/ns/pid` (two processes share a namespace exactly when these are equal).
-fn pid_namespace(pid: &str) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata(format!("/proc/{pid}/ns/pid")).ok()?;
-    Some((m.dev(), m.ino()))
-}
-
 /// Whether process `pid` (as this process sees it, from `SO_PEERCRED`) is in this process's
 /// pid namespace. A pid is a process of this namespace only where `/proc` shows this
 /// namespace; elsewhere (`unshare --pid` without a `/proc` of its own) nobody can tell.
 pub(crate) fn same_pid_namespace(pid: u32) -> Result<(), Namespace> {
-    if !proc_is_ours() {
+    if !process::proc_is_ours() {
         return Err(Namespace::Unknown(
             "the owner cannot tell which pid namespace (container) a process is in: its /proc \
              does not show its own pid namespace (mount a /proc for it, as containers do)"
                 .into(),
         ));
     }
-    let ours = pid_namespace("self").ok_or_else(|| {
+    let ours = process::pid_namespace("self").ok_or_else(|| {
         Namespace::Unknown("the owner cannot read its own /proc/self/ns/pid".into())
     })?;
-    match pid_namespace(&pid.to_string()) {
+    match process::pid_namespace(&pid.to_string()) {
         Some(theirs) if theirs == ours => Ok(()),
         Some(_) => Err(Namespace::Other),
         // Gone, or not ours to look at (a process that is not dumpable): not known to be in
@@ -177,59 +145,15 @@ pub(crate) fn same_pid_namespace(pid: u32) -> Result<(), Namespace> {
     }
 }
 
-/// 64 random bits from the kernel (`getrandom`).
-fn random_u64() -> std::io::Result<u64> {
-    let mut b = [0u8; 8];
-    loop {
-        // SAFETY: `b` is writable for its length.
-        let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-        if n == b.len() as isize {
-            return Ok(u64::from_le_bytes(b));
-        }
-        let e = std::io::Error::last_os_error();
-        if n >= 0 || e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(std::io::Error::other(format!(
-                "no random bits from the kernel (getrandom: {e})"
-            )));
-        }
-    }
-}
-
-fn random_nonce() -> u64 {
-    random_u64().unwrap_or_else(|_| {
-        // No getrandom (very old kernel): time and address bits, still unique enough to tell
-        // two processes with the same pid and start time apart (a nonce is not a secret).
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        let here = 0u8;
-        t ^ (&here as *const u8 as u64).rotate_left(32)
-    })
-}
-
 /// A new buffer key: 64 random bits, or an error (a key must not be guessable: without
 /// random bits the buffer is exported as a plain fd instead, and that is recorded).
 pub(crate) fn new_key() -> std::io::Result<u64> {
-    random_u64()
+    process::random_bits()
 }
 
 /// This process's identity (made again in a forked child, whose pid differs).
 pub(crate) fn me() -> Identity {
-    static ME: Mutex<Option<Identity>> = Mutex::new(None);
-    let pid = std::process::id();
-    let mut g = ME.lock();
-    match *g {
-        Some(i) if i.pid == pid => i,
-        _ => {
-            let i = Identity {
-                pid,
-                start: proc_stat("self").map_or(0, |(_, s)| s),
-                nonce: random_nonce(),
-            };
-            *g = Some(i);
-            i
-        }
-    }
+    process::me()
 }
 
 /// The start times of the processes this process deals with (owners named by tokens,
@@ -370,8 +294,7 @@ pub(crate) fn parse_socket_name(name: &str) -> Option<Identity> {
 /// `/proc` shows this pid namespace), not a later one with its pid. A socket left behind by a
 /// process that exited without its exit handlers is not a process.
 pub(crate) fn is_running(i: &Identity) -> bool {
-    alive(i.pid)
-        && (!proc_is_ours() || proc_stat(&i.pid.to_string()).is_some_and(|(_, s)| s == i.start))
+    process::is_running(i)
 }
 
 /// The group directory's sockets as owners (socket name, pid, whether that very process is
@@ -649,43 +572,12 @@ pub(crate) fn notify_released(group: i64, owner: u32, items: &[Item]) -> Result<
 /// importer's request), it is still the process that started then (a reused pid is dead).
 /// Pid 0 is no process.
 pub(crate) fn alive(pid: u32) -> bool {
-    let Ok(p) = libc::pid_t::try_from(pid) else {
-        return false;
-    };
-    if p <= 0 {
-        return false;
-    }
-    // SAFETY: pidfd_open takes a pid and flags; the result is a new fd or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, p, 0) } as libc::c_int;
-    let exited = if fd >= 0 {
-        // SAFETY: a new fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let mut pfd = libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // A pidfd is readable once the process has exited (zombies included).
-        // SAFETY: one valid pollfd, no wait.
-        (unsafe { libc::poll(&mut pfd, 1, 0) }) > 0
-    } else {
-        match std::io::Error::last_os_error().raw_os_error() {
-            Some(libc::ESRCH) => return false,
-            // No pidfd_open (before Linux 5.3): /proc says.
-            _ => {
-                !proc_is_ours()
-                    || proc_stat(&pid.to_string()).is_none_or(|(s, _)| matches!(s, 'Z' | 'X'))
-            }
-        }
-    };
-    if exited {
+    if !process::alive(pid) {
         return false;
     }
     let known = STARTS.lock().as_ref().and_then(|m| m.get(&pid).copied());
     match known {
-        Some(start) if proc_is_ours() => {
-            proc_stat(&pid.to_string()).is_some_and(|(_, s)| s == start)
-        }
+        Some(start) if process::proc_is_ours() => process::start_time(pid) == Some(start),
         _ => true,
     }
 }
@@ -732,7 +624,7 @@ mod tests {
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let pid = child.id();
         // Not reaped yet: a zombie once it exits.
-        while proc_stat(&pid.to_string()).is_some_and(|(s, _)| s != 'Z') {
+        while process::stat(&pid.to_string()).is_some_and(|(s, _)| s != 'Z') {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert!(!alive(pid), "a zombie is dead");

@@ -70,14 +70,8 @@ pub(crate) const MAX_TAGS: usize = 1024;
 /// The longest tag, in bytes (as the allocator's tag rule).
 pub(crate) const MAX_TAG: usize = 64;
 
-/// A process, unique across pid namespaces and pid reuse: its pid (in its own namespace), its
-/// start time (clock ticks after boot, `/proc/<pid>/stat` field 22) and a random nonce.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct Identity {
-    pub pid: u32,
-    pub start: u64,
-    pub nonce: u64,
-}
+/// A process, unique across pid namespaces and pid reuse (the core's `process::Identity`).
+pub(crate) use memsaver_allocator::process::Identity;
 
 /// One buffer: the owner's virtual handle, the buffer's key (from its token) and a
 /// generation.

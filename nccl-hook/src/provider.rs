@@ -742,18 +742,13 @@ enum Fault {
     Failed(String),
 }
 
-/// The scheduler state of `pid` (`/proc/<pid>/stat`): `R`, `S`, `T` (stopped), `Z`, ...
-fn proc_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
-}
-
 /// One line of a Peer error: which process, what it holds (`holds`, a clause that follows
 /// the process's name), what went wrong, what to do.
 fn describe(pid: u32, group: i64, holds: &str, fault: &Fault, timeout: Duration) -> String {
     let who = format!("process {pid} (group {group}){holds}");
     let ms = timeout.as_millis();
-    let state = proc_state(pid);
+    // The scheduler state: `R`, `S`, `T` (stopped), `Z`, ...
+    let state = memsaver_allocator::process::stat(&pid.to_string()).map(|(s, _)| s);
     let (stopped, zombie) = (
         matches!(state, Some('T' | 't')),
         matches!(state, Some('Z' | 'X')),

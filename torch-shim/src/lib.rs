@@ -371,8 +371,10 @@ pub unsafe extern "C" fn memsaver_nccl_diagnose_json(
 /// `memsaver_stats_json`): `dir` (the disk backup directory in force, or null), `state`
 /// (`{"state": "ok" | "missing" | "problem", "detail": why}`, checked as a pause would check
 /// it, without creating or removing anything) and `files`, the backup files in it
-/// (`{"name", "pid", "bytes", "running", "own"}`; a file whose process is no longer running is
-/// stale: the next process that opens the directory removes it). Does not start the allocator.
+/// (`{"name", "pid", "bytes", "running", "other_namespace", "own"}`; a file of this pid
+/// namespace whose process is no longer running is stale: the next process that opens the
+/// directory removes it; files of another pid namespace are never removed from this one). Does
+/// not start the allocator.
 ///
 /// # Safety
 /// As `memsaver_stats_json`.
