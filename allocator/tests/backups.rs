@@ -227,9 +227,10 @@ fn disk_usage_stays_constant_over_cycles() {
         .unwrap()
         .file_name();
     let name = name.to_string_lossy();
-    assert!(
-        name.starts_with(&format!("memsaver-{}-", std::process::id())),
-        "{name}"
+    assert_eq!(
+        name.split('-').nth(2),
+        Some(std::process::id().to_string().as_str()),
+        "memsaver-<pidns>-<pid>-...: {name}"
     );
     a.free(p).unwrap();
     assert_eq!(files(&dir), (0, 0));

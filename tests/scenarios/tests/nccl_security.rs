@@ -24,6 +24,11 @@ use memsaver_scenarios::wire::{
 /// time, is what is checked.
 const ANSWER: Duration = Duration::from_secs(60);
 
+/// The NCCL timeout of every job here (`MEMSAVER_NCCL_TIMEOUT_MS`): none of these tests is
+/// about it, and a live peer slowed down by a loaded machine must never turn an answer into a
+/// timeout. A test whose peer is dead or stopped learns it without waiting for it.
+const PEERS_ANSWER: u32 = 60_000;
+
 /// The owner socket of the process with `pid` in `rt/g<group>`.
 fn socket_of(rt: &Path, group: u32, pid: u32) -> PathBuf {
     let dir = rt.join(format!("g{group}"));
@@ -115,10 +120,12 @@ fn an_unsafe_runtime_directory_is_refused_and_the_fallback_is_recorded() {
                 .ok()
                 != Some(12345)
         {
-            eprintln!("skipped {what}: only root can make a directory of another user");
+            memsaver_test_support::skip(&format!(
+                "{what}: only root can make a directory of another user"
+            ));
             continue;
         }
-        let mut job = Job::start(2, 31, &dirs.fake, &rt, 2000);
+        let mut job = Job::start(2, 31, &dirs.fake, &rt, PEERS_ANSWER);
         job.setup(4);
         for r in 0..2 {
             let s = stats(&mut job, r);
@@ -156,8 +163,8 @@ fn jobs_in_two_pid_namespaces_with_the_same_pids_stay_apart() {
     // (two machines' devices), one runtime directory for both.
     let (dirs, other) = (Dirs::new(), Dirs::new());
     let rt = &dirs.rt;
-    let mut a = Job::start_in_pid_namespace(2, 40, &dirs.fake, rt, 5000);
-    let mut b = Job::start_in_pid_namespace(2, 40, &other.fake, rt, 5000);
+    let mut a = Job::start_in_pid_namespace(2, 40, &dirs.fake, rt, PEERS_ANSWER);
+    let mut b = Job::start_in_pid_namespace(2, 40, &other.fake, rt, PEERS_ANSWER);
     let pids = |j: &mut Job| j.all("pid");
     assert_eq!(
         pids(&mut a),
@@ -193,7 +200,7 @@ fn jobs_in_two_pid_namespaces_with_the_same_pids_stay_apart() {
 fn another_group_cannot_cross() {
     let dirs = Dirs::new();
     let (fake, rt) = (&dirs.fake, &dirs.rt);
-    let mut job = Job::start(2, 21, fake, rt, 2000);
+    let mut job = Job::start(2, 21, fake, rt, PEERS_ANSWER);
     assert_eq!(job.on(&[1], "group 22"), ["ok"]);
     job.all_ok("alloc 4");
     for (r, a) in job.all("exchange").iter().enumerate() {
@@ -232,15 +239,26 @@ fn refusal(r: &wire::Replies) -> String {
 fn the_server_bounds_threads_and_frames() {
     let dirs = Dirs::new();
     let (fake, rt) = (&dirs.fake, &dirs.rt);
-    let mut job = Job::start(2, 23, fake, rt, 5000);
+    let mut job = Job::start(2, 23, fake, rt, PEERS_ANSWER);
     job.setup(4);
     let owner = job.pid(0);
     let path = socket_of(rt, 23, owner);
     let before = threads_of(owner);
+    let fds_before = wire::open_fds(owner);
     let idle: Vec<UnixStream> = (0..200)
-        .filter_map(|_| UnixStream::connect(&path).ok())
+        .map(|i| UnixStream::connect(&path).unwrap_or_else(|e| panic!("connection {i}: {e}")))
         .collect();
-    std::thread::sleep(Duration::from_millis(300));
+    // The server has taken the connections in once it holds as many as it reads at a time (64):
+    // then a thread per connection would show.
+    let t = std::time::Instant::now();
+    while wire::open_fds(owner) < fds_before + 64 {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the server took in {} of 200 idle connections",
+            wire::open_fds(owner).saturating_sub(fds_before)
+        );
+        std::thread::yield_now();
+    }
     let during = threads_of(owner);
     assert!(
         during <= before + 2,
@@ -271,7 +289,7 @@ fn the_server_bounds_threads_and_frames() {
 fn a_zombie_peer_is_dead() {
     let dirs = Dirs::new();
     let (fake, rt) = (&dirs.fake, &dirs.rt);
-    let mut job = Job::start(2, 25, fake, rt, 1000);
+    let mut job = Job::start(2, 25, fake, rt, PEERS_ANSWER);
     job.setup(4);
     job.kill_to_zombie(1);
     assert_eq!(job.on(&[0], "pause"), ["ok"]);
@@ -309,7 +327,7 @@ fn numbers(text: &str) -> Vec<u64> {
 fn another_pid_namespace_is_refused_even_naming_the_pid_the_owner_sees() {
     let dirs = Dirs::new();
     let (fake, rt) = (&dirs.fake, &dirs.rt);
-    let mut job = Job::start_with(2, 41, fake, rt, 5000, &[("MEMSAVER_CONTROL", "1")]);
+    let mut job = Job::start_with(2, 41, fake, rt, PEERS_ANSWER, &[("MEMSAVER_CONTROL", "1")]);
     job.setup(4);
     let path = socket_of(rt, 41, job.pid(0));
     // Without --mount-proc: the client reads its pid in the owner's namespace from /proc, as
@@ -370,7 +388,7 @@ fn another_pid_namespace_is_refused_even_naming_the_pid_the_owner_sees() {
 fn buffers_cannot_be_had_by_naming_the_group_and_counting_ids() {
     let dirs = Dirs::new();
     let (fake, rt) = (&dirs.fake, &dirs.rt);
-    let mut job = Job::start(2, 43, fake, rt, 5000);
+    let mut job = Job::start(2, 43, fake, rt, PEERS_ANSWER);
     job.setup(4);
     let path = socket_of(rt, 43, job.pid(0));
     let (me, owner) = (Identity::this_process(7), Identity::of_socket(&path));
@@ -528,7 +546,7 @@ fn hung_up(s: &UnixStream) -> bool {
 fn a_frame_with_an_fd_on_each_byte_leaves_no_fd_in_the_server() {
     let dirs = Dirs::new();
     let (fake, rt) = (&dirs.fake, &dirs.rt);
-    let mut job = Job::start(2, 47, fake, rt, 5000);
+    let mut job = Job::start(2, 47, fake, rt, PEERS_ANSWER);
     job.setup(4);
     let owner = job.pid(0);
     let path = socket_of(rt, 47, owner);
@@ -568,7 +586,7 @@ fn refusals_with_stderr_on_a_full_pipe_do_not_stop_the_server() {
         49,
         fake,
         rt,
-        5000,
+        PEERS_ANSWER,
         |_| [("MEMSAVER_CONTROL", "1"), ("MEMSAVER_LOG", "warn")],
         |r| match (r, stderr.take()) {
             (0, Some(w)) => Stdio::from(w),
@@ -642,7 +660,7 @@ fn refusals_with_stderr_on_a_full_pipe_do_not_stop_the_server() {
 fn too_many_tags_are_refused_naming_the_tag_limit() {
     let dirs = Dirs::new();
     let (fake, rt) = (&dirs.fake, &dirs.rt);
-    let mut job = Job::start_with(1, 51, fake, rt, 5000, &[("MEMSAVER_CONTROL", "1")]);
+    let mut job = Job::start_with(1, 51, fake, rt, PEERS_ANSWER, &[("MEMSAVER_CONTROL", "1")]);
     job.all_ok("alloc 4");
     let path = socket_of(rt, 51, job.pid(0));
     let names: Vec<String> = (0..2000).map(|i| format!("t{i}")).collect();

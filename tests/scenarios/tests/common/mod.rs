@@ -296,21 +296,32 @@ impl Job {
         self.ranks[r].gone = true;
     }
 
-    /// As [`Job::kill`] without reaping, and waits until the kernel shows rank `r` a zombie.
+    /// As [`Job::kill`] without reaping, and waits until rank `r` has exited: a zombie, since
+    /// `waitid(WNOWAIT)` waits for the exit without reaping it. No deadline: SIGKILL ends it.
     pub fn kill_to_zombie(&mut self, r: usize) {
-        let stat = format!("/proc/{}/stat", self.pid(r));
+        let pid = self.pid(r);
         self.kill(r, false);
-        let zombie = || {
-            std::fs::read_to_string(&stat)
-                .is_ok_and(|s| s[s.rfind(')').unwrap() + 2..].starts_with('Z'))
-        };
-        let t = Instant::now();
-        while !zombie() {
-            assert!(
-                t.elapsed() < Duration::from_secs(5),
-                "rank {r} did not become a zombie"
+        loop {
+            // SAFETY: zeroed siginfo_t is a valid out-parameter; `pid` is our own child.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: as above.
+            let rc = unsafe {
+                libc::waitid(
+                    libc::P_PID,
+                    pid as libc::id_t,
+                    &mut info,
+                    libc::WEXITED | libc::WNOWAIT,
+                )
+            };
+            if rc == 0 {
+                return;
+            }
+            let e = std::io::Error::last_os_error();
+            assert_eq!(
+                e.kind(),
+                std::io::ErrorKind::Interrupted,
+                "waitid of rank {r}: {e}"
             );
-            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
