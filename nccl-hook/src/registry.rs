@@ -520,3 +520,164 @@ pub(crate) fn stats(hooked: bool, cumem_disabled: bool) -> NcclStats {
     s.fallback_reason = crate::peer::fallback_reason();
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prop(location: std::ffi::c_uint) -> CUmemAllocationProp {
+        let mut p = CUmemAllocationProp::default();
+        p.location.type_ = location;
+        p
+    }
+
+    fn own() -> Physical {
+        Physical::created(7, 2 << 20, prop(CU_MEM_LOCATION_TYPE_DEVICE), Kind::Device)
+    }
+
+    fn source() -> Source {
+        Source {
+            owner: 42,
+            vh: VH_BASE | 1,
+            key: 99,
+        }
+    }
+
+    fn import() -> Physical {
+        Physical::imported(8, prop(CU_MEM_LOCATION_TYPE_DEVICE), Some((source(), 3)))
+    }
+
+    #[test]
+    fn creation_decides_between_resident_and_kept() {
+        assert_eq!(own().state(), State::Resident(7));
+        let host = Physical::created(1, 1, prop(CU_MEM_LOCATION_TYPE_HOST_NUMA), Kind::Host);
+        assert_eq!(host.state(), State::Kept(1, Keep::Host));
+        assert_eq!(host.pausable(), Err("host memory"));
+        let fabric = Physical::created(2, 1, prop(CU_MEM_LOCATION_TYPE_DEVICE), Kind::Fabric);
+        assert_eq!(fabric.state(), State::Kept(2, Keep::Fabric));
+        assert_eq!(import().state(), State::Mapped(8, 3));
+        let plain = Physical::imported(9, prop(CU_MEM_LOCATION_TYPE_DEVICE), None);
+        assert_eq!(plain.state(), State::Kept(9, Keep::PlainImport));
+        assert!(plain.pausable().unwrap_err().contains("plain fd"));
+        let peer_host =
+            Physical::imported(10, prop(CU_MEM_LOCATION_TYPE_HOST), Some((source(), 0)));
+        assert_eq!(peer_host.state(), State::Kept(10, Keep::PeerHost));
+    }
+
+    #[test]
+    fn an_own_handle_pauses_resumes_and_starts_a_new_generation_when_exported() {
+        let mut p = own();
+        p.exported = true;
+        p.importers.insert(5);
+        assert_eq!(p.release(), Ok(7));
+        assert_eq!(p.state(), State::Paused);
+        assert_eq!(p.real(), None);
+        assert!(p.is_paused_own());
+        assert_eq!(p.claim(), Ok(()));
+        assert_eq!(p.state(), State::Resuming);
+        assert!(
+            p.is_paused_own(),
+            "claimed but not restored yet: still paused"
+        );
+        assert_eq!(p.resumed(11), Ok(()));
+        assert_eq!(p.state(), State::Resident(11));
+        assert_eq!(p.real(), Some(11));
+        assert_eq!(p.generation, 1, "importers must fetch the new memory");
+        assert!(p.importers.is_empty());
+        // A private handle keeps generation 0.
+        let mut q = own();
+        q.release().unwrap();
+        q.claim().unwrap();
+        q.resumed(12).unwrap();
+        assert_eq!(q.generation, 0);
+    }
+
+    #[test]
+    fn a_resume_that_fails_unclaims() {
+        let mut p = own();
+        p.release().unwrap();
+        p.claim().unwrap();
+        assert_eq!(p.unclaim(), Ok(()));
+        assert_eq!(p.state(), State::Paused);
+        // Unclaiming what was not claimed is refused and changes nothing.
+        let err = p.unclaim().unwrap_err();
+        assert_eq!((err.transition, err.from), ("unclaim", State::Paused));
+        assert_eq!(p.state(), State::Paused);
+    }
+
+    #[test]
+    fn an_import_is_released_and_remapped_at_the_owners_new_generation() {
+        let mut p = import();
+        assert_eq!(p.mapped_generation(), Some(3));
+        assert_eq!(p.release(), Ok(8));
+        assert_eq!(p.state(), State::Released(3));
+        assert_eq!(p.released_generation(), Some(3));
+        assert!(!p.is_paused_own(), "an import is not own memory");
+        assert_eq!(p.remapped(13, 4), Ok(()));
+        assert_eq!(p.state(), State::Mapped(13, 4));
+        assert_eq!(p.released_generation(), None);
+    }
+
+    #[test]
+    fn keep_turns_resident_into_kept_and_keeps_the_first_reason() {
+        let mut p = own();
+        assert_eq!(p.keep(Keep::Pinned("given to a NIC")), Ok(()));
+        assert_eq!(p.state(), State::Kept(7, Keep::Pinned("given to a NIC")));
+        assert!(p.is_pinned());
+        assert_eq!(p.keep(Keep::ExportedRaw), Ok(()));
+        assert_eq!(p.pausable(), Err("given to a NIC"));
+        assert_eq!(p.real(), Some(7), "kept memory stays usable");
+    }
+
+    #[test]
+    fn every_transition_the_state_does_not_allow_is_refused_and_changes_nothing() {
+        type Transition = fn(&mut Physical) -> Result<(), BadTransition>;
+        let transitions: [(&str, Transition); 6] = [
+            ("keep", |p| p.keep(Keep::ExportedRaw)),
+            ("release", |p| p.release().map(|_| ())),
+            ("claim", Physical::claim),
+            ("unclaim", Physical::unclaim),
+            ("resumed", |p| p.resumed(1)),
+            ("remapped", |p| p.remapped(1, 1)),
+        ];
+        let states = [
+            State::Resident(7),
+            State::Kept(7, Keep::Host),
+            State::Paused,
+            State::Resuming,
+            State::Mapped(7, 1),
+            State::Released(1),
+        ];
+        // The allowed (state, transition) pairs; everything else must be refused.
+        let allowed = [
+            (State::Resident(7), "keep"),
+            (State::Kept(7, Keep::Host), "keep"),
+            (State::Resident(7), "release"),
+            (State::Mapped(7, 1), "release"),
+            (State::Paused, "claim"),
+            (State::Resuming, "unclaim"),
+            (State::Resuming, "resumed"),
+            (State::Released(1), "remapped"),
+        ];
+        for from in states {
+            for (name, t) in transitions {
+                let mut p = own();
+                p.state = from;
+                let r = t(&mut p);
+                if allowed.contains(&(from, name)) {
+                    assert!(r.is_ok(), "{name} from {from:?}");
+                } else {
+                    assert_eq!(
+                        r,
+                        Err(BadTransition {
+                            transition: name,
+                            from
+                        }),
+                        "{name} from {from:?}"
+                    );
+                    assert_eq!(p.state(), from, "a refused {name} changed {from:?}");
+                }
+            }
+        }
+    }
+}
