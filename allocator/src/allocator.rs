@@ -28,7 +28,7 @@ pub struct Allocator {
     pub(crate) driver: Arc<Driver>,
     /// Guards the map of opened devices only; a device is opened once and never closed. Held
     /// across the driver calls that open a device (the first use of it), and nothing is taken
-    /// under it. Taken under `REGISTRY` and `GRAPHS` (the `nccl` tag's `copy_stream`).
+    /// under it. Taken under `REGISTRY` and `GRAPHS` (the `nccl` tag's steps open its devices).
     devices: Mutex<HashMap<i32, Arc<Device>>>,
     /// Guards the allocation table and the tag registry. Held for bookkeeping only, never
     /// across a driver call, so allocations proceed while a pause copies or unmaps; nothing is
