@@ -147,13 +147,14 @@ impl HostBuffer {
 }
 
 /// The backup of one allocation.
-pub(crate) enum Backup {
+pub enum Backup {
     Host(HostBuffer),
     Disk(DiskFile),
 }
 
 impl Backup {
-    pub(crate) fn len(&self) -> usize {
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
         match self {
             Backup::Host(b) => b.len(),
             Backup::Disk(f) => f.len(),

@@ -14,7 +14,7 @@ use std::ffi::c_int;
 use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
 
 use crate::peer;
-use crate::registry::{self, Kind, Mapping, Physical, Source};
+use crate::registry::{self, Keep, Kind, Mapping, Physical, Source};
 
 type GetHandleForAddressRange =
     unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, c_uint, c_ulonglong) -> CUresult;
@@ -131,7 +131,7 @@ unsafe extern "C" fn mem_create(
             CU_MEM_LOCATION_TYPE_DEVICE => Kind::Device,
             _ => Kind::Host,
         };
-        let p = Physical::new(h, size as u64, prop, kind);
+        let p = Physical::created(h, size as u64, prop, kind);
         let vh = registry::lock().insert(p);
         // SAFETY: the caller's out-pointer.
         unsafe { *handle = vh };
@@ -201,7 +201,7 @@ unsafe extern "C" fn mem_map(
         // SAFETY: not one of ours: forwarded unchanged.
         return unsafe { f(ptr, size, offset, handle, flags) };
     };
-    let Some(h) = p.real else {
+    let Some(h) = p.real() else {
         return paused_use("cuMemMap");
     };
     // SAFETY: the caller's arguments with the driver's handle behind the virtual one.
@@ -255,7 +255,7 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
         // SAFETY: not one of ours: forwarded unchanged.
         return unsafe { f(ptr, size) };
     };
-    let paused = reg.physicals.get(&vh).is_some_and(|p| p.real.is_none());
+    let paused = reg.physicals.get(&vh).is_some_and(|p| p.real().is_none());
     if !paused {
         // SAFETY: NCCL's own mapping, unmapped as it asks.
         let r = unsafe { f(ptr, size) };
@@ -286,7 +286,7 @@ unsafe extern "C" fn mem_export(
         // SAFETY: not one of ours: forwarded unchanged.
         return unsafe { f(shareable, handle, handle_type, flags) };
     };
-    let Some(h) = p.real else {
+    let Some(h) = p.real() else {
         return paused_use("cuMemExportToShareableHandle");
     };
     if handle_type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -320,7 +320,8 @@ unsafe extern "C" fn mem_export(
     let r = unsafe { f(shareable, h, handle_type, flags) };
     if r == CUDA_SUCCESS {
         p.exported = true;
-        p.exported_raw = true;
+        // Its importers are unknown: it stays resident (checked above: it is mapped).
+        let _ = p.keep(Keep::ExportedRaw);
     }
     r
 }
@@ -350,12 +351,14 @@ unsafe extern "C" fn mem_import(
                 let r = unsafe { f(handle, fd.as_raw_fd() as isize as *mut c_void, handle_type) };
                 (
                     r,
-                    Some(Source {
-                        owner: t.pid,
-                        vh: t.vh,
-                        key: t.key,
+                    Some((
+                        Source {
+                            owner: t.pid,
+                            vh: t.vh,
+                            key: t.key,
+                        },
                         generation,
-                    }),
+                    )),
                 )
             }
             Err(e) => {
@@ -380,9 +383,7 @@ unsafe extern "C" fn mem_import(
             .ok()
             .and_then(|d| d.properties(Handle(h)).ok())
             .unwrap_or_default();
-        let mut p = Physical::new(h, 0, prop, Kind::Imported);
-        p.source = source;
-        let vh = registry::lock().insert(p);
+        let vh = registry::lock().insert(Physical::imported(h, prop, source));
         // SAFETY: the caller's out-pointer.
         unsafe { *handle = vh };
     });
@@ -416,7 +417,7 @@ unsafe extern "C" fn mem_range(
     {
         let reg = registry::lock();
         if let Some((b, m)) = reg.mapping_at(ptr)
-            && reg.physicals.get(&m.vh).is_some_and(|p| p.real.is_none())
+            && reg.physicals.get(&m.vh).is_some_and(|p| p.real().is_none())
         {
             // Paused: the driver no longer knows the range; answer from the record.
             // SAFETY: the caller's out-pointers (either may be NULL).
@@ -485,10 +486,10 @@ unsafe extern "C" fn mc_bind_mem(
     let mut reg = registry::lock();
     let real_mem = match reg.physicals.get_mut(&mem) {
         Some(p) => {
-            let Some(h) = p.real else {
+            let Some(h) = p.real() else {
                 return paused_use("cuMulticastBindMem");
             };
-            p.pinned = Some("bound to a multicast object");
+            let _ = p.keep(Keep::Pinned("bound to a multicast object"));
             h
         }
         None => mem,
@@ -504,6 +505,7 @@ fn pin(ptr: CUdeviceptr, why: &'static str) {
     if let Some(vh) = reg.mapping_at(ptr).map(|(_, m)| m.vh)
         && let Some(p) = reg.physicals.get_mut(&vh)
     {
-        p.pinned = Some(why);
+        // A paused range cannot be given away (the wrappers refuse it first).
+        let _ = p.keep(Keep::Pinned(why));
     }
 }
