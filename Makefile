@@ -125,10 +125,11 @@ fmt:
 abi:
 	WRITE_ABI_FILES=1 $(CARGO) test --release -p memsaver-shim --test abi_files
 
-# docs/options.md, generated from the option table in allocator/src/options.rs (a test of the
-# allocator fails when they differ).
+# docs/options.md, generated from the option lists of every layer (allocator/src/options.rs,
+# nccl-hook/src/options.rs, torch-shim/src/options.rs: the registry; a test of torch-shim fails
+# when they differ).
 options-doc:
-	WRITE_OPTIONS_DOC=1 $(CARGO) test --release -q -p memsaver-allocator --lib \
+	WRITE_OPTIONS_DOC=1 $(CARGO) test --release -q -p memsaver-shim --lib \
 		options::tests::docs_options_md_is_generated_from_the_table
 
 # Binaries for a lent GPU machine (no Rust toolchain there): carry .dist in the device call.

@@ -13,7 +13,8 @@
 //!   mmap) and the backup enum; `disk`: disk backup files; `prepare`: pinned backups allocated
 //!   ahead of the first pause, on a background thread; [`steps`]: the steps of a pause and a
 //!   resume on one piece of memory, used by every tag (the table's and the external ones).
-//! * [`options`]: every `MEMSAVER_*` option in one table.
+//! * [`options`]: [`declare_options!`], with which every layer declares its `MEMSAVER_*`
+//!   options in one list, and the core's list.
 //! * [`process`]: process identity (pid, start time, nonce) and liveness; [`private_dir`]:
 //!   directories held open by descriptor, checked with `fstat` and used through it. Both serve
 //!   the disk backups here and the sockets of `memsaver_nccl_hook`.
@@ -74,8 +75,8 @@ pub fn global_if_started() -> Option<&'static Allocator> {
 /// nothing of NCCL); everything in libmemsaver.so starts the allocator through it, so none of
 /// it can see the allocator without its external tags. An invalid option does not stop the
 /// start: the hooks that answer NCCL's driver calls need the driver whatever the options say,
-/// and what acts for the application (`memsaver_nccl_hook::allocator`) checks
-/// [`Options::check`] first. The start takes the `table` and `external` locks: see the lock
+/// and what acts for the application (`memsaver_nccl_hook::allocator`) checks the options first
+/// (`memsaver_nccl_hook::options::check`: the core's and the NCCL hook's). The start takes the `table` and `external` locks: see the lock
 /// order in `docs/architecture.md`.
 pub fn start_global(
     register_external_tags: impl FnOnce(&'static Allocator),

@@ -27,7 +27,7 @@ static GROUP: AtomicI64 = AtomicI64::new(i64::MIN);
 /// variable is invalid).
 pub fn group_id() -> i64 {
     match GROUP.load(Ordering::Relaxed) {
-        i64::MIN => memsaver_allocator::options::get().group,
+        i64::MIN => crate::options::get().group,
         g => g,
     }
 }
@@ -37,7 +37,8 @@ pub fn group_id() -> i64 {
 pub fn set_group_id(id: i64) -> Result<(), Error> {
     // The range of MEMSAVER_GROUP, so a group set here is one the option could name (and
     // never the "unset" sentinel above).
-    use memsaver_allocator::options::{GROUP as OPTION, Kind};
+    use crate::options::GROUP as OPTION;
+    use memsaver_allocator::options::Kind;
     let (min, max) = match OPTION.kind {
         Kind::Int { min, max, .. } => (min, max),
         _ => (i64::MIN + 1, i64::MAX),

@@ -85,7 +85,7 @@ static START_ERROR: OnceLock<String> = OnceLock::new();
 /// with it ([`start_error`]), as with an invalid option; the hooks that answer NCCL's driver
 /// calls go on.
 pub(crate) fn on_start() {
-    if !memsaver_allocator::options::get().control {
+    if !crate::options::get().control {
         return;
     }
     SERVING.store(true, Ordering::SeqCst);

@@ -22,12 +22,16 @@
 //! 8. `graphs`: CUDA graph executables and explicit stack limits, seen through wrappers handed
 //!    to every caller (not only libnccl), so the pause lowers the kernel stack size only as far
 //!    as is safe for the graphs and kernels that run while it is paused.
+//!
+//! [`options`]: this crate's `MEMSAVER_*` options, one list (the `nccl` tag's, then the
+//! cross-process ones of `peer`, `server` and `control`).
 
 pub mod amem;
 pub mod control;
 mod graphs;
 mod guard;
 pub mod interpose;
+pub mod options;
 mod peer;
 pub mod procaddr;
 mod protocol;
@@ -69,12 +73,12 @@ pub fn init_logging() {
 /// takes the allocator's `table` and `external` locks: call it with no lock held but `GRAPHS`
 /// (lock order in docs/architecture.md), never under `REGISTRY`.
 ///
-/// An invalid `MEMSAVER_*` option is an error here (every operation done for the application
-/// names it), and so is `MEMSAVER_CONTROL=1` in a process that could not start serving control
-/// requests; the hooks that must answer NCCL's driver calls whatever the options say use
-/// [`driver`] instead.
+/// An invalid `MEMSAVER_*` option of the core or of this crate is an error here
+/// ([`options::check`]: every operation done for the application names it), and so is
+/// `MEMSAVER_CONTROL=1` in a process that could not start serving control requests; the hooks
+/// that must answer NCCL's driver calls whatever the options say use [`driver`] instead.
 pub fn allocator() -> Result<&'static Allocator> {
-    memsaver_allocator::options::get().check()?;
+    options::check()?;
     let a = started()?;
     match control::start_error() {
         Some(e) => Err(memsaver_allocator::Error::InvalidArgument(e.to_owned())),

@@ -41,8 +41,9 @@ use std::time::{Duration, Instant};
 use nix::sys::socket::{getsockopt, sockopt};
 use parking_lot::Mutex;
 
-use memsaver_allocator::{options, process};
+use memsaver_allocator::process;
 
+use crate::options;
 use crate::protocol::{self, Identity, Item, MAX_ITEMS, Reply, Request};
 use crate::registry;
 use crate::rundir::{self, Dir};

@@ -68,7 +68,7 @@ pub(crate) const HEADER_BYTES: u64 = 64 << 10;
 const RESTORE_BATCH: usize = 64;
 
 /// How much of NCCL's memory pause copies to host memory (`MEMSAVER_NCCL_BACKUP`).
-pub(crate) use memsaver_allocator::options::NcclBackup as Backup;
+pub(crate) use crate::options::NcclBackup as Backup;
 
 /// Bytes of `p` that pause backs up.
 fn backup_len(backup: Backup, p: &registry::Physical) -> u64 {
@@ -84,7 +84,7 @@ fn backup_len(backup: Backup, p: &registry::Physical) -> u64 {
 /// less than their size, known only once they are exported). Bounded by the prepare budget
 /// and off with retention, like every tag's. Starts the allocator: call with no lock held.
 pub(crate) fn prepare_backup(vh: u64, device: i32, size: usize) {
-    if memsaver_allocator::options::get().nccl_backup == Backup::All
+    if crate::options::get().nccl_backup == Backup::All
         && let Ok(a) = crate::allocator()
         && a.retain_backups()
     {
@@ -1214,16 +1214,15 @@ impl ExternalTag for NcclTag {
         let start = Instant::now();
         // One deadline for everything this pause waits for.
         let deadline = start + peer::timeout();
-        // Also checked by every way in (`memsaver_allocator::global`); the NCCL options are
-        // this pause's own.
-        let opts = memsaver_allocator::options::get();
-        opts.check()?;
+        // Also checked by every way in (`crate::allocator`); the NCCL options are this
+        // pause's own.
+        crate::options::check()?;
         // Buffers exported as plain fds cannot be released: say so instead of reporting a
         // pause that freed nothing of them (nothing is changed).
         if let Some(why) = peer::fallback_reason() {
             return Err(peer_error(why));
         }
-        let backup = opts.nccl_backup;
+        let backup = crate::options::get().nccl_backup;
         let mut released = self.release_local(backup)?;
         self.lower_stacks(&released.devices);
         let local_ms = start.elapsed().as_secs_f64() * 1e3;

@@ -39,6 +39,7 @@
 pub mod cli;
 mod control;
 pub mod hooks;
+pub mod options;
 pub mod region;
 mod status;
 

@@ -30,7 +30,7 @@ fn process_tag() -> Result<Option<(String, Policy)>, Error> {
     let Some((tag, policy)) = opts.process.clone() else {
         return Ok(None);
     };
-    opts.check()?;
+    crate::options::check()?;
     REGISTERED
         .get_or_init(|| crate::allocator()?.allow_malloc_while_paused(&tag))
         .clone()?;

@@ -92,7 +92,7 @@ pub fn run(args: &[String], out: &mut dyn Write) -> Result<(), String> {
     // The options of the environment (MEMSAVER_BACKUP_PREPARE_MB=0 shows first pauses that
     // allocate their backups).
     let opts = memsaver_allocator::options::get();
-    opts.check().map_err(|e| e.to_string())?;
+    crate::options::check().map_err(|e| e.to_string())?;
     let alloc = Allocator::with_options(driver.clone(), opts);
     let (free0, total) = alloc.device_memory(device).map_err(|e| e.to_string())?;
     outln!(

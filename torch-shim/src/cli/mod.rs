@@ -28,6 +28,8 @@ use std::sync::Arc;
 use memsaver_allocator::driver::{Driver, LoadError};
 use memsaver_allocator::options::Options;
 
+use crate::options;
+
 /// The commands, with their options, as `memsaver <command> --help` shows them.
 pub const USAGE: &str = "\
 commands of the allocator core (run through `memsaver`):
@@ -60,7 +62,7 @@ pub fn main(args: &[String], out: &mut dyn Write) -> i32 {
     let result = match cmd {
         "demo" => demo::run(rest, out),
         "bench" => bench::run(rest, out),
-        "options" => write!(out, "{}", Options::markdown()).map_err(|e| e.to_string()),
+        "options" => write!(out, "{}", options::markdown()).map_err(|e| e.to_string()),
         "-h" | "--help" | "help" => write!(out, "{USAGE}").map_err(|e| e.to_string()),
         other => {
             eprintln!("memsaver: error: unknown command '{other}'\n\n{USAGE}");
