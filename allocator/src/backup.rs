@@ -161,7 +161,7 @@ impl Backup {
         }
     }
 
-    pub(crate) fn kind(&self) -> BackupKind {
+    pub fn kind(&self) -> BackupKind {
         match self {
             Backup::Host(b) => b.kind(),
             Backup::Disk(_) => BackupKind::Disk,

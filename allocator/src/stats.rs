@@ -44,7 +44,9 @@ impl Usage {
         self.prepared_backup_bytes += other.prepared_backup_bytes;
     }
 
-    fn add(
+    /// Counts one allocation (or one external tag's buffer): its reserved and resident bytes,
+    /// its backup by kind, and the bytes prepared for it.
+    pub fn add(
         &mut self,
         reserved: usize,
         resident: usize,

@@ -22,16 +22,25 @@ memsaver_allocator::declare_options! {
     pub struct Options {}
 
     options {
-        /// what pause('nccl') copies to host memory: all (every byte NCCL allocated) or headers
-        /// (of the buffers NCCL shares with peers, only their first 64 KiB: the control block
-        /// before the LL/LL128/Simple staging area, whose contents live only within one
-        /// collective; see docs/nccl.md)
+        /// the nccl tag's backup policy, as a region's: cpu (pinned host memory, prepared in the
+        /// background when NCCL allocates), mmap, disk or discard; or headers: cpu, but of the
+        /// buffers NCCL shares with peers only their first 64 KiB (the control block before the
+        /// LL/LL128/Simple staging area, whose contents live only within one collective; see
+        /// docs/nccl.md). all is the older name of cpu
         NCCL_BACKUP = "MEMSAVER_NCCL_BACKUP", one_of(NcclBackup {
-                /// Every byte (the default).
-                All = "all",
-                /// The first 64 KiB of buffers shared with peers; all of the others.
+                /// Every byte, in pinned host memory (the default).
+                Cpu = "cpu",
+                /// Every byte, in pageable host memory.
+                Mmap = "mmap",
+                /// Every byte, in a file of the disk backup directory.
+                Disk = "disk",
+                /// Nothing: resumed memory holds arbitrary bytes.
+                Discard = "discard",
+                /// Pinned, the first 64 KiB of buffers shared with peers; all of the others.
                 Headers = "headers",
-            }), default "all", Library
+                /// The older name of `cpu`.
+                All = "all",
+            }), default "cpu", Library
             => pub nccl_backup: NcclBackup;
 
         // ---- cross-process: the peer, server and control code's (moves with it) ----
@@ -122,7 +131,7 @@ mod tests {
         let o = opts(&[("XDG_RUNTIME_DIR", "/run/user/7")]);
         assert_eq!(o.group, 0);
         assert_eq!(o.nccl_timeout, Duration::from_secs(30));
-        assert_eq!(o.nccl_backup, NcclBackup::All);
+        assert_eq!(o.nccl_backup, NcclBackup::Cpu);
         assert!(o.nccl_tokens);
         assert!(!o.control);
         assert_eq!(o.runtime_dir, PathBuf::from("/run/user/7/memsaver"));
@@ -156,7 +165,14 @@ mod tests {
         assert!(o.control);
         // Blank is unset.
         assert!(opts(&[("MEMSAVER_NCCL_TOKENS", " ")]).nccl_tokens);
-        assert_eq!(NcclBackup::NAMES, ["all", "headers"]);
+        assert_eq!(
+            NcclBackup::NAMES,
+            ["cpu", "mmap", "disk", "discard", "headers", "all"]
+        );
+        assert_eq!(
+            opts(&[("MEMSAVER_NCCL_BACKUP", "all")]).nccl_backup,
+            NcclBackup::All
+        );
     }
 
     #[test]
@@ -199,7 +215,7 @@ mod tests {
             (
                 "MEMSAVER_NCCL_BACKUP",
                 "some",
-                "MEMSAVER_NCCL_BACKUP='some': expected all or headers",
+                "MEMSAVER_NCCL_BACKUP='some': expected cpu, mmap, disk, discard, headers or all",
             ),
             (
                 "MEMSAVER_CONTROL",

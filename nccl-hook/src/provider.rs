@@ -70,9 +70,23 @@ const RESTORE_BATCH: usize = 64;
 /// How much of NCCL's memory pause copies to host memory (`MEMSAVER_NCCL_BACKUP`).
 pub(crate) use crate::options::NcclBackup as Backup;
 
+impl Backup {
+    /// The policy NCCL's buffers are backed up with: chosen as a region's is, pinned by
+    /// default.
+    fn policy(self) -> Policy {
+        match self {
+            Backup::Cpu | Backup::All | Backup::Headers => Policy::Cpu,
+            Backup::Mmap => Policy::Mmap,
+            Backup::Disk => Policy::Disk,
+            Backup::Discard => Policy::Discard,
+        }
+    }
+}
+
 /// Bytes of `p` that pause backs up.
 fn backup_len(backup: Backup, p: &registry::Physical) -> u64 {
     match backup {
+        Backup::Discard => 0,
         Backup::Headers if p.exported => p.size.min(HEADER_BYTES),
         _ => p.size,
     }
@@ -84,7 +98,7 @@ fn backup_len(backup: Backup, p: &registry::Physical) -> u64 {
 /// less than their size, known only once they are exported). Bounded by the prepare budget
 /// and off with retention, like every tag's. Starts the allocator: call with no lock held.
 pub(crate) fn prepare_backup(vh: u64, device: i32, size: usize) {
-    if crate::options::get().nccl_backup == Backup::All
+    if matches!(crate::options::get().nccl_backup, Backup::Cpu | Backup::All)
         && let Ok(a) = crate::allocator()
         && a.retain_backups()
     {
@@ -357,6 +371,14 @@ impl NcclTag {
         let devices: std::collections::BTreeSet<i32> =
             own.keys().chain(imports.keys()).copied().collect();
         out.devices = devices.iter().copied().collect();
+        let largest_disk = own
+            .values()
+            .flatten()
+            .filter(|_| backup == Backup::Disk)
+            .map(|vh| reg.physicals[vh].size as usize)
+            .max()
+            .unwrap_or(0);
+        steps.expect_disk(largest_disk);
         let mut first_error = None;
         for dev in devices {
             let device = a.device(dev)?;
@@ -374,7 +396,7 @@ impl NcclTag {
                     external_key(*vh),
                     tag(),
                     device.clone(),
-                    Policy::Cpu,
+                    backup.policy(),
                     ptr,
                     len,
                     p.backup.take(),
@@ -413,7 +435,17 @@ impl NcclTag {
                 first_error.get_or_insert(e);
             }
         }
-        first_error.map_or(Ok(out), Err)
+        match first_error {
+            None => Ok(out),
+            Some(e) => {
+                // Nothing released: NCCL's memory is all there, so NCCL may run. Something
+                // released: the tag is paused (a resume restores what was released).
+                if out.allocations == 0 {
+                    crate::guard::set_paused(false);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Resume: re-creates and restores this process's own claimed handles `vhs` (all on
@@ -442,7 +474,7 @@ impl NcclTag {
                 external_key(*vh),
                 tag(),
                 dev.clone(),
-                Policy::Cpu,
+                crate::options::get().nccl_backup.policy(),
                 rs.first().map_or(0, |r| r.0),
                 p.backup_len as usize,
                 p.backup.take(),
@@ -519,6 +551,14 @@ impl NcclTag {
                 .iter_mut()
                 .filter_map(|(vh, p)| p.claim().ok().map(|()| *vh))
                 .collect();
+            let largest_disk = claimed
+                .iter()
+                .filter_map(|vh| reg.physicals[vh].backup.as_ref())
+                .filter(|b| b.kind() == memsaver_allocator::BackupKind::Disk)
+                .map(|b| b.len())
+                .max()
+                .unwrap_or(0);
+            steps.expect_disk(largest_disk);
             let exported = |want: bool| {
                 claimed
                     .iter()
@@ -1328,12 +1368,13 @@ impl ExternalTag for NcclTag {
                     out.len() - 1
                 }
             };
-            let u = &mut out[i].usage;
-            u.allocations += 1;
-            u.reserved_bytes += p.size;
-            u.resident_bytes += if p.real().is_some() { p.size } else { 0 };
-            u.backup_bytes += p.backup.as_ref().map_or(0, |b| b.len() as u64);
-            u.prepared_backup_bytes += self.allocator.prepared_bytes(external_key(*vh));
+            let resident = if p.real().is_some() { p.size } else { 0 };
+            out[i].usage.add(
+                p.size as usize,
+                resident as usize,
+                p.backup.as_ref().map(|b| (b.kind(), b.len())),
+                self.allocator.prepared_bytes(external_key(*vh)) as usize,
+            );
         }
         out.sort_by_key(|u| u.device);
         out

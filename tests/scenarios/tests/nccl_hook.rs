@@ -165,6 +165,44 @@ fn the_nccl_tag_honours_the_memory_margin_and_retention() {
 }
 
 #[test]
+fn the_nccl_tag_takes_a_backup_policy_as_any_tag() {
+    // mmap and disk keep the contents, as cpu does; discard keeps none.
+    let disk_dir = memsaver_scenarios::tempdir("nccl-disk");
+    let disk_dir = disk_dir.to_str().expect("a UTF-8 temp dir");
+    for (policy, extra, intact, backup) in [
+        ("mmap", None, "true", 4u64 << 20),
+        ("disk", Some(disk_dir), "true", 0),
+        ("discard", None, "false", 0),
+    ] {
+        let mut env = vec![("MEMSAVER_NCCL_BACKUP", policy)];
+        if let Some(dir) = extra {
+            env.push(("MEMSAVER_DISK_DIR", dir));
+        }
+        let r = run(true, &env);
+        assert_eq!(r["pause_rc"], "0", "{policy}");
+        assert_eq!(r["resume_rc"], "0", "{policy}");
+        assert_eq!(
+            r["private_intact"], intact,
+            "{policy}: contents after resume"
+        );
+        assert_eq!(
+            r["private_intact_after_oom"], intact,
+            "{policy}: contents after a resume that ran out of memory and a retry"
+        );
+        // backup_bytes counts host memory (disk backups are counted apart).
+        assert_eq!(r["margin_backup_paused"], backup.to_string(), "{policy}");
+    }
+    // A disk policy without a disk directory: the pause is refused, naming what to set, and
+    // NCCL's memory stays resident and usable.
+    let r = run(true, &[("MEMSAVER_NCCL_BACKUP", "disk")]);
+    assert_ne!(r["pause_rc"], "0");
+    assert_eq!(
+        r["allreduce_paused_rc"], "0/1",
+        "a pause that failed leaves NCCL usable"
+    );
+}
+
+#[test]
 fn without_preload_nothing_is_wrapped() {
     let r = run(false, &[]);
     assert_eq!(r["amem_found"], "false", "stock NCCL has no ncclPause");
