@@ -1092,6 +1092,7 @@ mod tests {
         names_in(&repo().join("python"), "pth", &mut found);
         for dir in [
             "allocator/src",
+            "ipc/src",
             "nccl-hook/src",
             "torch-shim/src",
             "python/src",
