@@ -8,7 +8,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::backup::{Backup, HostBuffer};
 use crate::device::Device;
-use crate::driver::{Context, Driver, Handle, Stream};
+use crate::driver::{Driver, Handle};
 use crate::error::{Error, Result};
 use crate::external::ExternalTag;
 use crate::options::Options;
@@ -28,7 +28,7 @@ pub struct Allocator {
     pub(crate) driver: Arc<Driver>,
     /// Guards the map of opened devices only; a device is opened once and never closed. Held
     /// across the driver calls that open a device (the first use of it), and nothing is taken
-    /// under it. Taken under `REGISTRY` and `GRAPHS` (the `nccl` tag's `copy_stream`).
+    /// under it. Taken under `REGISTRY` and `GRAPHS` (the `nccl` tag's steps open its devices).
     devices: Mutex<HashMap<i32, Arc<Device>>>,
     /// Guards the allocation table and the tag registry. Held for bookkeeping only, never
     /// across a driver call, so allocations proceed while a pause copies or unmaps; nothing is
@@ -124,32 +124,27 @@ impl Allocator {
     }
 
     /// Asks for a pinned buffer of `len` bytes on `device` to be prepared in the background for
-    /// the first pause of an external tag's buffer `key` (NCCL's, for `nccl`); see
-    /// [`Allocator::set_backup_prepare_limit`]. Keys share one space per allocator, apart from
-    /// allocation ids. Never fails: without a buffer the pause allocates one.
-    pub fn prepare_external_backup(&self, key: u64, device: i32, len: usize) {
+    /// the first pause of the piece of memory `key` (an external tag's buffer, keyed with
+    /// [`crate::steps::external_key`]; the table's allocations ask for theirs when they are
+    /// made); see [`Allocator::set_backup_prepare_limit`]. Never fails: without a buffer the
+    /// pause allocates one.
+    pub fn prepare_backup(&self, key: u64, device: i32, len: usize) {
         if len == 0 {
             return;
         }
         if let Ok(dev) = self.device(device) {
-            self.preparer.request(EXTERNAL_KEY | key, dev.ctx, len);
+            self.preparer.request(key, dev.ctx, len);
         }
     }
 
-    /// The buffer prepared for the external buffer `key`, if there is one (waiting for it if
-    /// it is being allocated now).
-    pub fn take_external_backup(&self, key: u64) -> Option<HostBuffer> {
-        self.preparer.take(EXTERNAL_KEY | key)
+    /// The bytes prepared for the piece `key`, for its tag's stats.
+    pub fn prepared_bytes(&self, key: u64) -> u64 {
+        self.preparer.ready_bytes(key).unwrap_or(0) as u64
     }
 
-    /// The bytes prepared for the external buffer `key`, for its tag's stats.
-    pub fn external_prepared_bytes(&self, key: u64) -> u64 {
-        self.preparer.ready_bytes(EXTERNAL_KEY | key).unwrap_or(0) as u64
-    }
-
-    /// Forgets the external buffer `key` (freed): its prepared buffer is freed.
-    pub fn forget_external_backup(&self, key: u64) {
-        drop(self.preparer.forget(EXTERNAL_KEY | key));
+    /// Forgets the piece `key` (freed): its prepared buffer is freed.
+    pub fn forget_prepared_backup(&self, key: u64) {
+        drop(self.preparer.forget(key));
     }
 
     /// The largest physical allocation a resume makes to back adjacent allocations of one tag
@@ -259,7 +254,8 @@ impl Allocator {
         &self.driver
     }
 
-    pub(crate) fn device(&self, ordinal: i32) -> Result<Arc<Device>> {
+    /// The device `ordinal`, opened on first use (its primary context and copy stream).
+    pub fn device(&self, ordinal: i32) -> Result<Arc<Device>> {
         let mut devices = self.devices.lock();
         if let Some(d) = devices.get(&ordinal) {
             return Ok(d.clone());
@@ -276,13 +272,6 @@ impl Allocator {
         })?);
         devices.insert(ordinal, d.clone());
         Ok(d)
-    }
-
-    /// The primary context of `device` and the stream memsaver copies backups on; for
-    /// external tags, which copy inside the allocator's transition lock.
-    pub fn copy_stream(&self, device: i32) -> Result<(Context, Stream)> {
-        let d = self.device(device)?;
-        Ok((d.ctx, d.stream))
     }
 
     /// The VMM granularity of `device`: allocation sizes are rounded up to it.
@@ -559,17 +548,18 @@ impl Allocator {
             .with_context(dev.ctx, || self.driver.mem_info())?)
     }
 
-    /// A host backup of `len` bytes for the `cpu` (pinned) or `mmap` allocation `id`: the
-    /// buffer prepared for it if there is one, else a fresh one.
-    pub(crate) fn new_host_backup(
+    /// A host backup of `len` bytes for the `cpu` (pinned) or `mmap` piece `key`: the buffer
+    /// prepared for it if there is one and it is large enough, else a fresh one.
+    pub(crate) fn host_backup(
         &self,
-        id: u64,
+        key: u64,
         dev: &Device,
         policy: Policy,
         len: usize,
     ) -> Result<Backup> {
         if policy == Policy::Cpu
-            && let Some(buf) = self.preparer.take(id)
+            && let Some(buf) = self.preparer.take(key)
+            && buf.len() >= len
         {
             return Ok(Backup::Host(buf));
         }
@@ -626,9 +616,6 @@ pub(crate) fn detach(t: &mut Table, a: &Allocation, ptr: u64) -> Option<(u64, Ru
     }
     t.runs.remove(&base).map(|r| (base, r))
 }
-
-/// The key space of external tags' buffers in the preparer, apart from allocation ids.
-const EXTERNAL_KEY: u64 = 1 << 63;
 
 /// Whether a new allocation with `tag` is refused now: its tag is paused and is not the
 /// whole-process tag.

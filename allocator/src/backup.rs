@@ -2,8 +2,9 @@
 //!
 //! * [`HostBuffer::Pinned`] (`cpu`): page-locked memory ([`PinnedBuffer`]: mapped and faulted
 //!   in by the kernel, then registered with the driver in bounded chunks). Copies run at the
-//!   PCIe limit, but pinning is slow (about 0.35 s per GiB) and holds up the process's other
-//!   driver calls while each chunk registers.
+//!   PCIe limit, but pinning is slow (0.35-0.65 s per GiB in 16 MiB steps on an H100:
+//!   `docs/logs/2026-11-25-h100-issue21/`) and holds up the process's other driver calls while
+//!   each chunk registers.
 //! * [`HostBuffer::Mmap`] (`mmap`): pageable anonymous memory from `mmap`. Cheap to allocate
 //!   and given back to the kernel with `munmap`, so the process RSS really drops when it is
 //!   released; the driver stages its copies through pinned memory of its own.
@@ -146,13 +147,14 @@ impl HostBuffer {
 }
 
 /// The backup of one allocation.
-pub(crate) enum Backup {
+pub enum Backup {
     Host(HostBuffer),
     Disk(DiskFile),
 }
 
 impl Backup {
-    pub(crate) fn len(&self) -> usize {
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
         match self {
             Backup::Host(b) => b.len(),
             Backup::Disk(f) => f.len(),
@@ -266,8 +268,9 @@ impl PinnedBuffer {
             // Fault the pages in by touching them, not with MAP_POPULATE or
             // MADV_POPULATE_WRITE: those hold the process's mmap lock for the whole step, and
             // every other thread's mmap or munmap (the driver makes them for device memory)
-            // waits (measured: up to 172 ms behind 16 MiB steps), where a fault takes only its
-            // area's lock (0.22 ms at most).
+            // waits (measured on an H100 host: up to 35.16 ms behind 16 MiB MAP_POPULATE
+            // steps), where a fault takes only its area's lock (0.43 ms at most when the pages
+            // are touched; docs/logs/2026-11-25-h100-issue21/mmap_lock.log).
             for page in (0..n).step_by(4096) {
                 // SAFETY: `at..at+n` was just mapped read-write and is owned by this value.
                 unsafe { at.add(page).write_volatile(0) };

@@ -1,8 +1,9 @@
-//! Per-device runtime state: the primary context, the VMM granularity and the copy stream.
+//! Per-device runtime state: the primary context, the VMM granularity and the copy stream
+//! (shared by every tag's pause and resume: see `steps`).
 
 use crate::driver::{Context, Driver, DriverError, Stream};
 
-pub(crate) struct Device {
+pub struct Device {
     pub ordinal: i32,
     pub ctx: Context,
     /// Allocation sizes and addresses are multiples of this.

@@ -52,7 +52,7 @@ use crate::types::human_bytes;
 const FORBIDDEN: u32 = 0o022;
 
 /// The file holding one allocation's contents; removed on drop (by the process that created it).
-pub(crate) struct DiskFile {
+pub struct DiskFile {
     dir: Arc<Dir>,
     name: String,
     file: File,

@@ -16,13 +16,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::allocator::Allocator;
-use crate::backup::{Backup, HostBuffer};
+use crate::backup::Backup;
 use crate::device::Device;
-use crate::disk::DiskFile;
-use crate::driver::{DriverError, Event, Handle};
 use crate::error::{Error, Result};
 use crate::external::ExternalTag;
-use crate::private_dir::Dir;
+use crate::steps::{Memory, Op, Piece, Place, Plan, Steps, is_out_of_memory, oom_error};
 use crate::table::{Allocation, Backing, Phase, Run, Table};
 use crate::types::Policy;
 
@@ -40,21 +38,6 @@ pub struct Report {
     pub elapsed: Duration,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Op {
-    Pause,
-    Resume,
-}
-
-impl Op {
-    fn name(self) -> &'static str {
-        match self {
-            Op::Pause => "pause",
-            Op::Resume => "resume",
-        }
-    }
-}
-
 impl Report {
     /// Adds the figures of another part of the same call.
     pub fn merge(&mut self, other: Report) {
@@ -65,25 +48,30 @@ impl Report {
     }
 }
 
+/// One claimed allocation: its piece of memory (key: the allocation's id; backed up whole)
+/// and what the transition did to it.
 struct Job {
-    /// The allocation's id.
-    id: u64,
-    ptr: u64,
-    size: usize,
-    tag: Arc<str>,
-    device: Arc<Device>,
-    policy: Policy,
+    piece: Piece,
     /// Some while physical memory is mapped: decides the state the job settles in.
     backing: Option<Backing>,
-    backup: Option<Backup>,
-    /// The copy queued for this job, waited on before the next step.
-    copy_done: Option<Event>,
     error: Option<Error>,
 }
 
 impl Job {
+    fn ptr(&self) -> u64 {
+        self.piece.ptr
+    }
+
+    fn size(&self) -> usize {
+        self.piece.len
+    }
+
     fn copies(&self) -> bool {
-        self.policy.keeps_contents()
+        self.piece.copies()
+    }
+
+    fn device(&self) -> &Arc<Device> {
+        &self.piece.device
     }
 }
 
@@ -181,53 +169,37 @@ impl Allocator {
 
     /// Pause or resume of tags in the allocation table (all of them when `names` is empty).
     fn table_transition(&self, op: Op, names: &[&str]) -> Result<Report> {
-        let plan = self.plan(op)?;
-        let (tags, mut jobs, mut runs, released) = self.claim(op, names, &plan)?;
+        let mut steps = self.steps(op);
+        let (tags, mut jobs, mut runs, released) = self.claim(op, names, &steps.plan)?;
         // Backups of resident allocations that retention no longer keeps (outside the lock:
         // freeing pinned memory is a driver call).
         drop(released);
-        jobs.sort_by_key(|j| (j.device.ordinal, j.copies(), j.ptr));
-        let mut staging = Staging::new(&jobs, Some(plan.disk_chunk));
+        jobs.sort_by_key(|j| (j.device().ordinal, j.copies(), j.ptr()));
+        let largest_disk = jobs
+            .iter()
+            .filter(|j| j.piece.policy == Policy::Disk)
+            .map(Job::size)
+            .max()
+            .unwrap_or(0);
+        steps.expect_disk(largest_disk);
         match op {
-            Op::Pause => self.pause_jobs(&mut jobs, &mut runs, &plan, &mut staging),
-            Op::Resume => self.resume_jobs(&mut jobs, &mut runs, &plan, &mut staging),
+            Op::Pause => self.pause_jobs(&mut jobs, &mut runs, &mut steps),
+            Op::Resume => self.resume_jobs(&mut jobs, &mut runs, &mut steps),
         }
-        drop(staging);
         let done = || jobs.iter().filter(|j| j.error.is_none());
         let report = Report {
             tags: tags.iter().map(|t| t.to_string()).collect(),
             allocations: done().count(),
-            bytes: done().map(|j| j.size as u64).sum(),
+            bytes: done().map(|j| j.size() as u64).sum(),
             copied_bytes: done()
-                .filter(|j| j.copies() && j.backup.is_some())
-                .map(|j| j.size as u64)
+                .filter(|j| j.copies() && j.piece.backup.is_some())
+                .map(|j| j.size() as u64)
                 .sum(),
             elapsed: Duration::ZERO,
         };
+        // The staging buffer goes before settle, as every driver call of the work phase.
+        let plan = steps.into_plan();
         self.settle(op, &tags, jobs, runs, &plan).map(|()| report)
-    }
-
-    /// Reads the settings the transition needs, once. The disk directory only matters when a
-    /// disk-backed allocation is claimed (checked in `claim`).
-    fn plan(&self, op: Op) -> Result<Plan> {
-        Ok(match op {
-            Op::Pause => Plan {
-                retain: true,
-                margin: 0,
-                merge_limit: 0,
-                disk_dir: self.disk_dir_held(),
-                disk_chunk: self.disk_chunk(),
-            },
-            Op::Resume => Plan {
-                retain: self.retain_backups(),
-                margin: self.memory_margin(),
-                merge_limit: self.merge_limit(),
-                disk_dir: Err(Error::InvalidArgument(
-                    "resume writes no disk backup".into(),
-                )),
-                disk_chunk: self.disk_chunk(),
-            },
-        })
     }
 
     /// Claims the allocations of `names` (see the module documentation). A pause of disk-backed
@@ -303,91 +275,74 @@ impl Allocator {
                 _ => continue,
             };
             jobs.push(Job {
-                id: a.id,
-                ptr,
-                size: a.size,
-                tag: a.tag.clone(),
-                device: a.device.clone(),
-                policy: a.policy,
+                piece: Piece::new(
+                    a.id,
+                    a.tag.clone(),
+                    a.device.clone(),
+                    a.policy,
+                    ptr,
+                    a.size,
+                    a.backup.take(),
+                ),
                 backing,
-                backup: a.backup.take(),
-                copy_done: None,
                 error: None,
             });
         }
         Ok((tags, jobs, runs, released))
     }
 
-    fn pause_jobs(&self, jobs: &mut [Job], runs: &mut Runs, plan: &Plan, staging: &mut Staging) {
-        let d = &self.driver;
+    fn pause_jobs(&self, jobs: &mut [Job], runs: &mut Runs, steps: &mut Steps<'_>) {
         // Nothing may still be running on memory we are about to copy or unmap.
         for dev in devices_of(jobs) {
-            if let Err(e) = d.with_context(dev.ctx, || d.synchronize()) {
-                for j in jobs.iter_mut().filter(|j| j.device.ordinal == dev.ordinal) {
-                    j.error = Some(e.into());
+            if let Err(e) = steps.synchronize(&dev) {
+                for j in jobs
+                    .iter_mut()
+                    .filter(|j| j.device().ordinal == dev.ordinal)
+                {
+                    j.error = Some(e.clone());
                 }
             }
         }
         // Queue every host backup copy; they run while the discard jobs are unmapped below.
         for j in jobs
             .iter_mut()
-            .filter(|j| j.error.is_none() && matches!(j.policy, Policy::Cpu | Policy::Mmap))
+            .filter(|j| j.error.is_none() && matches!(j.piece.policy, Policy::Cpu | Policy::Mmap))
         {
-            if j.backup.is_none() {
-                match self.new_host_backup(j.id, &j.device, j.policy, j.size) {
-                    Ok(b) => j.backup = Some(b),
-                    Err(e) => {
-                        j.error = Some(e);
-                        continue;
-                    }
-                }
-            }
-            let Some(Backup::Host(buf)) = j.backup.as_mut() else {
-                unreachable!("cpu and mmap jobs hold a host backup")
-            };
-            let r = d.with_context(j.device.ctx, || {
-                // SAFETY: the allocation is mapped (we hold its handle) and the backup is
-                // `size` bytes of host memory that lives in the job until the copy is waited on
-                // (for pageable memory the driver completes the copy before returning).
-                unsafe { buf.copy_from_device(d, 0, j.ptr, j.size, j.device.stream) }?;
-                d.event_record(j.device.stream)
-            });
-            match r {
-                Ok(e) => j.copy_done = Some(e),
-                Err(e) => {
-                    // Nothing was queued, but the backup no longer matches the last pause.
-                    j.backup = None;
-                    j.error = Some(e.into());
-                }
+            if let Err(e) = steps.copy_out(&mut j.piece) {
+                j.error = Some(e);
             }
         }
         // Write the disk backups, then unmap and release: discard jobs first (sorted so), each
         // copy job after its copy.
         for j in jobs.iter_mut().filter(|j| j.error.is_none()) {
-            if j.policy == Policy::Disk {
-                let dir = plan.disk_dir.as_ref().expect("checked by claim");
-                if let Err(e) = self.write_disk(j, dir, staging) {
-                    j.error = Some(e);
-                    continue;
-                }
+            if j.piece.policy == Policy::Disk
+                && let Err(e) = steps.copy_out(&mut j.piece)
+            {
+                j.error = Some(e);
+                continue;
             }
             // A run is unmapped below, once all of its allocations are ready.
             let Some(Backing::Own(h)) = j.backing else {
                 continue;
             };
-            let r = d.with_context(j.device.ctx, || {
-                if let Some(e) = j.copy_done.take() {
-                    d.event_wait(e)?;
-                }
-                // SAFETY: mapped; the device was synchronised and our copy has completed.
-                unsafe { d.unmap(j.ptr, j.size) }
-            });
+            let place = [Place {
+                ptr: j.ptr(),
+                size: j.size(),
+                access: None,
+            }];
+            // SAFETY: mapped; the device was synchronised and our copy has completed.
+            let r = steps
+                .copied(&mut j.piece)
+                .and_then(|()| unsafe { steps.unmap(&j.piece.device, &place) });
             match r {
                 Ok(()) => {
-                    self.release_handle_logged(h, j.ptr);
+                    steps.release(h, j.ptr());
                     j.backing = None;
                 }
-                Err(e) => self.keep_resident(j, e.into()),
+                Err(e) => {
+                    steps.keep(&mut j.piece);
+                    j.error.get_or_insert(e);
+                }
             }
         }
         // The jobs of each run, in one pass.
@@ -403,18 +358,19 @@ impl Allocator {
             let r = match failed {
                 // The run's other allocations cannot be unmapped without it: all stay.
                 Some(e) => Err(e),
-                None => d
-                    .with_context(run.device.ctx, || {
-                        for &i in &members {
-                            if let Some(e) = jobs[i].copy_done.take() {
-                                d.event_wait(e)?;
-                            }
-                        }
+                None => members
+                    .iter()
+                    .try_for_each(|&i| steps.copied(&mut jobs[i].piece))
+                    .and_then(|()| {
+                        let place = [Place {
+                            ptr: base,
+                            size: run.size,
+                            access: None,
+                        }];
                         // SAFETY: the run's mapping; the device was synchronised and every
                         // copy out of it has completed.
-                        unsafe { d.unmap(base, run.size) }
-                    })
-                    .map_err(Error::from),
+                        unsafe { steps.unmap(&run.device, &place) }
+                    }),
             };
             match r {
                 Ok(()) => {
@@ -426,183 +382,48 @@ impl Allocator {
                 }
                 Err(e) => {
                     for &i in &members {
-                        self.keep_resident(&mut jobs[i], e.clone());
+                        steps.keep(&mut jobs[i].piece);
+                        jobs[i].error.get_or_insert(e.clone());
                     }
                 }
             }
         }
     }
 
-    /// A pause job that stays resident: a copy into its backup may still run, so wait for it,
-    /// then drop the backup (a backup must hold the contents of a completed pause).
-    fn keep_resident(&self, j: &mut Job, e: Error) {
-        let d = &self.driver;
-        if let Some(done) = j.copy_done.take() {
-            // Waiting also destroys the event.
-            let _ = d.with_context(j.device.ctx, || d.event_wait(done));
-        }
-        if j.backup.is_some() {
-            let _ = d.with_context(j.device.ctx, || d.stream_synchronize(j.device.stream));
-            j.backup = None;
-        }
-        j.error.get_or_insert(e);
-    }
-
-    /// Copies a resident disk-backed allocation into its file, chunk by chunk through the
-    /// staging buffer, computing the file's checksum on each chunk as it is written. The file
-    /// of an earlier cycle is overwritten in place; on failure it is removed (the job keeps no
-    /// backup) and the allocation stays resident.
-    fn write_disk(&self, j: &mut Job, dir: &Arc<Dir>, staging: &mut Staging) -> Result<()> {
-        let mut file = match j.backup.take() {
-            Some(Backup::Disk(f)) => f,
-            _ => DiskFile::create(dir, j.size).map_err(|e| {
-                Error::Backup(format!(
-                    "cannot create a disk backup file of tag '{}' in {}: {e}",
-                    j.tag,
-                    dir.path().display()
-                ))
-            })?,
-        };
-        let path = file.path();
-        let failed = |e: std::io::Error| {
-            Error::Backup(format!(
-                "writing the disk backup {} of tag '{}' failed: {e}; the allocation stays \
-                 resident",
-                path.display(),
-                j.tag
-            ))
-        };
-        let d = &self.driver;
-        let dev = j.device.clone();
-        let (buf, chunk) = staging.buffer(self, &dev)?;
-        let mut w = file.writer().map_err(failed)?;
-        for off in (0..j.size).step_by(chunk) {
-            let n = chunk.min(j.size - off);
-            d.with_context(dev.ctx, || {
-                // SAFETY: the allocation is mapped (the job holds its handle) and the staging
-                // buffer has `chunk >= n` bytes; the stream is synchronised before it is read.
-                unsafe { buf.copy_from_device(d, 0, j.ptr + off as u64, n, dev.stream) }?;
-                d.stream_synchronize(dev.stream)
-            })?;
-            // SAFETY: the copy into `buf[..n]` has completed and nothing else uses the buffer.
-            let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr(), n) };
-            w.write(bytes).map_err(failed)?;
-        }
-        w.finish();
-        tracing::debug!(tag = %j.tag, ptr = format_args!("{:#x}", j.ptr), bytes = j.size, path = %path.display(), "disk backup written");
-        j.backup = Some(Backup::Disk(file));
-        Ok(())
-    }
-
-    /// Queues the restore of a just mapped allocation from its backup. Disk backups are read
-    /// chunk by chunk into the staging buffer, waiting for the previous chunk's copy first.
-    fn restore(&self, j: &Job, staging: &mut Staging) -> Result<()> {
-        let d = &self.driver;
-        let dev = &j.device;
-        match &j.backup {
-            None => Ok(()),
-            Some(Backup::Host(buf)) => {
-                d.with_context(dev.ctx, || {
-                    // SAFETY: just mapped; the backup stays in the job until the stream is
-                    // synchronised at the end of the resume.
-                    unsafe { buf.copy_to_device(d, 0, j.ptr, j.size, dev.stream) }
-                })?;
-                Ok(())
-            }
-            Some(Backup::Disk(file)) => {
-                let mut r = file.reader(&j.tag, j.ptr)?;
-                let (buf, chunk) = staging.buffer(self, dev)?;
-                for off in (0..j.size).step_by(chunk) {
-                    let n = chunk.min(j.size - off);
-                    // The previous copy out of the staging buffer must be done before it is
-                    // filled again.
-                    d.with_context(dev.ctx, || d.stream_synchronize(dev.stream))?;
-                    // SAFETY: `buf` has `chunk >= n` bytes and no copy uses it (synchronised).
-                    let bytes = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr(), n) };
-                    r.read(bytes)?;
-                    d.with_context(dev.ctx, || {
-                        // SAFETY: just mapped; the staging buffer is not touched again before the
-                        // stream is synchronised (next chunk, next job, or the end of resume).
-                        unsafe { buf.copy_to_device(d, 0, j.ptr + off as u64, n, dev.stream) }
-                    })?;
-                }
-                // A mismatch fails the job: its caller unmaps and releases what it mapped, and
-                // the allocation settles paused with this backup.
-                r.finish()
-            }
-        }
-    }
-
-    /// Creates `size` bytes of physical memory for paused allocations of `tag` that fill
-    /// `[ptr, ptr + size)` and maps it there, unless that would leave less than `margin` bytes
-    /// free on the device (reported as out of memory).
-    fn map_fresh(
-        &self,
-        dev: &Device,
-        ptr: u64,
-        size: usize,
-        tag: &str,
-        margin: u64,
-    ) -> Result<Handle> {
-        let d = &self.driver;
-        Ok(d.with_context(dev.ctx, || {
-            if margin > 0 {
-                let (free, _) = d.mem_info()?;
-                if (free as u64) < size as u64 + margin {
-                    tracing::info!(
-                        tag,
-                        ptr = format_args!("{ptr:#x}"),
-                        bytes = size,
-                        free,
-                        margin,
-                        "resume stops at the memory margin"
-                    );
-                    return Err(oom_error());
-                }
-            }
-            let h = d.create(dev.ordinal, size, false)?;
-            // SAFETY: the range is reserved by these allocations (adjacent reservations) and
-            // unmapped while they are paused.
-            if let Err(e) = unsafe { d.map(ptr, size, h, dev.ordinal) } {
-                let _ = d.release(h);
-                return Err(e);
-            }
-            Ok(h)
-        })?)
-    }
-
-    fn resume_jobs(&self, jobs: &mut [Job], runs: &mut Runs, plan: &Plan, staging: &mut Staging) {
-        let d = &self.driver;
+    fn resume_jobs(&self, jobs: &mut [Job], runs: &mut Runs, steps: &mut Steps<'_>) {
         let mut out_of_memory: Vec<i32> = Vec::new();
         // A run that does not fit is retried one allocation at a time, so that as much as fits
         // is resumed, as without runs.
-        let mut todo: std::collections::VecDeque<_> = units(jobs, plan.merge_limit).into();
+        let mut todo: std::collections::VecDeque<_> = units(jobs, steps.plan.merge_limit).into();
         while let Some(unit) = todo.pop_front() {
-            let dev = jobs[unit.start].device.clone();
+            let dev = jobs[unit.start].device().clone();
             if out_of_memory.contains(&dev.ordinal) {
                 for j in &mut jobs[unit] {
                     j.error = Some(oom_error().into());
                 }
                 continue;
             }
-            let base = jobs[unit.start].ptr;
-            let size: usize = jobs[unit.clone()].iter().map(|j| j.size).sum();
-            let tag = jobs[unit.start].tag.clone();
-            let r = self
-                .map_fresh(&dev, base, size, &tag, plan.margin)
+            let base = jobs[unit.start].ptr();
+            let size: usize = jobs[unit.clone()].iter().map(Job::size).sum();
+            let tag = jobs[unit.start].piece.tag.clone();
+            let place = [Place {
+                ptr: base,
+                size,
+                access: None,
+            }];
+            let r = steps
+                .map_fresh(&dev, Memory::Plain, size, &place, &tag)
                 .and_then(|h| {
                     let restored = jobs[unit.clone()]
                         .iter()
                         .filter(|j| j.copies())
-                        .try_for_each(|j| self.restore(j, staging));
+                        .try_for_each(|j| steps.copy_in(&j.piece));
                     if let Err(e) = restored {
-                        let _ = d.with_context(dev.ctx, || {
-                            // Nothing of ours may still read or write the range once it is unmapped.
-                            let _ = d.stream_synchronize(dev.stream);
-                            // SAFETY: mapped by map_fresh; the stream was synchronised.
-                            let _ = unsafe { d.unmap(base, size) };
-                            d.release(h)
-                        });
+                        // Nothing of ours may still read or write the range once it is unmapped.
+                        let _ = steps.finish(&dev);
+                        // SAFETY: mapped by map_fresh; the stream was synchronised.
+                        let _ = unsafe { steps.unmap(&dev, &place) };
+                        steps.release(h, base);
                         return Err(e);
                     }
                     Ok(h)
@@ -628,12 +449,15 @@ impl Allocator {
                 }
                 // A run that does not fit, or one of whose backups cannot be restored (a disk
                 // file that changed), is retried one allocation at a time: the others resume.
-                Err(e) if unit.len() > 1 && (is_oom(&e) || matches!(e, Error::Backup(_))) => {
+                Err(e)
+                    if unit.len() > 1
+                        && (is_out_of_memory(&e) || matches!(e, Error::Backup(_))) =>
+                {
                     for i in unit.rev() {
                         todo.push_front(i..i + 1);
                     }
                 }
-                Err(Error::Driver(e)) if e.is_out_of_memory() => {
+                Err(e) if is_out_of_memory(&e) => {
                     out_of_memory.push(dev.ordinal);
                     jobs[unit.start].error = Some(oom_error().into());
                 }
@@ -646,24 +470,32 @@ impl Allocator {
         }
         // Wait for the restores; a device whose copies failed rolls its jobs back to paused.
         for dev in devices_of(jobs) {
-            let Err(e) = d.with_context(dev.ctx, || d.stream_synchronize(dev.stream)) else {
+            let Err(e) = steps.finish(&dev) else {
                 continue;
             };
-            for j in jobs.iter_mut().filter(|j| j.device.ordinal == dev.ordinal) {
+            for j in jobs
+                .iter_mut()
+                .filter(|j| j.device().ordinal == dev.ordinal)
+            {
                 let (ptr, size, h) = match j.backing.take() {
                     None => continue,
-                    Some(Backing::Own(h)) => (j.ptr, j.size, Some(h)),
+                    Some(Backing::Own(h)) => (j.ptr(), j.size(), Some(h)),
                     Some(Backing::Run(base)) => match runs.remove(&base) {
                         Some(run) => (base, run.size, Some(run.handle)),
                         None => (base, 0, None), // released with an earlier allocation of it
                     },
                 };
                 if let Some(h) = h {
+                    let place = [Place {
+                        ptr,
+                        size,
+                        access: None,
+                    }];
                     // SAFETY: mapped by this resume; the failed stream has no pending work.
-                    let _ = d.with_context(dev.ctx, || unsafe { d.unmap(ptr, size) });
-                    self.release_handle_logged(h, ptr);
+                    let _ = unsafe { steps.unmap(&dev, &place) };
+                    steps.release(h, ptr);
                 }
-                j.error = Some(e.into());
+                j.error = Some(e.clone());
             }
         }
     }
@@ -691,10 +523,11 @@ impl Allocator {
             let mut t = self.table.lock();
             // Runs a resume made, and runs a pause could not release.
             t.runs.extend(runs);
-            for j in jobs {
+            for mut j in jobs {
+                let backup = j.piece.backup.take();
                 let a = t
                     .allocations
-                    .get_mut(&j.ptr)
+                    .get_mut(&j.ptr())
                     .expect("claimed allocations stay in the table");
                 a.phase = match j.backing {
                     Some(b) => Phase::Resident(b),
@@ -702,41 +535,41 @@ impl Allocator {
                 };
                 let resumed = op == Op::Resume && j.error.is_none();
                 if resumed && !plan.retain {
-                    released.extend(j.backup);
+                    released.extend(backup);
                 } else {
-                    a.backup = j.backup;
+                    a.backup = backup;
                 }
                 let seen = if j.error.is_some() {
                     &mut tags_failed
                 } else {
                     &mut tags_paused
                 };
-                if op == Op::Pause && !seen.contains(&j.tag) {
-                    seen.push(j.tag.clone());
+                if op == Op::Pause && !seen.contains(&j.piece.tag) {
+                    seen.push(j.piece.tag.clone());
                 }
-                match j.error {
+                match j.error.take() {
                     None => done += 1,
                     Some(e) => {
                         if op == Op::Resume {
                             still_paused += 1;
-                            bytes_still_paused += j.size as u64;
-                            if !tags_still_paused.contains(&j.tag) {
-                                tags_still_paused.push(j.tag.clone());
+                            bytes_still_paused += j.size() as u64;
+                            if !tags_still_paused.contains(&j.piece.tag) {
+                                tags_still_paused.push(j.piece.tag.clone());
                             }
                             if matches!(&e, Error::Driver(d) if d.is_out_of_memory())
                                 && oom_device.is_none()
                             {
-                                oom_device = Some(j.device.ordinal);
+                                oom_device = Some(j.device().ordinal);
                             }
                         }
-                        tracing::warn!(op = op.name(), tag = %j.tag, ptr = format_args!("{:#x}", j.ptr), error = %e, "allocation kept its state");
+                        tracing::warn!(op = op.name(), tag = %j.piece.tag, ptr = format_args!("{:#x}", j.ptr()), error = %e, "allocation kept its state");
                         errors.push(e);
                     }
                 }
                 if a.free_pending {
-                    let a = t.allocations.remove(&j.ptr).expect("present");
-                    let ended = crate::allocator::detach(&mut t, &a, j.ptr);
-                    to_free.push((j.ptr, a, ended));
+                    let a = t.allocations.remove(&j.ptr()).expect("present");
+                    let ended = crate::allocator::detach(&mut t, &a, j.ptr());
+                    to_free.push((j.ptr(), a, ended));
                 }
             }
             if op == Op::Resume {
@@ -792,66 +625,6 @@ impl Allocator {
     }
 }
 
-/// The settings one transition runs with, read once before it claims anything.
-struct Plan {
-    /// Resume: keep the backups of resumed allocations (else release them).
-    retain: bool,
-    /// Resume: bytes to keep free on each device.
-    margin: u64,
-    /// Resume: the largest physical allocation that backs adjacent allocations together (0:
-    /// one per allocation).
-    merge_limit: usize,
-    /// Pause: the disk backup directory, or why there is none (an error only if a disk-backed
-    /// allocation is paused).
-    disk_dir: Result<Arc<Dir>>,
-    /// The staging chunk of disk backups.
-    disk_chunk: usize,
-}
-
-/// The pinned buffer disk backups are copied through: one per transition, allocated at the
-/// first disk job, of the chunk size (or the largest disk job, if smaller). Allocated
-/// `PORTABLE`, so it serves every device.
-struct Staging {
-    len: usize,
-    buf: Option<HostBuffer>,
-}
-
-impl Staging {
-    fn new(jobs: &[Job], chunk: Option<usize>) -> Self {
-        let largest = jobs
-            .iter()
-            .filter(|j| j.policy == Policy::Disk)
-            .map(|j| j.size)
-            .max()
-            .unwrap_or(0);
-        Self {
-            len: largest.min(chunk.unwrap_or(0)),
-            buf: None,
-        }
-    }
-
-    /// The buffer and its length, allocating it on first use.
-    fn buffer(&mut self, a: &Allocator, dev: &Device) -> Result<(&mut HostBuffer, usize)> {
-        if self.buf.is_none() {
-            self.buf = Some(HostBuffer::new(&a.driver, dev.ctx, self.len)?);
-        }
-        Ok((self.buf.as_mut().expect("set above"), self.len))
-    }
-}
-
-fn is_oom(e: &Error) -> bool {
-    matches!(e, Error::Driver(d) if d.is_out_of_memory())
-}
-
-/// What a job that ran out of device memory (or was skipped after another did, on the same
-/// device) records; settle turns these into one `ResumeOutOfMemory`.
-fn oom_error() -> DriverError {
-    DriverError {
-        call: "cuMemCreate",
-        code: crate::driver::sys::CUDA_ERROR_OUT_OF_MEMORY,
-    }
-}
-
 /// Runs taken out of the table by a pause, or made by a resume (or what goes with each), by
 /// base address.
 type Runs<T = Run> = std::collections::BTreeMap<u64, T>;
@@ -865,11 +638,11 @@ fn units(jobs: &[Job], limit: usize) -> Vec<std::ops::Range<usize>> {
     for i in 1..=jobs.len() {
         let cut = jobs.get(i).is_none_or(|j| {
             let (first, prev) = (&jobs[start], &jobs[i - 1]);
-            j.device.ordinal != first.device.ordinal
-                || j.tag != first.tag
+            j.device().ordinal != first.device().ordinal
+                || j.piece.tag != first.piece.tag
                 || j.copies() != first.copies()
-                || j.ptr != prev.ptr + prev.size as u64
-                || (j.ptr + j.size as u64 - first.ptr) > limit as u64
+                || j.ptr() != prev.ptr() + prev.size() as u64
+                || (j.ptr() + j.size() as u64 - first.ptr()) > limit as u64
         });
         if cut {
             out.push(start..i);
@@ -883,8 +656,8 @@ fn units(jobs: &[Job], limit: usize) -> Vec<std::ops::Range<usize>> {
 fn devices_of(jobs: &[Job]) -> Vec<Arc<Device>> {
     let mut out: Vec<Arc<Device>> = Vec::new();
     for j in jobs {
-        if !out.iter().any(|d| d.ordinal == j.device.ordinal) {
-            out.push(j.device.clone());
+        if !out.iter().any(|d| d.ordinal == j.device().ordinal) {
+            out.push(j.device().clone());
         }
     }
     out

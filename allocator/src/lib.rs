@@ -11,7 +11,8 @@
 //! * `allocator`: malloc, free, stats; `engine`: pause and resume; `table`: the allocation
 //!   table; `device`: per-device context and copy stream; `backup`: host backups (pinned,
 //!   mmap) and the backup enum; `disk`: disk backup files; `prepare`: pinned backups allocated
-//!   ahead of the first pause, on a background thread.
+//!   ahead of the first pause, on a background thread; [`steps`]: the steps of a pause and a
+//!   resume on one piece of memory, used by every tag (the table's and the external ones).
 //! * [`options`]: every `MEMSAVER_*` option in one table.
 //! * [`process`]: process identity (pid, start time, nonce) and liveness; [`private_dir`]:
 //!   directories held open by descriptor, checked with `fstat` and used through it. Both serve
@@ -35,10 +36,12 @@ mod error;
 mod external;
 mod prepare;
 mod start;
+pub mod steps;
 mod table;
 
 pub use allocator::{Allocator, validate_tag};
-pub use backup::BackupKind;
+pub use backup::{Backup, BackupKind};
+pub use device::Device;
 pub use disk::{BackupFile, DiskBackups, disk_backups};
 pub use engine::Report;
 pub use error::{Error, Result};

@@ -189,7 +189,7 @@ pub const BACKUP_PREPARE_MB: OptionDoc = OptionDoc {
     },
     default: "(no limit)",
     reader: Reader::Library,
-    doc: "with retention on, the pinned backup of a cpu allocation is allocated on a background thread when the allocation is made, so that its first pause only copies (pinning takes about 0.5 s per GiB; it is done in 16 MiB steps that hold up the application's own CUDA calls for about a millisecond at most); at most this much host memory is held that way (stats: prepared_backup_bytes). 0 turns it off: first pauses allocate their backups. Also memsaver.set_backup_prepare_limit (in bytes)",
+    doc: "with retention on, the pinned backup of a cpu allocation is allocated on a background thread when the allocation is made, so that its first pause only copies (pinning takes about 0.35-0.65 s per GiB; it is done in 16 MiB steps that hold up the application's own CUDA calls for a millisecond or two at most); at most this much host memory is held that way (stats: prepared_backup_bytes). 0 turns it off: first pauses allocate their backups. Also memsaver.set_backup_prepare_limit (in bytes)",
 };
 pub const MERGE_MB: OptionDoc = OptionDoc {
     env: "MEMSAVER_MERGE_MB",

@@ -1,7 +1,8 @@
 //! Pinned backups prepared ahead of the first pause.
 //!
-//! Allocating pinned host memory is slow (about 0.6 s per GiB: the kernel pins and the driver
-//! registers every page), so a `cpu` allocation's first pause would spend far longer allocating
+//! Allocating pinned host memory is slow (0.35-0.65 s per GiB in 16 MiB steps on an H100: the
+//! pages are faulted in and the driver registers every one; 5.2 s for 8 GiB in
+//! `docs/logs/2026-11-25-h100-issue21/background_prepare_after.log`), so a `cpu` allocation's first pause would spend far longer allocating
 //! its backup than copying into it. When a `cpu` allocation is made, the allocator asks the
 //! [`Preparer`] for its backup buffer: a background thread allocates it, and the first pause
 //! takes it ready-made. Later pauses reuse the retained backup, so only the first one needed it.

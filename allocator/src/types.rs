@@ -42,8 +42,9 @@ pub enum Policy {
     /// Contents are dropped on pause; after resume the memory holds arbitrary bytes.
     #[default]
     Discard,
-    /// Contents are copied to pinned host memory (`cuMemHostAlloc`) on pause and restored on
-    /// resume: the fastest copies, but pinned memory is slow to allocate and cannot be swapped.
+    /// Contents are copied to pinned host memory (mapped, then registered in 16 MiB steps with
+    /// `cuMemHostRegister`: [`crate::backup::PinnedBuffer`]) on pause and restored on resume:
+    /// the fastest copies, but pinned memory is slow to allocate and cannot be swapped.
     Cpu,
     /// Contents are copied to pageable anonymous host memory (`mmap`) on pause and restored on
     /// resume: cheap to allocate and release (the process RSS drops when it is released), slower

@@ -558,7 +558,9 @@ fn a_reused_address_never_receives_the_previous_allocations_buffer() {
 /// Pinning holds up every other driver call of the process while it runs (the fake models it:
 /// `fakecuda_pin_stats`), so backups are pinned in steps of at most `PIN_CHUNK`: preparing the
 /// backups of allocations larger than a step while this thread keeps allocating never makes a
-/// pinning call larger than a step, and nothing waits behind a larger one. The driver refuses
+/// pinning call larger than a step, and nothing waits behind a larger one. The fake holds each
+/// pinning step until this thread's next driver call runs into it, so the application's calls
+/// do wait behind the steps, every time, whatever the machine's speed. The driver refuses
 /// copies that cross from one pinned step into the next, so a pause and resume of those
 /// allocations also shows that copies are split where the steps meet.
 #[test]
@@ -567,6 +569,8 @@ fn backups_are_pinned_in_bounded_steps_and_copies_split_at_them() {
     let a = allocator();
     let size = 2 * PIN_CHUNK + 8 * MIB; // three steps: 16 + 16 + 8 MiB
     let before = a.driver().calls();
+    // Nothing is pinned until the application's loop below runs.
+    let held = HeldPinning::new(PinHold::AtEntry);
     let ptrs: Vec<u64> = (0..3)
         .map(|i| {
             let p = a.malloc(size, 0, "steps", Policy::Cpu).unwrap();
@@ -574,23 +578,48 @@ fn backups_are_pinned_in_bounded_steps_and_copies_split_at_them() {
             p
         })
         .collect();
-    // The application goes on allocating while the backups are prepared.
-    while a.stats().backups_preparing > 0 {
+    assert_eq!(wait_pinning_held(1), 1, "the first step waits to be let go");
+    assert_eq!(a.stats().backups_preparing, 3, "nothing prepared yet");
+    let pins_before = fake_pinning();
+    // The application goes on allocating while the backups are prepared, and runs into every
+    // step: a step keeps the driver lock until a call of this thread waits behind it.
+    held.switch(PinHold::UntilWaited);
+    let mut rounds = 0;
+    loop {
         let q = a.malloc(2 * MIB, 0, "steps_app", Policy::Discard).unwrap();
         a.free(q).unwrap();
+        rounds += 1;
+        if a.stats().backups_preparing == 0 {
+            break;
+        }
     }
+    drop(held);
     a.wait_backups_prepared();
     let calls = delta(&before, &a.driver().calls());
     assert_eq!(kind(&calls, "host_alloc"), 0, "no cuMemHostAlloc");
     assert_eq!(kind(&calls, "host_register"), 9, "three steps per backup");
-    let [pins, largest, _waits, largest_waited_behind] = fake_pinning();
-    assert!(pins >= 9, "{pins}");
+    let after = fake_pinning();
+    let d = delta(&pins_before, &after);
+    let (pins, waits) = (d[0], d[2]);
+    let [_, largest, _, largest_waited_behind] = after;
+    assert_eq!(pins, 9, "every step was pinned while the loop ran");
+    // One application thread, which waited behind some of the 9 steps: at least one (every
+    // step holds the lock until it does), at most one per step.
+    assert!(
+        (1..=9).contains(&waits),
+        "{waits} waits behind a pinning call in {rounds} rounds"
+    );
+    assert_eq!(
+        fake_pin_hold(),
+        [0, 0],
+        "no step was let go by the deadline"
+    );
     assert!(
         largest <= PIN_CHUNK as u64,
         "a pinning call of {largest} bytes"
     );
     assert!(
-        largest_waited_behind <= PIN_CHUNK as u64,
+        largest_waited_behind > 0 && largest_waited_behind <= PIN_CHUNK as u64,
         "a call waited behind a pinning call of {largest_waited_behind} bytes"
     );
 
@@ -610,5 +639,101 @@ fn backups_are_pinned_in_bounded_steps_and_copies_split_at_them() {
     );
     for (i, p) in ptrs.iter().enumerate() {
         assert!(check(*p, size, i as u8), "allocation {i} restored");
+    }
+}
+
+/// Malloc never waits for the preparation of backups. With every pinning call held at its
+/// entry (the preparation thread waits there holding nothing, and only the hold's end or its
+/// 60 s deadline lets it go), this thread allocates in a cpu tag and a discard tag: every
+/// allocation returns while no backup is prepared, also those made once the preparation thread
+/// is known to wait in its first pinning call. A malloc that waited for a backup (or pinned one
+/// itself) would stay until the deadline, which the fake counts. Once let go, the backups are
+/// prepared and the first pause takes them (no pinning call in it).
+#[test]
+fn malloc_never_waits_for_backups_being_prepared() {
+    let a = allocator();
+    let held = HeldPinning::new(PinHold::AtEntry);
+    let (ours, pins) = (a.driver().calls(), fake_pinning());
+    let mut ptrs = Vec::new();
+    let allocate = |ptrs: &mut Vec<u64>| {
+        let p = a.malloc(4 * MIB, 0, "held", Policy::Cpu).unwrap();
+        fill(p, 4 * MIB, ptrs.len() as u8);
+        ptrs.push(p);
+        let q = a.malloc(2 * MIB, 0, "held_app", Policy::Discard).unwrap();
+        fill(q, 2 * MIB, 7);
+        a.free(q).unwrap();
+    };
+    for _ in 0..3 {
+        allocate(&mut ptrs);
+    }
+    // Every one returned, and no pinning call has been let go: none of them waited for one.
+    assert_eq!(
+        fake_pin_hold()[1],
+        0,
+        "a malloc waited until the hold's deadline let a pinning call go"
+    );
+    assert_eq!(fake_pinning()[0], pins[0], "no pinning call went through");
+    // The preparation thread is (or gets) stuck in its first pinning call.
+    assert_eq!(
+        wait_pinning_held(1),
+        1,
+        "preparation waits in a pinning call"
+    );
+    for _ in 0..2 {
+        allocate(&mut ptrs);
+    }
+    let s = a.stats();
+    assert_eq!(s.backups_preparing, 5, "every backup still to prepare");
+    assert_eq!(s.tag("held").unwrap().usage.prepared_backup_bytes, 0);
+    assert_eq!(
+        fake_pin_hold(),
+        [1, 0],
+        "one held, none let go by the deadline"
+    );
+    let pinned = delta(&pins, &fake_pinning());
+    assert_eq!(pinned[0], 0, "no pinning call went through");
+    assert_eq!(pinned[2], 0, "no call waited behind a pinning call");
+    let ours_now = delta(&ours, &a.driver().calls());
+    assert_eq!(
+        (
+            kind(&ours_now, "host_alloc"),
+            kind(&ours_now, "host_register")
+        ),
+        (0, 1),
+        "malloc pinned nothing itself: one registration entered, the preparation thread's"
+    );
+    assert_eq!(
+        kind(&ours_now, "create"),
+        10,
+        "5 cpu and 5 discard allocations"
+    );
+
+    drop(held);
+    a.wait_backups_prepared();
+    let s = a.stats();
+    assert_eq!(s.backups_preparing, 0);
+    assert_eq!(
+        s.tag("held").unwrap().usage.prepared_backup_bytes,
+        20 * MIB as u64
+    );
+    assert_eq!(fake_pin_hold(), [0, 0], "let go by the hold's end");
+    let (ours, fakes) = (a.driver().calls(), fake_calls());
+    a.pause(&["held"]).unwrap();
+    let (ours, fakes) = (
+        delta(&ours, &a.driver().calls()),
+        delta(&fakes, &fake_calls()),
+    );
+    for pin in ["host_alloc", "host_register"] {
+        assert_eq!(kind(&ours, pin), 0, "the pause pinned no memory ({pin})");
+        assert_eq!(
+            kind(&fakes, pin),
+            0,
+            "the driver saw no pinning either ({pin})"
+        );
+    }
+    assert_eq!(kind(&ours, "copy"), 5);
+    a.resume(&["held"]).unwrap();
+    for (i, p) in ptrs.iter().enumerate() {
+        assert!(check(*p, 4 * MIB, i as u8), "allocation {i} restored");
     }
 }

@@ -93,7 +93,7 @@ fn answer(conn: &Connection, pid: u32, items: &[Buffer]) -> std::io::Result<()> 
                 // ...) keeps its generation: serve it as it is. Otherwise wait until the owner
                 // has re-created the generation asked for.
                 let stays = p.pausable().is_err();
-                let Some(h) = p.real.filter(|_| stays || p.generation >= r.generation) else {
+                let Some(h) = p.real().filter(|_| stays || p.generation >= r.generation) else {
                     break; // not restored yet: answers go out in order, wait
                 };
                 match driver.clone().and_then(|d| Ok(d.export_fd(Handle(h))?)) {

@@ -43,9 +43,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
-use memsaver_allocator::backup::HostBuffer;
-use memsaver_allocator::driver::{DriverError, Event, Handle};
-use memsaver_allocator::{Allocator, DeviceUsage, Error, ExternalTag, Report, Result, Usage};
+use std::sync::Arc;
+
+use memsaver_allocator::driver::Handle;
+use memsaver_allocator::steps::{Memory, Op, Piece, Place, Steps, external_key, is_out_of_memory};
+use memsaver_allocator::{
+    Allocator, Backup as HostBackup, Device, DeviceUsage, Error, ExternalTag, Policy, Report,
+    Result, Usage,
+};
 use memsaver_ipc::deadline::{Outcome, PerPeer, Progress, listed};
 use memsaver_ipc::group;
 use memsaver_ipc::protocol::Buffer;
@@ -60,10 +65,6 @@ const TAG: &str = "nccl";
 /// control block is 4 KiB (`MEM_ALIGN`); the rest is margin.
 pub(crate) const HEADER_BYTES: u64 = 64 << 10;
 
-/// Pause releases own memory in batches of this many handles, each behind an event that
-/// says its backup copies are done, so the copies overlap the unmapping.
-const COPIES_PER_EVENT: usize = 32;
-
 /// Resume restores private buffers in batches of this many handles, letting the threads that
 /// serve peers in between.
 const RESTORE_BATCH: usize = 64;
@@ -77,6 +78,23 @@ fn backup_len(backup: Backup, p: &registry::Physical) -> u64 {
         Backup::Headers if p.exported => p.size.min(HEADER_BYTES),
         _ => p.size,
     }
+}
+
+/// The tag's name, as the engine's pieces carry it.
+fn tag() -> Arc<str> {
+    static TAG_ARC: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| TAG.into());
+    TAG_ARC.clone()
+}
+
+/// The places of a handle's mappings, with the access NCCL granted (replayed on resume).
+fn places(rs: &[Range]) -> Vec<Place<'_>> {
+    rs.iter()
+        .map(|(ptr, size, access)| Place {
+            ptr: *ptr,
+            size: *size as usize,
+            access: Some(access),
+        })
+        .collect()
 }
 
 pub struct NcclTag {
@@ -100,8 +118,8 @@ impl NcclTag {
         let mut g = graphs::lock();
         for &dev in devices {
             let (floor, why) = g.floor(dev);
-            let r = self.allocator.copy_stream(dev).and_then(|(ctx, _)| {
-                Ok(d.with_context(ctx, || {
+            let r = self.allocator.device(dev).and_then(|device| {
+                Ok(d.with_context(device.ctx, || {
                     let cur = d.stack_size()?;
                     let to = floor.min(cur);
                     if to < cur {
@@ -157,8 +175,8 @@ impl NcclTag {
         let d = self.allocator.driver();
         let mut g = graphs::lock();
         for (dev, p) in std::mem::take(&mut g.paused) {
-            let r = self.allocator.copy_stream(dev).and_then(|(ctx, _)| {
-                Ok(d.with_context(ctx, || {
+            let r = self.allocator.device(dev).and_then(|device| {
+                Ok(d.with_context(device.ctx, || {
                     if d.stack_size()? < p.saved {
                         d.set_stack_size(p.saved)?;
                     }
@@ -216,7 +234,7 @@ fn by_device(
 fn releasable(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>) -> (Vec<u64>, Vec<u64>) {
     let (mut own, mut imports) = (Vec::new(), Vec::new());
     for (vh, p) in &reg.physicals {
-        if p.real.is_none() || p.pausable().is_err() || !ranges.contains_key(vh) {
+        if p.real().is_none() || p.pausable().is_err() || !ranges.contains_key(vh) {
             continue;
         }
         if p.kind == Kind::Imported {
@@ -270,33 +288,30 @@ struct Released {
     released_imports: BTreeMap<u32, Holding>,
 }
 
-/// Unmaps every mapping of `vh` and releases its driver handle (the device is idle and any
-/// backup of it complete).
+/// Unmaps every mapping of `vh` on `dev` and releases its driver handle (the device is idle
+/// and any backup of it complete): `Resident` → `Paused`, `Mapped` → `Released`.
 fn release_one(
-    d: &memsaver_allocator::driver::Driver,
+    steps: &Steps<'_>,
+    dev: &Device,
     reg: &mut Registry,
     ranges: &HashMap<u64, Vec<Range>>,
     vh: u64,
     out: &mut Released,
-) -> std::result::Result<(), DriverError> {
-    for (ptr, size, _) in ranges.get(&vh).into_iter().flatten() {
-        // SAFETY: NCCL's mapping; the device is idle and the backup complete.
-        unsafe { d.unmap(*ptr, *size as usize) }?;
-    }
+) -> Result<()> {
+    let rs = ranges.get(&vh).map_or(&[][..], Vec::as_slice);
+    // SAFETY: NCCL's mappings; the device is idle and the backup complete.
+    unsafe { steps.unmap(dev, &places(rs)) }?;
     let p = reg
         .physicals
         .get_mut(&vh)
         .expect("releasable handles are known");
-    d.release(Handle(
-        p.real.take().expect("releasable handles are resident"),
-    ))?;
+    let generation = p.mapped_generation();
+    let real = p.release()?;
+    steps.release(Handle(real), rs.first().map_or(0, |r| r.0));
     out.allocations += 1;
-    match (p.kind, p.source) {
-        (Kind::Imported, Some(s)) => {
-            out.notices
-                .entry(s.owner)
-                .or_default()
-                .push(s.item(s.generation));
+    match (p.source, generation) {
+        (Some(s), Some(g)) => {
+            out.notices.entry(s.owner).or_default().push(s.item(g));
             out.released_imports.entry(s.owner).or_default().add(p);
         }
         _ => out.bytes += p.size,
@@ -304,51 +319,15 @@ fn release_one(
     Ok(())
 }
 
-/// Maps `h` at every range of a paused handle, with NCCL's access. On a failure, undoes what
-/// it did and releases `h`.
-fn map_all(
-    d: &memsaver_allocator::driver::Driver,
-    h: Handle,
-    ranges: &[Range],
-) -> std::result::Result<Handle, DriverError> {
-    for (i, (ptr, size, access)) in ranges.iter().enumerate() {
-        // SAFETY: NCCL's reserved range, unmapped since the pause.
-        if let Err(e) = unsafe { d.map_with_access(*ptr, *size as usize, h, access) } {
-            for (ptr, size, _) in &ranges[..i] {
-                // SAFETY: mapped just above, not yet visible to NCCL.
-                let _ = unsafe { d.unmap(*ptr, *size as usize) };
-            }
-            let _ = d.release(h);
-            return Err(e);
-        }
-    }
-    Ok(h)
-}
-
-/// Creates new memory for paused own handle `vh`, maps it at every recorded range and queues
-/// the copy of its backup on `stream`. The handle is recorded resident by the caller once the
-/// copies are done.
-fn recreate_one(
-    d: &memsaver_allocator::driver::Driver,
-    p: &registry::Physical,
-    ranges: &[Range],
-    stream: memsaver_allocator::driver::Stream,
-) -> std::result::Result<Handle, DriverError> {
-    let h = map_all(d, d.create_with(&p.prop, p.size as usize)?, ranges)?;
-    if let (Some(b), Some((ptr, size, _))) = (&p.backup, ranges.first()) {
-        let n = p.backup_len.min(*size).min(b.len() as u64) as usize;
-        // SAFETY: just mapped; the backup holds `n` bytes and lives in the registry until the
-        // stream is synchronised by the caller.
-        unsafe { b.copy_to_device(d, 0, *ptr, n, stream) }?;
-    }
-    Ok(h)
-}
-
 impl NcclTag {
-    /// Pause step 1.
+    /// Pause step 1, on the engine's steps: per device, synchronise, queue the backup copy of
+    /// each buffer this process owns (its piece: key, policy, the bytes `backup` says), let go
+    /// of the imports while the copies run, then release each own buffer once its copy is
+    /// done. A buffer that cannot be released stays resident without a backup; the error is
+    /// returned after every device is done.
     fn release_local(&self, backup: Backup) -> Result<Released> {
         let a = self.allocator;
-        let d = a.driver();
+        let mut steps = a.steps(Op::Pause);
         let mut reg = registry::lock();
         crate::guard::set_paused(true);
         let ranges = reg.ranges_by_handle();
@@ -359,108 +338,141 @@ impl NcclTag {
         let devices: std::collections::BTreeSet<i32> =
             own.keys().chain(imports.keys()).copied().collect();
         out.devices = devices.iter().copied().collect();
+        let mut first_error = None;
         for dev in devices {
-            let (ctx, stream) = a.copy_stream(dev)?;
+            let device = a.device(dev)?;
             let own = own.get(&dev).map_or(&[][..], Vec::as_slice);
             let imports = imports.get(&dev).map_or(&[][..], Vec::as_slice);
-            let mut batches: Vec<(Event, &[u64])> = Vec::new();
-            let r = d.with_context(ctx, || {
-                // NCCL's kernels (here) may still use the memory.
-                d.synchronize()?;
-                // Back up what this process owns (imports are backed up by their owners).
-                for chunk in own.chunks(COPIES_PER_EVENT) {
-                    for vh in chunk {
-                        let p = reg.physicals.get_mut(vh).expect("listed above");
-                        let n = backup_len(backup, p);
-                        if p.backup.as_ref().is_none_or(|b| (b.len() as u64) < n) {
-                            p.backup = None;
-                            p.backup = match a.take_external_backup(*vh) {
-                                Some(b) if b.len() as u64 >= n => Some(b),
-                                _ => Some(HostBuffer::new(d, ctx, n as usize)?),
-                            };
-                        }
-                        let (ptr, size, _) = ranges[vh][0];
-                        let n = n.min(size);
-                        let dst = p.backup.as_mut().expect("set above");
-                        // SAFETY: NCCL's mapped memory (the device is idle); the backup holds
-                        // `n` bytes and stays in the registry; the batch's event is waited for
-                        // before the memory is unmapped.
-                        unsafe { dst.copy_from_device(d, 0, ptr, n as usize, stream) }?;
-                        p.backup_len = n;
-                        out.copied += n;
-                    }
-                    batches.push((d.event_record(stream)?, chunk));
+            // NCCL's kernels (here) may still use the memory.
+            let mut failed = steps.synchronize(&device).err();
+            // Back up what this process owns (imports are backed up by their owners).
+            let mut pieces: Vec<(u64, Piece)> = Vec::with_capacity(own.len());
+            for vh in own {
+                let p = reg.physicals.get_mut(vh).expect("listed above");
+                let (ptr, size, _) = ranges[vh][0];
+                let len = backup_len(backup, p).min(size) as usize;
+                let mut piece = Piece::new(
+                    external_key(*vh),
+                    tag(),
+                    device.clone(),
+                    Policy::Cpu,
+                    ptr,
+                    len,
+                    p.backup.take(),
+                );
+                if failed.is_none() {
+                    failed = steps.copy_out(&mut piece).err();
                 }
-                // Imports need no copy: let go of them while the copies run.
-                for vh in imports {
-                    release_one(d, &mut reg, &ranges, *vh, &mut out)?;
-                }
-                let mut pending = std::mem::take(&mut batches).into_iter();
-                let r = pending.by_ref().try_for_each(|(event, chunk)| {
-                    d.event_wait(event)?;
-                    chunk
-                        .iter()
-                        .try_for_each(|vh| release_one(d, &mut reg, &ranges, *vh, &mut out))
-                });
-                // On a failure, the remaining copies still write into the backups: wait.
-                for (event, _) in pending {
-                    let _ = d.event_wait(event);
-                }
-                r
-            });
-            for (event, _) in batches {
-                let _ = d.event_wait(event);
+                pieces.push((*vh, piece));
             }
-            r?;
+            // Imports need no copy: let go of them while the copies run.
+            for vh in imports {
+                if failed.is_none() {
+                    failed = release_one(&steps, &device, &mut reg, &ranges, *vh, &mut out).err();
+                }
+            }
+            for (vh, mut piece) in pieces {
+                if failed.is_none() {
+                    let r = steps.copied(&mut piece).and_then(|()| {
+                        release_one(&steps, &device, &mut reg, &ranges, vh, &mut out)
+                    });
+                    match r {
+                        Ok(()) => {
+                            out.copied += piece.backup.as_ref().map_or(0, |_| piece.len as u64);
+                            let p = reg.physicals.get_mut(&vh).expect("listed above");
+                            p.backup_len = piece.len as u64;
+                            p.backup = piece.backup;
+                            continue;
+                        }
+                        Err(e) => failed = Some(e),
+                    }
+                }
+                // Stays resident: its copy may still run, and its backup is not a pause's.
+                steps.keep(&mut piece);
+            }
+            if let Some(e) = failed {
+                first_error.get_or_insert(e);
+            }
         }
-        Ok(out)
+        first_error.map_or(Ok(out), Err)
     }
 
-    /// Resume: re-creates and restores this process's own paused handles `vhs` (all on
-    /// `device`), recording them resident once their contents are back, and counts them into
-    /// `total`. On a failure, those restored before it stay restored (and counted).
+    /// Resume: re-creates and restores this process's own claimed handles `vhs` (all on
+    /// `device`) on the engine's steps, with the memory margin, recording them resident once
+    /// their contents are back, and counts them into `total`. Backups stay with retention on
+    /// and are handed back in `released` with it off. On a failure, those restored before it
+    /// stay restored (and counted); the others stay claimed for the caller to unclaim.
     fn restore(
         &self,
+        steps: &mut Steps<'_>,
         reg: &mut Registry,
         device: i32,
         vhs: &[u64],
         total: &mut Restored,
+        released: &mut Vec<HostBackup>,
     ) -> Result<()> {
-        let a = self.allocator;
-        let d = a.driver();
+        let dev = self.allocator.device(device)?;
         let ranges = reg.ranges_by_handle();
-        let (ctx, stream) = a.copy_stream(device)?;
-        let mut made: Vec<(u64, Handle)> = Vec::new();
-        let r = d.with_context(ctx, || {
-            let r = vhs.iter().try_for_each(|vh| {
-                let p = &reg.physicals[vh];
-                let rs = ranges.get(vh).map_or(&[][..], Vec::as_slice);
-                made.push((*vh, recreate_one(d, p, rs, stream)?));
-                Ok(())
-            });
-            // Whatever happened, the queued copies finish before anyone may use the memory.
-            d.stream_synchronize(stream).and(r)
-        });
-        for (vh, h) in made {
-            let p = reg.physicals.get_mut(&vh).expect("listed by the caller");
-            p.real = Some(h.0);
-            if p.exported {
-                p.generation += 1;
-                p.importers.clear();
+        let mut made: Vec<(u64, Handle, Piece)> = Vec::new();
+        let mut r = Ok(());
+        for vh in vhs {
+            let p = reg.physicals.get_mut(vh).expect("listed by the caller");
+            let rs = ranges.get(vh).map_or(&[][..], Vec::as_slice);
+            let pl = places(rs);
+            let piece = Piece::new(
+                external_key(*vh),
+                tag(),
+                dev.clone(),
+                Policy::Cpu,
+                rs.first().map_or(0, |r| r.0),
+                p.backup_len as usize,
+                p.backup.take(),
+            );
+            let mapped = steps
+                .map_fresh(&dev, Memory::Like(&p.prop), p.size as usize, &pl, TAG)
+                .and_then(|h| match steps.copy_in(&piece) {
+                    Ok(()) => Ok(h),
+                    Err(e) => {
+                        let _ = steps.finish(&dev);
+                        // SAFETY: mapped just above; the stream was synchronised.
+                        let _ = unsafe { steps.unmap(&dev, &pl) };
+                        steps.release(h, piece.ptr);
+                        Err(e)
+                    }
+                });
+            match mapped {
+                Ok(h) => made.push((*vh, h, piece)),
+                Err(e) => {
+                    p.backup = piece.backup;
+                    r = Err(e);
+                    break;
+                }
             }
+        }
+        // Whatever happened, the queued copies finish before anyone may use the memory.
+        let r = steps.finish(&dev).and(r);
+        for (vh, h, piece) in made {
+            let p = reg.physicals.get_mut(&vh).expect("listed by the caller");
+            p.resumed(h.0)?;
             total.handles += 1;
             total.bytes += p.size;
-            if p.backup.is_some() {
+            if piece.backup.is_some() {
                 total.copied += p.backup_len;
+            }
+            if steps.plan.retain {
+                p.backup = piece.backup;
+            } else {
+                released.extend(piece.backup);
+                p.backup_len = 0;
             }
         }
         match r {
             Ok(()) => Ok(()),
-            Err(e) if e.is_out_of_memory() => {
+            Err(e) if is_out_of_memory(&e) => {
                 let (still_paused, bytes_still_paused) = reg
                     .physicals
                     .values()
-                    .filter(|p| p.real.is_none() && p.kind != Kind::Imported)
+                    .filter(|p| p.is_paused_own())
                     .fold((0, 0), |(n, b), p| (n + 1, b + p.size));
                 Err(Error::ResumeOutOfMemory {
                     device,
@@ -468,32 +480,40 @@ impl NcclTag {
                     resumed: total.handles,
                     still_paused,
                     bytes_still_paused,
-                    margin: 0,
+                    margin: steps.plan.margin,
                 })
             }
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e),
         }
     }
 
-    /// Resume step 1: this process's own memory, exported buffers first.
+    /// Resume step 1: this process's own memory, exported buffers first. Claims every paused
+    /// handle (`Resuming`) first, so that the handles still to restore while the lock is
+    /// handed over are marked; what could not be restored goes back to `Paused`.
     fn restore_local(&self) -> Result<Restored> {
+        let mut steps = self.allocator.steps(Op::Resume);
         let plan = {
-            let reg = registry::lock();
+            let mut reg = registry::lock();
             let ranges = reg.ranges_by_handle();
-            let paused = |exported: bool| {
-                reg.physicals
+            let claimed: Vec<u64> = reg
+                .physicals
+                .iter_mut()
+                .filter_map(|(vh, p)| p.claim().ok().map(|()| *vh))
+                .collect();
+            let exported = |want: bool| {
+                claimed
                     .iter()
-                    .filter(move |(_, p)| {
-                        p.real.is_none() && p.source.is_none() && p.exported == exported
-                    })
-                    .map(|(vh, _)| *vh)
+                    .copied()
+                    .filter(|vh| reg.physicals[vh].exported == want)
+                    .collect::<Vec<_>>()
             };
             [
-                by_device(&reg, &ranges, paused(true)),
-                by_device(&reg, &ranges, paused(false)),
+                by_device(&reg, &ranges, exported(true)),
+                by_device(&reg, &ranges, exported(false)),
             ]
         };
         let mut total = Restored::default();
+        let mut released = Vec::new();
         // The exported buffers in one go; then the private ones in batches, handing the lock
         // over between batches (fairly, to a waiting thread first), so that peers' requests
         // for the exported buffers are answered while the private ones are restored.
@@ -503,16 +523,40 @@ impl NcclTag {
                 .map(|c| (dev, c.to_vec()))
                 .collect::<Vec<_>>()
         });
+        let mut r = Ok(());
         for (device, vhs) in exported.into_iter().chain(private) {
             let mut reg = registry::lock();
+            // NCCL may have freed some meanwhile.
             let vhs: Vec<u64> = vhs
                 .into_iter()
-                .filter(|vh| reg.physicals.get(vh).is_some_and(|p| p.real.is_none()))
+                .filter(|vh| {
+                    reg.physicals
+                        .get(vh)
+                        .is_some_and(|p| p.state() == registry::State::Resuming)
+                })
                 .collect();
-            self.restore(&mut reg, device, &vhs, &mut total)?;
+            r = self.restore(
+                &mut steps,
+                &mut reg,
+                device,
+                &vhs,
+                &mut total,
+                &mut released,
+            );
             parking_lot::MappedMutexGuard::unlock_fair(reg);
+            if r.is_err() {
+                break;
+            }
         }
-        Ok(total)
+        let mut reg = registry::lock();
+        for p in reg.physicals.values_mut() {
+            let _ = p.unclaim();
+        }
+        drop(reg);
+        // Backups retention no longer keeps (outside the lock: freeing pinned memory is a
+        // driver call).
+        drop(released);
+        r.map(|()| total)
     }
 }
 
@@ -647,7 +691,7 @@ fn wait_importers(group: i64, deadline: Instant) -> BTreeMap<u32, Holding> {
             let mut paused: Vec<&mut registry::Physical> = reg
                 .physicals
                 .values_mut()
-                .filter(|p| p.exported && p.real.is_none())
+                .filter(|p| p.exported && p.is_paused_own())
                 .collect();
             // Each importer asked once.
             let mut pids: Vec<u32> = paused
@@ -749,10 +793,10 @@ type FetchResult = std::result::Result<Vec<Fetched>, String>;
 fn imports_to_fetch() -> BTreeMap<u32, Vec<Wanted>> {
     let mut fetch = BTreeMap::<u32, Vec<Wanted>>::new();
     for (vh, p) in &registry::lock().physicals {
-        if let (None, Some(s)) = (p.real, p.source) {
+        if let (Some(g), Some(s)) = (p.released_generation(), p.source) {
             fetch.entry(s.owner).or_default().push(Wanted {
                 vh: *vh,
-                owner: s.item(s.generation + 1),
+                owner: s.item(g + 1),
             });
         }
     }
@@ -823,6 +867,7 @@ impl NcclTag {
     /// so that the owner's next pause does not wait for it.
     fn map_imports(&self, group: i64, fetched: BTreeMap<u32, Outcome<FetchResult>>) -> Imported {
         let d = self.allocator.driver();
+        let steps = self.allocator.steps(Op::Resume);
         let mut out = Imported::default();
         let mut unused = Notices::new();
         let mut reg = registry::lock();
@@ -857,26 +902,31 @@ impl NcclTag {
                     unused.entry(owner).or_default().push(f.owner);
                     continue;
                 };
-                if p.real.is_some() {
+                if p.released_generation().is_none() {
                     continue;
                 }
                 let rs = ranges.get(&f.vh).map_or(&[][..], Vec::as_slice);
                 let r = self
                     .allocator
-                    .copy_stream(device_of(&reg, &ranges, f.vh))
-                    .and_then(|(ctx, _)| {
-                        Ok(d.with_context(ctx, || {
-                            map_all(d, d.import_fd(std::os::fd::AsRawFd::as_raw_fd(&f.fd))?, rs)
-                        })?)
+                    .device(device_of(&reg, &ranges, f.vh))
+                    .and_then(|dev| {
+                        let fd = std::os::fd::AsRawFd::as_raw_fd(&f.fd);
+                        let h = d.with_context(dev.ctx, || d.import_fd(fd))?;
+                        steps.map_handle(&dev, h, &places(rs)).inspect_err(|_| {
+                            let _ = d.release(h);
+                        })?;
+                        Ok(h)
                     });
                 match r {
                     Ok(h) => {
+                        // A released import, checked above under the same lock.
                         let p = reg.physicals.get_mut(&f.vh).expect("checked above");
-                        p.real = Some(h.0);
-                        if let Some(s) = p.source.as_mut() {
-                            s.generation = f.owner.generation;
+                        match p.remapped(h.0, f.owner.generation) {
+                            Ok(()) => out.mapped += 1,
+                            Err(e) => {
+                                out.map_error.get_or_insert(e.into());
+                            }
                         }
-                        out.mapped += 1;
                     }
                     Err(e) => {
                         unused.entry(owner).or_default().push(f.owner);
@@ -887,7 +937,7 @@ impl NcclTag {
         }
         // What this process imported of the owners at fault, for the message.
         for p in reg.physicals.values() {
-            if let (None, Some(s)) = (p.real, p.source)
+            if let (Some(_), Some(s)) = (p.released_generation(), p.source)
                 && let Some((h, _)) = out.faults.get_mut(&s.owner)
             {
                 h.add(p);
@@ -1053,9 +1103,9 @@ impl ExternalTag for NcclTag {
             let u = &mut out[i].usage;
             u.allocations += 1;
             u.reserved_bytes += p.size;
-            u.resident_bytes += if p.real.is_some() { p.size } else { 0 };
+            u.resident_bytes += if p.real().is_some() { p.size } else { 0 };
             u.backup_bytes += p.backup.as_ref().map_or(0, |b| b.len() as u64);
-            u.prepared_backup_bytes += self.allocator.external_prepared_bytes(*vh);
+            u.prepared_backup_bytes += self.allocator.prepared_bytes(external_key(*vh));
         }
         out.sort_by_key(|u| u.device);
         out

@@ -16,7 +16,6 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use parking_lot::{Mutex, MutexGuard};
 use serde::Serialize;
 
-use memsaver_allocator::backup::HostBuffer;
 use memsaver_allocator::driver::sys::*;
 
 /// Virtual handles are `VH_BASE | n`: never 0, and recognisable in logs.
@@ -35,33 +34,122 @@ pub(crate) enum Kind {
     Imported,
 }
 
+/// The driver's handle behind a virtual one.
+pub(crate) type Real = CUmemGenericAllocationHandle;
+
+/// Why a handle stays resident whatever a pause asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Keep {
+    /// Host memory NCCL created through the VMM API (`HOST`/`HOST_NUMA` locations).
+    Host,
+    /// Created with a FABRIC handle type (multi-node NVLink).
+    Fabric,
+    /// Given to a NIC (GPUDirect RDMA, dmabuf) or bound to a multicast object: the reason.
+    Pinned(&'static str),
+    /// Exported as a plain driver fd (tokens off, or memsaver could not serve peers): its
+    /// importers are unknown.
+    ExportedRaw,
+    /// Imported from a plain fd: there is no owner to follow.
+    PlainImport,
+    /// A peer's host memory (NCCL's shared-memory transport), which its owner keeps.
+    PeerHost,
+}
+
+impl Keep {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Keep::Host => "host memory",
+            Keep::Fabric => "FABRIC handle",
+            Keep::Pinned(why) => why,
+            Keep::ExportedRaw => "exported as a plain fd (MEMSAVER_NCCL_TOKENS=0)",
+            Keep::PlainImport => {
+                "imported from a plain fd (the owner is not preloaded, or MEMSAVER_NCCL_TOKENS=0)"
+            }
+            Keep::PeerHost => "a peer's host memory",
+        }
+    }
+}
+
+/// Where one of NCCL's handles stands. Only the transitions of [`Physical`] change it
+/// (docs/architecture.md draws them):
+///
+/// ```text
+/// own:     Resident ──release──► Paused ──claim──► Resuming ──resumed──► Resident
+///             │                    ▲                  │
+///             └─keep─► Kept        └──── unclaim ─────┘ (out of memory, a failed map)
+/// import:  Mapped(g) ──release──► Released(g) ──remapped(g')──► Mapped(g')
+/// ```
+///
+/// A pause holds the registry lock for its whole local step, so no handle is ever seen half
+/// paused; a resume drops it between batches, so the handles it has claimed and not yet
+/// restored are `Resuming`: the peer server serves them only once restored, and NCCL may free
+/// one meanwhile (the resume skips it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum State {
+    /// Created here; its memory is mapped.
+    Resident(Real),
+    /// Stays resident whatever a pause asks (own or imported).
+    Kept(Real, Keep),
+    /// Created here; released by a pause, its contents in its backup (if its policy keeps
+    /// them).
+    Paused,
+    /// Created here; claimed by the resume in progress, not restored yet.
+    Resuming,
+    /// A peer's buffer imported here and mapped: the owner's generation it maps.
+    Mapped(Real, u64),
+    /// A peer's buffer released by a pause: the owner's generation it mapped last.
+    Released(u64),
+}
+
+/// A transition that the handle's state does not allow (a bug of memsaver's, reported
+/// instead of acted on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BadTransition {
+    pub transition: &'static str,
+    pub from: State,
+}
+
+impl std::fmt::Display for BadTransition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "internal: an NCCL handle in state {:?} cannot take '{}'",
+            self.from, self.transition
+        )
+    }
+}
+
+impl From<BadTransition> for memsaver_allocator::Error {
+    fn from(e: BadTransition) -> Self {
+        memsaver_allocator::Error::InvalidArgument(e.to_string())
+    }
+}
+
 pub(crate) struct Physical {
-    /// The driver's handle; `None` while paused.
-    pub real: Option<CUmemGenericAllocationHandle>,
+    state: State,
     /// Bytes (for imports: learnt when mapped).
     pub size: u64,
     pub prop: CUmemAllocationProp,
     pub kind: Kind,
     /// References NCCL holds (create/import = 1, each retain + 1, each release - 1).
     pub refs: u32,
-    /// Exported to another process at least once (through a token, see `memsaver_ipc::token`).
+    /// Exported to another process at least once (through a token, see
+    /// `memsaver_ipc::token`, or raw).
     pub exported: bool,
-    /// Exported as a driver fd (tokens off): its importers are unknown, so it stays resident.
-    pub exported_raw: bool,
     /// The key a request must carry to be given this buffer (owner side): 64 random bits
     /// drawn when it is first exported through a token, which carries it (see
     /// `memsaver_ipc::token`). `None`: never exported so, and never handed out.
     pub key: Option<u64>,
     /// Processes holding an import of the current generation (owner side).
     pub importers: HashSet<u32>,
-    /// Incremented each time the memory is re-created by a resume (owner side).
+    /// Incremented each time the memory is re-created by a resume (owner side, exported
+    /// buffers).
     pub generation: u64,
     /// For an import: the owner and its buffer (`None` when imported from a plain fd).
     pub source: Option<Source>,
-    /// Why it must stay resident whatever the policy (given to a NIC, bound to multicast).
-    pub pinned: Option<&'static str>,
-    /// Contents while paused (its first `backup_len` bytes), kept for reuse across cycles.
-    pub backup: Option<HostBuffer>,
+    /// Contents while paused (its first `backup_len` bytes), kept for reuse across cycles
+    /// while retention is on.
+    pub backup: Option<memsaver_allocator::Backup>,
     pub backup_len: u64,
 }
 
@@ -72,8 +160,6 @@ pub(crate) struct Source {
     pub vh: u64,
     /// The buffer's key, from its token.
     pub key: u64,
-    /// The owner's generation this import maps.
-    pub generation: u64,
 }
 
 impl Source {
@@ -88,47 +174,178 @@ impl Source {
 }
 
 impl Physical {
-    pub fn new(
-        real: CUmemGenericAllocationHandle,
-        size: u64,
-        prop: CUmemAllocationProp,
-        kind: Kind,
-    ) -> Self {
+    fn with_state(state: State, size: u64, prop: CUmemAllocationProp, kind: Kind) -> Self {
         Self {
-            real: Some(real),
+            state,
             size,
             prop,
             kind,
             refs: 1,
             exported: false,
-            exported_raw: false,
             key: None,
             importers: HashSet::new(),
             generation: 0,
             source: None,
-            pinned: None,
             backup: None,
             backup_len: 0,
         }
     }
 
+    /// Memory NCCL created here: device memory is `Resident`, host and FABRIC memory `Kept`.
+    pub fn created(real: Real, size: u64, prop: CUmemAllocationProp, kind: Kind) -> Self {
+        let state = match kind {
+            Kind::Host => State::Kept(real, Keep::Host),
+            Kind::Fabric => State::Kept(real, Keep::Fabric),
+            Kind::Device | Kind::Imported => State::Resident(real),
+        };
+        Self::with_state(state, size, prop, kind)
+    }
+
+    /// A peer's memory NCCL imported here (its size is learnt when mapped): `Mapped` at the
+    /// owner's generation when it came through a token, `Kept` when there is no owner to
+    /// follow (a plain fd) or it is the owner's host memory.
+    pub fn imported(real: Real, prop: CUmemAllocationProp, source: Option<(Source, u64)>) -> Self {
+        let mut p = Self::with_state(State::Resident(real), 0, prop, Kind::Imported);
+        p.state = match source {
+            None => State::Kept(real, Keep::PlainImport),
+            Some(_) if p.is_host() => State::Kept(real, Keep::PeerHost),
+            Some((_, generation)) => State::Mapped(real, generation),
+        };
+        p.source = source.map(|(s, _)| s);
+        p
+    }
+
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    /// The driver's handle while the memory is there (`Resident`, `Kept`, `Mapped`).
+    pub fn real(&self) -> Option<Real> {
+        match self.state {
+            State::Resident(r) | State::Kept(r, _) | State::Mapped(r, _) => Some(r),
+            State::Paused | State::Resuming | State::Released(_) => None,
+        }
+    }
+
     /// Whether pause may release it, and if not, why.
     pub fn pausable(&self) -> Result<(), &'static str> {
-        match self.kind {
-            Kind::Host => Err("host memory"),
-            Kind::Fabric => Err("FABRIC handle"),
-            Kind::Imported if self.source.is_none() => Err(
-                "imported from a plain fd (the owner is not preloaded, or MEMSAVER_NCCL_TOKENS=0)",
-            ),
-            // NCCL's shared-memory transport: host memory, which its owner keeps.
-            Kind::Imported if self.is_host() => Err("a peer's host memory"),
-            Kind::Imported => Ok(()),
-            Kind::Device => match (self.pinned, self.exported_raw) {
-                (Some(why), _) => Err(why),
-                (None, true) => Err("exported as a plain fd (MEMSAVER_NCCL_TOKENS=0)"),
-                (None, false) => Ok(()),
-            },
+        match self.state {
+            State::Kept(_, why) => Err(why.reason()),
+            _ => Ok(()),
         }
+    }
+
+    /// Own memory released by a pause and not restored yet (`Paused` or `Resuming`).
+    pub fn is_paused_own(&self) -> bool {
+        matches!(self.state, State::Paused | State::Resuming)
+    }
+
+    fn bad(&self, transition: &'static str) -> BadTransition {
+        BadTransition {
+            transition,
+            from: self.state,
+        }
+    }
+
+    /// `Resident` → `Kept(why)`: it must stay resident from now on. A handle kept already
+    /// keeps its first reason; a paused one cannot be given away (the caller checked).
+    pub fn keep(&mut self, why: Keep) -> Result<(), BadTransition> {
+        match self.state {
+            State::Resident(r) => {
+                self.state = State::Kept(r, why);
+                Ok(())
+            }
+            State::Kept(..) => Ok(()),
+            _ => Err(self.bad("keep")),
+        }
+    }
+
+    /// Pause: `Resident` → `Paused`, `Mapped(g)` → `Released(g)`. Returns the driver's
+    /// handle, for the caller to release once its mappings are gone.
+    pub fn release(&mut self) -> Result<Real, BadTransition> {
+        match self.state {
+            State::Resident(r) => {
+                self.state = State::Paused;
+                Ok(r)
+            }
+            State::Mapped(r, g) => {
+                self.state = State::Released(g);
+                Ok(r)
+            }
+            _ => Err(self.bad("release")),
+        }
+    }
+
+    /// Resume claims it: `Paused` → `Resuming`.
+    pub fn claim(&mut self) -> Result<(), BadTransition> {
+        match self.state {
+            State::Paused => {
+                self.state = State::Resuming;
+                Ok(())
+            }
+            _ => Err(self.bad("claim")),
+        }
+    }
+
+    /// Resume could not restore it: `Resuming` → `Paused` (its backup kept).
+    pub fn unclaim(&mut self) -> Result<(), BadTransition> {
+        match self.state {
+            State::Resuming => {
+                self.state = State::Paused;
+                Ok(())
+            }
+            _ => Err(self.bad("unclaim")),
+        }
+    }
+
+    /// Resume restored it in new memory `real`: `Resuming` → `Resident`. An exported buffer
+    /// starts a new generation: its importers must fetch it again.
+    pub fn resumed(&mut self, real: Real) -> Result<(), BadTransition> {
+        match self.state {
+            State::Resuming => {
+                self.state = State::Resident(real);
+                if self.exported {
+                    self.generation += 1;
+                    self.importers.clear();
+                }
+                Ok(())
+            }
+            _ => Err(self.bad("resumed")),
+        }
+    }
+
+    /// Resume mapped the owner's generation `g` of a released import: `Released` →
+    /// `Mapped(g)`.
+    pub fn remapped(&mut self, real: Real, generation: u64) -> Result<(), BadTransition> {
+        match self.state {
+            State::Released(_) => {
+                self.state = State::Mapped(real, generation);
+                Ok(())
+            }
+            _ => Err(self.bad("remapped")),
+        }
+    }
+
+    /// The owner's generation a released import mapped last (the next to fetch is the one
+    /// after it).
+    pub fn released_generation(&self) -> Option<u64> {
+        match self.state {
+            State::Released(g) => Some(g),
+            _ => None,
+        }
+    }
+
+    /// The owner's generation an import maps now.
+    pub fn mapped_generation(&self) -> Option<u64> {
+        match self.state {
+            State::Mapped(_, g) => Some(g),
+            _ => None,
+        }
+    }
+
+    /// Given to a NIC or bound to multicast.
+    pub fn is_pinned(&self) -> bool {
+        matches!(self.state, State::Kept(_, Keep::Pinned(_)))
     }
 
     pub fn device(&self) -> i32 {
@@ -210,7 +427,7 @@ impl Registry {
         let unused = self.physicals.get(&vh).is_some_and(|p| p.refs == 0)
             && !self.mappings.values().any(|m| m.vh == vh);
         if unused {
-            self.physicals.remove(&vh).and_then(|p| p.real)
+            self.physicals.remove(&vh).and_then(|p| p.real())
         } else {
             None
         }
@@ -275,14 +492,14 @@ pub(crate) fn stats(hooked: bool, cumem_disabled: bool, paused: bool) -> NcclSta
             Kind::Device => {
                 s.owned_bytes += p.size;
                 s.owned_handles += 1;
-                if p.real.is_none() {
+                if p.is_paused_own() {
                     s.paused_bytes += p.size;
                 }
                 if p.exported {
                     s.exported_handles += 1;
                     s.exported_bytes += p.size;
                 }
-                if p.pinned.is_some() {
+                if p.is_pinned() {
                     s.resident_pinned_bytes += p.size;
                 }
             }
@@ -297,4 +514,165 @@ pub(crate) fn stats(hooked: bool, cumem_disabled: bool, paused: bool) -> NcclSta
     s.multicast_objects = r.multicast_objects;
     s.mappings = r.mappings.len() as u64;
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prop(location: std::ffi::c_uint) -> CUmemAllocationProp {
+        let mut p = CUmemAllocationProp::default();
+        p.location.type_ = location;
+        p
+    }
+
+    fn own() -> Physical {
+        Physical::created(7, 2 << 20, prop(CU_MEM_LOCATION_TYPE_DEVICE), Kind::Device)
+    }
+
+    fn source() -> Source {
+        Source {
+            owner: 42,
+            vh: VH_BASE | 1,
+            key: 99,
+        }
+    }
+
+    fn import() -> Physical {
+        Physical::imported(8, prop(CU_MEM_LOCATION_TYPE_DEVICE), Some((source(), 3)))
+    }
+
+    #[test]
+    fn creation_decides_between_resident_and_kept() {
+        assert_eq!(own().state(), State::Resident(7));
+        let host = Physical::created(1, 1, prop(CU_MEM_LOCATION_TYPE_HOST_NUMA), Kind::Host);
+        assert_eq!(host.state(), State::Kept(1, Keep::Host));
+        assert_eq!(host.pausable(), Err("host memory"));
+        let fabric = Physical::created(2, 1, prop(CU_MEM_LOCATION_TYPE_DEVICE), Kind::Fabric);
+        assert_eq!(fabric.state(), State::Kept(2, Keep::Fabric));
+        assert_eq!(import().state(), State::Mapped(8, 3));
+        let plain = Physical::imported(9, prop(CU_MEM_LOCATION_TYPE_DEVICE), None);
+        assert_eq!(plain.state(), State::Kept(9, Keep::PlainImport));
+        assert!(plain.pausable().unwrap_err().contains("plain fd"));
+        let peer_host =
+            Physical::imported(10, prop(CU_MEM_LOCATION_TYPE_HOST), Some((source(), 0)));
+        assert_eq!(peer_host.state(), State::Kept(10, Keep::PeerHost));
+    }
+
+    #[test]
+    fn an_own_handle_pauses_resumes_and_starts_a_new_generation_when_exported() {
+        let mut p = own();
+        p.exported = true;
+        p.importers.insert(5);
+        assert_eq!(p.release(), Ok(7));
+        assert_eq!(p.state(), State::Paused);
+        assert_eq!(p.real(), None);
+        assert!(p.is_paused_own());
+        assert_eq!(p.claim(), Ok(()));
+        assert_eq!(p.state(), State::Resuming);
+        assert!(
+            p.is_paused_own(),
+            "claimed but not restored yet: still paused"
+        );
+        assert_eq!(p.resumed(11), Ok(()));
+        assert_eq!(p.state(), State::Resident(11));
+        assert_eq!(p.real(), Some(11));
+        assert_eq!(p.generation, 1, "importers must fetch the new memory");
+        assert!(p.importers.is_empty());
+        // A private handle keeps generation 0.
+        let mut q = own();
+        q.release().unwrap();
+        q.claim().unwrap();
+        q.resumed(12).unwrap();
+        assert_eq!(q.generation, 0);
+    }
+
+    #[test]
+    fn a_resume_that_fails_unclaims() {
+        let mut p = own();
+        p.release().unwrap();
+        p.claim().unwrap();
+        assert_eq!(p.unclaim(), Ok(()));
+        assert_eq!(p.state(), State::Paused);
+        // Unclaiming what was not claimed is refused and changes nothing.
+        let err = p.unclaim().unwrap_err();
+        assert_eq!((err.transition, err.from), ("unclaim", State::Paused));
+        assert_eq!(p.state(), State::Paused);
+    }
+
+    #[test]
+    fn an_import_is_released_and_remapped_at_the_owners_new_generation() {
+        let mut p = import();
+        assert_eq!(p.mapped_generation(), Some(3));
+        assert_eq!(p.release(), Ok(8));
+        assert_eq!(p.state(), State::Released(3));
+        assert_eq!(p.released_generation(), Some(3));
+        assert!(!p.is_paused_own(), "an import is not own memory");
+        assert_eq!(p.remapped(13, 4), Ok(()));
+        assert_eq!(p.state(), State::Mapped(13, 4));
+        assert_eq!(p.released_generation(), None);
+    }
+
+    #[test]
+    fn keep_turns_resident_into_kept_and_keeps_the_first_reason() {
+        let mut p = own();
+        assert_eq!(p.keep(Keep::Pinned("given to a NIC")), Ok(()));
+        assert_eq!(p.state(), State::Kept(7, Keep::Pinned("given to a NIC")));
+        assert!(p.is_pinned());
+        assert_eq!(p.keep(Keep::ExportedRaw), Ok(()));
+        assert_eq!(p.pausable(), Err("given to a NIC"));
+        assert_eq!(p.real(), Some(7), "kept memory stays usable");
+    }
+
+    #[test]
+    fn every_transition_the_state_does_not_allow_is_refused_and_changes_nothing() {
+        type Transition = fn(&mut Physical) -> Result<(), BadTransition>;
+        let transitions: [(&str, Transition); 6] = [
+            ("keep", |p| p.keep(Keep::ExportedRaw)),
+            ("release", |p| p.release().map(|_| ())),
+            ("claim", Physical::claim),
+            ("unclaim", Physical::unclaim),
+            ("resumed", |p| p.resumed(1)),
+            ("remapped", |p| p.remapped(1, 1)),
+        ];
+        let states = [
+            State::Resident(7),
+            State::Kept(7, Keep::Host),
+            State::Paused,
+            State::Resuming,
+            State::Mapped(7, 1),
+            State::Released(1),
+        ];
+        // The allowed (state, transition) pairs; everything else must be refused.
+        let allowed = [
+            (State::Resident(7), "keep"),
+            (State::Kept(7, Keep::Host), "keep"),
+            (State::Resident(7), "release"),
+            (State::Mapped(7, 1), "release"),
+            (State::Paused, "claim"),
+            (State::Resuming, "unclaim"),
+            (State::Resuming, "resumed"),
+            (State::Released(1), "remapped"),
+        ];
+        for from in states {
+            for (name, t) in transitions {
+                let mut p = own();
+                p.state = from;
+                let r = t(&mut p);
+                if allowed.contains(&(from, name)) {
+                    assert!(r.is_ok(), "{name} from {from:?}");
+                } else {
+                    assert_eq!(
+                        r,
+                        Err(BadTransition {
+                            transition: name,
+                            from
+                        }),
+                        "{name} from {from:?}"
+                    );
+                    assert_eq!(p.state(), from, "a refused {name} changed {from:?}");
+                }
+            }
+        }
+    }
 }

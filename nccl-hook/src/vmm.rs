@@ -13,13 +13,14 @@ use parking_lot::Mutex;
 use memsaver_allocator::driver::Handle;
 use memsaver_allocator::driver::sys::{fns, *};
 use memsaver_allocator::options::{self, NcclBackup};
+use memsaver_allocator::steps::external_key;
 use memsaver_ipc::token::{self, Token};
 use memsaver_ipc::{client, group, identity, server};
 
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
 
-use crate::registry::{self, Kind, Mapping, Physical, Source};
+use crate::registry::{self, Keep, Kind, Mapping, Physical, Source};
 
 type GetHandleForAddressRange =
     unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, c_uint, c_ulonglong) -> CUresult;
@@ -100,21 +101,23 @@ fn quietly(f: impl FnOnce()) {
 }
 
 /// Asks for the pinned backup of NCCL's new buffer `vh` (`size` bytes on `device`) to be
-/// prepared in the background, so that the first pause of `nccl` only copies; with
-/// `MEMSAVER_NCCL_BACKUP=all` only (with `headers`, most buffers need far less than their
-/// size, known only once they are exported). Starts the allocator: call with no lock held.
+/// prepared in the background, as for any `cpu` allocation, so that the first pause of `nccl`
+/// only copies; with `MEMSAVER_NCCL_BACKUP=all` only (with `headers`, most buffers need far
+/// less than their size, known only once they are exported). Bounded by the prepare budget
+/// and off with retention, like every tag's. Starts the allocator: call with no lock held.
 fn prepare_backup(vh: u64, device: i32, size: usize) {
     if options::get().nccl_backup == NcclBackup::All
         && let Ok(a) = memsaver_allocator::global()
+        && a.retain_backups()
     {
-        a.prepare_external_backup(vh, device, size);
+        a.prepare_backup(external_key(vh), device, size);
     }
 }
 
 /// Frees what was prepared for NCCL's buffer `vh`, which NCCL has released.
 fn forget_backup(vh: u64) {
     if let Some(a) = memsaver_allocator::global_if_started() {
-        a.forget_external_backup(vh);
+        a.forget_prepared_backup(external_key(vh));
     }
 }
 
@@ -155,7 +158,7 @@ unsafe extern "C" fn mem_create(
             CU_MEM_LOCATION_TYPE_DEVICE => Kind::Device,
             _ => Kind::Host,
         };
-        let p = Physical::new(h, size as u64, prop, kind);
+        let p = Physical::created(h, size as u64, prop, kind);
         let vh = registry::lock().insert(p);
         // SAFETY: the caller's out-pointer.
         unsafe { *handle = vh };
@@ -225,7 +228,7 @@ unsafe extern "C" fn mem_map(
         // SAFETY: not one of ours: forwarded unchanged.
         return unsafe { f(ptr, size, offset, handle, flags) };
     };
-    let Some(h) = p.real else {
+    let Some(h) = p.real() else {
         return paused_use("cuMemMap");
     };
     // SAFETY: the caller's arguments with the driver's handle behind the virtual one.
@@ -279,7 +282,7 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
         // SAFETY: not one of ours: forwarded unchanged.
         return unsafe { f(ptr, size) };
     };
-    let paused = reg.physicals.get(&vh).is_some_and(|p| p.real.is_none());
+    let paused = reg.physicals.get(&vh).is_some_and(|p| p.real().is_none());
     if !paused {
         // SAFETY: NCCL's own mapping, unmapped as it asks.
         let r = unsafe { f(ptr, size) };
@@ -363,7 +366,7 @@ unsafe extern "C" fn mem_export(
         // SAFETY: not one of ours: forwarded unchanged.
         return unsafe { f(shareable, handle, handle_type, flags) };
     };
-    let Some(h) = p.real else {
+    let Some(h) = p.real() else {
         return paused_use("cuMemExportToShareableHandle");
     };
     if handle_type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -397,7 +400,8 @@ unsafe extern "C" fn mem_export(
     let r = unsafe { f(shareable, h, handle_type, flags) };
     if r == CUDA_SUCCESS {
         p.exported = true;
-        p.exported_raw = true;
+        // Its importers are unknown: it stays resident (checked above: it is mapped).
+        let _ = p.keep(Keep::ExportedRaw);
     }
     r
 }
@@ -427,12 +431,14 @@ unsafe extern "C" fn mem_import(
                 let r = unsafe { f(handle, fd.as_raw_fd() as isize as *mut c_void, handle_type) };
                 (
                     r,
-                    Some(Source {
-                        owner: t.pid,
-                        vh: t.buffer,
-                        key: t.key,
+                    Some((
+                        Source {
+                            owner: t.pid,
+                            vh: t.buffer,
+                            key: t.key,
+                        },
                         generation,
-                    }),
+                    )),
                 )
             }
             Err(e) => {
@@ -457,9 +463,7 @@ unsafe extern "C" fn mem_import(
             .ok()
             .and_then(|d| d.properties(Handle(h)).ok())
             .unwrap_or_default();
-        let mut p = Physical::new(h, 0, prop, Kind::Imported);
-        p.source = source;
-        let vh = registry::lock().insert(p);
+        let vh = registry::lock().insert(Physical::imported(h, prop, source));
         // SAFETY: the caller's out-pointer.
         unsafe { *handle = vh };
     });
@@ -493,7 +497,7 @@ unsafe extern "C" fn mem_range(
     {
         let reg = registry::lock();
         if let Some((b, m)) = reg.mapping_at(ptr)
-            && reg.physicals.get(&m.vh).is_some_and(|p| p.real.is_none())
+            && reg.physicals.get(&m.vh).is_some_and(|p| p.real().is_none())
         {
             // Paused: the driver no longer knows the range; answer from the record.
             // SAFETY: the caller's out-pointers (either may be NULL).
@@ -562,10 +566,10 @@ unsafe extern "C" fn mc_bind_mem(
     let mut reg = registry::lock();
     let real_mem = match reg.physicals.get_mut(&mem) {
         Some(p) => {
-            let Some(h) = p.real else {
+            let Some(h) = p.real() else {
                 return paused_use("cuMulticastBindMem");
             };
-            p.pinned = Some("bound to a multicast object");
+            let _ = p.keep(Keep::Pinned("bound to a multicast object"));
             h
         }
         None => mem,
@@ -581,6 +585,7 @@ fn pin(ptr: CUdeviceptr, why: &'static str) {
     if let Some(vh) = reg.mapping_at(ptr).map(|(_, m)| m.vh)
         && let Some(p) = reg.physicals.get_mut(&vh)
     {
-        p.pinned = Some(why);
+        // A paused range cannot be given away (the wrappers refuse it first).
+        let _ = p.keep(Keep::Pinned(why));
     }
 }

@@ -243,7 +243,7 @@ def set_disk_dir(path: str | os.PathLike[str] | None) -> None:
 def set_backup_prepare_limit(bytes: int) -> None:
     """With retention on, the pinned backup of a ``backup="cpu"`` allocation is allocated on a
     background thread when the allocation is made, so that its first pause only copies
-    (allocating pinned memory takes about 0.6 s per GiB). At most ``bytes`` of host memory are
+    (allocating pinned memory takes about 0.35-0.65 s per GiB). At most ``bytes`` of host memory are
     held that way (``MEMSAVER_BACKUP_PREPARE_MB``, default: no limit; ``stats().total``
     reports them as ``prepared_backup_bytes``). 0 turns it off for allocations made from now
     on; buffers already prepared stay."""

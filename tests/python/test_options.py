@@ -78,3 +78,31 @@ def test_control_that_cannot_be_served_fails_at_start(child_env, tmp_path):
     assert "unset MEMSAVER_CONTROL" in stats, stats
     serve = said["serve_control"]
     assert serve.startswith("ControlError: cannot serve control requests") and str(rt) in serve, serve
+
+
+_STATS_NAMED = """
+import memsaver
+try:
+    memsaver.stats()
+except memsaver.MemsaverError as e:
+    print(f"{type(e).__name__}: {e}")
+else:
+    print("no error")
+"""
+
+
+def test_a_whole_process_backup_is_checked_with_the_tag_unset(child_env):
+    """MEMSAVER_PROCESS_BACKUP=zip in a process where whole-process mode is off (no
+    MEMSAVER_PROCESS_TAG, no TMS_INIT_ENABLE): the first call fails naming the variable, its
+    value and the accepted policies. (Before: accepted in silence while the tag was unset.)"""
+    env = {k: v for k, v in child_env.items() if not k.startswith(("MEMSAVER_PROCESS_", "TMS_"))}
+    env["MEMSAVER_PROCESS_BACKUP"] = "zip"
+    r = run_python(_STATS_NAMED, env)
+    assert r.returncode == 0, r.stderr
+    said = r.stdout.strip()
+    assert said.startswith("InvalidArgumentError: "), said + r.stderr
+    assert "MEMSAVER_PROCESS_BACKUP='zip': expected discard, cpu, mmap or disk" in said, said
+    # The same environment with a valid policy works: the tag being unset is not the error.
+    env["MEMSAVER_PROCESS_BACKUP"] = "cpu"
+    r = run_python(_STATS_NAMED, env)
+    assert r.stdout.strip() == "no error", r.stdout + r.stderr

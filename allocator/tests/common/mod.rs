@@ -60,20 +60,86 @@ pub fn allocator_with(opts: &memsaver_allocator::Options) -> TestAllocator {
     }
 }
 
-/// Calls one of the fake driver's fault-injection functions (`fakecuda_fail_create_at`, ...).
-pub fn inject(function: &str, n: u32) {
+/// The address of the fake driver's function `function` (panics when there is none).
+fn fake_fn(function: &str) -> *mut libc::c_void {
     let path = CString::new(fake_lib()).unwrap();
     let name = CString::new(function).unwrap();
+    driver();
     // SAFETY: the library is already loaded by `driver()`; RTLD_NOLOAD only returns its handle.
     unsafe {
-        driver();
         let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
         assert!(!h.is_null(), "fake driver not loaded");
         let f = libc::dlsym(h, name.as_ptr());
         assert!(!f.is_null(), "the fake driver has no {function}");
-        let f: extern "C" fn(u32) = std::mem::transmute(f);
-        f(n);
+        f
     }
+}
+
+/// Calls one of the fake driver's fault-injection functions (`fakecuda_fail_create_at`, ...).
+pub fn inject(function: &str, n: u32) {
+    // SAFETY: these functions take one u32.
+    let f: extern "C" fn(u32) = unsafe { std::mem::transmute(fake_fn(function)) };
+    f(n);
+}
+
+/// How long a hold of the fake driver's pinning lasts at most: far above any wait a working
+/// allocator makes, so only a regression meets it (and then fails instead of hanging).
+pub const PIN_HOLD_MS: u64 = 60_000;
+
+/// How the fake driver holds pinning calls (`fakecuda_hold_pinning`).
+#[derive(Clone, Copy)]
+pub enum PinHold {
+    /// Each pinning call waits at its entry, holding nothing, until the hold ends.
+    AtEntry = 1,
+    /// Each pinning call, once it holds the driver lock, keeps it until a call of another
+    /// thread waits behind it.
+    UntilWaited = 2,
+}
+
+/// The fake driver's pinning held as [`PinHold`] says, for at most [`PIN_HOLD_MS`], until
+/// dropped. Declare it after the allocator, so that it is dropped first: the allocator's drop
+/// joins its preparation thread.
+pub struct HeldPinning(());
+
+impl HeldPinning {
+    pub fn new(how: PinHold) -> Self {
+        hold_pinning(how as u32, PIN_HOLD_MS);
+        Self(())
+    }
+
+    /// Changes how pinning is held (a held call waiting at its entry is let go by a change
+    /// to `UntilWaited`).
+    pub fn switch(&self, how: PinHold) {
+        hold_pinning(how as u32, PIN_HOLD_MS);
+    }
+}
+
+impl Drop for HeldPinning {
+    fn drop(&mut self) {
+        hold_pinning(0, 0);
+    }
+}
+
+fn hold_pinning(mode: u32, ms: u64) {
+    // SAFETY: the function's C signature.
+    let f: extern "C" fn(u32, u64) -> libc::c_int =
+        unsafe { std::mem::transmute(fake_fn("fakecuda_hold_pinning")) };
+    assert_eq!(f(mode, ms), 0, "hold mode {mode}");
+}
+
+/// Waits until at least `n` pinning calls wait at their entry (or [`PIN_HOLD_MS`] pass);
+/// returns how many do.
+pub fn wait_pinning_held(n: u64) -> u64 {
+    // SAFETY: the function's C signature.
+    let f: extern "C" fn(u64, u64) -> u64 =
+        unsafe { std::mem::transmute(fake_fn("fakecuda_wait_pinning_held")) };
+    f(n, PIN_HOLD_MS)
+}
+
+/// The fake driver's figures of held pinning (`fakecuda_pin_hold_stats`): pinning calls
+/// waiting at their entry now, and pinning calls a hold's deadline let go.
+pub fn fake_pin_hold() -> [u64; 2] {
+    fake_figures("fakecuda_pin_hold_stats")
 }
 
 /// The fake driver's own counts of calls by kind (`fakecuda_call_counts`), in the order of
@@ -91,20 +157,11 @@ pub fn fake_pinning() -> [u64; 4] {
 /// The figures of one of the fake driver's `fakecuda_*(out, n) -> count` functions; there must
 /// be exactly `N` of them.
 fn fake_figures<const N: usize>(function: &str) -> [u64; N] {
-    let path = CString::new(fake_lib()).unwrap();
-    let name = CString::new(function).unwrap();
     let mut out = [0u64; N];
-    // SAFETY: as in `inject`; the function writes at most `n` figures and returns how many it
-    // has.
-    unsafe {
-        driver();
-        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
-        assert!(!h.is_null(), "fake driver not loaded");
-        let f = libc::dlsym(h, name.as_ptr());
-        assert!(!f.is_null(), "the fake driver has no {function}");
-        let f: extern "C" fn(*mut u64, usize) -> usize = std::mem::transmute(f);
-        assert_eq!(f(out.as_mut_ptr(), N), N, "{function} gives other figures");
-    }
+    // SAFETY: these functions write at most `n` figures and return how many they have.
+    let f: extern "C" fn(*mut u64, usize) -> usize =
+        unsafe { std::mem::transmute(fake_fn(function)) };
+    assert_eq!(f(out.as_mut_ptr(), N), N, "{function} gives other figures");
     out
 }
 

@@ -52,6 +52,12 @@
 //! it pins; `fakecuda_pin_stats(out, n)` gives the pinning calls, the largest, the calls that
 //! waited behind one and the largest one waited behind; `fakecuda_reset_pin_stats()`. A copy
 //! whose host side crosses registrations fails with `CUDA_ERROR_INVALID_VALUE`, as measured.
+//! `fakecuda_hold_pinning(mode, ms)` holds pinning calls so a test can order the application's
+//! calls against them without timing: at their entry, holding nothing (mode 1; with
+//! `fakecuda_wait_pinning_held(n, ms)`), or holding the lock until another thread's call waits
+//! behind them (mode 2); 0 lets them go, and so does the deadline `ms`, counted in
+//! `fakecuda_pin_hold_stats(out, n)` (calls held at their entry now, calls the deadline let
+//! go).
 //!
 //! # Faithful
 //!
@@ -1103,4 +1109,45 @@ pub unsafe extern "C" fn fakecuda_pin_stats(out: *mut u64, n: usize) -> usize {
 #[unsafe(no_mangle)]
 pub extern "C" fn fakecuda_reset_pin_stats() {
     pinning::reset();
+}
+
+/// Test control: holds this process's pinning calls (`pinning`) for at most `ms` from now.
+/// `mode` 1: each pinning call waits at its entry, before it takes the driver lock, until the
+/// hold ends; 2: each one, once it holds the lock, keeps it until a call of another thread
+/// waits behind it; 0 ends the hold and lets every held call go. Returns 0, or -1 for another
+/// mode. A call that the deadline lets go is counted (`fakecuda_pin_hold_stats`).
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_hold_pinning(mode: u32, ms: u64) -> c_int {
+    let hold = match mode {
+        0 => pinning::Hold::Free,
+        1 => pinning::Hold::AtEntry,
+        2 => pinning::Hold::UntilWaited,
+        _ => return -1,
+    };
+    pinning::hold(hold, ms);
+    0
+}
+
+/// Test probe: waits until at least `n` pinning calls wait at their entry (hold mode 1), or
+/// `ms` pass; returns how many do.
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_wait_pinning_held(n: u64, ms: u64) -> u64 {
+    pinning::wait_held(n, ms)
+}
+
+/// Writes the first `min(n, 2)` figures of this process's pinning hold to `out`: pinning calls
+/// waiting at their entry now, and pinning calls that a hold's deadline let go (not its end).
+/// Returns 2.
+///
+/// # Safety
+///
+/// `out` must be valid for `n` writes of `u64`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fakecuda_pin_hold_stats(out: *mut u64, n: usize) -> usize {
+    let n = n.min(pinning::HOLD_STATS);
+    if n > 0 && !out.is_null() {
+        // SAFETY: per this function's contract.
+        pinning::read_hold(unsafe { std::slice::from_raw_parts_mut(out, n) });
+    }
+    pinning::HOLD_STATS
 }

@@ -10,6 +10,15 @@
 //! the largest one, how many calls of other threads waited behind one, and the largest pinning
 //! call anybody waited behind (`fakecuda_pin_stats`).
 //!
+//! A test that must order the application's calls against a pinning call without timing them
+//! holds pinning (`fakecuda_hold_pinning`): either every pinning call waits at its entry, before
+//! it takes the driver lock, until the test lets it go (so preparation is in progress and holds
+//! nothing back: a call that waits for it would wait until the hold ends), or each one, once it
+//! holds the lock, keeps it until a call of another thread waits behind it (so the application
+//! runs into every pinning call, deterministically). Each hold ends by itself after a deadline
+//! the test gives, so a regression fails the test instead of hanging it; a call let go by the
+//! deadline is counted (`fakecuda_pin_hold_stats`).
+//!
 //! Registrations (`cuMemHostRegister`) are a table of host ranges. As on the real driver, a
 //! copy whose host side crosses from one registration into another (or out of one) fails with
 //! `CUDA_ERROR_INVALID_VALUE` (a 1 GiB `cuMemcpyDtoHAsync` into one mapping registered in 4 MiB
@@ -18,10 +27,10 @@
 use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use memsaver_allocator::driver::sys::{CUDA_ERROR_INVALID_VALUE, CUresult};
-use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
 const ALREADY_REGISTERED: CUresult = 712;
@@ -41,6 +50,113 @@ static LARGEST_WAITED_BEHIND: AtomicU64 = AtomicU64::new(0);
 /// How many figures `fakecuda_pin_stats` gives.
 pub const STATS: usize = 4;
 
+/// Calls of other threads waiting behind a pinning call now.
+static BLOCKED: AtomicUsize = AtomicUsize::new(0);
+
+/// How pinning calls are held (`fakecuda_hold_pinning`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Hold {
+    /// Not held: a pinning call takes the lock as soon as it can.
+    Free,
+    /// Each pinning call waits at its entry, holding nothing, until the hold ends.
+    AtEntry,
+    /// Each pinning call, once it holds the lock, keeps it until a call of another thread
+    /// waits behind it.
+    UntilWaited,
+}
+
+struct Holding {
+    hold: Hold,
+    /// When the hold ends by itself.
+    deadline: Instant,
+    /// Pinning calls waiting at their entry now.
+    at_entry: u64,
+    /// Pinning calls that went on because the deadline passed, not because the hold ended.
+    let_go_by_deadline: u64,
+}
+
+static HOLDING: Mutex<Option<Holding>> = Mutex::new(None);
+/// Signalled when the hold changes, a call arrives at the entry, or a call waits behind a
+/// pinning call.
+static HOLD_CHANGED: Condvar = Condvar::new();
+/// How many figures `fakecuda_pin_hold_stats` gives.
+pub const HOLD_STATS: usize = 2;
+
+fn holding<R>(f: impl FnOnce(&mut Holding) -> R) -> R {
+    let mut h = HOLDING.lock();
+    f(h.get_or_insert_with(|| Holding {
+        hold: Hold::Free,
+        deadline: Instant::now(),
+        at_entry: 0,
+        let_go_by_deadline: 0,
+    }))
+}
+
+/// Holds pinning calls as `hold` says for at most `ms` from now (`Hold::Free` ends a hold and
+/// lets every held call go).
+pub fn hold(hold: Hold, ms: u64) {
+    holding(|h| {
+        h.hold = hold;
+        h.deadline = Instant::now() + Duration::from_millis(ms);
+    });
+    HOLD_CHANGED.notify_all();
+}
+
+/// Waits until at least `n` pinning calls wait at their entry, or `ms` pass; returns how many
+/// do.
+pub fn wait_held(n: u64, ms: u64) -> u64 {
+    let until = Instant::now() + Duration::from_millis(ms);
+    let mut g = HOLDING.lock();
+    loop {
+        let now = g.as_ref().map_or(0, |h| h.at_entry);
+        if now >= n || HOLD_CHANGED.wait_until(&mut g, until).timed_out() {
+            return g.as_ref().map_or(0, |h| h.at_entry);
+        }
+    }
+}
+
+/// `fakecuda_pin_hold_stats`: pinning calls waiting at their entry now, and pinning calls the
+/// deadline let go.
+pub fn read_hold(out: &mut [u64]) {
+    let all = holding(|h| [h.at_entry, h.let_go_by_deadline]);
+    for (o, c) in out.iter_mut().zip(all) {
+        *o = c;
+    }
+}
+
+/// Waits while `held` says the call is held and the deadline has not passed; counts a call
+/// the deadline lets go.
+fn wait_while(held: impl Fn(&Holding) -> bool) {
+    let mut g = HOLDING.lock();
+    loop {
+        let Some(h) = g.as_mut() else { return };
+        if !held(h) {
+            return;
+        }
+        if Instant::now() >= h.deadline {
+            h.let_go_by_deadline += 1;
+            return;
+        }
+        let deadline = h.deadline;
+        HOLD_CHANGED.wait_until(&mut g, deadline);
+    }
+}
+
+/// A pinning call's entry: waits while pinning is held there.
+fn enter() {
+    let arrived = holding(|h| {
+        let held = h.hold == Hold::AtEntry;
+        h.at_entry += u64::from(held);
+        held
+    });
+    if !arrived {
+        return;
+    }
+    HOLD_CHANGED.notify_all();
+    wait_while(|h| h.hold == Hold::AtEntry);
+    holding(|h| h.at_entry -= 1);
+}
+
 /// Registered host ranges: start -> length.
 static REGISTERED: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
 
@@ -54,26 +170,43 @@ pub fn shared() -> Shared {
     if let Some(g) = DRIVER.try_read_recursive() {
         return Shared(g);
     }
+    // The pinning call records its size as waited behind when it ends ([`Exclusive`]): here it
+    // may still be waiting for other readers to leave, its size not yet known.
     WAITS.fetch_add(1, Ordering::Relaxed);
-    LARGEST_WAITED_BEHIND.fetch_max(PINNING.load(Ordering::Relaxed) as u64, Ordering::Relaxed);
-    Shared(DRIVER.read_recursive())
+    BLOCKED.fetch_add(1, Ordering::SeqCst);
+    {
+        // Under the hold's lock, so a pinning call that found nobody waiting is already
+        // waiting for this signal.
+        let _h = HOLDING.lock();
+        HOLD_CHANGED.notify_all();
+    }
+    let g = DRIVER.read_recursive();
+    BLOCKED.fetch_sub(1, Ordering::SeqCst);
+    Shared(g)
 }
 
 /// Held by a pinning call of `bytes` for as long as the driver would take to pin them.
 pub struct Exclusive(#[allow(dead_code)] RwLockWriteGuard<'static, ()>);
 
 impl Drop for Exclusive {
+    /// Before the lock is released: a call blocked now waited behind this one.
     fn drop(&mut self) {
-        PINNING.store(0, Ordering::Relaxed);
+        let bytes = PINNING.swap(0, Ordering::Relaxed);
+        if BLOCKED.load(Ordering::SeqCst) > 0 {
+            LARGEST_WAITED_BEHIND.fetch_max(bytes as u64, Ordering::Relaxed);
+        }
     }
 }
 
-/// Takes the lock exclusive for a pinning call of `bytes` and holds it for the modelled time.
+/// Takes the lock exclusive for a pinning call of `bytes` and holds it for the modelled time
+/// (after the hold, if pinning is held).
 pub fn exclusive(bytes: usize, ms_per_gib: u64) -> Exclusive {
+    enter();
     let g = DRIVER.write();
     PINNING.store(bytes.max(1), Ordering::Relaxed);
     PIN_CALLS.fetch_add(1, Ordering::Relaxed);
     LARGEST_PIN.fetch_max(bytes as u64, Ordering::Relaxed);
+    wait_while(|h| h.hold == Hold::UntilWaited && BLOCKED.load(Ordering::SeqCst) == 0);
     let nanos = (bytes as u128 * ms_per_gib as u128 * 1_000_000) >> 30;
     std::thread::sleep(Duration::from_nanos(nanos.min(u64::MAX as u128) as u64));
     Exclusive(g)

@@ -137,6 +137,34 @@ fn pausing_nccl_releases_its_memory_and_restores_it_in_place() {
 }
 
 #[test]
+fn the_nccl_tag_honours_the_memory_margin_and_retention() {
+    let r = run(true, &[]);
+    // Only the exported 4 MiB buffer is left at this point of nccl-like.
+    assert_eq!(r["margin_pause_rc"], "0");
+    assert_eq!(r["margin_backup_paused"], (4 << 20).to_string());
+    // A margin of every free byte: the resume stops before creating anything, out of memory
+    // (status 6), naming the margin; the buffer stays paused with its backup.
+    assert_eq!(r["margin_resume_rc"], "6");
+    assert!(
+        r["margin_error"].contains("margin"),
+        "the error names the margin: {}",
+        r["margin_error"]
+    );
+    has(
+        &r["margin_stats"],
+        &[r#""paused":true"#, r#""paused_bytes":4194304"#],
+    );
+    assert_eq!(r["margin_resume_again_rc"], "0");
+    // Retention on (the default): the backup stays after resume, for the next pause.
+    assert_eq!(r["retained_backup"], (4 << 20).to_string());
+    // Off: the pause still backs up, and the resume lets the backup go.
+    assert_eq!(r["noretain_pause_rc"], "0");
+    assert_eq!(r["noretain_backup_paused"], (4 << 20).to_string());
+    assert_eq!(r["noretain_resume_rc"], "0");
+    assert_eq!(r["noretain_backup_resumed"], "0");
+}
+
+#[test]
 fn without_preload_nothing_is_wrapped() {
     let r = run(false, &[]);
     assert_eq!(r["amem_found"], "false", "stock NCCL has no ncclPause");

@@ -155,6 +155,7 @@ fn main() {
         });
         // SAFETY: as above.
         println!("resume2_rc={}", unsafe { resume(c"nccl".as_ptr()) });
+        margin_and_retention(pause, resume, &mem_info);
     } else {
         // SAFETY: `private` came from fake_nccl_alloc.
         assert_eq!(unsafe { free(cuda.as_ptr(), &private) }, 0);
@@ -164,6 +165,74 @@ fn main() {
     let rc = unsafe { free(cuda.as_ptr(), &shared) };
     assert_eq!(rc, 0, "fake_nccl_free failed");
     println!("stats_after_free={}", nccl_stats());
+}
+
+/// The `nccl` tag follows the settings every tag follows: a resume stops at the memory margin
+/// (out of memory, nothing lost), and with retention off it keeps no backup after resume.
+fn margin_and_retention(pause: TagCall, resume: TagCall, mem_info: &impl Fn() -> usize) {
+    type SetSize = unsafe extern "C" fn(usize) -> c_int;
+    type SetFlag = unsafe extern "C" fn(c_int) -> c_int;
+    // SAFETY: RTLD_DEFAULT lookups of NUL-terminated names; memsaver.h gives the signatures.
+    let (margin, retain): (SetSize, SetFlag) = unsafe {
+        (
+            std::mem::transmute::<*mut c_void, SetSize>(libc::dlsym(
+                libc::RTLD_DEFAULT,
+                c"memsaver_set_memory_margin".as_ptr(),
+            )),
+            std::mem::transmute::<*mut c_void, SetFlag>(libc::dlsym(
+                libc::RTLD_DEFAULT,
+                c"memsaver_set_retain_backups".as_ptr(),
+            )),
+        )
+    };
+    // SAFETY: NUL-terminated tag lists; plain values.
+    unsafe {
+        println!("margin_pause_rc={}", pause(c"nccl".as_ptr()));
+        println!("margin_backup_paused={}", nccl_backup_bytes());
+        // Every byte free is margin: no buffer fits.
+        assert_eq!(margin(mem_info()), 0);
+        println!("margin_resume_rc={}", resume(c"nccl".as_ptr()));
+        println!("margin_error={}", last_error());
+        println!("margin_stats={}", nccl_stats());
+        assert_eq!(margin(0), 0);
+        println!("margin_resume_again_rc={}", resume(c"nccl".as_ptr()));
+        println!("retained_backup={}", nccl_backup_bytes());
+        assert_eq!(retain(0), 0);
+        println!("noretain_pause_rc={}", pause(c"nccl".as_ptr()));
+        println!("noretain_backup_paused={}", nccl_backup_bytes());
+        println!("noretain_resume_rc={}", resume(c"nccl".as_ptr()));
+        println!("noretain_backup_resumed={}", nccl_backup_bytes());
+        assert_eq!(retain(1), 0);
+    }
+}
+
+/// `memsaver_last_error()`.
+fn last_error() -> String {
+    // SAFETY: RTLD_DEFAULT lookup; the function returns a NUL-terminated string it owns.
+    unsafe {
+        let f = libc::dlsym(libc::RTLD_DEFAULT, c"memsaver_last_error".as_ptr());
+        let f = std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> *const c_char>(f);
+        std::ffi::CStr::from_ptr(f()).to_string_lossy().into_owned()
+    }
+}
+
+/// The `nccl` tag's backup bytes in `memsaver_stats_json`.
+fn nccl_backup_bytes() -> u64 {
+    // SAFETY: RTLD_DEFAULT lookup of a NUL-terminated name.
+    let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"memsaver_stats_json".as_ptr()) };
+    // SAFETY: the function of that name has this signature (memsaver.h).
+    let f: StatsJson = unsafe { std::mem::transmute::<*mut c_void, StatsJson>(p) };
+    let mut buf = vec![0u8; 1 << 16];
+    let mut needed = 0;
+    // SAFETY: `buf` has that many writable bytes.
+    let rc = unsafe { f(buf.as_mut_ptr().cast(), buf.len(), &mut needed) };
+    assert_eq!(rc, 0);
+    let v: serde_json::Value = serde_json::from_slice(&buf[..needed - 1]).expect("stats JSON");
+    v["tags"]
+        .as_array()
+        .and_then(|tags| tags.iter().find(|t| t["tag"] == "nccl"))
+        .and_then(|t| t["backup_bytes"].as_u64())
+        .expect("the nccl tag's backup_bytes")
 }
 
 /// Free device memory of device 0, read through the driver directly.

@@ -14,6 +14,27 @@ use memsaver_scenarios::{cuda_lib, fake_nccl, preload_lib, tempdir};
 
 pub const MIB: u64 = 1 << 20;
 
+/// Why this user cannot make the pid namespaces the scenarios make here (`unshare --user
+/// --map-root-user --pid --fork`, with and without `--mount-proc`), or `None` when it can. A
+/// test that needs them reports the reason with `memsaver_test_support::skip`, which fails it
+/// under `MEMSAVER_REQUIRE_ALL_TESTS=1` (CI runs as root, where they work).
+pub fn pid_namespaces_missing() -> Option<String> {
+    let base = ["--user", "--map-root-user", "--pid", "--fork"];
+    for extra in [&[][..], &["--mount-proc"][..]] {
+        let args: Vec<&str> = base.iter().chain(extra).copied().chain(["true"]).collect();
+        let why = match Command::new("unshare").args(&args).output() {
+            Ok(o) if o.status.success() => continue,
+            Ok(o) => String::from_utf8_lossy(&o.stderr).trim().to_owned(),
+            Err(e) => e.to_string(),
+        };
+        return Some(format!(
+            "needs pid namespaces, and `unshare {}` fails here: {why}",
+            args.join(" ")
+        ));
+    }
+    None
+}
+
 /// A fake-driver state directory and a runtime directory, removed when dropped (declare it
 /// before the jobs that use it, so they are dropped first).
 pub struct Dirs {

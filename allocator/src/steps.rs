@@ -1,0 +1,482 @@
+//! The steps of a pause and a resume, defined once and used by every tag: the allocation
+//! table's transitions (`engine.rs`) and the external tags' (the `nccl` tag of nccl-hook,
+//! whose memory NCCL created). A tag's own code decides *what* to pause and resume and in
+//! which order; these steps do the work on one [`Piece`] of physical memory at a time:
+//!
+//! * pause: [`Steps::synchronize`] the device, [`Steps::copy_out`] the contents into the
+//!   piece's backup (queued behind an event for host backups, written through the staging
+//!   buffer for disk), [`Steps::unmap`] each mapping once [`Steps::copied`] says the copy is
+//!   done, [`Steps::release`] the handle; [`Steps::keep`] a piece that must stay resident;
+//! * resume: [`Steps::map_fresh`] creates physical memory and maps it at the piece's old
+//!   addresses, unless that would leave less than the memory margin free, [`Steps::copy_in`]
+//!   queues the restore, and [`Steps::finish`] waits for a device's restores;
+//!   with retention off ([`Plan::retain`]) the caller releases the backups of what resumed.
+//!
+//! The settings they follow (retention, memory margin, disk directory, staging chunk) are
+//! read once per transition ([`Plan`]); backups come from the same place for every tag (the
+//! buffer prepared in the background for the piece's key, else a new one of the piece's
+//! policy).
+
+use std::sync::Arc;
+
+use crate::allocator::Allocator;
+use crate::backup::{Backup, HostBuffer};
+use crate::device::Device;
+use crate::disk::DiskFile;
+use crate::driver::sys::{CUmemAccessDesc, CUmemAllocationProp};
+use crate::driver::{DriverError, Event, Handle};
+use crate::error::{Error, Result};
+use crate::private_dir::Dir;
+use crate::types::Policy;
+
+/// Which way a transition goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Pause,
+    Resume,
+}
+
+impl Op {
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Pause => "pause",
+            Op::Resume => "resume",
+        }
+    }
+}
+
+/// Keys of prepared backups: an allocation's id for the allocation table, and
+/// `EXTERNAL_KEY | key` for an external tag's buffers (see [`external_key`]).
+const EXTERNAL_KEY: u64 = 1 << 63;
+
+/// The key under which an external tag's buffer `key` has its backup prepared: a space apart
+/// from allocation ids.
+pub fn external_key(key: u64) -> u64 {
+    EXTERNAL_KEY | key
+}
+
+/// Physical memory that one pause backs up and releases and one resume re-creates and
+/// restores: an allocation of the table, a run's member, or one of NCCL's buffers.
+pub struct Piece {
+    /// The key of its prepared backup (an allocation's id, or [`external_key`]).
+    pub key: u64,
+    pub tag: Arc<str>,
+    pub device: Arc<Device>,
+    pub policy: Policy,
+    /// Where the contents start: the first mapping.
+    pub ptr: u64,
+    /// The bytes a pause backs up from `ptr` (the whole allocation, or a prefix of it).
+    pub len: usize,
+    /// Its contents as of the last completed pause, if it has a backup.
+    pub backup: Option<Backup>,
+    /// The copy queued into `backup`, waited for before the memory is unmapped.
+    copy_done: Option<Event>,
+}
+
+impl Piece {
+    pub fn new(
+        key: u64,
+        tag: Arc<str>,
+        device: Arc<Device>,
+        policy: Policy,
+        ptr: u64,
+        len: usize,
+        backup: Option<Backup>,
+    ) -> Self {
+        Self {
+            key,
+            tag,
+            device,
+            policy,
+            ptr,
+            len,
+            backup,
+            copy_done: None,
+        }
+    }
+
+    /// Whether a pause copies its contents (every policy but `discard`).
+    pub fn copies(&self) -> bool {
+        self.policy.keeps_contents() && self.len > 0
+    }
+
+    /// Bytes of its backup.
+    pub fn backup_bytes(&self) -> u64 {
+        self.backup.as_ref().map_or(0, |b| b.len() as u64)
+    }
+}
+
+/// How [`Steps::map_fresh`] creates physical memory: as memsaver allocates it (device memory
+/// of the piece's device), or as another caller's `cuMemCreate` asked for it.
+#[derive(Clone, Copy)]
+pub enum Memory<'a> {
+    Plain,
+    Like(&'a CUmemAllocationProp),
+}
+
+/// One mapping of a piece: where, how many bytes, and the access to grant (`None`: read-write
+/// for the piece's device, as memsaver maps its own allocations).
+#[derive(Clone, Copy)]
+pub struct Place<'a> {
+    pub ptr: u64,
+    pub size: usize,
+    pub access: Option<&'a [CUmemAccessDesc]>,
+}
+
+/// The settings one transition runs with, read once before it claims anything.
+pub struct Plan {
+    /// Resume: keep the backups of resumed pieces (else release them).
+    pub retain: bool,
+    /// Resume: bytes to keep free on each device.
+    pub margin: u64,
+    /// Resume: the largest physical allocation that backs adjacent allocations together (0:
+    /// one per allocation).
+    pub merge_limit: usize,
+    /// Pause: the disk backup directory, or why there is none (an error only if a disk-backed
+    /// piece is paused).
+    pub disk_dir: Result<Arc<Dir>>,
+    /// The staging chunk of disk backups.
+    pub disk_chunk: usize,
+}
+
+/// The steps of one transition (see the module documentation). Made by
+/// [`Allocator::steps`]; holds the disk staging buffer until dropped.
+pub struct Steps<'a> {
+    a: &'a Allocator,
+    pub plan: Plan,
+    staging: Staging,
+}
+
+impl Allocator {
+    /// The steps of one pause or resume, with the settings in force now.
+    pub fn steps(&self, op: Op) -> Steps<'_> {
+        let plan = match op {
+            Op::Pause => Plan {
+                retain: true,
+                margin: 0,
+                merge_limit: 0,
+                disk_dir: self.disk_dir_held(),
+                disk_chunk: self.disk_chunk(),
+            },
+            Op::Resume => Plan {
+                retain: self.retain_backups(),
+                margin: self.memory_margin(),
+                merge_limit: self.merge_limit(),
+                disk_dir: Err(Error::InvalidArgument(
+                    "resume writes no disk backup".into(),
+                )),
+                disk_chunk: self.disk_chunk(),
+            },
+        };
+        let staging = Staging { len: 0, buf: None };
+        Steps {
+            a: self,
+            plan,
+            staging,
+        }
+    }
+}
+
+impl Steps<'_> {
+    /// Sizes the disk staging buffer for the largest disk-backed piece the transition copies
+    /// (never more than the chunk); call before the first disk piece.
+    pub fn expect_disk(&mut self, largest: usize) {
+        self.staging.len = largest.min(self.plan.disk_chunk);
+    }
+
+    /// Waits until nothing runs on `dev` (no kernel may still use memory about to be copied
+    /// or unmapped).
+    pub fn synchronize(&self, dev: &Device) -> Result<()> {
+        let d = &self.a.driver;
+        Ok(d.with_context(dev.ctx, || d.synchronize())?)
+    }
+
+    /// Backs up the piece's first `len` bytes as its policy says: queues the copy into host
+    /// memory (its backup, the one prepared for its key, or a new one) behind an event, or
+    /// writes its disk file through the staging buffer. On a failure the piece has no backup
+    /// (a backup must hold the contents of a completed pause) and stays mapped.
+    pub fn copy_out(&mut self, p: &mut Piece) -> Result<()> {
+        if !p.copies() {
+            return Ok(());
+        }
+        if p.policy == Policy::Disk {
+            return self.write_disk(p);
+        }
+        if p.backup.as_ref().is_none_or(|b| b.len() < p.len) {
+            p.backup = None;
+            p.backup = Some(self.a.host_backup(p.key, &p.device, p.policy, p.len)?);
+        }
+        let d = &self.a.driver;
+        let Some(Backup::Host(buf)) = p.backup.as_mut() else {
+            unreachable!("cpu and mmap pieces hold a host backup")
+        };
+        let dev = &p.device;
+        let r = d.with_context(dev.ctx, || {
+            // SAFETY: the piece is mapped (its owner holds the handle) and the backup has at
+            // least `len` bytes of host memory that lives in the piece until the copy is
+            // waited on (for pageable memory the driver completes the copy before returning).
+            unsafe { buf.copy_from_device(d, 0, p.ptr, p.len, dev.stream) }?;
+            d.event_record(dev.stream)
+        });
+        match r {
+            Ok(e) => {
+                p.copy_done = Some(e);
+                Ok(())
+            }
+            Err(e) => {
+                p.backup = None;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Waits for the piece's backup copy, if one is queued: after this its memory may be
+    /// unmapped.
+    pub fn copied(&self, p: &mut Piece) -> Result<()> {
+        match p.copy_done.take() {
+            Some(e) => {
+                let d = &self.a.driver;
+                Ok(d.with_context(p.device.ctx, || d.event_wait(e))?)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Unmaps `places` on `dev`.
+    ///
+    /// # Safety
+    /// Each place is mapped, the device was synchronised and every copy out of it completed.
+    pub unsafe fn unmap(&self, dev: &Device, places: &[Place<'_>]) -> Result<()> {
+        let d = &self.a.driver;
+        Ok(d.with_context(dev.ctx, || {
+            places.iter().try_for_each(|pl| {
+                // SAFETY: guaranteed by the caller.
+                unsafe { d.unmap(pl.ptr, pl.size) }
+            })
+        })?)
+    }
+
+    /// Releases a physical handle whose mappings are gone (a failure is logged: the memory
+    /// may leak, but nothing maps it any more).
+    pub fn release(&self, h: Handle, ptr: u64) {
+        self.a.release_handle_logged(h, ptr);
+    }
+
+    /// A piece that stays resident after its pause failed: a copy into its backup may still
+    /// run, so wait for it, then drop the backup (a backup must hold the contents of a
+    /// completed pause).
+    pub fn keep(&self, p: &mut Piece) {
+        let d = &self.a.driver;
+        if let Some(done) = p.copy_done.take() {
+            // Waiting also destroys the event.
+            let _ = d.with_context(p.device.ctx, || d.event_wait(done));
+        }
+        if p.backup.is_some() {
+            let _ = d.with_context(p.device.ctx, || d.stream_synchronize(p.device.stream));
+            p.backup = None;
+        }
+    }
+
+    /// Creates `size` bytes of physical memory on `dev` and maps it at `places`, unless that
+    /// would leave less than the memory margin free on the device (reported as out of memory,
+    /// see [`is_out_of_memory`]). On a failure nothing stays mapped or allocated.
+    pub fn map_fresh(
+        &self,
+        dev: &Device,
+        memory: Memory<'_>,
+        size: usize,
+        places: &[Place<'_>],
+        tag: &str,
+    ) -> Result<Handle> {
+        let d = &self.a.driver;
+        let margin = self.plan.margin;
+        Ok(d.with_context(dev.ctx, || {
+            if margin > 0 {
+                let (free, _) = d.mem_info()?;
+                if (free as u64) < size as u64 + margin {
+                    tracing::info!(
+                        tag,
+                        ptr = format_args!("{:#x}", places.first().map_or(0, |p| p.ptr)),
+                        bytes = size,
+                        free,
+                        margin,
+                        "resume stops at the memory margin"
+                    );
+                    return Err(oom_error());
+                }
+            }
+            let h = match memory {
+                Memory::Plain => d.create(dev.ordinal, size, false)?,
+                Memory::Like(prop) => d.create_with(prop, size)?,
+            };
+            if let Err(e) = map_places(d, dev, h, places) {
+                let _ = d.release(h);
+                return Err(e);
+            }
+            Ok(h)
+        })?)
+    }
+
+    /// Maps the existing handle `h` (an import of another process's memory) at `places` on
+    /// `dev`. On a failure nothing stays mapped, and `h` is the caller's to release.
+    pub fn map_handle(&self, dev: &Device, h: Handle, places: &[Place<'_>]) -> Result<()> {
+        let d = &self.a.driver;
+        Ok(d.with_context(dev.ctx, || map_places(d, dev, h, places))?)
+    }
+
+    /// Queues the restore of a just mapped piece from its backup (nothing without one). Disk
+    /// backups are read chunk by chunk into the staging buffer, after the previous chunk's
+    /// copy; a disk file that changed since the pause fails here (the caller unmaps and
+    /// releases what it mapped, and the piece stays paused with its backup).
+    pub fn copy_in(&mut self, p: &Piece) -> Result<()> {
+        let d = &self.a.driver;
+        let dev = &p.device;
+        match &p.backup {
+            None => Ok(()),
+            Some(Backup::Host(buf)) => {
+                let n = p.len.min(buf.len());
+                d.with_context(dev.ctx, || {
+                    // SAFETY: just mapped; the backup stays in the piece until the stream is
+                    // synchronised by `finish`.
+                    unsafe { buf.copy_to_device(d, 0, p.ptr, n, dev.stream) }
+                })?;
+                Ok(())
+            }
+            Some(Backup::Disk(file)) => {
+                let mut r = file.reader(&p.tag, p.ptr)?;
+                let (buf, chunk) = self.staging.buffer(self.a, dev)?;
+                for off in (0..p.len).step_by(chunk) {
+                    let n = chunk.min(p.len - off);
+                    // The previous copy out of the staging buffer must be done before it is
+                    // filled again.
+                    d.with_context(dev.ctx, || d.stream_synchronize(dev.stream))?;
+                    // SAFETY: `buf` has `chunk >= n` bytes and no copy uses it (synchronised).
+                    let bytes = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr(), n) };
+                    r.read(bytes)?;
+                    d.with_context(dev.ctx, || {
+                        // SAFETY: just mapped; the staging buffer is not touched again before
+                        // the stream is synchronised (next chunk, next piece, or `finish`).
+                        unsafe { buf.copy_to_device(d, 0, p.ptr + off as u64, n, dev.stream) }
+                    })?;
+                }
+                r.finish()
+            }
+        }
+    }
+
+    /// Waits for every restore queued on `dev`: the memory is usable once this returns.
+    pub fn finish(&self, dev: &Device) -> Result<()> {
+        let d = &self.a.driver;
+        Ok(d.with_context(dev.ctx, || d.stream_synchronize(dev.stream))?)
+    }
+
+    /// The settings, for the caller's settle phase (drops the staging buffer).
+    pub fn into_plan(self) -> Plan {
+        self.plan
+    }
+
+    /// Copies a resident disk-backed piece into its file, chunk by chunk through the staging
+    /// buffer, computing the file's checksum on each chunk as it is written. The file of an
+    /// earlier cycle is overwritten in place; on failure it is removed (the piece keeps no
+    /// backup) and the piece stays resident.
+    fn write_disk(&mut self, p: &mut Piece) -> Result<()> {
+        let dir = self.plan.disk_dir.as_ref().map_err(Clone::clone)?.clone();
+        let mut file = match p.backup.take() {
+            Some(Backup::Disk(f)) => f,
+            _ => DiskFile::create(&dir, p.len).map_err(|e| {
+                Error::Backup(format!(
+                    "cannot create a disk backup file of tag '{}' in {}: {e}",
+                    p.tag,
+                    dir.path().display()
+                ))
+            })?,
+        };
+        let path = file.path();
+        let failed = |e: std::io::Error| {
+            Error::Backup(format!(
+                "writing the disk backup {} of tag '{}' failed: {e}; the allocation stays \
+                 resident",
+                path.display(),
+                p.tag
+            ))
+        };
+        let d = &self.a.driver;
+        let dev = p.device.clone();
+        let (buf, chunk) = self.staging.buffer(self.a, &dev)?;
+        let mut w = file.writer().map_err(failed)?;
+        for off in (0..p.len).step_by(chunk) {
+            let n = chunk.min(p.len - off);
+            d.with_context(dev.ctx, || {
+                // SAFETY: the piece is mapped (its owner holds the handle) and the staging
+                // buffer has `chunk >= n` bytes; the stream is synchronised before it is read.
+                unsafe { buf.copy_from_device(d, 0, p.ptr + off as u64, n, dev.stream) }?;
+                d.stream_synchronize(dev.stream)
+            })?;
+            // SAFETY: the copy into `buf[..n]` has completed and nothing else uses the buffer.
+            let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr(), n) };
+            w.write(bytes).map_err(failed)?;
+        }
+        w.finish();
+        tracing::debug!(tag = %p.tag, ptr = format_args!("{:#x}", p.ptr), bytes = p.len, path = %path.display(), "disk backup written");
+        p.backup = Some(Backup::Disk(file));
+        Ok(())
+    }
+}
+
+/// The pinned buffer disk backups are copied through: one per transition, allocated at the
+/// first disk piece, of the chunk size (or the largest disk piece, if smaller). Allocated
+/// `PORTABLE`, so it serves every device.
+struct Staging {
+    len: usize,
+    buf: Option<HostBuffer>,
+}
+
+impl Staging {
+    /// The buffer and its length, allocating it on first use.
+    fn buffer(&mut self, a: &Allocator, dev: &Device) -> Result<(&mut HostBuffer, usize)> {
+        if self.buf.is_none() {
+            self.buf = Some(HostBuffer::new(&a.driver, dev.ctx, self.len)?);
+        }
+        Ok((self.buf.as_mut().expect("set above"), self.len))
+    }
+}
+
+/// Maps `h` at every place (the context of `dev` current); on a failure unmaps what it mapped.
+fn map_places(
+    d: &crate::driver::Driver,
+    dev: &Device,
+    h: Handle,
+    places: &[Place<'_>],
+) -> std::result::Result<(), DriverError> {
+    for (i, pl) in places.iter().enumerate() {
+        // SAFETY: the piece's reserved range, unmapped while it is paused.
+        let r = unsafe {
+            match pl.access {
+                None => d.map(pl.ptr, pl.size, h, dev.ordinal),
+                Some(access) => d.map_with_access(pl.ptr, pl.size, h, access),
+            }
+        };
+        if let Err(e) = r {
+            for pl in &places[..i] {
+                // SAFETY: mapped just above, not yet visible to anyone.
+                let _ = unsafe { d.unmap(pl.ptr, pl.size) };
+            }
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Whether `e` is running out of device memory (also at the memory margin).
+pub fn is_out_of_memory(e: &Error) -> bool {
+    matches!(e, Error::Driver(d) if d.is_out_of_memory())
+}
+
+/// What a piece that ran out of device memory (or was skipped after another did, on the same
+/// device) records; the caller turns these into one [`Error::ResumeOutOfMemory`].
+pub fn oom_error() -> DriverError {
+    DriverError {
+        call: "cuMemCreate",
+        code: crate::driver::sys::CUDA_ERROR_OUT_OF_MEMORY,
+    }
+}
