@@ -16,14 +16,14 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// Peers this process is exchanging messages with right now, each on one thread.
-pub struct Lanes {
+struct Lanes {
     /// Guards the set of busy peers.
     busy: parking_lot::Mutex<std::collections::HashSet<u32>>,
     freed: parking_lot::Condvar,
 }
 
 /// This process's lanes.
-pub static LANES: std::sync::LazyLock<Lanes> = std::sync::LazyLock::new(|| Lanes {
+static LANES: std::sync::LazyLock<Lanes> = std::sync::LazyLock::new(|| Lanes {
     busy: parking_lot::Mutex::new(Default::default()),
     freed: parking_lot::Condvar::new(),
 });
@@ -31,7 +31,7 @@ pub static LANES: std::sync::LazyLock<Lanes> = std::sync::LazyLock::new(|| Lanes
 impl Lanes {
     /// Runs `f` once no other exchange with `peer` is under way, or returns `None` if one
     /// still is at `deadline`.
-    pub fn with<T>(&self, peer: u32, deadline: Instant, f: impl FnOnce() -> T) -> Option<T> {
+    fn with<T>(&self, peer: u32, deadline: Instant, f: impl FnOnce() -> T) -> Option<T> {
         {
             let mut busy = self.busy.lock();
             while busy.contains(&peer) {
