@@ -27,6 +27,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=MEMSAVER_BUNDLE_FROM");
     for dir in [
         "allocator",
+        "ipc",
         "nccl-hook",
         "torch-shim",
         "profile",

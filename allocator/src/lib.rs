@@ -17,7 +17,9 @@
 //!   options in one list, and the core's list.
 //! * [`process`]: process identity (pid, start time, nonce) and liveness; [`private_dir`]:
 //!   directories held open by descriptor, checked with `fstat` and used through it. Both serve
-//!   the disk backups here and the sockets of `memsaver_nccl_hook`.
+//!   the disk backups here and the sockets of `memsaver_ipc`.
+//! * `start`: the process-wide allocator ([`global`], [`start_global`], [`global_if_started`]),
+//!   the start hooks that the layers above add ([`START_HOOKS`]), and [`init_logging`].
 
 pub mod driver;
 pub mod options;
@@ -34,10 +36,9 @@ mod engine;
 mod error;
 mod external;
 mod prepare;
+mod start;
 pub mod steps;
 mod table;
-
-use std::sync::{Arc, Once, OnceLock};
 
 pub use allocator::{Allocator, validate_tag};
 pub use backup::{Backup, BackupKind};
@@ -47,47 +48,9 @@ pub use engine::Report;
 pub use error::{Error, Result};
 pub use external::ExternalTag;
 pub use options::Options;
+pub use start::{
+    OPTION_LAYERS, START_HOOKS, StartHook, check_options, global, global_driver, global_if_started,
+    init_logging, start_global,
+};
 pub use stats::{DeviceUsage, Stats, TagStats, Usage};
 pub use types::{Policy, State, human_bytes};
-
-/// The process-wide allocator, or why the driver did not load; set once by [`start_global`].
-static GLOBAL: OnceLock<std::result::Result<Allocator, driver::LoadError>> = OnceLock::new();
-/// Completed once the external tags of the process-wide allocator are registered.
-static EXTERNAL_TAGS: Once = Once::new();
-
-/// The process-wide allocator if it has been started (external tags registered); never starts
-/// it, so never loads the driver. The accessor for hooks on hot paths (every `cudaFree` of the
-/// process), which must stay out of the way of processes that never allocate through memsaver.
-pub fn global_if_started() -> Option<&'static Allocator> {
-    if !EXTERNAL_TAGS.is_completed() {
-        return None;
-    }
-    GLOBAL.get().and_then(|r| r.as_ref().ok())
-}
-
-/// Starts the process-wide allocator, the one entry point that creates it: the first call loads
-/// the driver and creates the allocator from [`options::get`], then runs
-/// `register_external_tags` with it, once; no call returns the allocator before that is done.
-/// Later calls return the same allocator, or the same error: a driver that fails to load is
-/// reported by every call, never by a panic.
-///
-/// Its only caller is `memsaver_nccl_hook`, which registers the `nccl` tag (the core knows
-/// nothing of NCCL); everything in libmemsaver.so starts the allocator through it, so none of
-/// it can see the allocator without its external tags. An invalid option does not stop the
-/// start: the hooks that answer NCCL's driver calls need the driver whatever the options say,
-/// and what acts for the application (`memsaver_nccl_hook::allocator`) checks the options first
-/// (`memsaver_nccl_hook::options::check`: the core's and the NCCL hook's). The start takes the `table` and `external` locks: see the lock
-/// order in `docs/architecture.md`.
-pub fn start_global(
-    register_external_tags: impl FnOnce(&'static Allocator),
-) -> Result<&'static Allocator> {
-    let a = GLOBAL
-        .get_or_init(|| {
-            let opts = options::get();
-            driver::Driver::load(&opts.cuda_lib).map(|d| Allocator::with_options(Arc::new(d), opts))
-        })
-        .as_ref()
-        .map_err(|e| Error::Load(e.clone()))?;
-    EXTERNAL_TAGS.call_once(|| register_external_tags(a));
-    Ok(a)
-}

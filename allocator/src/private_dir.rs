@@ -20,7 +20,7 @@
 //!   (for calls that have no `*at` form, such as `bind`).
 //!
 //! What is "private enough" is each user's policy: the runtime directory of the sockets
-//! (`memsaver_nccl_hook`'s `rundir`) wants mode 0700 and no link anywhere in its path, the disk
+//! (`memsaver_ipc::rundir`) wants mode 0700 and no link anywhere in its path, the disk
 //! backup directory (`disk`) wants this user as owner and no write access for group or others.
 
 use std::ffi::{CString, OsStr};

@@ -6,61 +6,31 @@
 //! interposer answers those lookups with the functions below (see [`lookup`]).
 
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicI64, Ordering};
 
 use memsaver_allocator::Error;
+use memsaver_ipc::group::{self, SetError};
 
-/// `ncclResult_t` values (also used by `guard`).
-const NCCL_SUCCESS: c_int = 0;
-const NCCL_UNHANDLED_CUDA_ERROR: c_int = 1;
-pub(crate) const NCCL_SYSTEM_ERROR: c_int = 2;
-const NCCL_INTERNAL_ERROR: c_int = 3;
-const NCCL_INVALID_ARGUMENT: c_int = 4;
-pub(crate) const NCCL_INVALID_USAGE: c_int = 5;
+use crate::guard::{
+    NCCL_INTERNAL_ERROR, NCCL_INVALID_ARGUMENT, NCCL_INVALID_USAGE, NCCL_SUCCESS,
+    NCCL_SYSTEM_ERROR, NCCL_UNHANDLED_CUDA_ERROR,
+};
+use crate::{guard, procaddr, registry};
 
-/// The process group id (AMem's), set by `ncclSetGroupID`; `i64::MIN` until then, meaning
-/// the option's (`MEMSAVER_GROUP` or `AMEM_GROUPID`). It namespaces the cross-process
-/// coordination of the `nccl` tag.
-static GROUP: AtomicI64 = AtomicI64::new(i64::MIN);
-
-/// The group id in force (0 when none was given; also, until pauses fail on it, when the
-/// variable is invalid).
-pub fn group_id() -> i64 {
-    match GROUP.load(Ordering::Relaxed) {
-        i64::MIN => crate::options::get().group,
-        g => g,
-    }
-}
-
-/// Sets the group id. It is fixed once NCCL has shared memory with a peer (the tokens and the
-/// socket of this process name it): changing it then is refused.
+/// Sets the group id (`ncclSetGroupID`, `memsaver.set_group`): the process group of
+/// `memsaver_ipc` (AMem's group id), which namespaces the cross-process coordination of the
+/// `nccl` tag. It is fixed once NCCL has shared memory with a peer (the tokens and the socket
+/// of this process name it), or the process serves control requests: changing it then is
+/// refused.
 pub fn set_group_id(id: i64) -> Result<(), Error> {
-    // The range of MEMSAVER_GROUP, so a group set here is one the option could name (and
-    // never the "unset" sentinel above).
-    use crate::options::GROUP as OPTION;
-    use memsaver_allocator::options::Kind;
-    let (min, max) = match OPTION.kind {
-        Kind::Int { min, max, .. } => (min, max),
-        _ => (i64::MIN + 1, i64::MAX),
-    };
-    if !(min..=max).contains(&id) {
-        return Err(Error::InvalidArgument(format!(
-            "group {id} is out of range: a group is an integer from {min} to {max} (as {})",
-            OPTION.env
-        )));
-    }
-    match crate::peer::server_group() {
-        Some(g) if g != id => Err(Error::InvalidArgument(format!(
+    group::set(id).map_err(|e| match e {
+        SetError::OutOfRange { .. } => Error::InvalidArgument(e.to_string()),
+        SetError::Fixed(g) => Error::InvalidArgument(format!(
             "the nccl group of this process is already {g}: its memsaver socket serves that \
              group (NCCL shared memory with peers under it, or it serves control requests); \
              set the group (memsaver.set_group, MEMSAVER_GROUP or ncclSetGroupID) before NCCL \
              initialises and before memsaver.serve_control()"
-        ))),
-        _ => {
-            GROUP.store(id, Ordering::Relaxed);
-            Ok(())
-        }
-    }
+        )),
+    })
 }
 
 fn result(r: Result<(), Error>) -> c_int {
@@ -82,7 +52,7 @@ fn result(r: Result<(), Error>) -> c_int {
 
 fn transition(pause: bool) -> c_int {
     let r = std::panic::catch_unwind(|| {
-        let a = crate::allocator()?;
+        let a = memsaver_allocator::global()?;
         if pause {
             a.pause(&["nccl"])
         } else {
@@ -109,10 +79,11 @@ pub extern "C" fn ncclResume(_comm: *mut c_void) -> c_int {
 #[unsafe(no_mangle)]
 pub extern "C" fn ncclMemStats() -> c_int {
     let r = std::panic::catch_unwind(|| {
-        let s = crate::stats();
+        // The ledger's figures (what the line shows), as `memsaver.nccl_stats()` gives them.
+        let s = registry::stats(procaddr::installed(), false, guard::is_paused());
         eprintln!(
             "memsaver nccl group:{} pid:{} owned:{} B exported:{} B imported:{} B paused:{} B hooked:{}",
-            group_id(),
+            group::id(),
             std::process::id(),
             s.owned_bytes,
             s.exported_bytes,
@@ -147,7 +118,7 @@ pub unsafe extern "C" fn ncclGetGroupID(id: *mut c_int) -> c_int {
         return NCCL_INVALID_ARGUMENT;
     }
     // SAFETY: non-null out-pointer per the contract.
-    unsafe { *id = group_id() as c_int };
+    unsafe { *id = group::id() as c_int };
     NCCL_SUCCESS
 }
 

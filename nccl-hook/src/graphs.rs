@@ -143,7 +143,7 @@ impl Graphs {
 /// same libcuda as the caller's). May start the allocator (under `GRAPHS`, which comes before
 /// the locks the start takes).
 fn current() -> Option<(i32, usize)> {
-    let d = crate::driver().ok()?;
+    let d = memsaver_allocator::global_driver().ok()?;
     Some((d.current_device()?, d.stack_size().ok()?))
 }
 
@@ -369,7 +369,7 @@ fn unseen_launch() {
     };
     drop(g);
     if first {
-        crate::init_logging();
+        memsaver_allocator::init_logging();
         tracing::warn!(
             device = dev,
             "memsaver: a CUDA graph instantiated outside memsaver's view was launched; the nccl pause will never lower this device's kernel stack size"

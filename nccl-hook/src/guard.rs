@@ -11,7 +11,15 @@
 use std::ffi::{CStr, c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use crate::amem::{NCCL_INVALID_USAGE, NCCL_SYSTEM_ERROR};
+use crate::dl;
+
+/// `ncclResult_t` values (also returned by `amem`'s functions).
+pub(crate) const NCCL_SUCCESS: c_int = 0;
+pub(crate) const NCCL_UNHANDLED_CUDA_ERROR: c_int = 1;
+pub(crate) const NCCL_SYSTEM_ERROR: c_int = 2;
+pub(crate) const NCCL_INTERNAL_ERROR: c_int = 3;
+pub(crate) const NCCL_INVALID_ARGUMENT: c_int = 4;
+pub(crate) const NCCL_INVALID_USAGE: c_int = 5;
 
 /// Mirrors the `nccl` tag's paused state, read on every guarded call without a lock.
 static PAUSED: AtomicBool = AtomicBool::new(false);
@@ -48,7 +56,7 @@ fn resolve(slot: &AtomicUsize, name: &CStr) -> Option<usize> {
         if !h.is_null() {
             // Past the interposer: its answer for libnccl's handle is this very function.
             // SAFETY: live handle, NUL-terminated name.
-            p = unsafe { crate::interpose::call_real_dlsym(h, name.as_ptr()) };
+            p = unsafe { dl::call_real_dlsym(h, name.as_ptr()) };
         }
     }
     if p.is_null() || in_this_library(p) {
@@ -60,7 +68,7 @@ fn resolve(slot: &AtomicUsize, name: &CStr) -> Option<usize> {
 
 /// Whether `p` lies in libmemsaver.so itself (never forward to ourselves).
 fn in_this_library(p: *mut c_void) -> bool {
-    let base = |addr: *const c_void| crate::interpose::object_at(addr).map(|i| i.dli_fbase);
+    let base = |addr: *const c_void| dl::object_at(addr).map(|i| i.dli_fbase);
     let here = base(p);
     here.is_some() && here == base(refuse as *const c_void)
 }

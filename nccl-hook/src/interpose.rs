@@ -20,59 +20,7 @@
 use std::ffi::{CStr, c_char, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// The real `dlsym` of glibc, resolved on first use. Read by the naked entry point with a
-/// rip-relative load, so it is a plain word (an `AtomicUsize` has the layout of `usize`).
-static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
-
-/// Resolves glibc's `dlsym` (versioned: `GLIBC_2.34` since glibc 2.34, `GLIBC_2.2.5` before).
-fn real_dlsym() -> usize {
-    let cur = REAL_DLSYM.load(Ordering::Acquire);
-    if cur != 0 {
-        return cur;
-    }
-    let mut found = 0usize;
-    for version in [c"GLIBC_2.34", c"GLIBC_2.2.5"] {
-        // SAFETY: NUL-terminated strings; RTLD_NEXT from this library finds libc's definition.
-        let p = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) };
-        if !p.is_null() {
-            found = p as usize;
-            break;
-        }
-    }
-    if found == 0 {
-        // Nothing sensible is left: answer every lookup with NULL rather than crash.
-        found = no_symbol as *const () as usize;
-    }
-    REAL_DLSYM.store(found, Ordering::Release);
-    found
-}
-
-extern "C" fn no_symbol(_: *mut c_void, _: *const c_char) -> *mut c_void {
-    std::ptr::null_mut()
-}
-
-/// Calls the real `dlsym` from here (for lookups whose caller identity does not matter: an
-/// explicit library handle).
-///
-/// # Safety
-/// `handle` is a handle from `dlopen` (or a pseudo-handle other than `RTLD_NEXT`); `symbol`
-/// is NUL-terminated.
-pub(crate) unsafe fn call_real_dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
-    type Dlsym = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
-    // SAFETY: `real_dlsym` is glibc's dlsym (or `no_symbol`), both with this signature.
-    let f = unsafe { std::mem::transmute::<usize, Dlsym>(real_dlsym()) };
-    // SAFETY: forwarded contract.
-    unsafe { f(handle, symbol) }
-}
-
-/// What the loader knows of the object containing `addr` (`None` if no object does).
-pub(crate) fn object_at(addr: *const c_void) -> Option<libc::Dl_info> {
-    // SAFETY: zeroed Dl_info is a valid out-parameter; dladdr only reads loader state and
-    // accepts any address.
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    (unsafe { libc::dladdr(addr, &mut info) } != 0).then_some(info)
-}
+use crate::dl::{REAL_DLSYM, call_real_dlsym, object_at, real_dlsym};
 
 /// Who looks a symbol up.
 #[derive(Clone, Copy, PartialEq, Eq)]

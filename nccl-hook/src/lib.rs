@@ -15,7 +15,8 @@
 //! 5. [`amem`]: the AMem plugin's C API (`ncclPause`, `ncclResume`, ...), also answered to
 //!    lookups in libnccl's handle.
 //!
-//! 6. `peer`: cross-process references (token exports, owners' sockets) so pause and resume
+//! 6. `peer`, `exports`: cross-process references of NCCL's buffers (token exports, imports,
+//!    the owner's answers), over the cross-process layer `memsaver_ipc`, so pause and resume
 //!    release and rebuild exported buffers and imports together with the peer processes.
 //! 7. `guard`: NCCL's collectives and send/recv, interposed, return `ncclInvalidUsage` while the
 //!    tag is paused.
@@ -23,102 +24,61 @@
 //!    to every caller (not only libnccl), so the pause lowers the kernel stack size only as far
 //!    as is safe for the graphs and kernels that run while it is paused.
 //!
-//! [`options`]: this crate's `MEMSAVER_*` options, one list (the `nccl` tag's, then the
-//! cross-process ones of `peer`, `server` and `control`).
+//! [`options`]: this crate's `MEMSAVER_*` options, one list.
+//!
+//! Layers, each module importing only those below it (`tests/layers.rs` checks):
+//! * this crate root: [`stats`], [`diagnose`], the start hook that registers the `nccl` tag;
+//! * the NCCL memory model: `provider` (the tag's pause and resume), `exports` (the owner's
+//!   answers to peers, routed to it by `memsaver_ipc`'s server), `peer` (requests to owners);
+//! * interposition: `interpose` -> `amem`, `procaddr` -> `vmm`, `graphs`, `guard`: it records
+//!   what NCCL does and never calls up into what a pause does;
+//! * the base: `registry` (the ledger of NCCL's handles and mappings, which both sides share)
+//!   and `dl` (the loader's real `dlsym`).
+//!
+//! Below the crate: `memsaver_ipc` (everything between processes) and `memsaver_allocator`
+//! (the core, and the process start-up: `memsaver_allocator::global`).
 
 pub mod amem;
-pub mod control;
+mod dl;
+mod exports;
 mod graphs;
 mod guard;
 pub mod interpose;
 pub mod options;
 mod peer;
 pub mod procaddr;
-mod protocol;
 mod provider;
 mod registry;
-mod rundir;
-mod server;
 mod vmm;
 
 pub use provider::NcclTag;
 pub use registry::NcclStats;
 
-use std::sync::{Arc, Once};
+use std::sync::Arc;
 
-use memsaver_allocator::{Allocator, Result};
+use memsaver_allocator::{Allocator, StartHook};
 
-/// Sends memsaver's log to stderr, at the level `MEMSAVER_LOG` gives (default `warn`), once
-/// per process; a host application's own subscriber, if it has one, is left alone. An invalid
-/// filter cannot be returned as an error from here (hooks call this): it is one warning line
-/// naming the variable, and the default.
-pub fn init_logging() {
-    static LOG: Once = Once::new();
-    LOG.call_once(|| {
-        let opts = memsaver_allocator::options::get();
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new(&opts.log))
-            .with_writer(std::io::stderr)
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .try_init();
-        if let Some(w) = &opts.log_warning {
-            tracing::warn!("memsaver: {w}; logging at '{}'", opts.log);
-        }
-    });
-}
+/// At the allocator's start: the `nccl` tag is registered before anyone gets the allocator.
+#[linkme::distributed_slice(memsaver_allocator::START_HOOKS)]
+static AT_START: StartHook = StartHook {
+    name: "nccl",
+    order: 0,
+    run: register_tag,
+};
 
-/// The process-wide allocator, started on first use with the `nccl` tag registered: the one
-/// entry point of libmemsaver.so that starts it (through [`memsaver_allocator::start_global`]);
-/// [`memsaver_allocator::global_if_started`] is the accessor that never does. The first call
-/// takes the allocator's `table` and `external` locks: call it with no lock held but `GRAPHS`
-/// (lock order in docs/architecture.md), never under `REGISTRY`.
-///
-/// An invalid `MEMSAVER_*` option of the core or of this crate is an error here
-/// ([`options::check`]: every operation done for the application names it), and so is
-/// `MEMSAVER_CONTROL=1` in a process that could not start serving control requests; the hooks
-/// that must answer NCCL's driver calls whatever the options say use [`driver`] instead.
-pub fn allocator() -> Result<&'static Allocator> {
-    options::check()?;
-    let a = started()?;
-    match control::start_error() {
-        Some(e) => Err(memsaver_allocator::Error::InvalidArgument(e.to_owned())),
-        None => Ok(a),
+fn register_tag(a: &'static Allocator) -> Result<(), String> {
+    if let Err(e) = a.register_external("nccl", Arc::new(NcclTag::new(a))) {
+        tracing::warn!(error = %e, "the nccl tag is not available");
     }
-}
-
-/// The process-wide driver, also when an option is invalid (an import's properties, a peer's
-/// fd). Starts the allocator like [`allocator`].
-pub(crate) fn driver() -> Result<&'static memsaver_allocator::driver::Driver> {
-    Ok(started()?.driver())
-}
-
-fn started() -> Result<&'static Allocator> {
-    init_logging();
-    memsaver_allocator::start_global(|a| {
-        if let Err(e) = a.register_external("nccl", Arc::new(NcclTag::new(a))) {
-            tracing::warn!(error = %e, "the nccl tag is not available");
-        }
-        // MEMSAVER_CONTROL=1: reachable from other processes once it holds memory.
-        control::on_start();
-    })
-}
-
-/// The directory of the sockets processes use to coordinate the `nccl` tag (created, mode
-/// 0700, by the first process that serves a peer).
-pub fn runtime_dir() -> std::path::PathBuf {
-    peer::runtime_dir()
+    Ok(())
 }
 
 /// What `memsaver diagnostics` reports about the `nccl` tag's cross-process coordination.
 #[derive(Debug, serde::Serialize)]
 pub struct Diagnosis {
-    pub runtime_dir: std::path::PathBuf,
-    pub runtime_dir_state: rundir::Found,
-    pub group: i64,
-    pub group_dir_state: rundir::Found,
-    /// The processes serving this group (socket name, pid, alive); a dead one left its socket
-    /// behind (it exited without its exit handlers: harmless, nobody else removes it).
-    pub owners: Vec<(String, u32, bool)>,
+    /// The runtime directory, the group and the processes serving it.
+    #[serde(flatten)]
+    pub peers: memsaver_ipc::Diagnosis,
     /// Why NCCL's exports fell back to plain fds in this process, if they did.
     pub fallback_reason: Option<String>,
 }
@@ -126,16 +86,9 @@ pub struct Diagnosis {
 /// Checks the runtime directory and the group's directory without creating anything, and
 /// lists the group's owners.
 pub fn diagnose() -> Diagnosis {
-    let runtime_dir = peer::runtime_dir();
-    let group = amem::group_id();
-    let (base, dir, entries) = rundir::inspect(&runtime_dir, group);
     Diagnosis {
-        runtime_dir,
-        runtime_dir_state: base,
-        group,
-        group_dir_state: dir,
-        owners: peer::owners_in(&entries),
-        fallback_reason: peer::fallback_reason(),
+        peers: memsaver_ipc::diagnose(),
+        fallback_reason: vmm::fallback_reason(),
     }
 }
 
@@ -143,5 +96,40 @@ pub fn diagnose() -> Diagnosis {
 pub fn stats() -> NcclStats {
     // NCCL's own variable, not an option of memsaver's (see `options`).
     let cumem_disabled = std::env::var("NCCL_CUMEM_ENABLE").is_ok_and(|v| v.trim() == "0");
-    registry::stats(procaddr::installed(), cumem_disabled)
+    let mut s = registry::stats(procaddr::installed(), cumem_disabled, guard::is_paused());
+    let mut reasons = Vec::new();
+    for (dev, p) in &graphs::lock().paused {
+        s.stack_lowered_bytes += p.lowered_bytes;
+        s.stack_kept_bytes += p.kept_bytes;
+        if let Some(why) = p.why {
+            reasons.push(format!("device {dev}: {}", why.reason()));
+        }
+    }
+    s.stack_kept_reason = (!reasons.is_empty()).then(|| reasons.join("; "));
+    s.fallback_exports = vmm::fallback_exports();
+    s.fallback_reason = vmm::fallback_reason();
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    /// This crate's start hook and server route, and those of memsaver-ipc below it, are in
+    /// the lists the linker assembles.
+    #[test]
+    fn the_start_hooks_and_routes_are_linked_in() {
+        let hooks: Vec<&str> = memsaver_allocator::START_HOOKS
+            .iter()
+            .map(|h| h.name)
+            .collect();
+        assert!(
+            hooks.contains(&"nccl") && hooks.contains(&"control"),
+            "{hooks:?}"
+        );
+        use memsaver_ipc::server::{ROUTES, Service};
+        let services: Vec<Service> = ROUTES.iter().map(|r| r.service).collect();
+        assert!(
+            services.contains(&Service::Buffers) && services.contains(&Service::Control),
+            "{services:?}"
+        );
+    }
 }

@@ -81,7 +81,7 @@ unsafe fn substitute(symbol: *const c_char, pfn: *mut *mut c_void, version: c_in
     if real.is_null() {
         return;
     }
-    crate::init_logging();
+    memsaver_allocator::init_logging();
     let wrapper = if name == b"cuGetProcAddress" {
         // Asked for the lookup function itself: the _v2 signature from CUDA 12.0 on.
         Some(pair(version >= 12000, real, nccl))

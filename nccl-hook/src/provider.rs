@@ -15,7 +15,7 @@
 //!
 //! One deadline, the start of the call plus `MEMSAVER_NCCL_TIMEOUT_MS`, bounds everything a
 //! pause or a resume waits for: a stopped or hung peer costs the timeout once, not per peer
-//! (see "Talking to peers" below).
+//! (`memsaver_ipc::deadline`: each peer on a thread of its own).
 //!
 //! Pause also lowers the kernel stack size NCCL's kernels made the driver raise, which frees the
 //! local memory the driver keeps for it, but only as far as is safe for CUDA graphs and the
@@ -51,10 +51,12 @@ use memsaver_allocator::{
     Allocator, Backup as HostBackup, Device, DeviceUsage, Error, ExternalTag, Policy, Report,
     Result, Usage,
 };
+use memsaver_ipc::deadline::{Outcome, PerPeer, Progress, listed};
+use memsaver_ipc::group;
+use memsaver_ipc::protocol::Buffer;
 
 use crate::graphs::{self, DEFAULT_STACK_SIZE};
-use crate::peer;
-use crate::protocol::Item;
+use crate::peer::{self, TIMEOUT_SETTING};
 use crate::registry::{self, Kind, Range, Registry};
 
 const TAG: &str = "nccl";
@@ -89,27 +91,6 @@ fn backup_len(backup: Backup, p: &registry::Physical) -> u64 {
         Backup::Discard => 0,
         Backup::Headers if p.exported => p.size.min(HEADER_BYTES),
         _ => p.size,
-    }
-}
-
-/// Asks for the pinned backup of NCCL's new buffer `vh` (`size` bytes on `device`) to be
-/// prepared in the background, as for any `cpu` allocation, so that the first pause of `nccl`
-/// only copies; with `MEMSAVER_NCCL_BACKUP=all` only (with `headers`, most buffers need far
-/// less than their size, known only once they are exported). Bounded by the prepare budget
-/// and off with retention, like every tag's. Starts the allocator: call with no lock held.
-pub(crate) fn prepare_backup(vh: u64, device: i32, size: usize) {
-    if matches!(crate::options::get().nccl_backup, Backup::Cpu | Backup::All)
-        && let Ok(a) = crate::allocator()
-        && a.retain_backups()
-    {
-        a.prepare_backup(external_key(vh), device, size);
-    }
-}
-
-/// Frees what was prepared for NCCL's buffer `vh`, which NCCL has released.
-pub(crate) fn forget_backup(vh: u64) {
-    if let Some(a) = memsaver_allocator::global_if_started() {
-        a.forget_prepared_backup(external_key(vh));
     }
 }
 
@@ -297,7 +278,7 @@ fn peer_error(message: String) -> Error {
 }
 
 /// Released imports to tell their owners about: owner -> the items naming them there.
-type Notices = BTreeMap<u32, Vec<Item>>;
+type Notices = BTreeMap<u32, Vec<Buffer>>;
 
 /// What resume step 1 restored.
 #[derive(Default)]
@@ -619,172 +600,6 @@ impl NcclTag {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Talking to peers under one deadline.
-//
-// Every exchange with a peer can block: a peer that is stopped (SIGSTOP, a debugger) or hung
-// accepts the connection and never answers, and `peer`'s exchanges wait for up to the timeout
-// plus 5 s each. So pause and resume talk to each peer on a thread of its own and wait for them
-// all until one deadline (the start of the call plus `MEMSAVER_NCCL_TIMEOUT_MS`); a thread
-// still waiting then is left to finish on its own, and undoes what it did if that matters
-// (an import served too late is reported released). Exchanges of this process with one peer
-// go one at a time ([`Lanes`]), so a late undo always reaches the peer before the next request.
-// ---------------------------------------------------------------------------------------------
-
-/// Peers this process is exchanging messages with right now, each on one thread.
-struct Lanes {
-    /// Guards the set of busy peers.
-    busy: parking_lot::Mutex<std::collections::HashSet<u32>>,
-    freed: parking_lot::Condvar,
-}
-
-static LANES: std::sync::LazyLock<Lanes> = std::sync::LazyLock::new(|| Lanes {
-    busy: parking_lot::Mutex::new(Default::default()),
-    freed: parking_lot::Condvar::new(),
-});
-
-impl Lanes {
-    /// Runs `f` once no other exchange with `peer` is under way, or returns `None` if one
-    /// still is at `deadline`.
-    fn with<T>(&self, peer: u32, deadline: Instant, f: impl FnOnce() -> T) -> Option<T> {
-        {
-            let mut busy = self.busy.lock();
-            while busy.contains(&peer) {
-                if self.freed.wait_until(&mut busy, deadline).timed_out() && busy.contains(&peer) {
-                    return None;
-                }
-            }
-            busy.insert(peer);
-        }
-        // Freed however `f` ends.
-        let _free = LaneTaken(self, peer);
-        Some(f())
-    }
-}
-
-struct LaneTaken<'a>(&'a Lanes, u32);
-
-impl Drop for LaneTaken<'_> {
-    fn drop(&mut self) {
-        self.0.busy.lock().remove(&self.1);
-        self.0.freed.notify_all();
-    }
-}
-
-/// Results of per-peer threads, collected until a deadline.
-struct Collected<T> {
-    /// Set at the deadline: a thread finishing later undoes its work instead of storing it.
-    abandoned: bool,
-    done: BTreeMap<u32, T>,
-}
-
-/// Work running on one thread per peer (see the section's comment).
-struct PerPeer<T> {
-    /// The results (the mutex guards them) and a condvar notified as each comes in.
-    shared: std::sync::Arc<(parking_lot::Mutex<Collected<T>>, parking_lot::Condvar)>,
-    peers: Vec<u32>,
-    /// Peers whose thread could not be started.
-    unstarted: BTreeMap<u32, String>,
-}
-
-/// What became of the exchange with one peer.
-enum Outcome<T> {
-    Done(T),
-    /// No answer by the deadline (the exchange goes on; see the section's comment).
-    NoAnswer,
-    /// The thread could not be started.
-    NotStarted(String),
-}
-
-impl<T: Send + 'static> PerPeer<T> {
-    /// Runs `work(peer, input)` for every peer of `inputs` at once; `late(peer, result)`
-    /// instead of storing a result that comes after the deadline.
-    fn start<I, W, L>(
-        name: &str,
-        inputs: BTreeMap<u32, I>,
-        deadline: Instant,
-        work: W,
-        late: L,
-    ) -> Self
-    where
-        I: Send + 'static,
-        W: FnOnce(u32, I) -> T + Clone + Send + 'static,
-        L: FnOnce(u32, T) + Clone + Send + 'static,
-    {
-        let shared = std::sync::Arc::new((
-            parking_lot::Mutex::new(Collected {
-                abandoned: false,
-                done: BTreeMap::new(),
-            }),
-            parking_lot::Condvar::new(),
-        ));
-        let mut out = PerPeer {
-            shared,
-            peers: inputs.keys().copied().collect(),
-            unstarted: BTreeMap::new(),
-        };
-        for (peer, input) in inputs {
-            let (shared, work, late) = (out.shared.clone(), work.clone(), late.clone());
-            let spawned = std::thread::Builder::new()
-                .name(format!("memsaver-nccl-{name}"))
-                .spawn(move || {
-                    LANES.with(peer, deadline, || {
-                        let r = work(peer, input);
-                        let mut c = shared.0.lock();
-                        if c.abandoned {
-                            drop(c);
-                            late(peer, r);
-                        } else {
-                            c.done.insert(peer, r);
-                            shared.1.notify_all();
-                        }
-                    })
-                });
-            if let Err(e) = spawned {
-                out.unstarted
-                    .insert(peer, format!("cannot start a thread: {e}"));
-            }
-        }
-        out
-    }
-
-    /// Waits until every peer's thread has its result or `deadline` has passed, logging who
-    /// it still waits for (`waiting`: what for, `group`) once a second after the first.
-    fn finish(self, deadline: Instant, waiting: &str, group: i64) -> BTreeMap<u32, Outcome<T>> {
-        let (lock, cv) = &*self.shared;
-        let mut c = lock.lock();
-        let started = self.peers.len() - self.unstarted.len();
-        let mut progress = Progress::new(deadline);
-        while c.done.len() < started && Instant::now() < deadline {
-            cv.wait_until(&mut c, progress.next());
-            if c.done.len() < started {
-                let pending: Vec<String> = self
-                    .peers
-                    .iter()
-                    .filter(|p| !c.done.contains_key(p) && !self.unstarted.contains_key(p))
-                    .map(|p| format!("process {p} (group {group})"))
-                    .collect();
-                progress.say(|| format!("{waiting}: {}", listed(&pending)));
-            }
-        }
-        c.abandoned = true;
-        let mut done = std::mem::take(&mut c.done);
-        drop(c);
-        let mut unstarted = self.unstarted;
-        self.peers
-            .into_iter()
-            .map(|p| {
-                let o = match (done.remove(&p), unstarted.remove(&p)) {
-                    (Some(r), _) => Outcome::Done(r),
-                    (None, Some(e)) => Outcome::NotStarted(e),
-                    (None, None) => Outcome::NoAnswer,
-                };
-                (p, o)
-            })
-            .collect()
-    }
-}
-
 /// What this process holds of a peer's memory, or a peer of this process's: for messages.
 #[derive(Default)]
 struct Holding {
@@ -875,10 +690,11 @@ fn notify_owners(
     deadline: Instant,
 ) -> PerPeer<std::result::Result<(), String>> {
     PerPeer::start(
-        "notify",
+        "nccl-notify",
+        TIMEOUT_SETTING,
         notices,
         deadline,
-        move |owner, items: Vec<Item>| peer::notify_released(group, owner, &items),
+        move |owner, items: Vec<Buffer>| peer::notify_released(group, owner, &items),
         // Delivered late, the notice still does its job.
         |_, _| {},
     )
@@ -908,7 +724,7 @@ fn unacknowledged(
 /// those paused by an earlier, failed call) has let go, or `deadline`. Returns what the
 /// processes that did not still hold (a dead process has let go of everything).
 fn wait_importers(group: i64, deadline: Instant) -> BTreeMap<u32, Holding> {
-    let mut progress = Progress::new(deadline);
+    let mut progress = Progress::new(deadline, TIMEOUT_SETTING);
     loop {
         let holders = {
             let mut reg = registry::lock();
@@ -949,52 +765,6 @@ fn wait_importers(group: i64, deadline: Instant) -> BTreeMap<u32, Holding> {
         });
         std::thread::sleep(Duration::from_micros(200));
     }
-}
-
-/// Progress lines of a wait for peers: visible by default (warn), the first after a second of
-/// waiting, then at most one a second, each saying how long the wait may still last.
-struct Progress {
-    deadline: Instant,
-    next: Instant,
-}
-
-impl Progress {
-    fn new(deadline: Instant) -> Self {
-        Self {
-            deadline,
-            next: Instant::now() + Duration::from_secs(1),
-        }
-    }
-
-    /// Logs `what()` if a line is due.
-    fn say(&mut self, what: impl FnOnce() -> String) {
-        let now = Instant::now();
-        if now < self.next {
-            return;
-        }
-        self.next = now + Duration::from_secs(1);
-        let left = self.deadline.saturating_duration_since(now).as_secs_f64();
-        tracing::warn!(
-            left_s = left,
-            "memsaver: {}; giving up in {left:.1} s (MEMSAVER_NCCL_TIMEOUT_MS)",
-            what()
-        );
-    }
-
-    /// When the next line is due (a waiter wakes up then).
-    fn next(&self) -> Instant {
-        self.next.min(self.deadline)
-    }
-}
-
-/// The first items of a list, and how many more.
-fn listed(items: &[String]) -> String {
-    const SHOWN: usize = 8;
-    let mut s = items[..items.len().min(SHOWN)].join("; ");
-    if items.len() > SHOWN {
-        s.push_str(&format!("; and {} more", items.len() - SHOWN));
-    }
-    s
 }
 
 /// `, whose imports of <holding> this process released`, for an owner told so.
@@ -1046,14 +816,14 @@ fn pause_error(
 #[derive(Clone, Copy)]
 struct Wanted {
     vh: u64,
-    owner: Item,
+    owner: Buffer,
 }
 
 /// An import's new generation, served by its owner: its handle here, the item naming it there
 /// (with the generation served), and the fd.
 struct Fetched {
     vh: u64,
-    owner: Item,
+    owner: Buffer,
     fd: OwnedFd,
 }
 
@@ -1083,18 +853,19 @@ fn fetch_imports(
     deadline: Instant,
 ) -> PerPeer<FetchResult> {
     PerPeer::start(
-        "fetch",
+        "nccl-fetch",
+        TIMEOUT_SETTING,
         fetch,
         deadline,
         move |owner, wants: Vec<Wanted>| {
-            let asks: Vec<Item> = wants.iter().map(|w| w.owner).collect();
+            let asks: Vec<Buffer> = wants.iter().map(|w| w.owner).collect();
             match peer::request_fds(group, owner, &asks) {
                 Ok(fds) => Ok(wants
                     .into_iter()
                     .zip(fds)
                     .map(|(w, (fd, generation))| Fetched {
                         vh: w.vh,
-                        owner: Item {
+                        owner: Buffer {
                             generation,
                             ..w.owner
                         },
@@ -1111,7 +882,7 @@ fn fetch_imports(
         },
         move |owner, late: FetchResult| {
             if let Ok(fetched) = late {
-                let items: Vec<Item> = fetched.iter().map(|f| f.owner).collect();
+                let items: Vec<Buffer> = fetched.iter().map(|f| f.owner).collect();
                 let _ = peer::notify_released(group, owner, &items);
             }
         },
@@ -1256,17 +1027,17 @@ impl ExternalTag for NcclTag {
         let deadline = start + peer::timeout();
         // Also checked by every way in (`crate::allocator`); the NCCL options are this
         // pause's own.
-        crate::options::check()?;
+        memsaver_allocator::check_options()?;
         // Buffers exported as plain fds cannot be released: say so instead of reporting a
         // pause that freed nothing of them (nothing is changed).
-        if let Some(why) = peer::fallback_reason() {
+        if let Some(why) = crate::vmm::fallback_reason() {
             return Err(peer_error(why));
         }
         let backup = crate::options::get().nccl_backup;
         let mut released = self.release_local(backup)?;
         self.lower_stacks(&released.devices);
         let local_ms = start.elapsed().as_secs_f64() * 1e3;
-        let group = crate::amem::group_id();
+        let group = group::id();
         let notifying = notify_owners(group, std::mem::take(&mut released.notices), deadline);
         let holders = wait_importers(group, deadline);
         let unacked = unacknowledged(notifying.finish(
@@ -1315,7 +1086,7 @@ impl ExternalTag for NcclTag {
         let start = Instant::now();
         // One deadline for everything this resume waits for.
         let deadline = start + peer::timeout();
-        let group = crate::amem::group_id();
+        let group = group::id();
         let fetching = fetch_imports(group, imports_to_fetch(), deadline);
         let local = self.restore_local();
         let restored_ms = start.elapsed().as_secs_f64() * 1e3;

@@ -6,6 +6,10 @@
 //! the same virtual handle, at the same addresses, without NCCL noticing. Queries NCCL makes
 //! about a paused range (`cuMemRetainAllocationHandle`, `cuMemGetAddressRange`) are answered
 //! from here, so destroying a communicator while paused works.
+//!
+//! This is the ledger the interposition writes ([`crate::vmm`]) and the `nccl` tag's pause and
+//! resume ([`crate::provider`]) and the owner's server ([`crate::exports`]) work on: records and
+//! their lock only, below everything else in this crate (it imports no module of it).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -129,11 +133,12 @@ pub(crate) struct Physical {
     pub kind: Kind,
     /// References NCCL holds (create/import = 1, each retain + 1, each release - 1).
     pub refs: u32,
-    /// Exported to another process at least once (through a token, see `peer`, or raw).
+    /// Exported to another process at least once (through a token, see
+    /// `memsaver_ipc::token`, or raw).
     pub exported: bool,
     /// The key a request must carry to be given this buffer (owner side): 64 random bits
-    /// drawn when it is first exported through a token, which carries it (see `peer`).
-    /// `None`: never exported so, and never handed out.
+    /// drawn when it is first exported through a token, which carries it (see
+    /// `memsaver_ipc::token`). `None`: never exported so, and never handed out.
     pub key: Option<u64>,
     /// Processes holding an import of the current generation (owner side).
     pub importers: HashSet<u32>,
@@ -158,10 +163,10 @@ pub(crate) struct Source {
 }
 
 impl Source {
-    /// The item that names this import's buffer at the owner, in `generation`.
-    pub fn item(&self, generation: u64) -> crate::protocol::Item {
-        crate::protocol::Item {
-            vh: self.vh,
+    /// What names this import's buffer at the owner, in `generation`.
+    pub fn item(&self, generation: u64) -> memsaver_ipc::protocol::Buffer {
+        memsaver_ipc::protocol::Buffer {
+            id: self.vh,
             key: self.key,
             generation,
         }
@@ -472,12 +477,14 @@ pub struct NcclStats {
     pub fallback_reason: Option<String>,
 }
 
-pub(crate) fn stats(hooked: bool, cumem_disabled: bool) -> NcclStats {
+/// The figures of the handles and mappings recorded here (the caller adds what it knows
+/// beyond them: the stack size a pause lowered, exports that fell back to plain fds).
+pub(crate) fn stats(hooked: bool, cumem_disabled: bool, paused: bool) -> NcclStats {
     let r = lock();
     let mut s = NcclStats {
         hooked,
         cumem_disabled,
-        paused: crate::guard::is_paused(),
+        paused,
         ..Default::default()
     };
     for p in r.physicals.values() {
@@ -506,18 +513,6 @@ pub(crate) fn stats(hooked: bool, cumem_disabled: bool) -> NcclStats {
     }
     s.multicast_objects = r.multicast_objects;
     s.mappings = r.mappings.len() as u64;
-    drop(r);
-    let mut reasons = Vec::new();
-    for (dev, p) in &crate::graphs::lock().paused {
-        s.stack_lowered_bytes += p.lowered_bytes;
-        s.stack_kept_bytes += p.kept_bytes;
-        if let Some(why) = p.why {
-            reasons.push(format!("device {dev}: {}", why.reason()));
-        }
-    }
-    s.stack_kept_reason = (!reasons.is_empty()).then(|| reasons.join("; "));
-    s.fallback_exports = crate::peer::fallback_exports();
-    s.fallback_reason = crate::peer::fallback_reason();
     s
 }
 

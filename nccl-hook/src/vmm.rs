@@ -5,15 +5,21 @@
 //! take a handle translate it, and a paused range is answered from the registry.
 
 use std::ffi::{c_uint, c_ulonglong, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use parking_lot::Mutex;
+
+use crate::options::{self, NcclBackup};
 use memsaver_allocator::driver::Handle;
 use memsaver_allocator::driver::sys::{fns, *};
+use memsaver_allocator::steps::external_key;
+use memsaver_ipc::token::{self, Token};
+use memsaver_ipc::{client, group, identity, server};
 
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
 
-use crate::peer;
 use crate::registry::{self, Keep, Kind, Mapping, Physical, Source};
 
 type GetHandleForAddressRange =
@@ -94,6 +100,29 @@ fn quietly(f: impl FnOnce()) {
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
 }
 
+/// Asks for the pinned backup of NCCL's new buffer `vh` (`size` bytes on `device`) to be
+/// prepared in the background, as for any `cpu` allocation, so that the first pause of `nccl`
+/// only copies; with `MEMSAVER_NCCL_BACKUP=cpu` (or `all`) only (with `headers`, most buffers
+/// need far less than their size, known only once they are exported). Bounded by the prepare budget
+/// and off with retention, like every tag's. Starts the allocator: call with no lock held.
+fn prepare_backup(vh: u64, device: i32, size: usize) {
+    if matches!(
+        options::get().nccl_backup,
+        NcclBackup::Cpu | NcclBackup::All
+    ) && let Ok(a) = memsaver_allocator::global()
+        && a.retain_backups()
+    {
+        a.prepare_backup(external_key(vh), device, size);
+    }
+}
+
+/// Frees what was prepared for NCCL's buffer `vh`, which NCCL has released.
+fn forget_backup(vh: u64) {
+    if let Some(a) = memsaver_allocator::global_if_started() {
+        a.forget_prepared_backup(external_key(vh));
+    }
+}
+
 /// Releases the driver handle of a physical object the registry just forgot.
 fn release_real(h: Option<CUmemGenericAllocationHandle>) {
     if let (Some(h), Some(release)) = (h, real::RELEASE()) {
@@ -136,7 +165,7 @@ unsafe extern "C" fn mem_create(
         // SAFETY: the caller's out-pointer.
         unsafe { *handle = vh };
         if kind == Kind::Device {
-            crate::provider::prepare_backup(vh, prop.location.id, size);
+            prepare_backup(vh, prop.location.id, size);
         }
     });
     r
@@ -158,7 +187,7 @@ unsafe extern "C" fn mem_release(handle: CUmemGenericAllocationHandle) -> CUresu
     drop(reg);
     release_real(gone);
     if forgotten {
-        crate::provider::forget_backup(handle);
+        forget_backup(handle);
     }
     CUDA_SUCCESS
 }
@@ -271,6 +300,59 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     CUDA_SUCCESS
 }
 
+// ---------------------------------------------------------------------------------------------
+// Exports and imports between processes (`memsaver_ipc`): tokens instead of fds.
+// ---------------------------------------------------------------------------------------------
+
+/// Whether exports hand out tokens (every process of the job must then be preloaded).
+/// `MEMSAVER_NCCL_TOKENS=0` turns them off: NCCL gets driver fds, and exported buffers and
+/// imports stay resident on pause. An invalid value means the default here (an export cannot
+/// fail on our account) and fails every pause.
+fn tokens_enabled() -> bool {
+    options::get().nccl_tokens
+}
+
+/// The import of token `t`: the owner's real fd and its generation (the owner waits up to
+/// `MEMSAVER_NCCL_TIMEOUT_MS` for a buffer still resuming). Refused while this process holds
+/// imports of another process with the token's pid.
+fn import(t: &Token) -> Result<(OwnedFd, u64), String> {
+    client::import(t, options::get().nccl_timeout, |pid| {
+        registry::lock()
+            .physicals
+            .values()
+            .any(|p| p.source.is_some_and(|s| s.owner == pid))
+    })
+}
+
+/// Why NCCL exports of this process are plain fds instead of tokens, and how many: set by the
+/// first export that could not get a token (the server could not start: a runtime directory
+/// that is not private, a link in its path, ...).
+static FALLBACK: Mutex<Option<String>> = Mutex::new(None);
+static FALLBACK_EXPORTS: AtomicU64 = AtomicU64::new(0);
+
+/// Records that an export fell back to a plain fd because of `why`.
+fn record_fallback(why: &str) {
+    FALLBACK_EXPORTS.fetch_add(1, Ordering::Relaxed);
+    FALLBACK.lock().get_or_insert_with(|| why.to_owned());
+}
+
+/// Exports that fell back to plain fds (they and their imports stay resident on pause).
+pub(crate) fn fallback_exports() -> u64 {
+    FALLBACK_EXPORTS.load(Ordering::Relaxed)
+}
+
+/// Why NCCL's exports could not be shared through memsaver, and what to do, when at least
+/// one fell back: pause('nccl') cannot free those buffers and should fail with this.
+pub(crate) fn fallback_reason() -> Option<String> {
+    let why = FALLBACK.lock().clone()?;
+    Some(format!(
+        "{} NCCL buffer(s) of this process were exported as plain fds, which stay resident on \
+         pause (as do the peers' imports of them), because memsaver could not serve its \
+         peers: {why}. Fix that, then restart the job",
+        fallback_exports()
+    ))
+}
+
 unsafe extern "C" fn mem_export(
     shareable: *mut c_void,
     handle: CUmemGenericAllocationHandle,
@@ -290,16 +372,16 @@ unsafe extern "C" fn mem_export(
         return paused_use("cuMemExportToShareableHandle");
     };
     if handle_type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        && peer::tokens_enabled()
+        && tokens_enabled()
         && !shareable.is_null()
     {
         // Hand NCCL a token naming this buffer; the importer's memsaver trades it for the
-        // real fd with us, so we learn who imports what (see `peer`).
-        let made = peer::ensure_server()
-            .and_then(|()| p.key.map_or_else(peer::new_key, Ok))
+        // real fd with us, so we learn who imports what (`memsaver_ipc::token`, `exports`).
+        let made = server::ensure_server()
+            .and_then(|()| p.key.map_or_else(identity::new_key, Ok))
             .and_then(|key| {
-                let token = peer::Token::own(crate::amem::group_id(), handle, key, p.generation);
-                Ok((key, peer::make_token(token)?))
+                let token = Token::own(group::id(), handle, key, p.generation);
+                Ok((key, token::make(token)?))
             });
         match made {
             Ok((key, fd)) => {
@@ -311,7 +393,7 @@ unsafe extern "C" fn mem_export(
             }
             Err(e) => {
                 // Recorded: stats show it, and pause says so (it cannot free this buffer).
-                peer::record_fallback(&e.to_string());
+                record_fallback(&e.to_string());
                 tracing::warn!(error = %e, "memsaver: no token for an NCCL export; it will stay resident")
             }
         }
@@ -338,14 +420,14 @@ unsafe extern "C" fn mem_import(
         return CUDA_ERROR_INVALID_VALUE;
     }
     let token = (handle_type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-        .then(|| peer::read_token(os_handle as isize as RawFd))
+        .then(|| token::read(os_handle as isize as RawFd))
         .flatten();
     let (r, source) = match token {
         None => {
             // SAFETY: forwarded unchanged.
             (unsafe { f(handle, os_handle, handle_type) }, None)
         }
-        Some(t) => match peer::import(&t) {
+        Some(t) => match import(&t) {
             Ok((fd, generation)) => {
                 // SAFETY: the owner's real fd, imported the way NCCL asked; we close it after.
                 let r = unsafe { f(handle, fd.as_raw_fd() as isize as *mut c_void, handle_type) };
@@ -354,7 +436,7 @@ unsafe extern "C" fn mem_import(
                     Some((
                         Source {
                             owner: t.pid,
-                            vh: t.vh,
+                            vh: t.buffer,
                             key: t.key,
                         },
                         generation,
@@ -379,7 +461,7 @@ unsafe extern "C" fn mem_import(
         // Where the memory lives (a peer's device, or host memory for NCCL's shared-memory
         // transport), asked of the driver directly: NCCL may never have looked the query up.
         // Before the registry lock: this may start the allocator.
-        let prop = crate::driver()
+        let prop = memsaver_allocator::global_driver()
             .ok()
             .and_then(|d| d.properties(Handle(h)).ok())
             .unwrap_or_default();

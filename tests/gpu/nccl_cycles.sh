@@ -22,7 +22,7 @@ run() { # name, cycles, env...
     local name=$1 cycles=$2; shift 2
     if [ -n "${RUNS:-}" ] && [[ " $RUNS " != *" $name "* ]]; then return; fi
     echo "== $name ($cycles cycles; $*)"
-    env "$@" LD_PRELOAD="$PRELOAD" MEMSAVER_LOG=memsaver_nccl_hook=info \
+    env "$@" LD_PRELOAD="$PRELOAD" MEMSAVER_LOG=memsaver_nccl_hook=info,memsaver_ipc=info \
         torchrun --nproc-per-node "$NPROC" "$here/nccl_pause.py" "$cycles" \
         >"$LOGDIR/$name.log" 2>&1
     local rc=$?

@@ -1,4 +1,4 @@
-//! What control requests from other processes do in this one (`memsaver_nccl_hook::control`
+//! What control requests from other processes do in this one (`memsaver_ipc::control`
 //! carries them), and the client side of the C ABI's `memsaver_control_json`.
 //!
 //! Pause, resume and stats run here, on the allocator, whatever language the process is
@@ -11,7 +11,7 @@ use std::ffi::{CStr, CString, c_char};
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::time::Duration;
 
-use memsaver_nccl_hook::control::{self, Control, Outcome};
+use memsaver_ipc::control::{self, Control, Outcome};
 use serde_json::{Value, json};
 
 use crate::Status;
@@ -49,7 +49,7 @@ fn core<T>(r: Result<T, memsaver_allocator::Error>) -> Result<T, Outcome> {
 }
 
 /// Runs a control request's operation in this process (the executor of
-/// `memsaver_nccl_hook::control`, on its control thread).
+/// `memsaver_ipc::control`, on its control thread).
 pub(crate) fn execute(op: &Control, from: u32) -> Outcome {
     let done = match op {
         Control::Pause { tags } | Control::Resume { tags } => (|| {
@@ -66,7 +66,7 @@ pub(crate) fn execute(op: &Control, from: u32) -> Outcome {
             let a = core(crate::allocator())?;
             let v = json!({
                 "pid": std::process::id(),
-                "group": memsaver_nccl_hook::amem::group_id(),
+                "group": memsaver_ipc::group::id(),
                 "stats": a.stats(),
             });
             Ok(Outcome::Json(v.to_string()))

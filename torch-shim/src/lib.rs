@@ -51,10 +51,11 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use memsaver_allocator::{Error, Policy};
 
-/// The process-wide allocator, started on first use with memsaver's external tags (`nccl`):
-/// the one entry point, re-exported. The hooks' `cudaFree` path uses
+/// The process-wide allocator for operations done for the application, started on first use
+/// with every layer's start hooks run (nccl-hook registers the `nccl` tag): the core's
+/// `memsaver_allocator::global`, re-exported. The hooks' `cudaFree` path uses
 /// `memsaver_allocator::global_if_started` instead, which never starts it.
-pub use memsaver_nccl_hook::allocator;
+pub use memsaver_allocator::global as allocator;
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
@@ -419,7 +420,7 @@ pub unsafe extern "C" fn memsaver_nccl_group(group: *mut i64) -> c_int {
             return Err(Error::InvalidArgument("group is NULL".into()));
         }
         // SAFETY: non-null out-pointer per the contract.
-        unsafe { *group = memsaver_nccl_hook::amem::group_id() };
+        unsafe { *group = memsaver_ipc::group::id() };
         Ok(())
     })
 }
@@ -705,7 +706,7 @@ pub unsafe extern "C" fn memsaver_runtime_dir(
     // SAFETY: forwarded contract.
     unsafe {
         write_json(buf, len, needed, || {
-            Ok(Ok(memsaver_nccl_hook::runtime_dir()
+            Ok(Ok(memsaver_ipc::rundir::runtime_dir()
                 .to_string_lossy()
                 .into_owned()))
         })
@@ -726,7 +727,7 @@ pub type MemsaverStageRunner = Option<unsafe extern "C" fn(*const c_char) -> *mu
 #[unsafe(no_mangle)]
 pub extern "C" fn memsaver_control_serve() -> c_int {
     ffi_with(|| {
-        memsaver_nccl_hook::control::serve().map_err(|message| Failure {
+        memsaver_ipc::control::serve().map_err(|message| Failure {
             status: Status::Control,
             message,
         })

@@ -64,6 +64,7 @@ pub mod testing {
 pub const LAYERS: &[Layer] = &[
     memsaver_allocator::options::LAYER,
     memsaver_nccl_hook::options::LAYER,
+    memsaver_ipc::options::LAYER,
     python::LAYER,
     testing::LAYER,
 ];
@@ -260,6 +261,7 @@ mod tests {
         names_in(&repo().join("python"), "pth", &mut found);
         for dir in [
             "allocator/src",
+            "ipc/src",
             "nccl-hook/src",
             "torch-shim/src",
             "python/src",

@@ -1,4 +1,4 @@
-//! memsaver's wire protocol spoken by hand (the table is in `nccl-hook/src/protocol.rs`), for
+//! memsaver's wire protocol spoken by hand (the table is in `ipc/src/protocol.rs`), for
 //! tests that play a client an owner's server must refuse: frames built byte by byte, and
 //! every reply read with the fds that came with it.
 
@@ -13,10 +13,12 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, UnixAddr, 
 /// NCCL buffers' virtual handles are `VH_BASE | n` (the registry's recognisable prefix).
 pub const VH_BASE: u64 = 0x6d73_0000_0000_0000;
 
+/// `Request::Import` (the owner's fds of buffers it exports).
 pub const FDS: u8 = 0x01;
 pub const RELEASED: u8 = 0x02;
 pub const PAUSE: u8 = 0x03;
 pub const STATS: u8 = 0x05;
+/// `Reply::Export` (an fd attached).
 pub const R_FD: u8 = 0x81;
 pub const R_DONE: u8 = 0x85;
 pub const R_REFUSED: u8 = 0x86;
@@ -79,7 +81,7 @@ pub fn head(kind: u8, from: Identity, to: Identity, group: i64) -> Vec<u8> {
     b
 }
 
-/// An `Fds` (or, with `kind` `RELEASED`, a `Released`) request for `items`: (vh, key,
+/// An `Import` (or, with `kind` `RELEASED`, a `Released`) request for `items`: (vh, key,
 /// generation) each.
 pub fn items_request(
     kind: u8,

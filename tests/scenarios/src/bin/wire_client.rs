@@ -3,7 +3,7 @@
 //! memsaver server for what it must not get.
 //!
 //! `wire-client <socket> <group> <buffers>` sends, on one connection each, a control `Stats`
-//! request and an `Fds` request for the owner's first `<buffers>` virtual handles (guessed:
+//! request and an `Import` request for the owner's first `<buffers>` virtual handles (guessed:
 //! `VH_BASE | 1..`, key 0), first naming itself as its own pid namespace shows it, then with
 //! the pid and start time the owner's namespace shows for it (read from the parent's `/proc`,
 //! as any process there can). It prints one JSON object per request: `as` (`self` or

@@ -1,10 +1,11 @@
 //! The runtime directory and its group directories, opened without following symbolic links
 //! and checked on the open descriptor.
 //!
-//! The owners' sockets live in `<runtime dir>/g<group>/`. Whoever can create entries there can
-//! pose as an owner, so the two directories memsaver creates must be this user's alone, and
-//! the check must be on the directory actually used: a check by path followed by a use by path
-//! races with anyone who can swap a component for a symbolic link in between. So:
+//! The processes' sockets live in `<runtime dir>/g<group>/` ([`crate::server`]). Whoever can
+//! create entries there can pose as an owner, so the two directories memsaver creates must be
+//! this user's alone, and the check must be on the directory actually used: a check by path
+//! followed by a use by path races with anyone who can swap a component for a symbolic link in
+//! between. So:
 //!
 //! * every component of the path is opened with `openat(parent, name, O_NOFOLLOW |
 //!   O_DIRECTORY)`, from `/` (or the working directory for a relative path): a symbolic link
@@ -26,8 +27,14 @@ use std::ffi::OsStr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
 
-pub(crate) use memsaver_allocator::private_dir::{Dir, Found, euid};
+pub use memsaver_allocator::private_dir::{Dir, Found, euid};
 use memsaver_allocator::private_dir::{Ownership, is_symlink_at, make_dir_at, open_dir_at};
+
+/// The runtime directory (`MEMSAVER_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/memsaver`, else
+/// `/tmp/memsaver-<uid>`); nothing is created.
+pub fn runtime_dir() -> PathBuf {
+    crate::options::get().runtime_dir.clone()
+}
 
 /// What to do about a directory memsaver cannot use, said in every refusal.
 const ADVICE: &str = "set MEMSAVER_RUNTIME_DIR to a directory of your own (memsaver creates it \
@@ -110,7 +117,7 @@ fn private_child(parent: &OwnedFd, name: &OsStr, path: &Path) -> std::io::Result
 }
 
 /// `<runtime dir>/g<group>`, created when missing, held open and checked (see the module).
-pub(crate) fn group_dir(runtime_dir: &Path, group: i64) -> std::io::Result<Dir> {
+pub fn group_dir(runtime_dir: &Path, group: i64) -> std::io::Result<Dir> {
     let name = runtime_dir.file_name().ok_or_else(|| {
         std::io::Error::other(format!(
             "{}: not a usable runtime directory; {ADVICE}",
@@ -126,7 +133,7 @@ pub(crate) fn group_dir(runtime_dir: &Path, group: i64) -> std::io::Result<Dir> 
 
 /// The groups whose directories the runtime directory holds (`g<group>`), if it is usable
 /// (checked as [`group_dir`] checks it; nothing is created).
-pub(crate) fn group_names(runtime_dir: &Path) -> Vec<i64> {
+pub fn group_names(runtime_dir: &Path) -> Vec<i64> {
     let Some(name) = runtime_dir.file_name() else {
         return Vec::new();
     };
@@ -151,7 +158,7 @@ pub(crate) fn group_names(runtime_dir: &Path) -> Vec<i64> {
 
 /// The runtime directory and `g<group>` in it as [`group_dir`] would find them, without
 /// creating anything, and the names of the entries of the group directory.
-pub(crate) fn inspect(runtime_dir: &Path, group: i64) -> (Found, Found, Vec<String>) {
+pub fn inspect(runtime_dir: &Path, group: i64) -> (Found, Found, Vec<String>) {
     let open = |parent: &OwnedFd, name: &OsStr, path: &Path| -> Result<Option<OwnedFd>, String> {
         match open_at(Some(parent), name, path) {
             Ok(fd) => check_private(&fd, path)

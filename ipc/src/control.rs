@@ -2,38 +2,42 @@
 //! tags, run a profile stage in it, read its stats.
 //!
 //! This is the transport only, on the same runtime directory, sockets, credentials and wire as
-//! the `nccl` tag's sharing (`rundir`, `peer`, `server`, `protocol`; docs/security.md): a
-//! control request is a [`Request::Control`] frame sent to a process's socket in
-//! `<runtime dir>/g<group>/`, admitted by the same checks (this user, this pid namespace, the
-//! pid `SO_PEERCRED` shows and its start time are the ones the request names, the addressee's
-//! identity, the group). What each request does is the business of
-//! libmemsaver.so's C ABI layer, which installs an [`Executor`].
+//! the sharing of buffers between processes ([`crate::rundir`], [`crate::server`],
+//! [`crate::client`], [`crate::protocol`]; docs/security.md): a control request is a
+//! [`Request::Control`] frame sent to a process's socket in `<runtime dir>/g<group>/`,
+//! admitted by the server's checks (this user, this pid namespace, the pid `SO_PEERCRED`
+//! shows and its start time are the ones the request names, the addressee's identity, the
+//! group) and routed here ([`crate::server::Service::Control`]). What each request does is the
+//! business of libmemsaver.so's C ABI layer, which installs an [`Executor`].
 //!
 //! A process serves control requests only once it opted in ([`serve`]: `MEMSAVER_CONTROL=1`
-//! when its allocator starts, or `memsaver.serve_control()`); a process that only shares NCCL
-//! buffers refuses them.
+//! when its allocator starts, a start hook of this module, or `memsaver.serve_control()`); a
+//! process that only shares buffers refuses them.
 //!
-//! **Threads.** The peer server's workers never run an operation: they admit a request and
-//! hand the connection to the one control thread, which runs the operations one at a time and
-//! answers. A control pause of `nccl` holds the allocator's transition lock and waits for the
-//! peers to let go of this process's buffers, which they announce to the peer workers: those
-//! stay free, so the pause can complete. At most [`QUEUED`] requests wait for the control
-//! thread; more are refused at once.
+//! **Threads.** The server's workers never run an operation: they admit a request and hand the
+//! connection to the one control thread, which runs the operations one at a time and answers.
+//! A control pause of memory shared with peers (the `nccl` tag) holds the allocator's
+//! transition lock and waits for the peers to let go of this process's buffers, which they
+//! announce to the server's workers: those stay free, so the pause can complete. At most
+//! [`QUEUED`] requests wait for the control thread; more are refused at once.
 //!
 //! A client addresses one process (by pid) or every process of a group; it talks to all of
 //! them at once (a group-wide pause of `nccl` completes only when every rank pauses), each on
 //! a thread of its own, and collects every answer.
 
 use std::os::fd::AsFd;
-use std::os::unix::net::UnixStream;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::time::{Duration, Instant};
 
-use crate::peer;
-use crate::protocol::{self, Identity, Reply, Request};
-use crate::rundir;
+use memsaver_allocator::{Allocator, StartHook};
+
+use crate::identity::{self, Identity};
+use crate::log::note;
+use crate::protocol::{self, Reply, Request};
+use crate::server::{self, Connection, Handler, Route, Service, WRITE_TIMEOUT};
+use crate::{client, group, rundir};
 
 pub use crate::protocol::Control;
 
@@ -67,7 +71,7 @@ pub fn set_executor(f: Executor) {
 /// (started now if it was not).
 pub fn serve() -> Result<(), String> {
     SERVING.store(true, Ordering::SeqCst);
-    peer::ensure_server().map_err(|e| {
+    server::ensure_server().map_err(|e| {
         format!("cannot serve control requests: {e} (docs/security.md says what memsaver needs)")
     })
 }
@@ -77,35 +81,35 @@ pub fn serving() -> bool {
     SERVING.load(Ordering::SeqCst)
 }
 
-/// Why `MEMSAVER_CONTROL=1` could not be honoured when the allocator started.
-static START_ERROR: OnceLock<String> = OnceLock::new();
+/// At the allocator's start: serve control requests if `MEMSAVER_CONTROL=1` (once the process
+/// holds memory, other processes can reach it).
+#[linkme::distributed_slice(memsaver_allocator::START_HOOKS)]
+static AT_START: StartHook = StartHook {
+    name: "control",
+    order: 10,
+    run: on_start,
+};
 
-/// At the allocator's start: serve control requests if `MEMSAVER_CONTROL=1`. A process that
-/// was asked to and cannot keeps the reason: every operation done for the application fails
-/// with it ([`start_error`]), as with an invalid option; the hooks that answer NCCL's driver
-/// calls go on.
-pub(crate) fn on_start() {
+/// A process that was asked to serve control requests and cannot gives the reason: every
+/// operation done for the application fails with it (`memsaver_allocator::global`), as with
+/// an invalid option; the hooks that answer NCCL's driver calls go on.
+fn on_start(_: &'static Allocator) -> Result<(), String> {
     if !crate::options::get().control {
-        return;
+        return Ok(());
     }
     SERVING.store(true, Ordering::SeqCst);
-    if let Err(e) = peer::ensure_server() {
+    server::ensure_server().map_err(|e| {
         let message = format!(
             "MEMSAVER_CONTROL=1 is set, but this process cannot serve control requests: {e}; \
              or unset MEMSAVER_CONTROL"
         );
         tracing::warn!("memsaver: {message}");
-        let _ = START_ERROR.set(message);
-    }
-}
-
-/// Why this process could not serve control requests as `MEMSAVER_CONTROL=1` asked at start.
-pub(crate) fn start_error() -> Option<&'static str> {
-    START_ERROR.get().map(String::as_str)
+        message
+    })
 }
 
 struct Job {
-    stream: UnixStream,
+    conn: Connection,
     from: u32,
     op: Control,
 }
@@ -131,7 +135,7 @@ fn queue() -> Result<&'static SyncSender<Job>, String> {
 
 /// On the control thread: runs one job and answers.
 fn run(job: Job) {
-    let Job { stream, from, op } = job;
+    let Job { conn, from, op } = job;
     tracing::info!(pid = from, "memsaver: control request: {}", describe(&op));
     let outcome = match EXECUTOR.get() {
         Some(f) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&op, from)))
@@ -161,10 +165,10 @@ fn run(job: Job) {
         }
         .encode();
     }
-    let deadline = Instant::now() + crate::server::WRITE_TIMEOUT;
-    if let Err(e) = protocol::write_frame(stream.as_fd(), &body, None, deadline) {
+    let deadline = Instant::now() + WRITE_TIMEOUT;
+    if let Err(e) = protocol::write_frame(conn.as_fd(), &body, None, deadline) {
         // Through the server's log: this thread never waits on stderr.
-        crate::server::note(format!(
+        note(format!(
             "cannot answer a control request of process {from}: {e}"
         ));
     }
@@ -187,17 +191,34 @@ pub fn describe(op: &Control) -> String {
     }
 }
 
-/// On a peer worker, once the request is admitted: hands it to the control thread, or gives
-/// the reason to refuse it.
-pub(crate) fn submit(
-    stream: UnixStream,
-    from: u32,
-    op: Control,
-) -> Result<(), (UnixStream, String)> {
+/// Control requests, routed here by the server.
+struct Requests;
+
+#[linkme::distributed_slice(server::ROUTES)]
+static ROUTE: Route = Route {
+    service: Service::Control,
+    handler: &Requests,
+};
+
+impl Handler for Requests {
+    /// On a server worker, once the request is admitted: hands it to the control thread, or
+    /// refuses it.
+    fn handle(&self, conn: Connection, request: Request) {
+        let Request::Control { from, op, .. } = request else {
+            return conn.refuse("not a control request");
+        };
+        if let Err((conn, reason)) = submit(conn, from.pid, op) {
+            conn.refuse(&reason);
+        }
+    }
+}
+
+/// Hands a request to the control thread, or gives the reason to refuse it.
+fn submit(conn: Connection, from: u32, op: Control) -> Result<(), (Connection, String)> {
     let me = std::process::id();
     if !serving() {
         return Err((
-            stream,
+            conn,
             format!(
                 "process {me} does not serve control requests: start it with MEMSAVER_CONTROL=1 \
                  or call memsaver.serve_control() in it"
@@ -206,12 +227,12 @@ pub(crate) fn submit(
     }
     let tx = match queue() {
         Ok(tx) => tx,
-        Err(e) => return Err((stream, e)),
+        Err(e) => return Err((conn, e)),
     };
-    match tx.try_send(Job { stream, from, op }) {
+    match tx.try_send(Job { conn, from, op }) {
         Ok(()) => Ok(()),
         Err(TrySendError::Full(j) | TrySendError::Disconnected(j)) => Err((
-            j.stream,
+            j.conn,
             format!("process {me} has {QUEUED} control requests waiting already: retry later"),
         )),
     }
@@ -231,13 +252,13 @@ pub struct Target {
 
 /// The live processes serving sockets in `group`'s directory (this process excluded).
 fn in_group(group: i64) -> Result<Vec<Target>, String> {
-    let dir = rundir::group_dir(&peer::runtime_dir(), group).map_err(|e| e.to_string())?;
+    let dir = rundir::group_dir(&rundir::runtime_dir(), group).map_err(|e| e.to_string())?;
     let me = std::process::id();
     let mut out: Vec<Target> = dir
         .entries()
         .iter()
-        .filter_map(|name| peer::parse_socket_name(name))
-        .filter(|i| i.pid != me && peer::is_running(i))
+        .filter_map(|name| identity::parse_socket_name(name))
+        .filter(|i| i.pid != me && identity::is_running(i))
         .map(|identity| Target {
             pid: identity.pid,
             group,
@@ -252,7 +273,7 @@ fn in_group(group: i64) -> Result<Vec<Target>, String> {
 /// The groups of the runtime directory in which process `pid` serves a socket.
 fn groups_of(pid: u32) -> Vec<i64> {
     let mut groups = Vec::new();
-    for g in rundir::group_names(&peer::runtime_dir()) {
+    for g in rundir::group_names(&rundir::runtime_dir()) {
         if let Ok(t) = in_group(g)
             && t.iter().any(|t| t.pid == pid)
         {
@@ -267,9 +288,9 @@ fn groups_of(pid: u32) -> Vec<i64> {
 /// another group is an error naming it.
 pub fn targets(pid: Option<u32>, group: Option<i64>) -> Result<Vec<Target>, String> {
     let named = group.is_some();
-    let group = group.unwrap_or_else(crate::amem::group_id);
+    let group = group.unwrap_or_else(group::id);
     let all = in_group(group)?;
-    let rt = peer::runtime_dir();
+    let rt = rundir::runtime_dir();
     let Some(pid) = pid else {
         if all.is_empty() {
             return Err(format!(
@@ -313,14 +334,14 @@ pub fn targets(pid: Option<u32>, group: Option<i64>) -> Result<Vec<Target>, Stri
 /// reached, refused the request or did not answer.
 fn send(t: &Target, op: &Control, timeout: Duration) -> Result<Outcome, String> {
     let pid = t.pid;
-    let stream = peer::connect(t.group, &t.identity)?;
+    let stream = client::connect(t.group, &t.identity)?;
     let request = Request::Control {
-        from: peer::me(),
+        from: identity::me(),
         to: t.identity,
         group: t.group,
         op: op.clone(),
     };
-    let sent_by = Instant::now() + crate::server::WRITE_TIMEOUT;
+    let sent_by = Instant::now() + WRITE_TIMEOUT;
     protocol::write_frame(stream.as_fd(), &request.encode(), None, sent_by)
         .map_err(|e| format!("process {pid}: {e}"))?;
     let answered_by = Instant::now() + timeout;

@@ -1,5 +1,5 @@
-//! The wire protocol between an importer and an owner's memsaver server: typed messages in
-//! length-prefixed frames, decoded strictly, and the socket I/O that carries them.
+//! The wire protocol between memsaver processes: typed messages in length-prefixed frames,
+//! decoded strictly, and the socket I/O that carries them.
 //!
 //! A frame is a little-endian `u32` body length followed by the body, at most [`MAX_FRAME`]
 //! bytes; the body is one kind byte and the kind's fields, little-endian, nothing after them.
@@ -7,33 +7,38 @@
 //! its length or with bytes left over is an error: the connection is closed, nothing is
 //! guessed. One connection carries one request; the server answers it and closes.
 //!
+//! Two services share the wire ([`crate::server`] routes each request to the layer that
+//! answers it): the **buffers** an owner exports to its peers (imports and their release), and
+//! **control** of one process by another ([`crate::control`]).
+//!
 //! | kind | message | fields | answer |
 //! | --- | --- | --- | --- |
-//! | 0x01 | [`Request::Fds`] | from, to (identities), group, items (vh, key, generation) | one [`Reply::Fd`] (fd attached), `NotReady` or `Failed` per item, in order; or `Refused` (not admitted, or an item that names no buffer of the owner with that key) |
-//! | 0x02 | [`Request::Released`] | from, to, group, items | [`Reply::Done`], or `Refused` |
+//! | 0x01 | [`Request::Import`] | from, to (identities), group, buffers (id, key, generation) | one [`Reply::Export`] (fd attached), `NotReady` or `Failed` per buffer, in order; or `Refused` (not admitted, or a buffer that the owner does not have with that key) |
+//! | 0x02 | [`Request::Released`] | from, to, group, buffers | [`Reply::Done`], or `Refused` |
 //! | 0x03 | [`Control::Pause`] | from, to, group, tags | `Done`, `Error` or `Refused` |
 //! | 0x04 | [`Control::Resume`] | from, to, group, tags | `Done`, `Error` or `Refused` |
 //! | 0x05 | [`Control::Stats`] | from, to, group | `Json`, `Error` or `Refused` |
 //! | 0x06 | [`Control::Run`] | from, to, group, source, stage, profile text | `Json` (the stage's report), `Error` or `Refused` |
-//! | 0x81 | [`Reply::Fd`] | vh, generation; the fd by `SCM_RIGHTS` | |
-//! | 0x83 | [`Reply::NotReady`] | vh: not restored within the timeout | |
-//! | 0x84 | [`Reply::Failed`] | vh: the owner's export failed | |
+//! | 0x81 | [`Reply::Export`] | id, generation; the fd by `SCM_RIGHTS` | |
+//! | 0x83 | [`Reply::NotReady`] | id: not restored within the owner's wait | |
+//! | 0x84 | [`Reply::Failed`] | id: the owner's export failed | |
 //! | 0x85 | [`Reply::Done`] | | |
 //! | 0x86 | [`Reply::Refused`] | reason (UTF-8, at most [`MAX_TEXT`] bytes) | |
 //! | 0x87 | [`Reply::Json`] | `u32` length, UTF-8 JSON | |
 //! | 0x88 | [`Reply::Error`] | status `u16` (a code of the C ABI), `u32` length, message (UTF-8, at most [`MAX_MESSAGE`] bytes) | |
 //!
-//! Control requests (0x03 to 0x06, see `control`) share the head of the others (from, to,
-//! group). Tags: a `u16` count (at most [`MAX_TAGS`]; 0 means every tag), then per tag a `u8`
-//! length (1 to [`MAX_TAG`]) and its bytes. Source and stage: a `u16` length (at most
-//! [`MAX_TEXT`]) and UTF-8; the profile text: a `u32` length and UTF-8, within the frame.
+//! Control requests (0x03 to 0x06) share the head of the others (from, to, group). Tags: a
+//! `u16` count (at most [`MAX_TAGS`]; 0 means every tag), then per tag a `u8` length (1 to
+//! [`MAX_TAG`]) and its bytes. Source and stage: a `u16` length (at most [`MAX_TEXT`]) and
+//! UTF-8; the profile text: a `u32` length and UTF-8, within the frame.
 //!
-//! An identity is (pid `u32`, start time `u64`, nonce `u64`): see `peer`. An item is (vh
-//! `u64`, key `u64`, generation `u64`): the owner's virtual handle of the buffer, the buffer's
-//! **key** (64 random bits the owner drew when it first exported the buffer, carried by the
-//! token and nowhere else: a process that was not given the token cannot name the buffer), and
-//! a generation. An item that names no buffer of the owner with that key makes the owner
-//! refuse the whole request, saying nothing of which part was wrong.
+//! An identity is (pid `u32`, start time `u64`, nonce `u64`): see [`crate::identity`]. A buffer
+//! is (id `u64`, key `u64`, generation `u64`): the owner's id of the buffer (for NCCL's
+//! buffers, the virtual handle), the buffer's **key** (64 random bits the owner drew when it
+//! first exported the buffer, carried by its token and nowhere else: a process that was not
+//! given the token cannot name the buffer, see [`crate::token`]), and a generation (the owner
+//! counts the times it re-created the memory). A buffer that the owner does not have with that
+//! key makes the owner refuse the whole request, saying nothing of which part was wrong.
 //!
 //! Every read and write here retries `EINTR`, sends with `MSG_NOSIGNAL` (a peer that went away
 //! is an error, not a `SIGPIPE` to the host process) and has a **deadline** that covers the
@@ -54,50 +59,49 @@ use nix::sys::socket::{
 use nix::sys::time::TimeVal;
 
 /// The largest frame body, in bytes.
-pub(crate) const MAX_FRAME: usize = 256 << 10;
-/// Bytes of a request before its items: kind, two identities, group, count.
+pub const MAX_FRAME: usize = 256 << 10;
+/// Bytes of a request before its buffers: kind, two identities, group, count.
 const REQUEST_HEAD: usize = 1 + 2 * 20 + 8 + 4;
-/// Bytes of an item: vh, key, generation.
-const ITEM: usize = 24;
-/// The most items one request may carry (callers split longer lists).
-pub(crate) const MAX_ITEMS: usize = (MAX_FRAME - REQUEST_HEAD) / ITEM;
+/// Bytes of a buffer: id, key, generation.
+const BUFFER: usize = 24;
+/// The most buffers one request may name (callers split longer lists).
+pub const MAX_BUFFERS: usize = (MAX_FRAME - REQUEST_HEAD) / BUFFER;
 /// The longest reason text of a refusal, in bytes.
-pub(crate) const MAX_TEXT: usize = 1024;
+pub const MAX_TEXT: usize = 1024;
 /// The longest error message of a control reply, in bytes.
-pub(crate) const MAX_MESSAGE: usize = 16 << 10;
+pub const MAX_MESSAGE: usize = 16 << 10;
 /// The most tags a control request names.
-pub(crate) const MAX_TAGS: usize = 1024;
+pub const MAX_TAGS: usize = 1024;
 /// The longest tag, in bytes (as the allocator's tag rule).
-pub(crate) const MAX_TAG: usize = 64;
+pub const MAX_TAG: usize = 64;
 
-/// A process, unique across pid namespaces and pid reuse (the core's `process::Identity`).
-pub(crate) use memsaver_allocator::process::Identity;
+pub use crate::identity::Identity;
 
-/// One buffer: the owner's virtual handle, the buffer's key (from its token) and a
-/// generation.
+/// One buffer of an owner: its id there, its key (from its token) and a generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Item {
-    pub vh: u64,
+pub struct Buffer {
+    pub id: u64,
     pub key: u64,
     pub generation: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Request {
-    /// The real fds of `items`, each once its generation is at least the one given; `from`
-    /// becomes an importer of each. Every item must name a buffer of the owner with its key.
-    Fds {
+pub enum Request {
+    /// `from` imports `buffers` of the owner `to`: their fds, each once its generation is at
+    /// least the one given; `from` becomes an importer of each. Every buffer must be one the
+    /// owner has, with its key.
+    Import {
         from: Identity,
         to: Identity,
         group: i64,
-        items: Vec<Item>,
+        buffers: Vec<Buffer>,
     },
-    /// `from` let go of its imports `items`.
+    /// `from` let go of its imports of `buffers`.
     Released {
         from: Identity,
         to: Identity,
         group: i64,
-        items: Vec<Item>,
+        buffers: Vec<Buffer>,
     },
     /// `from` asks the addressee, which must serve control requests, to do `op`.
     Control {
@@ -126,16 +130,19 @@ pub enum Control {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Reply {
-    Fd {
-        vh: u64,
+pub enum Reply {
+    /// The owner exports buffer `id` at `generation`: its fd comes with the frame.
+    Export {
+        id: u64,
         generation: u64,
     },
+    /// Buffer `id` was not restored within the owner's wait.
     NotReady {
-        vh: u64,
+        id: u64,
     },
+    /// The owner's export of buffer `id` failed.
     Failed {
-        vh: u64,
+        id: u64,
     },
     Done,
     Refused {
@@ -153,13 +160,13 @@ pub(crate) enum Reply {
 }
 
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum DecodeError {
+pub enum DecodeError {
     Empty,
     TooLong(usize),
     UnknownKind(u8),
     Truncated,
     TrailingBytes(usize),
-    TooManyItems(u64),
+    TooManyBuffers(u64),
     TooManyTags(usize),
     BadText,
 }
@@ -172,16 +179,16 @@ impl std::fmt::Display for DecodeError {
             Self::UnknownKind(k) => write!(f, "an unknown message kind {k:#04x}"),
             Self::Truncated => write!(f, "a truncated message"),
             Self::TrailingBytes(n) => write!(f, "{n} bytes after the message"),
-            Self::TooManyItems(n) => write!(f, "{n} items (at most {MAX_ITEMS})"),
+            Self::TooManyBuffers(n) => write!(f, "{n} buffers (at most {MAX_BUFFERS})"),
             Self::TooManyTags(n) => write!(f, "{n} tags (at most {MAX_TAGS})"),
             Self::BadText => write!(f, "a text that is not UTF-8 or too long"),
         }
     }
 }
 
-const FDS: u8 = 0x01;
+const IMPORT: u8 = 0x01;
 const RELEASED: u8 = 0x02;
-const R_FD: u8 = 0x81;
+const R_EXPORT: u8 = 0x81;
 const R_NOT_READY: u8 = 0x83;
 const R_FAILED: u8 = 0x84;
 const R_DONE: u8 = 0x85;
@@ -279,9 +286,9 @@ fn clip(text: &str, max: usize) -> &str {
 
 impl Request {
     /// The sender, the addressee and the group every request names.
-    pub(crate) fn head(&self) -> (&Identity, &Identity, i64) {
+    pub fn head(&self) -> (&Identity, &Identity, i64) {
         match self {
-            Self::Fds {
+            Self::Import {
                 from, to, group, ..
             }
             | Self::Released {
@@ -293,11 +300,11 @@ impl Request {
         }
     }
 
-    /// The frame body. Panics if there are more than [`MAX_ITEMS`] items (callers split);
+    /// The frame body. Panics if there are more than [`MAX_BUFFERS`] buffers (callers split);
     /// a control request's fields must be within their limits ([`Control::check`]).
-    pub(crate) fn encode(&self) -> Vec<u8> {
+    pub fn encode(&self) -> Vec<u8> {
         let kind = match self {
-            Self::Fds { .. } => FDS,
+            Self::Import { .. } => IMPORT,
             Self::Released { .. } => RELEASED,
             Self::Control { op, .. } => match op {
                 Control::Pause { .. } => PAUSE,
@@ -313,11 +320,11 @@ impl Request {
         put_identity(&mut out, to);
         out.extend_from_slice(&group.to_le_bytes());
         match self {
-            Self::Fds { items, .. } | Self::Released { items, .. } => {
-                assert!(items.len() <= MAX_ITEMS, "callers split long requests");
-                out.extend_from_slice(&(items.len() as u32).to_le_bytes());
-                for i in items {
-                    out.extend_from_slice(&i.vh.to_le_bytes());
+            Self::Import { buffers, .. } | Self::Released { buffers, .. } => {
+                assert!(buffers.len() <= MAX_BUFFERS, "callers split long requests");
+                out.extend_from_slice(&(buffers.len() as u32).to_le_bytes());
+                for i in buffers {
+                    out.extend_from_slice(&i.id.to_le_bytes());
                     out.extend_from_slice(&i.key.to_le_bytes());
                     out.extend_from_slice(&i.generation.to_le_bytes());
                 }
@@ -327,11 +334,11 @@ impl Request {
         out
     }
 
-    pub(crate) fn decode(body: &[u8]) -> Result<Self, DecodeError> {
+    pub fn decode(body: &[u8]) -> Result<Self, DecodeError> {
         check_len(body)?;
         let mut c = Cursor(body);
         let kind = c.u8()?;
-        if !matches!(kind, FDS | RELEASED | PAUSE | RESUME | STATS | RUN) {
+        if !matches!(kind, IMPORT | RELEASED | PAUSE | RESUME | STATS | RUN) {
             return Err(DecodeError::UnknownKind(kind));
         }
         let from = c.identity()?;
@@ -366,36 +373,36 @@ impl Request {
             });
         }
         let n = c.u32()? as u64;
-        if n > MAX_ITEMS as u64 {
-            return Err(DecodeError::TooManyItems(n));
+        if n > MAX_BUFFERS as u64 {
+            return Err(DecodeError::TooManyBuffers(n));
         }
         // Checked against what is there before anything is allocated.
-        let want = n as usize * ITEM;
+        let want = n as usize * BUFFER;
         if c.0.len() < want {
             return Err(DecodeError::Truncated);
         }
-        let mut items = Vec::with_capacity(n as usize);
+        let mut buffers = Vec::with_capacity(n as usize);
         for _ in 0..n {
-            items.push(Item {
-                vh: c.u64()?,
+            buffers.push(Buffer {
+                id: c.u64()?,
                 key: c.u64()?,
                 generation: c.u64()?,
             });
         }
         c.finish()?;
-        Ok(if kind == FDS {
-            Self::Fds {
+        Ok(if kind == IMPORT {
+            Self::Import {
                 from,
                 to,
                 group,
-                items,
+                buffers,
             }
         } else {
             Self::Released {
                 from,
                 to,
                 group,
-                items,
+                buffers,
             }
         })
     }
@@ -404,7 +411,7 @@ impl Request {
 impl Control {
     /// Whether the fields are within the protocol's limits (a client checks before sending:
     /// [`Request::encode`] would make a frame the server refuses).
-    pub(crate) fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), String> {
         match self {
             Self::Pause { tags } | Self::Resume { tags } => {
                 if tags.len() > MAX_TAGS {
@@ -469,20 +476,20 @@ impl Control {
 impl Reply {
     /// The frame body (a refusal's reason is cut to [`MAX_TEXT`] bytes and an error's message
     /// to [`MAX_MESSAGE`], at a character).
-    pub(crate) fn encode(&self) -> Vec<u8> {
+    pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(17);
         match self {
-            Self::Fd { vh, generation } => {
-                out.push(R_FD);
-                out.extend_from_slice(&vh.to_le_bytes());
+            Self::Export { id, generation } => {
+                out.push(R_EXPORT);
+                out.extend_from_slice(&id.to_le_bytes());
                 out.extend_from_slice(&generation.to_le_bytes());
             }
-            Self::NotReady { vh } | Self::Failed { vh } => {
+            Self::NotReady { id } | Self::Failed { id } => {
                 out.push(match self {
                     Self::NotReady { .. } => R_NOT_READY,
                     _ => R_FAILED,
                 });
-                out.extend_from_slice(&vh.to_le_bytes());
+                out.extend_from_slice(&id.to_le_bytes());
             }
             Self::Done => out.push(R_DONE),
             Self::Refused { reason } => {
@@ -507,16 +514,16 @@ impl Reply {
         out
     }
 
-    pub(crate) fn decode(body: &[u8]) -> Result<Self, DecodeError> {
+    pub fn decode(body: &[u8]) -> Result<Self, DecodeError> {
         check_len(body)?;
         let mut c = Cursor(body);
         let r = match c.u8()? {
-            R_FD => Self::Fd {
-                vh: c.u64()?,
+            R_EXPORT => Self::Export {
+                id: c.u64()?,
                 generation: c.u64()?,
             },
-            R_NOT_READY => Self::NotReady { vh: c.u64()? },
-            R_FAILED => Self::Failed { vh: c.u64()? },
+            R_NOT_READY => Self::NotReady { id: c.u64()? },
+            R_FAILED => Self::Failed { id: c.u64()? },
             R_DONE => Self::Done,
             R_REFUSED => {
                 let n = c.u16()? as usize;
@@ -592,7 +599,7 @@ fn wait_at_most(sock: BorrowedFd<'_>, receive: bool, deadline: Instant) -> std::
 
 /// Writes one frame of `body` on `sock`, with `fd` attached (`SCM_RIGHTS`) if given, by
 /// `deadline` (a non-blocking socket: what fits at once, else an error).
-pub(crate) fn write_frame(
+pub fn write_frame(
     sock: BorrowedFd<'_>,
     body: &[u8],
     fd: Option<BorrowedFd<'_>>,
@@ -638,7 +645,7 @@ pub(crate) fn write_frame(
 
 /// A frame read in as many pieces as its bytes take to arrive: the server feeds it whatever a
 /// non-blocking socket has, a client reads a whole frame by a deadline ([`read_frame`]).
-pub(crate) struct FrameReader {
+pub struct FrameReader {
     head: [u8; 4],
     /// Bytes of the head received so far.
     got_head: usize,
@@ -652,7 +659,7 @@ pub(crate) struct FrameReader {
 
 impl FrameReader {
     /// A reader of one frame that may carry at most `max_fds` (0 or 1) fds.
-    pub(crate) fn new(max_fds: usize) -> Self {
+    pub fn new(max_fds: usize) -> Self {
         Self {
             head: [0; 4],
             got_head: 0,
@@ -669,7 +676,7 @@ impl FrameReader {
     /// deadline passed). A length of 0 or over [`MAX_FRAME`] is refused before anything is
     /// allocated, an fd more than allowed at once, and the end of the connection is
     /// `UnexpectedEof`.
-    pub(crate) fn advance(
+    pub fn advance(
         &mut self,
         sock: BorrowedFd<'_>,
         deadline: Option<Instant>,
@@ -783,7 +790,7 @@ fn recv_some(
 
 /// Reads one frame by `deadline`, the whole frame however it is split: its body and the fd
 /// that came with it, if any (a reply carries at most one).
-pub(crate) fn read_frame(
+pub fn read_frame(
     sock: BorrowedFd<'_>,
     deadline: Instant,
 ) -> std::io::Result<(Vec<u8>, Option<OwnedFd>)> {
@@ -810,10 +817,10 @@ mod tests {
         })
     }
 
-    fn items() -> impl Strategy<Value = Vec<Item>> {
+    fn buffers() -> impl Strategy<Value = Vec<Buffer>> {
         proptest::collection::vec(
-            (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(vh, key, generation)| Item {
-                vh,
+            (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(id, key, generation)| Buffer {
+                id,
                 key,
                 generation,
             }),
@@ -843,21 +850,21 @@ mod tests {
             identity(),
             identity(),
             any::<i64>(),
-            items(),
+            buffers(),
             control(),
         )
-            .prop_map(|(kind, from, to, group, items, op)| match kind {
-                0 => Request::Fds {
+            .prop_map(|(kind, from, to, group, buffers, op)| match kind {
+                0 => Request::Import {
                     from,
                     to,
                     group,
-                    items,
+                    buffers,
                 },
                 1 => Request::Released {
                     from,
                     to,
                     group,
-                    items,
+                    buffers,
                 },
                 _ => Request::Control {
                     from,
@@ -870,9 +877,10 @@ mod tests {
 
     fn reply() -> impl Strategy<Value = Reply> {
         prop_oneof![
-            (any::<u64>(), any::<u64>()).prop_map(|(vh, generation)| Reply::Fd { vh, generation }),
-            any::<u64>().prop_map(|vh| Reply::NotReady { vh }),
-            any::<u64>().prop_map(|vh| Reply::Failed { vh }),
+            (any::<u64>(), any::<u64>())
+                .prop_map(|(id, generation)| Reply::Export { id, generation }),
+            any::<u64>().prop_map(|id| Reply::NotReady { id }),
+            any::<u64>().prop_map(|id| Reply::Failed { id }),
             Just(Reply::Done),
             "\\PC{0,300}".prop_map(|reason| Reply::Refused { reason }),
             "\\PC{0,300}".prop_map(|text| Reply::Json { text }),
@@ -916,12 +924,12 @@ mod tests {
             body.extend_from_slice(&count.to_le_bytes());
             body.extend_from_slice(&tail);
             match Request::decode(&body) {
-                Ok(Request::Fds { items, .. } | Request::Released { items, .. }) => {
-                    prop_assert_eq!(items.len() * ITEM, tail.len());
+                Ok(Request::Import { buffers, .. } | Request::Released { buffers, .. }) => {
+                    prop_assert_eq!(buffers.len() * BUFFER, tail.len());
                 }
                 Ok(Request::Control { .. }) => prop_assert!(false, "kinds 1 and 2 only"),
                 Err(e) => prop_assert!(matches!(e, DecodeError::Truncated
-                    | DecodeError::TrailingBytes(_) | DecodeError::TooManyItems(_))),
+                    | DecodeError::TrailingBytes(_) | DecodeError::TooManyBuffers(_))),
             }
         }
     }
@@ -940,8 +948,8 @@ mod tests {
                 nonce: 6,
             },
             group: -7,
-            items: vec![Item {
-                vh: 8,
+            buffers: vec![Buffer {
+                id: 8,
                 key: 10,
                 generation: 9,
             }],
@@ -1057,12 +1065,12 @@ mod tests {
         let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
         let f = std::fs::File::open("/dev/null").unwrap();
         write_frame(a.as_fd(), &Reply::Done.encode(), Some(f.as_fd()), soon()).unwrap();
-        write_frame(a.as_fd(), &Reply::Failed { vh: 3 }.encode(), None, soon()).unwrap();
+        write_frame(a.as_fd(), &Reply::Failed { id: 3 }.encode(), None, soon()).unwrap();
         let (body, fd) = read_frame(b.as_fd(), soon()).unwrap();
         assert_eq!(Reply::decode(&body), Ok(Reply::Done));
         assert!(fd.is_some());
         let (body, fd) = read_frame(b.as_fd(), soon()).unwrap();
-        assert_eq!(Reply::decode(&body), Ok(Reply::Failed { vh: 3 }));
+        assert_eq!(Reply::decode(&body), Ok(Reply::Failed { id: 3 }));
         assert!(fd.is_none());
         (&a).write_all(&u32::MAX.to_le_bytes()).unwrap();
         let e = read_frame(b.as_fd(), soon()).unwrap_err();

@@ -1,0 +1,66 @@
+//! memsaver's cross-process layer: how memsaver processes of one user find, trust and talk to
+//! each other. It knows none of its users by name: nccl-hook shares NCCL's buffers through it,
+//! the control service ([`control`]) runs on it, and any tag's memory exported to other
+//! processes can use it the same way.
+//!
+//! Modules, from the bottom up (each uses only those before it):
+//! * [`rundir`]: the runtime directory and its group directories (`<runtime dir>/g<group>/`),
+//!   opened without following links and checked on the open descriptor;
+//! * [`group`]: the process group in force (`MEMSAVER_GROUP`, [`group::set`]), fixed once the
+//!   process serves or imports;
+//! * [`identity`]: who a process is (pid, start time, nonce), whether it still runs, whether it
+//!   is in this pid namespace, and the socket name that spells its identity;
+//! * [`protocol`]: the wire (framed, typed, bounded, one deadline per frame);
+//! * [`log`]: the rate-limited log of the threads that serve other processes;
+//! * [`deadline`]: talking to several peers at once under one deadline;
+//! * [`token`]: what an owner hands out instead of an exported buffer's fd;
+//! * [`server`]: a process's server: admission (user, pid namespace, identity, group) and
+//!   routing of each request to the [`server::Handler`] a layer above registered for it;
+//! * [`client`]: connecting to another process's server, and the importer's side of exported
+//!   buffers;
+//! * [`control`]: pause, resume, stats and profile stages of one process run for another.
+//!
+//! Who may talk to whom, and what enforces it, is docs/security.md.
+
+pub mod client;
+pub mod control;
+pub mod deadline;
+pub mod group;
+pub mod identity;
+pub mod log;
+pub mod options;
+pub mod protocol;
+pub mod rundir;
+pub mod server;
+pub mod token;
+
+use std::path::PathBuf;
+
+use rundir::Found;
+
+/// What `memsaver diagnostics` reports about this process's place among its peers.
+#[derive(Debug, serde::Serialize)]
+pub struct Diagnosis {
+    pub runtime_dir: PathBuf,
+    pub runtime_dir_state: Found,
+    pub group: i64,
+    pub group_dir_state: Found,
+    /// The processes serving this group (socket name, pid, alive); a dead one left its socket
+    /// behind (it exited without its exit handlers: harmless, nobody else removes it).
+    pub owners: Vec<(String, u32, bool)>,
+}
+
+/// Checks the runtime directory and the group's directory without creating anything, and
+/// lists the group's processes.
+pub fn diagnose() -> Diagnosis {
+    let runtime_dir = rundir::runtime_dir();
+    let group = group::id();
+    let (base, dir, entries) = rundir::inspect(&runtime_dir, group);
+    Diagnosis {
+        runtime_dir,
+        runtime_dir_state: base,
+        group,
+        group_dir_state: dir,
+        owners: identity::owners_in(&entries),
+    }
+}

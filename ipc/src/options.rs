@@ -1,0 +1,153 @@
+//! The cross-process layer's options: one list ([`memsaver_allocator::declare_options!`]):
+//! the process group, the runtime directory of the sockets, and control requests.
+//!
+//! An invalid value fails the first operation done for the application together with every
+//! other layer's (`memsaver_allocator::global`, through [`LAYER`] in
+//! `memsaver_allocator::OPTION_LAYERS`); what must answer a peer or a driver call uses the
+//! default meanwhile.
+
+use std::path::PathBuf;
+
+use memsaver_allocator::options::Env;
+
+memsaver_allocator::declare_options! {
+    layer "libmemsaver.so: between processes", "";
+
+    /// The cross-process layer's options in force. A field whose variable is invalid holds its
+    /// default, and the variable's message is in `errors`.
+    pub struct Options {}
+
+    options {
+
+        /// group id of the process for the nccl tag: processes pause and resume NCCL memory
+        /// with peers of the same group only (ncclSetGroupID and memsaver.set_group work too;
+        /// fixed once NCCL shared memory)
+        GROUP = "MEMSAVER_GROUP" | "AMEM_GROUPID", int(i32::MIN as i64, i32::MAX as i64, ""),
+            default "0", Library
+            => /// The nccl group (`MEMSAVER_GROUP`).
+               pub group: i64;
+
+
+        /// private directory (mode 0700) for the sockets processes use to coordinate the nccl
+        /// tag
+        RUNTIME_DIR = "MEMSAVER_RUNTIME_DIR", path,
+            unset "$XDG_RUNTIME_DIR/memsaver or /tmp/memsaver-<uid>", Library
+            => pub runtime_dir: PathBuf =
+                |dir, env| dir.map_or_else(|| default_runtime_dir(env), PathBuf::from);
+
+        /// 1: the process serves control requests (pause, resume, run a profile stage, stats)
+        /// from other processes of its user and group once memsaver starts in it (`memsaver
+        /// pause --pid/--group`, memsaver.control; also memsaver.serve_control()). A process
+        /// that cannot serve them (a runtime directory that is not private) fails its first
+        /// memsaver call, naming the directory; see docs/security.md
+        CONTROL = "MEMSAVER_CONTROL", bool, default "0", Library
+            => /// Serve control requests (`MEMSAVER_CONTROL`).
+               pub control: bool;
+    }
+}
+
+#[linkme::distributed_slice(memsaver_allocator::OPTION_LAYERS)]
+static CHECKED: &memsaver_allocator::options::Layer = &LAYER;
+
+/// `$XDG_RUNTIME_DIR/memsaver`, else `/tmp/memsaver-<uid>`.
+fn default_runtime_dir(env: &Env<'_>) -> PathBuf {
+    match env.var("XDG_RUNTIME_DIR") {
+        Some((_, d)) => PathBuf::from(d).join("memsaver"),
+        // SAFETY: getuid cannot fail.
+        None => PathBuf::from(format!("/tmp/memsaver-{}", unsafe { libc::getuid() })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |n| m.get(n).cloned()
+    }
+
+    fn opts(vars: &[(&str, &str)]) -> Options {
+        Options::from_lookup(lookup(vars))
+    }
+
+    /// The one error of `vars`.
+    fn error(vars: &[(&str, &str)]) -> String {
+        let o = opts(vars);
+        assert_eq!(o.errors.len(), 1, "{:?}", o.errors);
+        o.errors[0].clone()
+    }
+
+    #[test]
+    fn defaults() {
+        let o = opts(&[("XDG_RUNTIME_DIR", "/run/user/7")]);
+        assert_eq!(o.group, 0);
+        assert!(!o.control);
+        assert_eq!(o.runtime_dir, PathBuf::from("/run/user/7/memsaver"));
+        assert!(o.errors.is_empty());
+        assert!(o.check().is_ok());
+        // SAFETY: getuid cannot fail.
+        let uid = unsafe { libc::getuid() };
+        assert_eq!(
+            opts(&[]).runtime_dir,
+            PathBuf::from(format!("/tmp/memsaver-{uid}"))
+        );
+    }
+
+    #[test]
+    fn each_type_parses() {
+        let o = opts(&[
+            ("MEMSAVER_GROUP", "-3"),
+            ("MEMSAVER_RUNTIME_DIR", "/r"),
+            ("MEMSAVER_CONTROL", "1"),
+            ("XDG_RUNTIME_DIR", "/run/user/7"),
+        ]);
+        assert!(o.errors.is_empty(), "{:?}", o.errors);
+        assert_eq!(o.group, -3);
+        assert_eq!(o.runtime_dir, PathBuf::from("/r"));
+        assert!(o.control);
+    }
+
+    #[test]
+    fn aliases_and_precedence() {
+        assert_eq!(opts(&[("AMEM_GROUPID", "9")]).group, 9);
+        // MEMSAVER_* wins over the alias, also over an invalid alias value.
+        let o = opts(&[("AMEM_GROUPID", "x"), ("MEMSAVER_GROUP", "4")]);
+        assert!(o.errors.is_empty(), "{:?}", o.errors);
+        assert_eq!(o.group, 4);
+    }
+
+    #[test]
+    fn invalid_values_name_the_variable_and_the_accepted_values() {
+        let cases: &[(&str, &str, &str)] = &[
+            (
+                "AMEM_GROUPID",
+                "g1",
+                "AMEM_GROUPID='g1': expected a whole number from -2147483648 to 2147483647",
+            ),
+            (
+                "MEMSAVER_GROUP",
+                "2147483648",
+                "MEMSAVER_GROUP='2147483648': expected a whole number from -2147483648 to 2147483647",
+            ),
+            (
+                "MEMSAVER_CONTROL",
+                "on",
+                "MEMSAVER_CONTROL='on': expected 0 or 1",
+            ),
+        ];
+        for (var, v, want) in cases {
+            assert_eq!(&error(&[(var, v)]), want);
+        }
+        let o = opts(&[("MEMSAVER_CONTROL", "x"), ("MEMSAVER_GROUP", "y")]);
+        let e = o.check().unwrap_err().to_string();
+        assert!(
+            e.contains("MEMSAVER_CONTROL='x'") && e.contains("MEMSAVER_GROUP='y'"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,137 @@
+//! Tokens: what an owner hands out instead of an exported buffer's fd, so that the owner
+//! learns who imports what.
+//!
+//! An exported fd does not say which buffer it is. So when the layer that exports a buffer
+//! (nccl-hook, for NCCL's buffers) would hand out an fd, it hands out a **token** instead: a
+//! sealed memfd holding (group, owner identity, buffer id, key, generation). The importer's
+//! layer recognises the token ([`read`]: a memfd with exactly these seals and the magic) and
+//! trades it for the real fd with the owner's server ([`crate::client::import`]). So the owner
+//! knows every importer of each buffer, and every importer knows the owner and buffer behind
+//! each import. The **key** is 64 random bits the owner draws when it first exports a buffer
+//! ([`crate::identity::new_key`]): the owner hands out the buffer's fd only to a request that
+//! carries it, so only a process that was given the token can get the memory.
+
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use crate::identity::{self, Identity};
+
+const MAGIC: &[u8] = b"memsaver-token-v3";
+const SEALS: libc::c_int =
+    libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+
+/// What a token names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Token {
+    pub group: i64,
+    pub pid: u32,
+    /// The owner's start time and nonce (with `pid`, its identity).
+    pub start: u64,
+    pub nonce: u64,
+    /// The buffer's id at the owner.
+    pub buffer: u64,
+    /// The buffer's key: what the owner asks of whoever names the buffer.
+    pub key: u64,
+    pub generation: u64,
+}
+
+impl Token {
+    /// A token of this process for its buffer `buffer`, whose key is `key`.
+    pub fn own(group: i64, buffer: u64, key: u64, generation: u64) -> Self {
+        let me = identity::me();
+        Self {
+            group,
+            pid: me.pid,
+            start: me.start,
+            nonce: me.nonce,
+            buffer,
+            key,
+            generation,
+        }
+    }
+
+    /// The owner's identity.
+    pub fn owner(&self) -> Identity {
+        Identity {
+            pid: self.pid,
+            start: self.start,
+            nonce: self.nonce,
+        }
+    }
+}
+
+/// A sealed memfd holding `t`.
+pub fn make(t: Token) -> std::io::Result<OwnedFd> {
+    // SAFETY: NUL-terminated name; flags are valid.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"memsaver-token".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new fd we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let text = format!(
+        "{} {} {} {} {} {} {} {}\n",
+        std::str::from_utf8(MAGIC).unwrap_or(""),
+        t.group,
+        t.pid,
+        t.start,
+        t.nonce,
+        t.buffer,
+        t.key,
+        t.generation
+    );
+    let mut f = std::fs::File::from(fd);
+    f.write_all(text.as_bytes())?;
+    let fd = OwnedFd::from(f);
+    // SAFETY: a valid fd; F_ADD_SEALS takes an int.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// The token behind `fd`, if it is one (a memfd sealed exactly as ours, with our magic).
+pub fn read(fd: RawFd) -> Option<Token> {
+    // SAFETY: F_GET_SEALS on any fd is harmless: it fails with EINVAL for non-memfds.
+    if unsafe { libc::fcntl(fd, libc::F_GET_SEALS) } != SEALS {
+        return None;
+    }
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is writable for its length; pread does not move the shared offset.
+    let n = unsafe { libc::pread(fd, buf.as_mut_ptr().cast(), buf.len(), 0) };
+    let text = std::str::from_utf8(buf.get(..usize::try_from(n).ok()?)?).ok()?;
+    let mut it = text.split_whitespace();
+    if it.next()?.as_bytes() != MAGIC {
+        return None;
+    }
+    let t = Token {
+        group: it.next()?.parse().ok()?,
+        pid: it.next()?.parse().ok()?,
+        start: it.next()?.parse().ok()?,
+        nonce: it.next()?.parse().ok()?,
+        buffer: it.next()?.parse().ok()?,
+        key: it.next()?.parse().ok()?,
+        generation: it.next()?.parse().ok()?,
+    };
+    it.next().is_none().then_some(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_round_trip_and_reject_extra_fields() {
+        let t = Token::own(-3, 0x6d73_0000_0000_0007, identity::new_key().unwrap(), 2);
+        assert_eq!(t.pid, std::process::id());
+        let fd = make(t).unwrap();
+        assert_eq!(read(fd.as_raw_fd()), Some(t));
+        let f = std::fs::File::open("/dev/null").unwrap();
+        assert_eq!(read(f.as_raw_fd()), None);
+    }
+}

@@ -1,0 +1,28 @@
+//! The layers linked into libmemsaver.so add their start hooks and server routes to lists the
+//! linker assembles (`memsaver_allocator::START_HOOKS`, `memsaver_ipc::server::ROUTES`): they
+//! are in this test binary as in the library, and the allocator started through this crate
+//! has the `nccl` tag (fake driver, via MEMSAVER_CUDA_LIB as set by `make test`).
+
+use memsaver_ipc::server::{ROUTES, Service};
+
+#[test]
+fn every_layer_is_started_with_the_allocator() {
+    let hooks: Vec<&str> = memsaver_allocator::START_HOOKS
+        .iter()
+        .map(|h| h.name)
+        .collect();
+    assert!(
+        hooks.contains(&"nccl") && hooks.contains(&"control"),
+        "{hooks:?}"
+    );
+    let services: Vec<Service> = ROUTES.iter().map(|r| r.service).collect();
+    assert!(
+        services.contains(&Service::Buffers) && services.contains(&Service::Control),
+        "{services:?}"
+    );
+    let a = memsaver::allocator().expect("the allocator starts on the fake driver");
+    assert!(
+        a.stats().tags.iter().any(|t| t.tag == "nccl"),
+        "the nccl tag is registered at start"
+    );
+}
