@@ -184,10 +184,12 @@ mod tests {
         };
         assert_eq!(layer("MEMSAVER_CUDA_LIB"), 0);
         assert_eq!(layer("MEMSAVER_NCCL_BACKUP"), 1);
-        assert_eq!(layer("MEMSAVER_RUNTIME_DIR"), 1);
+        assert_eq!(layer("MEMSAVER_NCCL_TOKENS"), 1);
+        assert_eq!(layer("MEMSAVER_RUNTIME_DIR"), 2);
+        assert_eq!(layer("MEMSAVER_GROUP"), 2);
         assert!(python::OPTIONS.iter().all(|o| o.reader == Reader::Python));
         assert!(testing::OPTIONS.iter().all(|o| o.reader == Reader::Testing));
-        for l in &LAYERS[..2] {
+        for l in &LAYERS[..3] {
             assert!(l.options.iter().all(|o| o.reader == Reader::Library));
         }
     }

@@ -204,7 +204,11 @@ fn backup_headers_keeps_the_control_blocks_of_shared_buffers_only() {
 #[test]
 fn a_bad_nccl_setting_is_named_and_nothing_is_paused() {
     let cases = [
-        ("MEMSAVER_NCCL_BACKUP", "some", "expected all or headers"),
+        (
+            "MEMSAVER_NCCL_BACKUP",
+            "some",
+            "expected cpu, mmap, disk, discard, headers or all",
+        ),
         ("MEMSAVER_NCCL_TOKENS", "maybe", "expected 0 or 1"),
         (
             "MEMSAVER_NCCL_TIMEOUT_MS",
