@@ -44,6 +44,7 @@ mod exports;
 mod graphs;
 mod guard;
 pub mod interpose;
+mod local;
 pub mod options;
 mod peer;
 pub mod procaddr;

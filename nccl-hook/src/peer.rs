@@ -10,12 +10,19 @@
 //! importer knows the owner and buffer behind each import. Who may talk to whom, and what
 //! enforces it, is docs/security.md.
 
+use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::options;
+use memsaver_allocator::steps::Op;
+use memsaver_allocator::{Allocator, Error};
 use memsaver_ipc::client;
+use memsaver_ipc::deadline::{Outcome, PerPeer, Progress, listed};
 use memsaver_ipc::protocol::Buffer;
+
+use crate::local::{Holding, Notices, TAG, device_of, places};
+use crate::options;
+use crate::registry;
 
 pub(crate) use memsaver_ipc::identity::alive;
 
@@ -42,4 +49,406 @@ pub(crate) fn request_fds(
 /// Tells `owner` that this process released its imports `items`.
 pub(crate) fn notify_released(group: i64, owner: u32, items: &[Buffer]) -> Result<(), String> {
     client::notify_released(group, owner, items, timeout())
+}
+
+/// Why a peer did not do its part, as a user can act on it.
+pub(crate) enum Fault {
+    /// It exited (or was killed).
+    Exited,
+    /// It did not answer by the deadline; what it did not do.
+    NoAnswer(&'static str),
+    /// It still holds imports of this process's paused memory at the deadline.
+    StillHolds,
+    /// It answered with an error, or could not be reached.
+    Failed(String),
+}
+
+/// One line of a Peer error: which process, what it holds (`holds`, a clause that follows
+/// the process's name), what went wrong, what to do.
+pub(crate) fn describe(
+    pid: u32,
+    group: i64,
+    holds: &str,
+    fault: &Fault,
+    timeout: Duration,
+) -> String {
+    let who = format!("process {pid} (group {group}){holds}");
+    let ms = timeout.as_millis();
+    // The scheduler state: `R`, `S`, `T` (stopped), `Z`, ...
+    let state = memsaver_allocator::process::stat(&pid.to_string()).map(|(s, _)| s);
+    let (stopped, zombie) = (
+        matches!(state, Some('T' | 't')),
+        matches!(state, Some('Z' | 'X')),
+    );
+    match fault {
+        Fault::Exited => format!(
+            "{who}: the process exited: restart the job (or destroy the communicators it was in)"
+        ),
+        _ if zombie => format!(
+            "{who}: the process exited (a zombie its parent has not reaped): restart the job"
+        ),
+        _ if stopped => format!(
+            "{who}: it is stopped (SIGSTOP or a debugger) and does not answer: continue it \
+             (kill -CONT {pid}), then retry"
+        ),
+        Fault::NoAnswer(what) => format!(
+            "{who}: it {what} within {ms} ms: is it stopped or hung? raise \
+             MEMSAVER_NCCL_TIMEOUT_MS if it is slow"
+        ),
+        Fault::StillHolds => format!(
+            "{who} and did not let go within {ms} ms: every process of the group must pause \
+             'nccl' too; is it stopped or hung? raise MEMSAVER_NCCL_TIMEOUT_MS if it is slow"
+        ),
+        Fault::Failed(e) => format!(
+            "{who}: {e}: is it stopped or hung? raise MEMSAVER_NCCL_TIMEOUT_MS if it is slow"
+        ),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The steps of pause and resume that involve peers.
+// ---------------------------------------------------------------------------------------------
+
+/// Pause step 2 (threads): tells each owner which of its buffers this process released.
+pub(crate) fn notify_owners(
+    group: i64,
+    notices: Notices,
+    deadline: Instant,
+) -> PerPeer<std::result::Result<(), String>> {
+    PerPeer::start(
+        "nccl-notify",
+        TIMEOUT_SETTING,
+        notices,
+        deadline,
+        move |owner, items: Vec<Buffer>| notify_released(group, owner, &items),
+        // Delivered late, the notice still does its job.
+        |_, _| {},
+    )
+}
+
+/// Pause step 2, collected: the owners that are alive and did not take the notice by the
+/// deadline (a dead owner has nothing left to release).
+pub(crate) fn unacknowledged(
+    outcomes: BTreeMap<u32, Outcome<std::result::Result<(), String>>>,
+) -> BTreeMap<u32, Fault> {
+    outcomes
+        .into_iter()
+        .filter_map(|(owner, o)| {
+            let fault = match o {
+                Outcome::Done(Ok(())) => return None,
+                Outcome::Done(Err(e)) | Outcome::NotStarted(e) => Fault::Failed(e),
+                Outcome::NoAnswer => {
+                    Fault::NoAnswer("did not take the notice that its buffers were released")
+                }
+            };
+            alive(owner).then_some((owner, fault))
+        })
+        .collect()
+}
+
+/// Pause step 3: waits until every importer of this process's paused exported buffers (also
+/// those paused by an earlier, failed call) has let go, or `deadline`. Returns what the
+/// processes that did not still hold (a dead process has let go of everything).
+pub(crate) fn wait_importers(group: i64, deadline: Instant) -> BTreeMap<u32, Holding> {
+    let mut progress = Progress::new(deadline, TIMEOUT_SETTING);
+    loop {
+        let holders = {
+            let mut reg = registry::lock();
+            let mut paused: Vec<&mut registry::Physical> = reg
+                .physicals
+                .values_mut()
+                .filter(|p| p.exported && p.is_paused_own())
+                .collect();
+            // Each importer asked once.
+            let mut pids: Vec<u32> = paused
+                .iter()
+                .flat_map(|p| p.importers.iter().copied())
+                .collect();
+            pids.sort_unstable();
+            pids.dedup();
+            pids.retain(|pid| alive(*pid));
+            let mut holders = BTreeMap::<u32, Holding>::new();
+            for p in &mut paused {
+                p.importers.retain(|pid| pids.binary_search(pid).is_ok());
+                for pid in &p.importers {
+                    holders.entry(*pid).or_default().add(p);
+                }
+            }
+            holders
+        };
+        if holders.is_empty() || Instant::now() >= deadline {
+            return holders;
+        }
+        progress.say(|| {
+            let who: Vec<String> = holders
+                .iter()
+                .map(|(pid, h)| format!("process {pid} (group {group}) holds {h}"))
+                .collect();
+            format!(
+                "pause('nccl') waits for peers to release their imports of this process's memory: {}",
+                listed(&who)
+            )
+        });
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// `, whose imports of <holding> this process released`, for an owner told so.
+fn released_clause(h: Option<&Holding>) -> String {
+    h.map_or_else(String::new, |h| {
+        format!(", whose imports of {h} this process released")
+    })
+}
+
+/// The error of a pause whose importers did not all let go.
+pub(crate) fn pause_error(
+    group: i64,
+    holders: &BTreeMap<u32, Holding>,
+    unacked: &BTreeMap<u32, Fault>,
+    released_imports: &BTreeMap<u32, Holding>,
+) -> Error {
+    let t = timeout();
+    let mut lines: Vec<String> = holders
+        .iter()
+        .map(|(pid, h)| {
+            let holds = format!(" holds imports of {h} of this process");
+            describe(*pid, group, &holds, &Fault::StillHolds, t)
+        })
+        .collect();
+    // An owner that also holds imports of ours is named once, above.
+    lines.extend(
+        unacked
+            .iter()
+            .filter(|(pid, _)| !holders.contains_key(pid))
+            .map(|(pid, f)| {
+                describe(
+                    *pid,
+                    group,
+                    &released_clause(released_imports.get(pid)),
+                    f,
+                    t,
+                )
+            }),
+    );
+    peer_error(format!(
+        "pause released this process's memory, but {} process(es) still hold imports of it, \
+         so that device memory is not free yet: {}",
+        holders.len(),
+        lines.join("; ")
+    ))
+}
+
+/// An import to fetch at resume: its handle here, and the item asking its owner for it.
+#[derive(Clone, Copy)]
+pub(crate) struct Wanted {
+    pub(crate) vh: u64,
+    pub(crate) owner: Buffer,
+}
+
+/// An import's new generation, served by its owner: its handle here, the item naming it there
+/// (with the generation served), and the fd.
+pub(crate) struct Fetched {
+    pub(crate) vh: u64,
+    pub(crate) owner: Buffer,
+    pub(crate) fd: OwnedFd,
+}
+
+pub(crate) type FetchResult = std::result::Result<Vec<Fetched>, String>;
+
+/// The paused imports, per owner: the generation after the one each mapped.
+pub(crate) fn imports_to_fetch() -> BTreeMap<u32, Vec<Wanted>> {
+    let mut fetch = BTreeMap::<u32, Vec<Wanted>>::new();
+    for (vh, p) in &registry::lock().physicals {
+        if let (Some(g), Some(s)) = (p.released_generation(), p.source) {
+            fetch.entry(s.owner).or_default().push(Wanted {
+                vh: *vh,
+                owner: s.item(g + 1),
+            });
+        }
+    }
+    fetch
+}
+
+/// Resume step 2 (threads): asks each owner for the new generation of its buffers. An owner
+/// registers this process as an importer of what it serves, so what is not mapped in the end
+/// is reported released: on a failure here (the owner may have served part of it) and when
+/// the answer comes after the deadline.
+pub(crate) fn fetch_imports(
+    group: i64,
+    fetch: BTreeMap<u32, Vec<Wanted>>,
+    deadline: Instant,
+) -> PerPeer<FetchResult> {
+    PerPeer::start(
+        "nccl-fetch",
+        TIMEOUT_SETTING,
+        fetch,
+        deadline,
+        move |owner, wants: Vec<Wanted>| {
+            let asks: Vec<Buffer> = wants.iter().map(|w| w.owner).collect();
+            match request_fds(group, owner, &asks) {
+                Ok(fds) => Ok(wants
+                    .into_iter()
+                    .zip(fds)
+                    .map(|(w, (fd, generation))| Fetched {
+                        vh: w.vh,
+                        owner: Buffer {
+                            generation,
+                            ..w.owner
+                        },
+                        fd,
+                    })
+                    .collect()),
+                Err(e) => {
+                    if alive(owner) {
+                        let _ = notify_released(group, owner, &asks);
+                    }
+                    Err(e)
+                }
+            }
+        },
+        move |owner, late: FetchResult| {
+            if let Ok(fetched) = late {
+                let items: Vec<Buffer> = fetched.iter().map(|f| f.owner).collect();
+                let _ = notify_released(group, owner, &items);
+            }
+        },
+    )
+}
+
+/// What resume step 3 did.
+#[derive(Default)]
+pub(crate) struct Imported {
+    /// Imports mapped.
+    pub(crate) mapped: usize,
+    /// Owners whose imports stay paused, what this process imported of them, and why.
+    pub(crate) faults: BTreeMap<u32, (Holding, Fault)>,
+    /// The first import that was served but could not be mapped.
+    pub(crate) map_error: Option<Error>,
+}
+
+/// Resume step 3: maps the new generations served by each owner where the imports were.
+/// The imports of an owner that did not serve them stay paused (a later resume fetches
+/// them again); a served import that cannot be mapped is reported released to its owner,
+/// so that the owner's next pause does not wait for it.
+pub(crate) fn map_imports(
+    a: &'static Allocator,
+    group: i64,
+    fetched: BTreeMap<u32, Outcome<FetchResult>>,
+) -> Imported {
+    let d = a.driver();
+    let steps = a.steps(Op::Resume);
+    let mut out = Imported::default();
+    let mut unused = Notices::new();
+    let mut reg = registry::lock();
+    let ranges = reg.ranges_by_handle();
+    for (owner, outcome) in fetched {
+        let served = match outcome {
+            Outcome::Done(Ok(served)) => served,
+            Outcome::Done(Err(e)) | Outcome::NotStarted(e) => {
+                let fault = if alive(owner) {
+                    Fault::Failed(e)
+                } else {
+                    Fault::Exited
+                };
+                out.faults.insert(owner, (Holding::default(), fault));
+                continue;
+            }
+            Outcome::NoAnswer => {
+                let fault = if alive(owner) {
+                    Fault::NoAnswer(
+                        "did not serve its buffers (every process of the group must resume 'nccl')",
+                    )
+                } else {
+                    Fault::Exited
+                };
+                out.faults.insert(owner, (Holding::default(), fault));
+                continue;
+            }
+        };
+        for f in served {
+            let Some(p) = reg.physicals.get(&f.vh) else {
+                // NCCL freed it meanwhile.
+                unused.entry(owner).or_default().push(f.owner);
+                continue;
+            };
+            if p.released_generation().is_none() {
+                continue;
+            }
+            let rs = ranges.get(&f.vh).map_or(&[][..], Vec::as_slice);
+            let r = a.device(device_of(&reg, &ranges, f.vh)).and_then(|dev| {
+                let fd = std::os::fd::AsRawFd::as_raw_fd(&f.fd);
+                let h = d.with_context(dev.ctx, || d.import_fd(fd))?;
+                steps.map_handle(&dev, h, &places(rs)).inspect_err(|_| {
+                    let _ = d.release(h);
+                })?;
+                Ok(h)
+            });
+            match r {
+                Ok(h) => {
+                    // A released import, checked above under the same lock.
+                    let p = reg.physicals.get_mut(&f.vh).expect("checked above");
+                    match p.remapped(h.0, f.owner.generation) {
+                        Ok(()) => out.mapped += 1,
+                        Err(e) => {
+                            out.map_error.get_or_insert(e.into());
+                        }
+                    }
+                }
+                Err(e) => {
+                    unused.entry(owner).or_default().push(f.owner);
+                    out.map_error.get_or_insert(e);
+                }
+            }
+        }
+    }
+    // What this process imported of the owners at fault, for the message.
+    for p in reg.physicals.values() {
+        if let (Some(_), Some(s)) = (p.released_generation(), p.source)
+            && let Some((h, _)) = out.faults.get_mut(&s.owner)
+        {
+            h.add(p);
+        }
+    }
+    drop(reg);
+    // The owners that just served this process answer; wait for them within the deadline
+    // of this resume, at least a moment.
+    let deadline = Instant::now() + Duration::from_millis(200);
+    let _ = notify_owners(group, unused, deadline).finish(
+        deadline,
+        "resume('nccl') tells owners which imports it did not use",
+        group,
+    );
+    out
+}
+
+/// The error of a resume that left imports paused.
+pub(crate) fn resume_error(group: i64, imported: &Imported) -> Error {
+    let t = timeout();
+    let lines: Vec<String> = imported
+        .faults
+        .iter()
+        .map(|(pid, (h, f))| {
+            let holds = format!(", whose {h} this process imported");
+            describe(*pid, group, &holds, f, t)
+        })
+        .collect();
+    let unmapped = imported.map_error.as_ref().map_or_else(String::new, |e| {
+        format!("; besides, an import that was served could not be mapped: {e}")
+    });
+    peer_error(format!(
+        "resume restored this process's memory and mapped {} import(s), but the imports of \
+         {} owner(s) stay paused (a later resume maps them once their owner serves them, or \
+         once NCCL has freed them): {}{unmapped}",
+        imported.mapped,
+        imported.faults.len(),
+        lines.join("; ")
+    ))
+}
+
+/// An error of the `nccl` tag caused by a peer (or by what it needs from peers).
+pub(crate) fn peer_error(message: String) -> Error {
+    Error::Peer {
+        tag: TAG.into(),
+        message,
+    }
 }

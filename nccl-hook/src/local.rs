@@ -1,0 +1,566 @@
+//! The `nccl` tag's work on this process's own memory and its mappings of peers' memory, on
+//! the engine's steps (`memsaver_allocator::steps`, shared with every tag): pause step 1
+//! ([`release_local`]), resume step 1 ([`restore_local`]), and the kernel stack limit NCCL
+//! made the driver raise ([`lower_stacks`], [`restore_stacks`]). The order of the steps and the
+//! exchanges with peers are [`crate::provider`]'s and [`crate::peer`]'s.
+//!
+//! What is backed up: the `nccl` tag's policy (`MEMSAVER_NCCL_BACKUP`, pinned by default).
+//! `headers` backs up only the first [`HEADER_BYTES`] of the buffers NCCL shares with peers:
+//! NCCL lays those out as a 4 KiB control block (`ncclSendMem`/`ncclRecvMem`: head and tail
+//! step counters, FIFOs) followed by the LL/LL128/Simple staging buffers, whose contents live
+//! only within one collective and whose flags are step numbers that stale or zeroed memory
+//! never matches.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use memsaver_allocator::driver::Handle;
+use memsaver_allocator::steps::{Memory, Op, Piece, Place, Steps, external_key, is_out_of_memory};
+use memsaver_allocator::{Allocator, Backup as HostBackup, Device, Error, Policy, Result};
+use memsaver_ipc::protocol::Buffer;
+
+use crate::graphs::{self, DEFAULT_STACK_SIZE};
+use crate::registry::{self, Kind, Range, Registry};
+
+pub(crate) const TAG: &str = "nccl";
+
+/// Bytes at the start of a shared buffer that `MEMSAVER_NCCL_BACKUP=headers` keeps: NCCL's
+/// control block is 4 KiB (`MEM_ALIGN`); the rest is margin.
+pub(crate) const HEADER_BYTES: u64 = 64 << 10;
+
+/// Resume restores private buffers in batches of this many handles, letting the threads that
+/// serve peers in between.
+const RESTORE_BATCH: usize = 64;
+
+/// How much of NCCL's memory pause copies to host memory (`MEMSAVER_NCCL_BACKUP`).
+pub(crate) use crate::options::NcclBackup as Backup;
+
+impl Backup {
+    /// The policy NCCL's buffers are backed up with: chosen as a region's is, pinned by
+    /// default.
+    fn policy(self) -> Policy {
+        match self {
+            Backup::Cpu | Backup::All | Backup::Headers => Policy::Cpu,
+            Backup::Mmap => Policy::Mmap,
+            Backup::Disk => Policy::Disk,
+            Backup::Discard => Policy::Discard,
+        }
+    }
+}
+
+/// Bytes of `p` that pause backs up.
+fn backup_len(backup: Backup, p: &registry::Physical) -> u64 {
+    match backup {
+        Backup::Discard => 0,
+        Backup::Headers if p.exported => p.size.min(HEADER_BYTES),
+        _ => p.size,
+    }
+}
+
+/// The tag's name, as the engine's pieces carry it.
+fn tag() -> Arc<str> {
+    static TAG_ARC: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| TAG.into());
+    TAG_ARC.clone()
+}
+
+/// The places of a handle's mappings, with the access NCCL granted (replayed on resume).
+pub(crate) fn places(rs: &[Range]) -> Vec<Place<'_>> {
+    rs.iter()
+        .map(|(ptr, size, access)| Place {
+            ptr: *ptr,
+            size: *size as usize,
+            access: Some(access),
+        })
+        .collect()
+}
+
+/// NCCL's kernels make the driver raise the context's per-thread stack size (to 1744 bytes
+/// with NCCL 2.28 and 2+ ranks) and keep local memory for it on every SM: 186 MiB on an
+/// H200. Pause lowers it on the devices NCCL uses, to the floor [`graphs`] gives (CUDA's
+/// default unless a live graph or the application needs more), which frees that memory;
+/// kernels that need more while paused grow it again, as the driver always does.
+pub(crate) fn lower_stacks(a: &'static Allocator, devices: &[i32]) {
+    let d = a.driver();
+    // Held throughout: no graph is instantiated or limit set between reading the floor and
+    // setting the limit.
+    let mut g = graphs::lock();
+    for &dev in devices {
+        let (floor, why) = g.floor(dev);
+        let r = a.device(dev).and_then(|device| {
+            Ok(d.with_context(device.ctx, || {
+                let cur = d.stack_size()?;
+                let to = floor.min(cur);
+                if to < cur {
+                    d.set_stack_size(to)?;
+                }
+                Ok((cur, to))
+            })?)
+        });
+        let (cur, to) = match r {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(
+                    device = dev,
+                    error = %e,
+                    "memsaver: could not lower the kernel stack size NCCL raised; its local memory stays"
+                );
+                continue;
+            }
+        };
+        if cur <= DEFAULT_STACK_SIZE {
+            continue; // nothing was raised
+        }
+        let per_byte = d.stack_bytes_per_thread_byte(dev).unwrap_or_else(|e| {
+            tracing::warn!(device = dev, error = %e, "memsaver: cannot size local memory");
+            0
+        });
+        let kept = to.saturating_sub(DEFAULT_STACK_SIZE);
+        let why = why.filter(|_| kept > 0);
+        let p = g.paused.entry(dev).or_insert(graphs::StackPause {
+            saved: cur,
+            lowered_bytes: 0,
+            kept_bytes: 0,
+            why: None,
+        });
+        p.lowered_bytes += ((cur - to) as u64) * per_byte;
+        p.kept_bytes = kept as u64 * per_byte;
+        p.why = why;
+        tracing::info!(
+            device = dev,
+            from = cur,
+            to,
+            lowered_bytes = (cur - to) as u64 * per_byte,
+            kept_bytes = p.kept_bytes,
+            reason = why.map(graphs::Keep::reason),
+            "nccl pause: kernel stack size"
+        );
+    }
+}
+
+/// Resume: gives NCCL's kernels their stack size back now rather than at their next
+/// launch, never lowering it (a graph instantiated while paused may have needed more).
+pub(crate) fn restore_stacks(a: &'static Allocator) {
+    let d = a.driver();
+    let mut g = graphs::lock();
+    for (dev, p) in std::mem::take(&mut g.paused) {
+        let r = a.device(dev).and_then(|device| {
+            Ok(d.with_context(device.ctx, || {
+                if d.stack_size()? < p.saved {
+                    d.set_stack_size(p.saved)?;
+                }
+                Ok(())
+            })?)
+        });
+        if let Err(e) = r {
+            tracing::warn!(
+                device = dev,
+                bytes = p.saved,
+                error = %e,
+                "memsaver: could not give NCCL's kernels their stack size back; the driver grows it again at their next launch"
+            );
+        }
+    }
+}
+
+/// The device whose context handles `vh` here: for an import, the device NCCL granted access
+/// to (the owner's device may not even be visible in this process); else its location.
+pub(crate) fn device_of(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>, vh: u64) -> i32 {
+    let p = &reg.physicals[&vh];
+    if p.kind == Kind::Imported
+        && let Some(d) = ranges
+            .get(&vh)
+            .into_iter()
+            .flatten()
+            .flat_map(|(_, _, access)| access.iter())
+            .find(|a| {
+                a.location.type_ == memsaver_allocator::driver::sys::CU_MEM_LOCATION_TYPE_DEVICE
+            })
+    {
+        return d.location.id;
+    }
+    p.device()
+}
+
+/// `vhs` grouped by the device whose context handles them, in handle order.
+fn by_device(
+    reg: &Registry,
+    ranges: &HashMap<u64, Vec<Range>>,
+    vhs: impl IntoIterator<Item = u64>,
+) -> BTreeMap<i32, Vec<u64>> {
+    let mut out = BTreeMap::<i32, Vec<u64>>::new();
+    for vh in vhs {
+        out.entry(device_of(reg, ranges, vh)).or_default().push(vh);
+    }
+    for v in out.values_mut() {
+        v.sort_unstable();
+    }
+    out
+}
+
+/// Resident, mapped handles pause may release: (own device memory, imports).
+fn releasable(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>) -> (Vec<u64>, Vec<u64>) {
+    let (mut own, mut imports) = (Vec::new(), Vec::new());
+    for (vh, p) in &reg.physicals {
+        if p.real().is_none() || p.pausable().is_err() || !ranges.contains_key(vh) {
+            continue;
+        }
+        if p.kind == Kind::Imported {
+            imports.push(*vh)
+        } else {
+            own.push(*vh)
+        }
+    }
+    (own, imports)
+}
+
+/// Released imports to tell their owners about: owner -> the items naming them there.
+pub(crate) type Notices = BTreeMap<u32, Vec<Buffer>>;
+
+/// What resume step 1 restored.
+#[derive(Default)]
+pub(crate) struct Restored {
+    pub(crate) handles: usize,
+    pub(crate) bytes: u64,
+    pub(crate) copied: u64,
+}
+
+/// What pause step 1 did.
+#[derive(Default)]
+pub(crate) struct Released {
+    /// Devices with NCCL memory released.
+    pub(crate) devices: Vec<i32>,
+    pub(crate) allocations: usize,
+    /// Bytes of this process's own memory released.
+    pub(crate) bytes: u64,
+    pub(crate) copied: u64,
+    pub(crate) notices: Notices,
+    /// What of each owner's memory the notices release.
+    pub(crate) released_imports: BTreeMap<u32, Holding>,
+}
+
+/// Unmaps every mapping of `vh` on `dev` and releases its driver handle (the device is idle
+/// and any backup of it complete): `Resident` → `Paused`, `Mapped` → `Released`.
+fn release_one(
+    steps: &Steps<'_>,
+    dev: &Device,
+    reg: &mut Registry,
+    ranges: &HashMap<u64, Vec<Range>>,
+    vh: u64,
+    out: &mut Released,
+) -> Result<()> {
+    let rs = ranges.get(&vh).map_or(&[][..], Vec::as_slice);
+    // SAFETY: NCCL's mappings; the device is idle and the backup complete.
+    unsafe { steps.unmap(dev, &places(rs)) }?;
+    let p = reg
+        .physicals
+        .get_mut(&vh)
+        .expect("releasable handles are known");
+    let generation = p.mapped_generation();
+    let real = p.release()?;
+    steps.release(Handle(real), rs.first().map_or(0, |r| r.0));
+    out.allocations += 1;
+    match (p.source, generation) {
+        (Some(s), Some(g)) => {
+            out.notices.entry(s.owner).or_default().push(s.item(g));
+            out.released_imports.entry(s.owner).or_default().add(p);
+        }
+        _ => out.bytes += p.size,
+    }
+    Ok(())
+}
+
+/// Pause step 1, on the engine's steps: per device, synchronise, queue the backup copy of
+/// each buffer this process owns (its piece: key, policy, the bytes `backup` says), let go
+/// of the imports while the copies run, then release each own buffer once its copy is
+/// done. A buffer that cannot be released stays resident without a backup; the error is
+/// returned after every device is done.
+pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Released> {
+    let mut steps = a.steps(Op::Pause);
+    let mut reg = registry::lock();
+    crate::guard::set_paused(true);
+    let ranges = reg.ranges_by_handle();
+    let (own, imports) = releasable(&reg, &ranges);
+    let own = by_device(&reg, &ranges, own);
+    let imports = by_device(&reg, &ranges, imports);
+    let mut out = Released::default();
+    let devices: std::collections::BTreeSet<i32> =
+        own.keys().chain(imports.keys()).copied().collect();
+    out.devices = devices.iter().copied().collect();
+    let largest_disk = own
+        .values()
+        .flatten()
+        .filter(|_| backup == Backup::Disk)
+        .map(|vh| reg.physicals[vh].size as usize)
+        .max()
+        .unwrap_or(0);
+    steps.expect_disk(largest_disk);
+    let mut first_error = None;
+    for dev in devices {
+        let device = a.device(dev)?;
+        let own = own.get(&dev).map_or(&[][..], Vec::as_slice);
+        let imports = imports.get(&dev).map_or(&[][..], Vec::as_slice);
+        // NCCL's kernels (here) may still use the memory.
+        let mut failed = steps.synchronize(&device).err();
+        // Back up what this process owns (imports are backed up by their owners).
+        let mut pieces: Vec<(u64, Piece)> = Vec::with_capacity(own.len());
+        for vh in own {
+            let p = reg.physicals.get_mut(vh).expect("listed above");
+            let (ptr, size, _) = ranges[vh][0];
+            let len = backup_len(backup, p).min(size) as usize;
+            let mut piece = Piece::new(
+                external_key(*vh),
+                tag(),
+                device.clone(),
+                backup.policy(),
+                ptr,
+                len,
+                p.backup.take(),
+            );
+            if failed.is_none() {
+                failed = steps.copy_out(&mut piece).err();
+            }
+            pieces.push((*vh, piece));
+        }
+        // Imports need no copy: let go of them while the copies run.
+        for vh in imports {
+            if failed.is_none() {
+                failed = release_one(&steps, &device, &mut reg, &ranges, *vh, &mut out).err();
+            }
+        }
+        for (vh, mut piece) in pieces {
+            if failed.is_none() {
+                let r = steps
+                    .copied(&mut piece)
+                    .and_then(|()| release_one(&steps, &device, &mut reg, &ranges, vh, &mut out));
+                match r {
+                    Ok(()) => {
+                        out.copied += piece.backup.as_ref().map_or(0, |_| piece.len as u64);
+                        let p = reg.physicals.get_mut(&vh).expect("listed above");
+                        p.backup_len = piece.len as u64;
+                        p.backup = piece.backup;
+                        continue;
+                    }
+                    Err(e) => failed = Some(e),
+                }
+            }
+            // Stays resident: its copy may still run, and its backup is not a pause's.
+            steps.keep(&mut piece);
+        }
+        if let Some(e) = failed {
+            first_error.get_or_insert(e);
+        }
+    }
+    match first_error {
+        None => Ok(out),
+        Some(e) => {
+            // Nothing released: NCCL's memory is all there, so NCCL may run. Something
+            // released: the tag is paused (a resume restores what was released).
+            if out.allocations == 0 {
+                crate::guard::set_paused(false);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Resume: re-creates and restores this process's own claimed handles `vhs` (all on
+/// `device`) on the engine's steps, with the memory margin, recording them resident once
+/// their contents are back, and counts them into `total`. Backups stay with retention on
+/// and are handed back in `released` with it off. On a failure, those restored before it
+/// stay restored (and counted); the others stay claimed for the caller to unclaim.
+fn restore(
+    a: &'static Allocator,
+    steps: &mut Steps<'_>,
+    reg: &mut Registry,
+    device: i32,
+    vhs: &[u64],
+    total: &mut Restored,
+    released: &mut Vec<HostBackup>,
+) -> Result<()> {
+    let dev = a.device(device)?;
+    let ranges = reg.ranges_by_handle();
+    let mut made: Vec<(u64, Handle, Piece)> = Vec::new();
+    let mut r = Ok(());
+    for vh in vhs {
+        let p = reg.physicals.get_mut(vh).expect("listed by the caller");
+        let rs = ranges.get(vh).map_or(&[][..], Vec::as_slice);
+        let pl = places(rs);
+        let piece = Piece::new(
+            external_key(*vh),
+            tag(),
+            dev.clone(),
+            crate::options::get().nccl_backup.policy(),
+            rs.first().map_or(0, |r| r.0),
+            p.backup_len as usize,
+            p.backup.take(),
+        );
+        let mapped = steps
+            .map_fresh(&dev, Memory::Like(&p.prop), p.size as usize, &pl, TAG)
+            .and_then(|h| match steps.copy_in(&piece) {
+                Ok(()) => Ok(h),
+                Err(e) => {
+                    let _ = steps.finish(&dev);
+                    // SAFETY: mapped just above; the stream was synchronised.
+                    let _ = unsafe { steps.unmap(&dev, &pl) };
+                    steps.release(h, piece.ptr);
+                    Err(e)
+                }
+            });
+        match mapped {
+            Ok(h) => made.push((*vh, h, piece)),
+            Err(e) => {
+                p.backup = piece.backup;
+                r = Err(e);
+                break;
+            }
+        }
+    }
+    // Whatever happened, the queued copies finish before anyone may use the memory.
+    let r = steps.finish(&dev).and(r);
+    for (vh, h, piece) in made {
+        let p = reg.physicals.get_mut(&vh).expect("listed by the caller");
+        p.resumed(h.0)?;
+        total.handles += 1;
+        total.bytes += p.size;
+        if piece.backup.is_some() {
+            total.copied += p.backup_len;
+        }
+        if steps.plan.retain {
+            p.backup = piece.backup;
+        } else {
+            released.extend(piece.backup);
+            p.backup_len = 0;
+        }
+    }
+    match r {
+        Ok(()) => Ok(()),
+        Err(e) if is_out_of_memory(&e) => {
+            let (still_paused, bytes_still_paused) = reg
+                .physicals
+                .values()
+                .filter(|p| p.is_paused_own())
+                .fold((0, 0), |(n, b), p| (n + 1, b + p.size));
+            Err(Error::ResumeOutOfMemory {
+                device,
+                tags: vec![TAG.into()],
+                resumed: total.handles,
+                still_paused,
+                bytes_still_paused,
+                margin: steps.plan.margin,
+            })
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Resume step 1: this process's own memory, exported buffers first. Claims every paused
+/// handle (`Resuming`) first, so that the handles still to restore while the lock is
+/// handed over are marked; what could not be restored goes back to `Paused`.
+pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
+    let mut steps = a.steps(Op::Resume);
+    let plan = {
+        let mut reg = registry::lock();
+        let ranges = reg.ranges_by_handle();
+        let claimed: Vec<u64> = reg
+            .physicals
+            .iter_mut()
+            .filter_map(|(vh, p)| p.claim().ok().map(|()| *vh))
+            .collect();
+        let largest_disk = claimed
+            .iter()
+            .filter_map(|vh| reg.physicals[vh].backup.as_ref())
+            .filter(|b| b.kind() == memsaver_allocator::BackupKind::Disk)
+            .map(|b| b.len())
+            .max()
+            .unwrap_or(0);
+        steps.expect_disk(largest_disk);
+        let exported = |want: bool| {
+            claimed
+                .iter()
+                .copied()
+                .filter(|vh| reg.physicals[vh].exported == want)
+                .collect::<Vec<_>>()
+        };
+        [
+            by_device(&reg, &ranges, exported(true)),
+            by_device(&reg, &ranges, exported(false)),
+        ]
+    };
+    let mut total = Restored::default();
+    let mut released = Vec::new();
+    // The exported buffers in one go; then the private ones in batches, handing the lock
+    // over between batches (fairly, to a waiting thread first), so that peers' requests
+    // for the exported buffers are answered while the private ones are restored.
+    let [exported, private] = plan;
+    let private = private.into_iter().flat_map(|(dev, vhs)| {
+        vhs.chunks(RESTORE_BATCH)
+            .map(|c| (dev, c.to_vec()))
+            .collect::<Vec<_>>()
+    });
+    let mut r = Ok(());
+    for (device, vhs) in exported.into_iter().chain(private) {
+        let mut reg = registry::lock();
+        // NCCL may have freed some meanwhile.
+        let vhs: Vec<u64> = vhs
+            .into_iter()
+            .filter(|vh| {
+                reg.physicals
+                    .get(vh)
+                    .is_some_and(|p| p.state() == registry::State::Resuming)
+            })
+            .collect();
+        r = restore(
+            a,
+            &mut steps,
+            &mut reg,
+            device,
+            &vhs,
+            &mut total,
+            &mut released,
+        );
+        parking_lot::MappedMutexGuard::unlock_fair(reg);
+        if r.is_err() {
+            break;
+        }
+    }
+    let mut reg = registry::lock();
+    for p in reg.physicals.values_mut() {
+        let _ = p.unclaim();
+    }
+    drop(reg);
+    // Backups retention no longer keeps (outside the lock: freeing pinned memory is a
+    // driver call).
+    drop(released);
+    r.map(|()| total)
+}
+
+/// What this process holds of a peer's memory, or a peer of this process's: for messages.
+#[derive(Default)]
+pub(crate) struct Holding {
+    pub(crate) buffers: usize,
+    pub(crate) bytes: u64,
+    pub(crate) devices: std::collections::BTreeSet<i32>,
+}
+
+impl Holding {
+    pub(crate) fn add(&mut self, p: &registry::Physical) {
+        self.buffers += 1;
+        self.bytes += p.size;
+        self.devices.insert(p.device());
+    }
+}
+
+impl std::fmt::Display for Holding {
+    /// `2 buffers (8 MiB) on device 0`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (n, s) = (self.buffers, if self.buffers == 1 { "" } else { "s" });
+        let bytes = if self.bytes.is_multiple_of(1 << 20) {
+            format!("{} MiB", self.bytes >> 20)
+        } else {
+            format!("{} bytes", self.bytes)
+        };
+        let devs: Vec<String> = self.devices.iter().map(i32::to_string).collect();
+        let d = if devs.len() == 1 { "device" } else { "devices" };
+        write!(f, "{n} buffer{s} ({bytes}) on {d} {}", devs.join(", "))
+    }
+}
