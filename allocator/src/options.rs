@@ -48,7 +48,9 @@ use std::path::PathBuf;
 
 use crate::types::Policy;
 use declare::parse_bool;
-pub use declare::{Env, FromKind, Kind, Layer, Lookup, OptionDoc, Reader, check_messages};
+pub use declare::{
+    Env, FromKind, Kind, Layer, Lookup, OptionDoc, Reader, check_messages, lookup_in,
+};
 #[doc(hidden)]
 pub use declare::{Value, convert, convert_unset, doc_line};
 
@@ -237,18 +239,11 @@ fn process_backup(env: &mut Env<'_>) -> Option<Policy> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
 
-    fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
-        let m: HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |n| m.get(n).cloned()
-    }
+    use crate::options::lookup_in as lookup;
 
     fn opts(vars: &[(&str, &str)]) -> Options {
-        Options::from_lookup(lookup(vars))
+        Options::from_vars(vars)
     }
 
     /// The one error of `vars`.

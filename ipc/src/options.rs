@@ -61,18 +61,9 @@ fn default_runtime_dir(env: &Env<'_>) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
-
-    fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
-        let m: HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |n| m.get(n).cloned()
-    }
 
     fn opts(vars: &[(&str, &str)]) -> Options {
-        Options::from_lookup(lookup(vars))
+        Options::from_vars(vars)
     }
 
     /// The one error of `vars`.

@@ -136,16 +136,9 @@ pub fn markdown() -> String {
 mod tests {
     use super::*;
     use memsaver_allocator::options::{Kind, Reader};
-    use std::collections::HashMap;
     use std::path::{Path, PathBuf};
 
-    fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
-        let m: HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |n| m.get(n).cloned()
-    }
+    use memsaver_allocator::options::lookup_in as lookup;
 
     #[test]
     fn every_typed_default_is_a_value_its_kind_accepts() {

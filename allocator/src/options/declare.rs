@@ -190,6 +190,12 @@ macro_rules! declare_options {
                 o
             }
 
+            /// The options of an environment made of `vars` (tests, tools).
+            #[allow(dead_code)]
+            pub fn from_vars(vars: &[(&str, &str)]) -> Self {
+                Self::from_lookup($crate::options::lookup_in(vars))
+            }
+
             /// Reads every entry with a field, then runs `finish`; the messages stay in `env`.
             #[allow(unused_variables)]
             fn read(env: &mut $crate::options::Env<'_>) -> Self {
@@ -642,8 +648,17 @@ pub(super) fn parse_bool(v: &str) -> Option<bool> {
     }
 }
 
+/// An environment made of `vars` (name, value), for `from_lookup`, `validate` and tests.
+pub fn lookup_in(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
+    let m: std::collections::HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    move |n| m.get(n).cloned()
+}
+
 /// The error of the first operation while options are invalid: every message of `errors`
-/// (those of one list, or of several: `memsaver_nccl_hook::options::check`).
+/// (those of one list, or of several: `memsaver_allocator::check_options`).
 pub fn check_messages<'a>(errors: impl IntoIterator<Item = &'a String>) -> Result<()> {
     let errors: Vec<&str> = errors.into_iter().map(String::as_str).collect();
     if errors.is_empty() {
@@ -687,15 +702,8 @@ impl Layer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
 
-    fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
-        let m: HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |n| m.get(n).cloned()
-    }
+    use crate::options::lookup_in as lookup;
 
     /// The macro itself, on a list of every kind.
     mod declared {
