@@ -38,7 +38,7 @@ mod table;
 
 use std::sync::{Arc, Once, OnceLock};
 
-pub use allocator::{Allocator, validate_tag};
+pub use allocator::{AllocationInfo, Allocator, validate_tag};
 pub use backup::{Backup, BackupKind};
 pub use device::Device;
 pub use disk::{BackupFile, DiskBackups, disk_backups};
