@@ -145,7 +145,10 @@ def pause(*tags: str, backup: Policy | None = None) -> None:
         # Kernels queued on torch's streams may still use the memory.
         torch.cuda.synchronize()
     with timeline.span("pause", "pause " + (", ".join(names) or "all"), names):
-        _memsaver.pause(names, backup)
+        if backup is None:
+            _memsaver.pause(names)
+        else:
+            _memsaver.pause(names, backup)
 
 
 def discard(*tags: str) -> None:
@@ -177,7 +180,10 @@ def resume(*tags: str, keep_backups: bool | None = None) -> None:
         raise TypeError(f"memsaver.resume(keep_backups=...) takes a bool or None, got {keep_backups!r}")
     _core.ensure_loaded()
     with timeline.span("resume", "resume " + (", ".join(names) or "all"), names):
-        _memsaver.resume(names, keep_backups)
+        if keep_backups is None:
+            _memsaver.resume(names)
+        else:
+            _memsaver.resume(names, keep_backups)
 
 
 def allocations(*tags: str) -> list[Allocation]:
