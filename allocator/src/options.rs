@@ -4,7 +4,7 @@
 //! (`make options-doc`, which runs `memsaver options --markdown`); a test fails when it drifts.
 //!
 //! Every read of a `MEMSAVER_*` variable (or an alias) in Rust goes through [`Options`], read
-//! once per process by [`get`]. The Python package reads its own three (`Reader::Python`) and
+//! once per process by [`get`]. The Python package reads its own (`Reader::Python`) and
 //! they are listed here all the same; a test checks that every `MEMSAVER_*` name in the Python
 //! package and the Rust sources is in the table.
 //!
@@ -114,6 +114,14 @@ pub const TIMELINE: OptionDoc = OptionDoc {
     default: "(none)",
     reader: Reader::Python,
     doc: "record pause/resume events (memsaver.timeline) and write them to this JSON file, {pid} replaced by the process id, at exit and on timeline.save(); `python -m memsaver timeline` charts them",
+};
+pub const VLLM: OptionDoc = OptionDoc {
+    env: "MEMSAVER_VLLM",
+    aliases: &[],
+    kind: Kind::Bool,
+    default: "0",
+    reader: Reader::Python,
+    doc: "1 makes the vLLM plugin (memsaver.vllm, a vllm.general_plugins entry point of the wheel) put vLLM's sleep-mode allocator on memsaver in every vLLM process that sees it; `--sleep-mode-backend memsaver` sets it for the engine's processes (docs/integrations.md)",
 };
 pub const GROUP: OptionDoc = OptionDoc {
     env: "MEMSAVER_GROUP",
@@ -274,6 +282,7 @@ pub const OPTIONS: &[OptionDoc] = &[
     HOOK_MODE,
     TORCH_MEMORY_SAVER,
     TIMELINE,
+    VLLM,
     GROUP,
     NCCL_TIMEOUT_MS,
     NCCL_BACKUP,
