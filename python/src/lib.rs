@@ -79,9 +79,16 @@ fn pause(py: Python<'_>, tags: Vec<String>, backup: Option<&str>) -> PyResult<()
     let b = backup.map(|b| cstr(b, "backup")).transpose()?;
     let p = list_ptr(&t) as usize;
     let bp = b.as_ref().map_or(std::ptr::null(), |b| b.as_ptr()) as usize;
-    // SAFETY: NULL or NUL-terminated strings that outlive the call.
-    let code = py.detach(|| unsafe {
-        (l.memsaver_pause_with_backup)(p as *const c_char, bp as *const c_char)
+    let code = py.detach(|| {
+        let (p, bp) = (p as *const c_char, bp as *const c_char);
+        // SAFETY: NULL or NUL-terminated strings that outlive the call.
+        unsafe {
+            if bp.is_null() {
+                (l.memsaver_pause)(p)
+            } else {
+                (l.memsaver_pause_with_backup)(p, bp)
+            }
+        }
     });
     check(l, code)
 }
@@ -104,9 +111,16 @@ fn discard(py: Python<'_>, tags: Vec<String>) -> PyResult<()> {
 fn resume(py: Python<'_>, tags: Vec<String>, keep_backups: Option<bool>) -> PyResult<()> {
     let (l, t) = (lib()?, tag_list(tags)?);
     let p = list_ptr(&t) as usize;
-    let keep: c_int = keep_backups.map_or(-1, c_int::from);
-    // SAFETY: NULL or a NUL-terminated string that outlives the call.
-    let code = py.detach(|| unsafe { (l.memsaver_resume_keep_backups)(p as *const c_char, keep) });
+    let code = py.detach(|| {
+        let p = p as *const c_char;
+        // SAFETY: NULL or a NUL-terminated string that outlives the call.
+        unsafe {
+            match keep_backups {
+                None => (l.memsaver_resume)(p),
+                Some(keep) => (l.memsaver_resume_keep_backups)(p, c_int::from(keep)),
+            }
+        }
+    });
     check(l, code)
 }
 
