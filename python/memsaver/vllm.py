@@ -36,6 +36,7 @@ import contextlib
 import gc
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -398,9 +399,11 @@ def _opt_in_by_backend_name() -> None:
     configuration) so that a configuration naming the backend ``memsaver`` sets
     ``MEMSAVER_VLLM=1`` for this process and the engine and worker processes it starts, and
     installs the allocator here."""
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-    except ImportError:  # a process without the engine's front end: nothing to see
+    # vLLM loads plugins there from EngineArgs itself: a process that has not imported it
+    # builds no configuration (a worker), and importing it would cost every such process.
+    front = sys.modules.get("vllm.engine.arg_utils")
+    EngineArgs = getattr(front, "EngineArgs", None)
+    if EngineArgs is None:
         return
     create = EngineArgs.create_engine_config
     if getattr(create, "_memsaver_wrapped", False):
