@@ -150,6 +150,9 @@ def main() -> int:
                 failed.append(name)
     if failed:
         print(f"vllm_allocator: failed: {', '.join(failed)}")
+    if args.collect_only:
+        print(f"{len(args.tests) - len(failed)} collected, {len(failed)} failed to collect (nothing ran)")
+        return 1 if failed else 0
     print(f"{len(args.tests) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
 
