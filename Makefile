@@ -9,7 +9,7 @@ export MEMSAVER_BUNDLE_FROM := $(CURDIR)/target/release
 FAKE_DIR := target/fake-cuda
 FAKE_LIB := $(FAKE_DIR)/libcuda.so.1
 
-.PHONY: all build fake-cuda python demo test test-rust test-python test-ray test-install lint lint-rust lint-python fmt abi options-doc gpu-dist clean
+.PHONY: all build fake-cuda python demo test test-rust test-python test-ray test-vllm test-install lint lint-rust lint-python fmt abi options-doc gpu-dist gpu-vllm clean
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -58,7 +58,7 @@ demo: build fake-cuda python
 # this machine (not root, no compiler, no Chromium) says so (Rust: a "SKIPPED <test>: <why>"
 # line; pytest: its skip summary); MEMSAVER_REQUIRE_ALL_TESTS=1, set by CI, makes each such
 # skip a failure.
-test: fake-cuda test-rust test-python test-ray
+test: fake-cuda test-rust test-python test-ray test-vllm
 
 # The NCCL-hook scenarios preload target/release/libmemsaver.so, which `cargo test` alone does
 # not link: build it first.
@@ -90,6 +90,63 @@ test-ray: fake-cuda python $(RAY)
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state RAY_USAGE_STATS_ENABLED=0 \
 	timeout 300 $(PY) -m pytest tests/ray -q -p no:cacheprovider
 
+# vLLM 0.33.0's sleep mode on memsaver's plugin (memsaver.vllm), on CPU and the fake driver.
+# vLLM is installed without its dependencies into a virtual environment of its own
+# ($(VLLM_VENV)), with only what its allocator and sleep-mode modules import: torch (PyPI's
+# wheel, with its CUDA libraries: about 5.4 GB, 75 s here; CPU-only wheels are not on PyPI),
+# numpy, packaging, psutil and regex. vLLM's sources at the tag come from its sdist (the
+# build tools listed let pip read its metadata), unpacked into $(VLLM_SRC), never into the
+# repository: its CPU test of sleep-mode backends runs with the plugin loaded, and `make
+# gpu-vllm` takes its allocator tests from there. An install or download that fails fails the
+# target: nothing is skipped for want of vLLM.
+VLLM_VERSION := 0.33.0
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.vllm-$(VLLM_VERSION)
+VLLM_SRC := target/vllm-$(VLLM_VERSION)
+VLLM_DEPS := pytest "torch==2.14.0" numpy packaging psutil regex
+VLLM_BUILD_TOOLS := setuptools wheel "setuptools-scm>=8" setuptools-rust
+# vLLM's tests that the CPU run takes (with the __init__.py files of their packages).
+VLLM_TESTS := tests/__init__.py tests/v1/__init__.py tests/v1/worker/__init__.py \
+	tests/v1/worker/test_sleep_mode_backend.py tests/basic_correctness/__init__.py \
+	tests/basic_correctness/memory/__init__.py tests/basic_correctness/memory/cumem/__init__.py \
+	tests/basic_correctness/memory/cumem/test_cumem.py
+
+$(VLLM_STAMP):
+	rm -rf $(VLLM_VENV)
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(VLLM_DEPS) $(VLLM_BUILD_TOOLS)
+	$(VLLM_PY) -m pip install -q --no-deps "vllm==$(VLLM_VERSION)"
+	touch $@
+
+$(VLLM_SRC)/.stamp: $(VLLM_STAMP)
+	rm -rf $(VLLM_SRC) && mkdir -p $(VLLM_SRC)
+	VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1 $(VLLM_PY) -m pip download -q \
+		--no-deps --no-binary :all: --no-build-isolation "vllm==$(VLLM_VERSION)" -d $(VLLM_SRC)
+	tar -xzf $(VLLM_SRC)/vllm-$(VLLM_VERSION).tar.gz -C $(VLLM_SRC) --strip-components=1 \
+		$(addprefix vllm-$(VLLM_VERSION)/,$(VLLM_TESTS))
+	rm $(VLLM_SRC)/vllm-$(VLLM_VERSION).tar.gz
+	touch $@
+
+# Our tests of the plugin against vLLM's modules (tests/vllm), then vLLM's own CPU test of
+# sleep-mode backends with the plugin loaded and opted in. Its worker test
+# (test_worker_drives_communicator_suspension) builds vLLM's GPU worker, which imports the
+# whole engine (transformers, pydantic, ...), none of which the plugin touches: deselected.
+# The fake driver is on LD_LIBRARY_PATH because vLLM's cumem module loads its extension,
+# which links libcuda.so.1. VLLM_PLUGINS=memsaver: vLLM's own LoRA resolver plugins import
+# modules of the engine (msgspec, ...) that this environment leaves out.
+test-vllm: fake-cuda python $(VLLM_STAMP) $(VLLM_SRC)/.stamp
+	$(VLLM_PY) -m pip install -q --force-reinstall --no-deps target/wheels/memsaver-*.whl
+	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
+	trap 'rm -rf "$$state"' EXIT; \
+	export MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state \
+		LD_LIBRARY_PATH=$(CURDIR)/$(FAKE_DIR) VLLM_PLUGINS=memsaver; \
+	$(VLLM_PY) -m pytest tests/vllm -q -rfEs -p no:cacheprovider && \
+	cd $(VLLM_SRC) && MEMSAVER_VLLM=1 PYTHONPATH=$(CURDIR)/tests/vllm $(CURDIR)/$(VLLM_PY) -m pytest \
+		-q -rfEs -p no:cacheprovider -p load_vllm_plugins tests/v1/worker/test_sleep_mode_backend.py \
+		--deselect tests/v1/worker/test_sleep_mode_backend.py::test_worker_drives_communicator_suspension
+
 # The standard install from a clean clone of HEAD into a new virtual environment
 # (`pip install ./python`), then the installed command and package on the bundled fake driver.
 test-install:
@@ -110,7 +167,7 @@ $(LINT_TOOLS): | $(PY)
 	touch $@
 
 lint-python: $(LINT_TOOLS) python
-	$(VENV)/bin/ruff check python/memsaver tests/python tests/ray tests/gpu bench
+	$(VENV)/bin/ruff check python/memsaver tests/python tests/ray tests/vllm tests/gpu bench
 	$(VENV)/bin/mypy --config-file python/pyproject.toml python/memsaver
 	cd /tmp && $(CURDIR)/$(PY) -m mypy.stubtest memsaver \
 		--mypy-config-file $(CURDIR)/python/pyproject.toml \
@@ -138,6 +195,25 @@ gpu-dist: build fake-cuda python
 	cp target/release/libmemsaver.so target/wheels/memsaver-*.whl .dist/
 	cp -r tests/gpu .dist/
 
+# What tests/gpu/vllm_allocator.py needs on a GPU machine that has torch but not vLLM and no
+# network, under .dist/vllm (carry .dist): vLLM's Python files from the wheel installed for
+# test-vllm (its .py, .json, .yaml and .jinja files; no compiled extension, no C++ headers:
+# about 11 MB), vLLM's test files at the tag, and the pure-Python packages its modules import
+# that such a machine may lack (VLLM_GPU_WHEELS, for CPython 3.12; the script uses one only
+# where the machine has no such module: torch's and transformers' machines have them all).
+VLLM_GPU_WHEELS := psutil regex
+gpu-vllm: gpu-dist $(VLLM_STAMP) $(VLLM_SRC)/.stamp
+	rm -rf .dist/vllm && mkdir -p .dist/vllm/wheels
+	site=$$($(VLLM_PY) -c "import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))"); \
+	cd $$site && find vllm \( -name '*.py' -o -name '*.json' -o -name '*.yaml' -o -name '*.jinja' \
+		-o -name py.typed \) ! -path '*__pycache__*' ! -path 'vllm/third_party/*/include/*' \
+		| tar -czf $(CURDIR)/.dist/vllm/vllm-py.tar.gz -T -
+	tar -czf .dist/vllm/vllm-tests.tar.gz -C $(VLLM_SRC) tests
+	$(VLLM_PY) -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+		-d .dist/vllm/wheels $(VLLM_GPU_WHEELS)
+	du -sh .dist
+
 clean:
 	$(CARGO) clean
-	rm -rf .dist $(VENV) python/memsaver/libmemsaver.so python/memsaver/_fake
+	rm -rf .dist $(VENV) $(VLLM_VENV) python/memsaver/libmemsaver.so python/memsaver/_fake

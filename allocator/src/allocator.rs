@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 
-use crate::backup::{Backup, HostBuffer};
+use crate::backup::{Backup, BackupKind, HostBuffer};
 use crate::device::Device;
 use crate::driver::{Driver, Handle};
 use crate::error::{Error, Result};
@@ -17,6 +17,24 @@ use crate::private_dir::Dir;
 use crate::stats::Stats;
 use crate::table::{Allocation, Backing, Phase, Run, Table};
 use crate::types::{Policy, State};
+
+/// One allocation, as [`Allocator::allocations`] lists it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct AllocationInfo {
+    /// Its device address, which never changes.
+    pub ptr: u64,
+    /// Bytes reserved (and mapped while resident): the request rounded up to the granularity.
+    pub size: usize,
+    pub device: i32,
+    pub tag: String,
+    /// The policy it was allocated with (a pause may have chosen another).
+    pub policy: Policy,
+    pub state: State,
+    /// The kind of backup it holds now, if any (a paused allocation without one resumes with
+    /// arbitrary bytes).
+    pub backup: Option<BackupKind>,
+    pub backup_bytes: u64,
+}
 
 /// One tag-based VMM allocator. A process normally has exactly one, started by
 /// [`crate::start_global`]; tests may build more over the same driver.
@@ -56,6 +74,9 @@ pub struct Allocator {
 /// ([`Allocator::set_retain_backups`], ...).
 struct Settings {
     retain_backups: bool,
+    /// The keep-backups choice of the resume in progress (`Allocator::resume_keep_backups`),
+    /// which wins over `retain_backups` for its steps; `None` outside such a resume.
+    transition_keep_backups: Option<bool>,
     merge_limit: usize,
     memory_margin: u64,
     disk_dir: Option<PathBuf>,
@@ -81,6 +102,7 @@ impl Allocator {
             external: RwLock::new(BTreeMap::new()),
             settings: Mutex::new(Settings {
                 retain_backups: opts.retain_backups,
+                transition_keep_backups: None,
                 merge_limit: opts.merge_limit,
                 memory_margin: opts.memory_margin,
                 disk_dir: opts.disk_dir.clone(),
@@ -102,6 +124,18 @@ impl Allocator {
     pub fn set_retain_backups(&self, on: bool) {
         self.settings.lock().retain_backups = on;
         tracing::info!(retain = on, "backup retention set");
+    }
+
+    /// Whether the steps of the resume in progress keep backups: its caller's choice, else the
+    /// retention setting.
+    pub(crate) fn resume_keeps_backups(&self) -> bool {
+        let s = self.settings.lock();
+        s.transition_keep_backups.unwrap_or(s.retain_backups)
+    }
+
+    /// Sets the keep-backups choice of the transition in progress (see `engine::KeepBackups`).
+    pub(crate) fn set_transition_keep_backups(&self, keep: Option<bool>) {
+        self.settings.lock().transition_keep_backups = keep;
     }
 
     /// The most host memory the allocator prepares ahead of first pauses, in bytes (see
@@ -538,6 +572,50 @@ impl Allocator {
             s.add_external(name, ext.paused(), ext.usage());
         }
         s
+    }
+
+    /// The allocations of `tags` (every tag when empty), by address: what a framework that
+    /// keeps its own per-allocation view (vLLM's `pointer_to_data`) reads. An unknown tag is
+    /// [`Error::UnknownTag`]; an external tag (`nccl`) is not made of allocations
+    /// ([`Error::InvalidArgument`]: its figures are in [`Allocator::stats`]).
+    pub fn allocations(&self, tags: &[&str]) -> Result<Vec<AllocationInfo>> {
+        // Read before the table lock (lock order: `external`, then `table`).
+        let external: Vec<String> = self.external.read().keys().cloned().collect();
+        for tag in tags {
+            validate_tag(tag)?;
+            if external.iter().any(|e| e == tag) {
+                return Err(Error::InvalidArgument(format!(
+                    "tag '{tag}' is memsaver's own and has no allocations to list; its figures \
+                     are in the stats"
+                )));
+            }
+        }
+        let t = self.table.lock();
+        for tag in tags {
+            if !t.tags.contains_key(*tag) {
+                let mut known = t.known_tags();
+                known.extend(external);
+                known.sort();
+                return Err(Error::UnknownTag {
+                    tag: (*tag).to_owned(),
+                    known,
+                });
+            }
+        }
+        Ok(t.allocations
+            .iter()
+            .filter(|(_, a)| tags.is_empty() || tags.contains(&&*a.tag))
+            .map(|(&ptr, a)| AllocationInfo {
+                ptr,
+                size: a.size,
+                device: a.device.ordinal,
+                tag: a.tag.to_string(),
+                policy: a.policy,
+                state: a.phase.state(),
+                backup: a.backup.as_ref().map(Backup::kind),
+                backup_bytes: a.backup.as_ref().map_or(0, |b| b.len() as u64),
+            })
+            .collect())
     }
 
     /// Free and total bytes of `device` as the driver reports them.

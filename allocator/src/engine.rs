@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::allocator::Allocator;
-use crate::backup::Backup;
+use crate::backup::{Backup, BackupKind};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::external::ExternalTag;
@@ -75,12 +75,53 @@ impl Job {
     }
 }
 
+/// What the caller of one transition chose instead of the allocations' own policies and the
+/// retention setting.
+#[derive(Clone, Copy, Debug, Default)]
+struct Choice {
+    /// Pause: the policy every allocation it pauses is paused with (`None`: each its own).
+    backup: Option<Policy>,
+    /// Pause: also release the backups of allocations already paused (a discard).
+    discard: bool,
+    /// Resume: keep the backups of what resumed (`None`: the retention setting).
+    keep_backups: Option<bool>,
+}
+
 impl Allocator {
     /// Pauses every allocation of `tags` (all tags when empty): backs up the contents of `cpu`,
     /// `mmap` and `disk` allocations, then unmaps and releases the physical memory. Addresses stay
     /// reserved. New allocations with these tags are refused until they are resumed.
     pub fn pause(&self, tags: &[&str]) -> Result<Report> {
-        self.transition(Op::Pause, tags)
+        self.transition(Op::Pause, tags, Choice::default())
+    }
+
+    /// [`Allocator::pause`] with the backup policy chosen now: every allocation this call pauses
+    /// is paused as if `backup` were its policy (`None`: its own). The contents of one paused
+    /// with `Discard` are dropped, and so is a backup it kept from an earlier cycle; one paused
+    /// with a keeping policy gets a backup of that kind, and its resume restores it. Allocations
+    /// already paused keep what their pause did. The choice applies to the tags of
+    /// allocations: naming an external tag (`nccl`, whose backups follow its own option) with a
+    /// policy is `InvalidArgument`; with no tag named, external tags pause as always.
+    pub fn pause_with_backup(&self, tags: &[&str], backup: Option<Policy>) -> Result<Report> {
+        let choice = Choice {
+            backup,
+            ..Choice::default()
+        };
+        self.transition(Op::Pause, tags, choice)
+    }
+
+    /// Drops the contents of every allocation of `tags` (every tag of allocations when empty)
+    /// and their backups: resident allocations are paused without a copy, paused ones lose
+    /// their backup, so that the next resume maps memory holding arbitrary bytes. Afterwards
+    /// the tags are paused, as after a pause. External tags (`nccl`) cannot be discarded:
+    /// naming one is `InvalidArgument`, and no tag named leaves them alone.
+    pub fn discard(&self, tags: &[&str]) -> Result<Report> {
+        let choice = Choice {
+            backup: Some(Policy::Discard),
+            discard: true,
+            ..Choice::default()
+        };
+        self.transition(Op::Pause, tags, choice)
     }
 
     /// Resumes every paused allocation of `tags` (all tags when empty) at its old address,
@@ -88,17 +129,47 @@ impl Allocator {
     /// [`Error::ResumeOutOfMemory`]; what was resumed stays resident, the rest stays paused with
     /// its backup, and calling resume again after freeing memory finishes the job.
     pub fn resume(&self, tags: &[&str]) -> Result<Report> {
-        self.transition(Op::Resume, tags)
+        self.transition(Op::Resume, tags, Choice::default())
     }
 
-    fn transition(&self, op: Op, names: &[&str]) -> Result<Report> {
+    /// [`Allocator::resume`] that keeps (`Some(true)`) or releases (`Some(false)`) the backups
+    /// of what it resumes, whatever the retention setting says (`None`: as it says); external
+    /// tags named (`nccl`) follow the same choice. Releasing also drops the backups retained by
+    /// resident allocations of the tags, as a resume with retention off does.
+    pub fn resume_keep_backups(&self, tags: &[&str], keep: Option<bool>) -> Result<Report> {
+        let choice = Choice {
+            keep_backups: keep,
+            ..Choice::default()
+        };
+        self.transition(Op::Resume, tags, choice)
+    }
+
+    fn transition(&self, op: Op, names: &[&str], choice: Choice) -> Result<Report> {
         let _one_at_a_time = self.transition.lock();
         let start = Instant::now();
-        let (table_names, externals) = self.split_external(names)?;
+        let (table_names, mut externals) = self.split_external(names)?;
+        if choice.backup.is_some() && !externals.is_empty() {
+            if !names.is_empty() {
+                let what = if choice.discard {
+                    "cannot be discarded"
+                } else {
+                    "cannot be paused with a backup policy chosen at pause time"
+                };
+                return Err(Error::InvalidArgument(format!(
+                    "tag '{}' {what}: memsaver keeps its contents as its own option says                      (MEMSAVER_NCCL_BACKUP for 'nccl'); pause it in a call of its own, without                      a backup policy",
+                    externals[0].0
+                )));
+            }
+            if choice.discard {
+                externals.clear();
+            }
+        }
+        // Steps made during this call (the external tags' too) read it, through the settings.
+        let _keep = KeepBackups::choose(self, choice.keep_backups);
         let mut report = Report::default();
         let mut first_error = None;
         if names.is_empty() || !table_names.is_empty() {
-            match self.table_transition(op, &table_names) {
+            match self.table_transition(op, &table_names, choice) {
                 Ok(r) => report.merge(r),
                 Err(e) => first_error = Some(e),
             }
@@ -168,9 +239,9 @@ impl Allocator {
     }
 
     /// Pause or resume of tags in the allocation table (all of them when `names` is empty).
-    fn table_transition(&self, op: Op, names: &[&str]) -> Result<Report> {
+    fn table_transition(&self, op: Op, names: &[&str], choice: Choice) -> Result<Report> {
         let mut steps = self.steps(op);
-        let (tags, mut jobs, mut runs, released) = self.claim(op, names, &steps.plan)?;
+        let (tags, mut jobs, mut runs, released) = self.claim(op, names, &steps.plan, choice)?;
         // Backups of resident allocations that retention no longer keeps (outside the lock:
         // freeing pinned memory is a driver call).
         drop(released);
@@ -205,14 +276,21 @@ impl Allocator {
     /// Claims the allocations of `names` (see the module documentation). A pause of disk-backed
     /// allocations without a usable disk directory is refused here, before anything changes.
     /// Also returns the runs of the claimed allocations (a pause takes them out of the table),
-    /// and the backups of resident allocations that a resume with retention off releases, for
-    /// the caller to drop outside the lock.
+    /// and the backups that this call releases, for the caller to drop outside the lock: those
+    /// of resident allocations that a resume without retention releases, those of allocations
+    /// paused with `discard` (an older cycle's copy must not be restored), and, for a discard,
+    /// those of allocations already paused.
+    ///
+    /// A pause copies each allocation as its policy says, or as the caller chose
+    /// ([`Choice::backup`]). A resume restores an allocation exactly when it has a backup, of
+    /// whichever kind its pause made: that is what the pause chose.
     #[allow(clippy::type_complexity)]
     fn claim(
         &self,
         op: Op,
         names: &[&str],
         plan: &Plan,
+        choice: Choice,
     ) -> Result<(Vec<Arc<str>>, Vec<Job>, Runs, Vec<Backup>)> {
         let mut t = self.table.lock();
         let tags = resolve(&t, names)?;
@@ -223,10 +301,11 @@ impl Allocator {
                     (Op::Pause, Phase::Resident(_)) | (Op::Resume, Phase::Paused)
                 )
         };
+        let paused_with = |a: &Allocation| choice.backup.unwrap_or(a.policy);
         let disk = t
             .allocations
             .values()
-            .any(|a| claims(a) && a.policy == Policy::Disk);
+            .any(|a| claims(a) && paused_with(a) == Policy::Disk);
         if disk
             && op == Op::Pause
             && let Err(e) = &plan.disk_dir
@@ -250,9 +329,23 @@ impl Allocator {
             if !tags.contains(&a.tag) {
                 continue;
             }
+            let policy = match op {
+                Op::Pause => paused_with(a),
+                Op::Resume => a
+                    .backup
+                    .as_ref()
+                    .map_or(Policy::Discard, |b| match b.kind() {
+                        BackupKind::Pinned => Policy::Cpu,
+                        BackupKind::Mmap => Policy::Mmap,
+                        BackupKind::Disk => Policy::Disk,
+                    }),
+            };
             let backing = match (op, &a.phase) {
                 (Op::Pause, Phase::Resident(b)) => {
                     let b = *b;
+                    if !policy.keeps_contents() {
+                        released.extend(a.backup.take());
+                    }
                     if let Backing::Run(base) = b
                         && !runs.contains_key(&base)
                     {
@@ -272,6 +365,10 @@ impl Allocator {
                     released.extend(a.backup.take());
                     continue;
                 }
+                (Op::Pause, Phase::Paused) if choice.discard => {
+                    released.extend(a.backup.take());
+                    continue;
+                }
                 _ => continue,
             };
             jobs.push(Job {
@@ -279,7 +376,7 @@ impl Allocator {
                     a.id,
                     a.tag.clone(),
                     a.device.clone(),
-                    a.policy,
+                    policy,
                     ptr,
                     a.size,
                     a.backup.take(),
@@ -622,6 +719,24 @@ impl Allocator {
             });
         }
         Ok(())
+    }
+}
+
+/// The keep-backups choice of the transition in progress, put in the settings for as long as
+/// it runs so that every step it makes (an external tag's too, through [`Allocator::steps`])
+/// reads it; taken out again when dropped, whatever happened.
+struct KeepBackups<'a>(&'a Allocator);
+
+impl<'a> KeepBackups<'a> {
+    fn choose(a: &'a Allocator, keep: Option<bool>) -> Self {
+        a.set_transition_keep_backups(keep);
+        Self(a)
+    }
+}
+
+impl Drop for KeepBackups<'_> {
+    fn drop(&mut self) {
+        self.0.set_transition_keep_backups(None);
     }
 }
 

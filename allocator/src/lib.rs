@@ -40,7 +40,7 @@ mod start;
 pub mod steps;
 mod table;
 
-pub use allocator::{Allocator, validate_tag};
+pub use allocator::{AllocationInfo, Allocator, validate_tag};
 pub use backup::{Backup, BackupKind};
 pub use device::Device;
 pub use disk::{BackupFile, DiskBackups, disk_backups};

@@ -20,7 +20,7 @@
 use std::sync::Arc;
 
 use crate::allocator::Allocator;
-use crate::backup::{Backup, HostBuffer};
+use crate::backup::{Backup, BackupKind, HostBuffer};
 use crate::device::Device;
 use crate::disk::DiskFile;
 use crate::driver::sys::{CUmemAccessDesc, CUmemAllocationProp};
@@ -159,7 +159,7 @@ impl Allocator {
                 disk_chunk: self.disk_chunk(),
             },
             Op::Resume => Plan {
-                retain: self.retain_backups(),
+                retain: self.resume_keeps_backups(),
                 margin: self.memory_margin(),
                 merge_limit: self.merge_limit(),
                 disk_dir: Err(Error::InvalidArgument(
@@ -202,7 +202,17 @@ impl Steps<'_> {
         if p.policy == Policy::Disk {
             return self.write_disk(p);
         }
-        if p.backup.as_ref().is_none_or(|b| b.len() < p.len) {
+        // A backup of another kind (the pause chose another policy than the last one) or too
+        // small is replaced.
+        let kind = if p.policy == Policy::Mmap {
+            BackupKind::Mmap
+        } else {
+            BackupKind::Pinned
+        };
+        if p.backup
+            .as_ref()
+            .is_none_or(|b| b.len() < p.len || b.kind() != kind)
+        {
             p.backup = None;
             p.backup = Some(self.a.host_backup(p.key, &p.device, p.policy, p.len)?);
         }

@@ -26,9 +26,11 @@ from importlib import metadata as _metadata
 
 from . import control, timeline
 from ._api import (
+    allocations,
     cuda_graph,
     device_memory,
     disable,
+    discard,
     group,
     hook_mode,
     nccl_stats,
@@ -62,7 +64,7 @@ from ._memsaver import (
     UnknownPointerError,
     UnknownTagError,
 )
-from ._stats import Stats, TagStats, Usage
+from ._stats import Allocation, Stats, TagStats, Usage
 from .control import register_callback, serve_control
 from .profile import Profile, ProfileStepError, StageReport, StepReport, load_profile, parse_profile
 
@@ -73,7 +75,9 @@ __all__ = [
     "cuda_graph",
     "pause",
     "resume",
+    "discard",
     "register_tag",
+    "allocations",
     "stats",
     "nccl_stats",
     "set_group",
@@ -87,6 +91,7 @@ __all__ = [
     "Stats",
     "TagStats",
     "Usage",
+    "Allocation",
     # hook mode and launching
     "hook_mode",
     "require_preload",

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from . import _core, _memsaver, _stats, _torch, timeline
 from ._memsaver import MemsaverError
-from ._stats import Stats
+from ._stats import Allocation, Stats
 
 Policy = Literal["discard", "cpu", "mmap", "disk"]
 
@@ -126,10 +126,18 @@ def cuda_graph(
             _memsaver.region_exit()
 
 
-def pause(*tags: str) -> None:
+def pause(*tags: str, backup: Policy | None = None) -> None:
     """Releases the device memory of ``tags`` (every tag when none is given), keeping their
     virtual addresses. Pausing a paused tag does nothing. An unknown tag raises
-    ``UnknownTagError`` listing the known ones."""
+    ``UnknownTagError`` listing the known ones.
+
+    ``backup`` chooses the policy now, for every allocation this call pauses, instead of the
+    one each was allocated with: ``pause("weights", backup="cpu")`` keeps the weights in pinned
+    host memory, ``pause("kv_cache", backup="discard")`` drops the cache (and any backup an
+    earlier cycle left). ``resume`` restores what this pause copied. The ``nccl`` tag keeps its
+    own backups (``MEMSAVER_NCCL_BACKUP``): naming it with ``backup`` raises
+    ``InvalidArgumentError``, and with no tag given it pauses as always. An unknown policy
+    raises ``InvalidArgumentError``."""
     names = _tag_names("pause", tags)
     _core.ensure_loaded()
     torch = _torch.cuda_initialized()
@@ -137,18 +145,55 @@ def pause(*tags: str) -> None:
         # Kernels queued on torch's streams may still use the memory.
         torch.cuda.synchronize()
     with timeline.span("pause", "pause " + (", ".join(names) or "all"), names):
-        _memsaver.pause(names)
+        if backup is None:
+            _memsaver.pause(names)
+        else:
+            _memsaver.pause(names, backup)
 
 
-def resume(*tags: str) -> None:
+def discard(*tags: str) -> None:
+    """Drops the contents of ``tags`` (every tag of allocations when none is given) and their
+    backups: resident memory is released without a copy (as ``pause(..., backup="discard")``)
+    and paused memory loses its backup, so the next ``resume`` gives memory holding arbitrary
+    bytes. The tags are paused afterwards. ``nccl`` cannot be discarded (NCCL needs its
+    contents): naming it raises ``InvalidArgumentError``; with no tag given it is left alone."""
+    names = _tag_names("discard", tags)
+    _core.ensure_loaded()
+    torch = _torch.cuda_initialized()
+    if torch is not None:
+        torch.cuda.synchronize()
+    with timeline.span("pause", "discard " + (", ".join(names) or "all"), names):
+        _memsaver.discard(names)
+
+
+def resume(*tags: str, keep_backups: bool | None = None) -> None:
     """Maps device memory again for ``tags`` (every tag when none is given) at the same
-    addresses, restoring ``backup="cpu"`` contents. Resuming an active tag does nothing. Out
-    of memory raises ``ResumeOutOfMemoryError``: what was resumed stays resumed; free memory
-    and call resume again."""
+    addresses, restoring the contents their pause backed up. Resuming an active tag does
+    nothing. Out of memory raises ``ResumeOutOfMemoryError`` (a ``RuntimeError``, as every
+    ``MemsaverError``): what was resumed stays resumed; free memory and call resume again.
+
+    ``keep_backups``: ``False`` releases the backups of what this call resumes (and those
+    retained by resident allocations of ``tags``), ``True`` keeps them for the next pause,
+    ``None`` does as ``set_retain_backups`` says (kept, by default)."""
     names = _tag_names("resume", tags)
+    if keep_backups is not None and not isinstance(keep_backups, bool):
+        raise TypeError(f"memsaver.resume(keep_backups=...) takes a bool or None, got {keep_backups!r}")
     _core.ensure_loaded()
     with timeline.span("resume", "resume " + (", ".join(names) or "all"), names):
-        _memsaver.resume(names)
+        if keep_backups is None:
+            _memsaver.resume(names)
+        else:
+            _memsaver.resume(names, keep_backups)
+
+
+def allocations(*tags: str) -> list[Allocation]:
+    """The allocations of ``tags`` (every tag when none is given), by address: their size,
+    device, tag, state and backup (see ``Allocation``). An unknown tag raises
+    ``UnknownTagError``; ``nccl``, which is NCCL's memory rather than allocations, raises
+    ``InvalidArgumentError`` (see ``nccl_stats()``)."""
+    names = _tag_names("allocations", tags)
+    _core.ensure_loaded()
+    return _stats.parse_allocations(_memsaver.allocations_json(names))
 
 
 def register_tag(tag: str) -> None:

@@ -7,6 +7,8 @@ __all__ = [
     "loaded",
     "pause",
     "resume",
+    "discard",
+    "allocations_json",
     "stats_json",
     "nccl_stats_json",
     "nccl_diagnose_json",
@@ -59,11 +61,21 @@ def load(bundled: str) -> tuple[str, str]:
 def loaded() -> tuple[str, str] | None:
     """(mode, path) of the loaded library, or None before ``load``."""
 
-def pause(tags: list[str]) -> None:
-    """Pauses ``tags`` (every tag when empty). Releases the GIL."""
+def pause(tags: list[str], backup: str | None = None) -> None:
+    """Pauses ``tags`` (every tag when empty), each allocation as its policy says or as
+    ``backup`` (chosen now) says. Releases the GIL."""
 
-def resume(tags: list[str]) -> None:
-    """Resumes ``tags`` (every tag when empty). Releases the GIL."""
+def discard(tags: list[str]) -> None:
+    """Drops the contents and backups of ``tags`` (every tag of allocations when empty).
+    Releases the GIL."""
+
+def resume(tags: list[str], keep_backups: bool | None = None) -> None:
+    """Resumes ``tags`` (every tag when empty), keeping or releasing the backups of what it
+    resumes (None: the retention setting). Releases the GIL."""
+
+def allocations_json(tags: list[str]) -> str:
+    """The allocations of ``tags`` (every tag when empty) as JSON: [{"ptr", "size", "device",
+    "tag", "policy", "state", "backup", "backup_bytes"}]."""
 
 def nccl_stats_json() -> str: ...
 def nccl_diagnose_json() -> str: ...
@@ -125,7 +137,7 @@ def control_set_runner(runner: Callable[[str], str] | None) -> None:
 def control_json(request: str) -> str:
     """Sends a control request (JSON) to other processes; their answers as JSON. Releases the GIL."""
 
-class MemsaverError(Exception): ...
+class MemsaverError(RuntimeError): ...
 class InvalidArgumentError(MemsaverError): ...
 class UnknownTagError(MemsaverError): ...
 class TagPausedError(MemsaverError): ...

@@ -82,6 +82,28 @@ class Stats:
         return format_table(self)
 
 
+@dataclass(frozen=True)
+class Allocation:
+    """One allocation, as ``memsaver.allocations()`` lists it: its device address (fixed for
+    its life), size (rounded up to the VMM granularity), device, tag, the policy it was
+    allocated with, its state (``"resident"``, ``"paused"``, or ``"pausing"``/``"resuming"``
+    during a transition), and the backup it holds now (``"pinned"``, ``"mmap"``, ``"disk"`` or
+    None: a paused allocation without one resumes with arbitrary bytes) and its size."""
+
+    ptr: int
+    size: int
+    device: int
+    tag: str
+    policy: str
+    state: str
+    backup: str | None
+    backup_bytes: int
+
+
+def parse_allocations(text: str) -> list[Allocation]:
+    return [Allocation(**a) for a in json.loads(text)]
+
+
 def _usage(d: dict[str, int]) -> Usage:
     return Usage(
         allocations=int(d["allocations"]),

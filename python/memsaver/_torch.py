@@ -101,6 +101,12 @@ def _new_pool(torch: Any, kind: str, device: int) -> Any:
         return torch.cuda.MemPool(_pluggable_allocator(torch).allocator())
 
 
+def new_pool(torch: Any, device: int) -> Any:
+    """A fresh pool of the kind this process's tagged memory comes from (see ``pool_kind``),
+    for a caller that keeps pools of its own (``memsaver.vllm``: one per block, as vLLM's)."""
+    return _new_pool(torch, pool_kind(), device)
+
+
 def private_pool(torch: Any, device: int) -> Any:
     """A fresh pool over torch's own allocator (``cudaMalloc`` outside any region), for a
     ``disable()`` block in whole-process mode."""

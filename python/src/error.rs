@@ -1,9 +1,13 @@
 //! Python exceptions for the status codes of the C ABI, all subclasses of MemsaverError: one per
 //! error a caller can act on; `from_status` matches every status of `abi::Status` (generated
 //! from libmemsaver.so's source), so a new status does not compile until it is mapped here.
+//!
+//! MemsaverError is a `RuntimeError`, as torch's errors are (`torch.OutOfMemoryError`
+//! included): frameworks that catch `RuntimeError` around their memory calls (vLLM's sleep
+//! mode, whose tests expect one when a wake-up runs out of memory) catch memsaver's too.
 
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
 use crate::abi::Status;
@@ -11,8 +15,8 @@ use crate::abi::Status;
 create_exception!(
     memsaver,
     MemsaverError,
-    PyException,
-    "Base class of memsaver's errors."
+    PyRuntimeError,
+    "Base class of memsaver's errors (a RuntimeError)."
 );
 create_exception!(
     memsaver,

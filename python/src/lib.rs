@@ -70,24 +70,70 @@ fn list_ptr(t: &Option<CString>) -> *const c_char {
     t.as_ref().map_or(std::ptr::null(), |c| c.as_ptr())
 }
 
-/// Pauses tags (all when the list is empty). Releases the GIL while it works.
+/// Pauses tags (all when the list is empty), with each allocation's policy or `backup` chosen
+/// now. Releases the GIL while it works.
 #[pyfunction]
-fn pause(py: Python<'_>, tags: Vec<String>) -> PyResult<()> {
+#[pyo3(signature = (tags, backup=None))]
+fn pause(py: Python<'_>, tags: Vec<String>, backup: Option<&str>) -> PyResult<()> {
     let (l, t) = (lib()?, tag_list(tags)?);
+    let b = backup.map(|b| cstr(b, "backup")).transpose()?;
     let p = list_ptr(&t) as usize;
-    // SAFETY: NULL or a NUL-terminated string that outlives the call.
-    let code = py.detach(|| unsafe { (l.memsaver_pause)(p as *const c_char) });
+    let bp = b.as_ref().map_or(std::ptr::null(), |b| b.as_ptr()) as usize;
+    let code = py.detach(|| {
+        let (p, bp) = (p as *const c_char, bp as *const c_char);
+        // SAFETY: NULL or NUL-terminated strings that outlive the call.
+        unsafe {
+            if bp.is_null() {
+                (l.memsaver_pause)(p)
+            } else {
+                (l.memsaver_pause_with_backup)(p, bp)
+            }
+        }
+    });
     check(l, code)
 }
 
-/// Resumes tags (all when the list is empty). Releases the GIL while it works.
+/// Drops the contents and backups of tags (every tag of allocations when the list is empty).
+/// Releases the GIL while it works.
 #[pyfunction]
-fn resume(py: Python<'_>, tags: Vec<String>) -> PyResult<()> {
+fn discard(py: Python<'_>, tags: Vec<String>) -> PyResult<()> {
     let (l, t) = (lib()?, tag_list(tags)?);
     let p = list_ptr(&t) as usize;
     // SAFETY: NULL or a NUL-terminated string that outlives the call.
-    let code = py.detach(|| unsafe { (l.memsaver_resume)(p as *const c_char) });
+    let code = py.detach(|| unsafe { (l.memsaver_discard)(p as *const c_char) });
     check(l, code)
+}
+
+/// Resumes tags (all when the list is empty), keeping or releasing their backups as
+/// `keep_backups` says (None: the retention setting). Releases the GIL while it works.
+#[pyfunction]
+#[pyo3(signature = (tags, keep_backups=None))]
+fn resume(py: Python<'_>, tags: Vec<String>, keep_backups: Option<bool>) -> PyResult<()> {
+    let (l, t) = (lib()?, tag_list(tags)?);
+    let p = list_ptr(&t) as usize;
+    let code = py.detach(|| {
+        let p = p as *const c_char;
+        // SAFETY: NULL or a NUL-terminated string that outlives the call.
+        unsafe {
+            match keep_backups {
+                None => (l.memsaver_resume)(p),
+                Some(keep) => (l.memsaver_resume_keep_backups)(p, c_int::from(keep)),
+            }
+        }
+    });
+    check(l, code)
+}
+
+/// The allocations of tags (all when the list is empty) as a JSON string.
+#[pyfunction]
+fn allocations_json(tags: Vec<String>) -> PyResult<String> {
+    let (l, t) = (lib()?, tag_list(tags)?);
+    let p = list_ptr(&t);
+    // SAFETY: NULL or a NUL-terminated string that outlives the call; the buffer protocol of
+    // read_json.
+    read_json(l, |b, n, nd| unsafe {
+        (l.memsaver_allocations_json)(p, b, n, nd)
+    })
 }
 
 /// The stats as a JSON string.
@@ -476,6 +522,8 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loaded, m)?)?;
     m.add_function(wrap_pyfunction!(pause, m)?)?;
     m.add_function(wrap_pyfunction!(resume, m)?)?;
+    m.add_function(wrap_pyfunction!(discard, m)?)?;
+    m.add_function(wrap_pyfunction!(allocations_json, m)?)?;
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_diagnose_json, m)?)?;

@@ -236,6 +236,98 @@ pub unsafe extern "C" fn memsaver_resume(tags: *const c_char) -> c_int {
     })
 }
 
+/// Pauses the given tags (as `memsaver_pause`) with the backup policy chosen now: every
+/// allocation this call pauses is paused as if `backup` (`"discard"`, `"cpu"`, `"mmap"` or
+/// `"disk"`) were its policy; NULL keeps each allocation's own (`memsaver_pause`). With
+/// `"discard"` the contents are dropped, with the backup an earlier cycle left; with a keeping
+/// policy the next resume restores what this pause copied. Allocations already paused keep
+/// what their pause did. An unknown policy is `MEMSAVER_ERR_INVALID_ARGUMENT`, and so is naming
+/// `nccl` with a policy (its backups follow `MEMSAVER_NCCL_BACKUP`; with NULL tags it pauses as
+/// always).
+///
+/// # Safety
+/// `tags` and `backup` are NULL or NUL-terminated strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_pause_with_backup(
+    tags: *const c_char,
+    backup: *const c_char,
+) -> c_int {
+    ffi(|| {
+        // SAFETY: per this function's contract.
+        let tags = unsafe { opt_str(tags, "tags") }?;
+        // SAFETY: per this function's contract.
+        let backup = unsafe { opt_str(backup, "backup") }?
+            .map(str::parse::<Policy>)
+            .transpose()?;
+        allocator()?
+            .pause_with_backup(&split_tags(tags)?, backup)
+            .map(drop)
+    })
+}
+
+/// Drops the contents and the backups of the given tags (comma-separated; NULL for every tag
+/// of allocations): resident allocations are paused without a copy and paused ones lose their
+/// backup, so the next resume maps memory holding arbitrary bytes. The tags are paused
+/// afterwards. `nccl` cannot be discarded (`MEMSAVER_ERR_INVALID_ARGUMENT`; NULL leaves it
+/// alone).
+///
+/// # Safety
+/// `tags` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_discard(tags: *const c_char) -> c_int {
+    ffi(|| {
+        // SAFETY: per this function's contract.
+        let tags = unsafe { opt_str(tags, "tags") }?;
+        allocator()?.discard(&split_tags(tags)?).map(drop)
+    })
+}
+
+/// Resumes the given tags (as `memsaver_resume`), then keeps (`keep` > 0) or releases
+/// (`keep` == 0) the backups of what it resumed, whatever `memsaver_set_retain_backups` says;
+/// `keep` < 0 follows that setting. Releasing also drops the backups retained by resident
+/// allocations of the tags.
+///
+/// # Safety
+/// `tags` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_resume_keep_backups(tags: *const c_char, keep: c_int) -> c_int {
+    ffi(|| {
+        // SAFETY: per this function's contract.
+        let tags = unsafe { opt_str(tags, "tags") }?;
+        let keep = (keep >= 0).then_some(keep > 0);
+        allocator()?
+            .resume_keep_backups(&split_tags(tags)?, keep)
+            .map(drop)
+    })
+}
+
+/// Writes the allocations of the given tags (comma-separated; NULL for every tag) as JSON, like
+/// `memsaver_stats_json`: [{"ptr","size","device","tag","policy","state","backup",
+/// "backup_bytes"}] by address; `policy` is the one it was allocated with, `state` one of
+/// "resident", "pausing", "paused", "resuming", `backup` "pinned", "mmap", "disk" or null. An
+/// unknown tag is `MEMSAVER_ERR_UNKNOWN_TAG`; `nccl` has no allocations to list
+/// (`MEMSAVER_ERR_INVALID_ARGUMENT`: see `memsaver_nccl_stats_json`).
+///
+/// # Safety
+/// `tags` is NULL or a NUL-terminated string; `buf` and `needed` as for `memsaver_stats_json`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_allocations_json(
+    tags: *const c_char,
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe {
+        write_json(buf, len, needed, || {
+            let tags = opt_str(tags, "tags")?;
+            Ok(serde_json::to_string(
+                &allocator()?.allocations(&split_tags(tags)?)?,
+            ))
+        })
+    }
+}
+
 /// Registers a tag without allocating, so that it can be paused and listed.
 ///
 /// # Safety

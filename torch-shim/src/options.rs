@@ -37,6 +37,12 @@ pub mod python {
             /// {pid} replaced by the process id, at exit and on timeline.save(); `python -m
             /// memsaver timeline` charts them
             TIMELINE = "MEMSAVER_TIMELINE", path, unset "(none)", Python;
+
+            /// 1 makes the vLLM plugin (memsaver.vllm, a vllm.general_plugins entry point of
+            /// the wheel) put vLLM's sleep-mode allocator on memsaver in every vLLM process that
+            /// sees it; `--sleep-mode-backend memsaver` sets it for the engine's processes
+            /// (docs/integrations.md)
+            VLLM = "MEMSAVER_VLLM", bool, default "0", Python;
         }
     }
 }

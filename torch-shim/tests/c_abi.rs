@@ -371,3 +371,99 @@ fn empty_blank_and_separator_only_tag_lists_are_refused_not_read_as_every_tag() 
     assert!(last_error().contains("invalid tag"), "{}", last_error());
     assert_eq!(memsaver_free(p), 0);
 }
+
+/// The JSON text of `memsaver_allocations_json(tags)`, or the status code.
+fn allocations_json(tags: Option<&str>) -> Result<serde_json::Value, i32> {
+    let t = tags.map(c);
+    let p = t.as_ref().map_or(std::ptr::null(), |t| t.as_ptr());
+    let mut needed = 0usize;
+    // SAFETY: NULL buffer of length 0 asks for the size; valid out-pointer.
+    let rc = unsafe { memsaver_allocations_json(p, std::ptr::null_mut(), 0, &mut needed) };
+    if rc != Status::BufferTooSmall as i32 {
+        return Err(rc);
+    }
+    let mut buf = vec![0u8; needed];
+    // SAFETY: a buffer of `needed` bytes.
+    let rc = unsafe { memsaver_allocations_json(p, buf.as_mut_ptr().cast(), needed, &mut needed) };
+    assert_eq!(rc, 0, "{}", last_error());
+    Ok(serde_json::from_slice(&buf[..needed - 1]).unwrap())
+}
+
+#[test]
+fn backups_chosen_at_pause_and_resume_time_through_the_c_abi() {
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and C strings.
+    let rc = unsafe {
+        memsaver_malloc(
+            &mut p,
+            2 << 20,
+            0,
+            c("abi_chosen").as_ptr(),
+            c("discard").as_ptr(),
+        )
+    };
+    assert_eq!(rc, 0, "{}", last_error());
+    // SAFETY: on the fake driver device memory is host memory mapped read-write.
+    unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0x5A, 2 << 20) };
+
+    // SAFETY: C strings.
+    let rc = unsafe { memsaver_pause_with_backup(c("abi_chosen").as_ptr(), c("tape").as_ptr()) };
+    assert_eq!(rc, Status::InvalidArgument as i32);
+    assert!(
+        last_error().contains("unknown backup policy 'tape'"),
+        "{}",
+        last_error()
+    );
+    // SAFETY: C strings.
+    let rc = unsafe { memsaver_pause_with_backup(c("abi_nope").as_ptr(), c("cpu").as_ptr()) };
+    assert_eq!(rc, Status::UnknownTag as i32);
+    assert_eq!(
+        tag(&stats(), "abi_chosen")["paused"],
+        false,
+        "nothing changed"
+    );
+
+    // SAFETY: C strings.
+    let rc = unsafe { memsaver_pause_with_backup(c("abi_chosen").as_ptr(), c("cpu").as_ptr()) };
+    assert_eq!(rc, 0, "{}", last_error());
+    let listed = allocations_json(Some("abi_chosen")).unwrap();
+    assert_eq!(listed[0]["ptr"], p as u64);
+    assert_eq!(listed[0]["policy"], "discard");
+    assert_eq!(listed[0]["state"], "paused");
+    assert_eq!(listed[0]["backup"], "pinned");
+    assert_eq!(
+        allocations_json(Some("abi_nope")),
+        Err(Status::UnknownTag as i32)
+    );
+    assert_eq!(
+        allocations_json(Some("nccl")),
+        Err(Status::InvalidArgument as i32)
+    );
+
+    // SAFETY: C string.
+    let rc = unsafe { memsaver_resume_keep_backups(c("abi_chosen").as_ptr(), 0) };
+    assert_eq!(rc, 0, "{}", last_error());
+    // SAFETY: resident again.
+    let bytes = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), 2 << 20) };
+    assert!(
+        bytes.iter().all(|b| *b == 0x5A),
+        "restored from the chosen backup"
+    );
+    assert_eq!(
+        tag(&stats(), "abi_chosen")["backup_bytes"],
+        0,
+        "released at resume"
+    );
+
+    // SAFETY: C strings.
+    let rc = unsafe { memsaver_discard(c("nccl").as_ptr()) };
+    assert_eq!(rc, Status::InvalidArgument as i32);
+    // SAFETY: C string.
+    let rc = unsafe { memsaver_discard(c("abi_chosen").as_ptr()) };
+    assert_eq!(rc, 0, "{}", last_error());
+    assert_eq!(tag(&stats(), "abi_chosen")["paused"], true);
+    // SAFETY: C string.
+    let rc = unsafe { memsaver_resume_keep_backups(c("abi_chosen").as_ptr(), -1) };
+    assert_eq!(rc, 0, "{}", last_error());
+    assert_eq!(memsaver_free(p), 0);
+}
