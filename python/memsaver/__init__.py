@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from importlib import metadata as _metadata
 
+# control first: importing it registers its stage runner with _core, to be installed once the
+# library is loaded, so it must be imported before anything can load the library.
 from . import control, timeline
 from ._api import (
     allocations,

@@ -5,12 +5,17 @@ with ``LD_PRELOAD=.../libmemsaver.so``, the extension uses that copy ("preload" 
 ``cudaMalloc`` is interposed). Otherwise it loads the copy bundled in this package, privately
 ("inprocess" mode: torch reaches memsaver through ``CUDAPluggableAllocator``). The library is
 loaded on first use, not at import, so that ``import memsaver`` never touches the driver.
+
+This module imports no other module of the package but the extension: every other one loads the
+library through it. What a module above must do once the library is loaded (memsaver.control
+installs its stage runner) it registers here with :func:`on_load`.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 from . import _memsaver
 
@@ -22,6 +27,8 @@ HOOK_MODE_ENV = "MEMSAVER_HOOK_MODE"
 _HOOK_MODES = ("auto", "preload", "inprocess")
 
 _load_lock = threading.Lock()
+# Run by library() right after it loads libmemsaver.so (see on_load).
+_on_load: list[Callable[[], None]] = []
 
 
 def ld_preload_entries(value: str) -> list[str]:
@@ -37,12 +44,21 @@ def library() -> tuple[str, str]:
         # racing to dlopen it.
         with _load_lock:
             loaded = _memsaver.loaded() or _memsaver.load(BUNDLED_LIBRARY)
-        # Profile stages that other processes ask this one to run (memsaver.control) run in
-        # this package: say so to the library as soon as it is loaded.
-        from .control import _install_runner
-
-        _install_runner()
+        # What the modules above need done as soon as the library is loaded (memsaver.control:
+        # the runner of profile stages that other processes ask this one to run).
+        for fn in list(_on_load):
+            fn()
     return loaded
+
+
+def on_load(fn: Callable[[], None]) -> None:
+    """Has ``fn`` run once libmemsaver.so is loaded: right after :func:`library` loads it, or now
+    if it already is. ``fn`` may run more than once (two threads loading at once): make it
+    idempotent. For the modules above this one, which it never imports."""
+    with _load_lock:
+        _on_load.append(fn)
+    if _memsaver.loaded() is not None:
+        fn()
 
 
 def ensure_loaded() -> tuple[str, str]:

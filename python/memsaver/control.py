@@ -88,7 +88,9 @@ def serve_control() -> None:
 
 
 def _install_runner() -> None:
-    """Installs the stage runner in libmemsaver.so, once per process."""
+    """Installs the stage runner in libmemsaver.so, once per process (``_core`` runs it once the
+    library is loaded: registered below, when this module is imported, which the package's
+    ``__init__`` does before anything can load the library)."""
     global _runner_installed
     if _runner_installed:
         return
@@ -322,3 +324,8 @@ class Group(_Addressed):
 def group(group: int, timeout: float = 600.0) -> Group:
     """Every process of ``group`` (see :class:`Group`)."""
     return Group(group, timeout)
+
+
+# Last, once _run_request and all it calls are defined: on_load runs it at once if the library
+# is already loaded.
+_core.on_load(_install_runner)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _core, _memsaver, timeline
+from . import _api, _core, _memsaver, timeline
 from ._memsaver import MemsaverError
 
 
@@ -72,9 +72,7 @@ def _mib(n: int) -> str:
 
 
 def _resident() -> dict[str, int]:
-    from . import stats
-
-    return {name: t.resident_bytes for name, t in stats().tags.items()}
+    return {name: t.resident_bytes for name, t in _api.stats().tags.items()}
 
 
 # What each kind of step does. The steps arrive typed and validated from libmemsaver.so (the
@@ -85,15 +83,11 @@ _Callbacks = Mapping[str, Callable[[], Any]]
 
 
 def _pause(s: _Step, callbacks: _Callbacks, skip_calls: bool) -> None:
-    from . import pause
-
-    pause(*s["tags"])
+    _api.pause(*s["tags"])
 
 
 def _resume(s: _Step, callbacks: _Callbacks, skip_calls: bool) -> None:
-    from . import resume
-
-    resume(*s["tags"])
+    _api.resume(*s["tags"])
 
 
 def _call(s: _Step, callbacks: _Callbacks, skip_calls: bool) -> None:
@@ -111,9 +105,7 @@ def _assert_free(s: _Step, callbacks: _Callbacks, skip_calls: bool) -> None:
 
 
 def _assert_released(s: _Step, callbacks: _Callbacks, skip_calls: bool) -> None:
-    from . import stats
-
-    t = stats().tags.get(s["tag"])
+    t = _api.stats().tags.get(s["tag"])
     if t is not None and t.resident_bytes:
         raise ProfileStepError(f"tag '{s['tag']}' still holds {t.resident_bytes} resident bytes")
 
@@ -154,13 +146,11 @@ class Profile:
     @contextlib.contextmanager
     def region(self, tag: str) -> Iterator[None]:
         """``memsaver.region(tag, backup=...)`` with the backup policy the profile declares."""
-        from . import region
-
         if tag not in self.tags:
             raise MemsaverError(
                 f"tag '{tag}' is not declared in {self.source} (declared: {', '.join(sorted(self.tags))})"
             )
-        with region(tag, backup=self.tags[tag]):  # type: ignore[arg-type]
+        with _api.region(tag, backup=self.tags[tag]):  # type: ignore[arg-type]
             yield
 
     def run(
@@ -173,8 +163,6 @@ class Profile:
 
         ``callbacks`` maps the names of ``call`` steps to functions taking no argument;
         ``skip_calls`` skips ``call`` steps (for scripts that only move memory)."""
-        from . import register_tag, stats
-
         if stage not in self.stages:
             raise ProfileStepError(
                 f"{self.source} has no stage '{stage}' (stages: {', '.join(sorted(self.stages))})"
@@ -187,10 +175,10 @@ class Profile:
                 "was given (pass callbacks={...}, or skip_calls=True)"
             )
         _core.ensure_loaded()
-        known = set(stats().tags)  # includes memsaver's own tags (nccl), never registered here
+        known = set(_api.stats().tags)  # includes memsaver's own tags (nccl), never registered here
         for tag in self.tags:
             if tag not in known:
-                register_tag(tag)
+                _api.register_tag(tag)
         report = StageReport(stage)
         after = _resident()
         for i, s in enumerate(self.stages[stage], 1):

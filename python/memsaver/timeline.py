@@ -41,6 +41,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from . import _core, _memsaver, _stats, _torch
 from ._chromium import browser, screenshot
 from ._timeline_model import PALETTE, WELL_KNOWN, colour
 from ._timeline_page import render_html
@@ -112,13 +113,14 @@ class stage_context:
 
 def _snapshot() -> tuple[dict[str, int], int, int | None, int | None]:
     """Resident bytes per tag of this process, and the device with its free and total memory."""
-    from . import _torch, device_memory, stats
-
-    resident = {name: t.resident_bytes for name, t in stats().tags.items()}
+    # memsaver.stats() and memsaver.device_memory(), from below the module that defines them
+    # (memsaver._api, whose pause and resume record here).
+    _core.ensure_loaded()
+    resident = {name: t.resident_bytes for name, t in _stats.parse(_memsaver.stats_json()).tags.items()}
     torch = _torch.cuda_initialized()
     device = torch.cuda.current_device() if torch is not None else 0
     try:
-        free, total = device_memory(device)
+        free, total = _memsaver.device_memory(device)
     except Exception:  # a process without that device: keep the event without it
         return resident, device, None, None
     return resident, device, free, total
@@ -155,8 +157,6 @@ def record(kind: str, label: str, seconds: float | None = None) -> None:
 
 def _torch_ranges() -> Any:
     """torch, when the application imported it and CUDA is available (never imported here)."""
-    from . import _torch
-
     return _torch.torch_module()
 
 
