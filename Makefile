@@ -205,8 +205,9 @@ VLLM_GPU_WHEELS := psutil regex
 gpu-vllm: gpu-dist $(VLLM_STAMP) $(VLLM_SRC)/.stamp
 	rm -rf .dist/vllm && mkdir -p .dist/vllm/wheels
 	site=$$($(VLLM_PY) -c "import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))"); \
-	cd $$site && find vllm \( -name '*.py' -o -name '*.json' -o -name '*.yaml' -o -name '*.jinja' \
-		-o -name py.typed \) ! -path '*__pycache__*' ! -path 'vllm/third_party/*/include/*' \
+	cd $$site && { find vllm \( -name '*.py' -o -name '*.json' -o -name '*.yaml' -o -name '*.jinja' \
+		-o -name py.typed \) ! -path '*__pycache__*' ! -path 'vllm/third_party/*/include/*'; \
+		echo vllm-$(VLLM_VERSION).dist-info/METADATA; } \
 		| tar -czf $(CURDIR)/.dist/vllm/vllm-py.tar.gz -T -
 	tar -czf .dist/vllm/vllm-tests.tar.gz -C $(VLLM_SRC) tests
 	$(VLLM_PY) -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \
