@@ -62,7 +62,7 @@ from ._memsaver import (
     UnknownPointerError,
     UnknownTagError,
 )
-from ._stats import Stats, TagStats, Usage
+from ._stats import SharedExport, SharedImport, Stats, TagStats, Usage
 from .control import register_callback, serve_control
 from .profile import Profile, ProfileStepError, StageReport, StepReport, load_profile, parse_profile
 
@@ -87,6 +87,8 @@ __all__ = [
     "Stats",
     "TagStats",
     "Usage",
+    "SharedExport",
+    "SharedImport",
     # hook mode and launching
     "hook_mode",
     "require_preload",
