@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use memsaver_scenarios::{cuda_lib, preload_lib, tempdir};
 
+mod common;
+
 const MIB: u64 = 1 << 20;
 /// No working peer takes this long: the deadline of every wait here.
 const NEVER_MS: &str = "60000";
@@ -44,8 +46,22 @@ struct Proc {
 
 impl Proc {
     fn start(dirs: &Dirs, group: &str, env: &[(&str, &str)]) -> Proc {
+        Self::start_in(dirs, group, env, &[])
+    }
+
+    /// As [`Proc::start`], run by `launcher` (a command line the program is appended to).
+    fn start_in(dirs: &Dirs, group: &str, env: &[(&str, &str)], launcher: &[&str]) -> Proc {
         let cuda = cuda_lib();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ipc-proc"))
+        let exe = env!("CARGO_BIN_EXE_ipc-proc");
+        let mut cmd = match launcher.split_first() {
+            None => Command::new(exe),
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(exe);
+                c
+            }
+        };
+        let mut child = cmd
             .arg(&cuda)
             .env("LD_PRELOAD", preload_lib())
             .env("MEMSAVER_CUDA_LIB", &cuda)
@@ -289,6 +305,27 @@ fn a_forged_or_replayed_key_is_refused() {
     // The real handle opens, and nobody was recorded for the forged ones.
     r.cmd(&format!("open {h}"));
     assert_eq!(shared_stats(&mut o)["exports"]["weights"]["importers"], 1);
+}
+
+#[test]
+fn a_process_of_another_pid_namespace_is_refused() {
+    if let Some(why) = common::pid_namespaces_missing() {
+        return memsaver_test_support::skip(&why);
+    }
+    let dirs = Dirs::new();
+    let (mut o, h) = owner(&dirs, &[]);
+    let ns = [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+    ];
+    let mut r = Proc::start_in(&dirs, "1", &[], &ns);
+    let e = r.try_cmd(&format!("open {h}")).unwrap_err();
+    assert!(e.contains("pid namespace"), "{e}");
+    assert_eq!(shared_stats(&mut o)["exports"]["weights"]["importers"], 0);
 }
 
 fn hex_bytes(h: &str) -> Vec<u8> {
