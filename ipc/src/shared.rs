@@ -179,6 +179,14 @@ pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>, String> {
     }))
 }
 
+/// Forgets the exports of allocations freed since: a handle of a freed allocation (its id is
+/// never reused) names nothing any more, and is refused like a forged one.
+fn forget_freed(ex: &mut HashMap<u64, Export>) {
+    if let Some(a) = memsaver_allocator::global_if_started() {
+        ex.retain(|id, _| a.shared_allocation(*id).is_some());
+    }
+}
+
 /// Whether `b` names export `e` (the key compared without branching on its bits).
 fn names(e: &Export, b: &Buffer) -> bool {
     std::hint::black_box(e.key ^ b.key) == 0
@@ -187,7 +195,8 @@ fn names(e: &Export, b: &Buffer) -> bool {
 /// The owner's answers: opens and closes of its exports.
 fn serve_owner(conn: &Connection, from: Identity, op: Share, buffers: &[Buffer]) {
     let known = {
-        let ex = EXPORTS.lock();
+        let mut ex = EXPORTS.lock();
+        forget_freed(&mut ex);
         buffers.iter().fold(true, |ok, b| {
             ok & ex.get(&b.id).is_some_and(|e| names(e, b))
         })
@@ -745,9 +754,7 @@ pub fn imports() -> Vec<ImportStats> {
 pub fn exports() -> BTreeMap<String, ExportStats> {
     let mut out: BTreeMap<String, ExportStats> = BTreeMap::new();
     let mut ex = EXPORTS.lock();
-    if let Some(a) = memsaver_allocator::global_if_started() {
-        ex.retain(|id, _| a.shared_allocation(*id).is_some());
-    }
+    forget_freed(&mut ex);
     for e in ex.values() {
         let s = out.entry(e.tag.clone()).or_default();
         s.handles += 1;

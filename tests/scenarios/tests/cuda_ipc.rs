@@ -305,6 +305,16 @@ fn a_forged_or_replayed_key_is_refused() {
     // The real handle opens, and nobody was recorded for the forged ones.
     r.cmd(&format!("open {h}"));
     assert_eq!(shared_stats(&mut o)["exports"]["weights"]["importers"], 1);
+    r.cmd("close");
+    // Replayed: the handle of an allocation freed since names nothing (ids are never reused,
+    // and a new allocation gets a handle of its own).
+    o.cmd("free");
+    o.cmd("alloc 4");
+    let e = r.try_cmd(&format!("open {h}")).unwrap_err();
+    assert!(e.contains("refused"), "{e}");
+    let fresh = o.cmd("handle");
+    assert_ne!(fresh, h);
+    r.cmd(&format!("open {fresh}"));
 }
 
 #[test]

@@ -7,6 +7,7 @@
 //!
 //! ```text
 //! alloc MIB          cudaMalloc: this process's buffer (the process tag)
+//! free               cudaFree of the buffer
 //! handle             cudaIpcGetMemHandle of the buffer: its 64 bytes in hex
 //! open HEX           cudaIpcOpenMemHandle: the import's pointer
 //! close              cudaIpcCloseMemHandle of the import
@@ -25,6 +26,7 @@ use memsaver_allocator::driver::sys::fns;
 use memsaver_scenarios::{TagCall, sym};
 
 type Malloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
+type FreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
 type GetHandle = unsafe extern "C" fn(*mut [u8; 64], *mut c_void) -> c_int;
 type OpenHandle = unsafe extern "C" fn(*mut *mut c_void, [u8; 64], c_uint) -> c_int;
 type CloseHandle = unsafe extern "C" fn(*mut c_void) -> c_int;
@@ -38,6 +40,7 @@ fn pattern(seed: u64, i: usize) -> u8 {
 struct Proc {
     tag: CString,
     malloc: Malloc,
+    free: FreeFn,
     get: GetHandle,
     open: OpenHandle,
     close: CloseHandle,
@@ -85,6 +88,15 @@ impl Proc {
                 }
                 self.own = Some((p as u64, size));
                 Ok(format!("{:#x}", p as u64))
+            }
+            Some("free") => {
+                let (p, _) = self.own.take().ok_or("no buffer")?;
+                // SAFETY: a pointer cudaMalloc returned.
+                let rc = unsafe { (self.free)(p as *mut c_void) };
+                if rc != 0 {
+                    return Err(format!("cudaFree {rc} {}", self.last_error()));
+                }
+                Ok(String::new())
             }
             Some("handle") => {
                 let (p, _) = self.range("own")?;
@@ -207,6 +219,7 @@ fn main() {
     let mut p = Proc {
         tag: CString::new(std::env::var("MEMSAVER_PROCESS_TAG").unwrap_or_default()).unwrap(),
         malloc: sym(d, c"cudaMalloc"),
+        free: sym(d, c"cudaFree"),
         get: sym(d, c"cudaIpcGetMemHandle"),
         open: sym(d, c"cudaIpcOpenMemHandle"),
         close: sym(d, c"cudaIpcCloseMemHandle"),
