@@ -20,7 +20,7 @@ use crate::table::{Backing, Phase};
 pub trait Sharing: Send + Sync {
     /// A pause is about to release the memory of these shared allocations (ids): every other
     /// process must unmap and release its imports of them first (within the layer's deadline;
-    /// a process that does not answer by then is reported and counted as released).
+    /// a process that does not answer by then is reported and the pause goes on).
     fn before_release(&self, ids: &[u64]);
     /// A resume mapped these shared allocations again and restored their contents (or a
     /// pause released before failed for them, so they stayed resident): the importers may map

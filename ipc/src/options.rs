@@ -46,8 +46,8 @@ memsaver_allocator::declare_options! {
 
         /// how long the owner of memory opened by other processes through CUDA IPC handles
         /// waits, in one pause or resume, for them to release or map it again (a process that
-        /// does not answer by then is reported and its import counted as released); also how
-        /// long an open waits for the owner
+        /// does not answer by then is named in a warning and the pause goes on; its mapping
+        /// keeps the memory until it lets go); also how long an open waits for the owner
         IPC_TIMEOUT_MS = "MEMSAVER_IPC_TIMEOUT_MS", int(1, 86_400_000, "ms"), default "30000",
             Library
             => /// The CUDA IPC deadline (`MEMSAVER_IPC_TIMEOUT_MS`).
