@@ -68,6 +68,9 @@ pub struct Allocator {
     /// Pinned backups of `cpu` allocations, allocated on a background thread before their
     /// first pause. Its lock is a leaf, taken under `table` by stats only.
     pub(crate) preparer: Arc<Preparer>,
+    /// The layer that shares allocations with other processes, if one registered
+    /// (`sharing.rs`).
+    pub(crate) sharing: std::sync::OnceLock<Arc<dyn crate::sharing::Sharing>>,
 }
 
 /// The settings a transition reads, started from the options and changed through the setters
@@ -100,6 +103,7 @@ impl Allocator {
             table: Mutex::new(Table::default()),
             transition: Mutex::new(()),
             external: RwLock::new(BTreeMap::new()),
+            sharing: std::sync::OnceLock::new(),
             settings: Mutex::new(Settings {
                 retain_backups: opts.retain_backups,
                 transition_keep_backups: None,
@@ -374,7 +378,7 @@ impl Allocator {
         let (ptr, handle) = d
             .with_context(dev.ctx, || {
                 let ptr = d.reserve(size, dev.granularity, hint)?;
-                let handle = match d.create(dev.ordinal, size, false) {
+                let handle = match d.create(dev.ordinal, size, true) {
                     Ok(h) => h,
                     Err(e) => {
                         // SAFETY: reserved just above, nothing mapped.
@@ -417,6 +421,7 @@ impl Allocator {
             phase: Phase::Resident(Backing::Own(handle)),
             backup: None,
             free_pending: false,
+            shared: false,
         };
         if refuses_malloc(&t, &tag) {
             // The tag was paused while we were mapping: undo rather than hand out memory that

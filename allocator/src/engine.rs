@@ -55,6 +55,9 @@ struct Job {
     /// Some while physical memory is mapped: decides the state the job settles in.
     backing: Option<Backing>,
     error: Option<Error>,
+    /// The allocation is shared with other processes (`sharing.rs`): a resume gives it a
+    /// physical allocation of its own, and the sharing layer hears of it.
+    shared: bool,
 }
 
 impl Job {
@@ -253,6 +256,22 @@ impl Allocator {
             .max()
             .unwrap_or(0);
         steps.expect_disk(largest_disk);
+        let sharing = self.sharing().cloned();
+        let shared_ids = |jobs: &[Job]| -> Vec<u64> {
+            jobs.iter()
+                .filter(|j| j.shared && j.error.is_none())
+                .map(|j| j.piece.key)
+                .collect()
+        };
+        if op == Op::Pause
+            && let Some(s) = &sharing
+        {
+            // Other processes let go of their imports before this one's memory goes.
+            let ids = shared_ids(&jobs);
+            if !ids.is_empty() {
+                s.before_release(&ids);
+            }
+        }
         match op {
             Op::Pause => self.pause_jobs(&mut jobs, &mut runs, &mut steps),
             Op::Resume => self.resume_jobs(&mut jobs, &mut runs, &mut steps),
@@ -270,7 +289,24 @@ impl Allocator {
         };
         // The staging buffer goes before settle, as every driver call of the work phase.
         let plan = steps.into_plan();
-        self.settle(op, &tags, jobs, runs, &plan).map(|()| report)
+        let resumed = match (op, &sharing) {
+            (Op::Resume, Some(_)) => shared_ids(&jobs),
+            // Shared allocations whose pause failed stay resident: the importers map them again.
+            (Op::Pause, Some(_)) => jobs
+                .iter()
+                .filter(|j| j.shared && j.error.is_some() && j.backing.is_some())
+                .map(|j| j.piece.key)
+                .collect(),
+            _ => Vec::new(),
+        };
+        let settled = self.settle(op, &tags, jobs, runs, &plan);
+        if let Some(s) = &sharing
+            && !resumed.is_empty()
+        {
+            // Resident again, with the owner's contents: importers map the new memory.
+            s.after_resume(&resumed);
+        }
+        settled.map(|()| report)
     }
 
     /// Claims the allocations of `names` (see the module documentation). A pause of disk-backed
@@ -383,6 +419,7 @@ impl Allocator {
                 ),
                 backing,
                 error: None,
+                shared: a.shared,
             });
         }
         Ok((tags, jobs, runs, released))
@@ -755,6 +792,8 @@ fn units(jobs: &[Job], limit: usize) -> Vec<std::ops::Range<usize>> {
             let (first, prev) = (&jobs[start], &jobs[i - 1]);
             j.device().ordinal != first.device().ordinal
                 || j.piece.tag != first.piece.tag
+                || j.shared
+                || first.shared
                 || j.copies() != first.copies()
                 || j.ptr() != prev.ptr() + prev.size() as u64
                 || (j.ptr() + j.size() as u64 - first.ptr()) > limit as u64

@@ -19,7 +19,9 @@
 //!   directories held open by descriptor, checked with `fstat` and used through it. Both serve
 //!   the disk backups here and the sockets of `memsaver_ipc`.
 //! * `start`: the process-wide allocator ([`global`], [`start_global`], [`global_if_started`]),
-//!   the start hooks that the layers above add ([`START_HOOKS`]), and [`init_logging`].
+//!   the start hooks that the layers above add ([`START_HOOKS`]), and [`init_logging`];
+//!   `sharing`: allocations shared with other processes, and [`Sharing`], the interface through
+//!   which the layer that shares them hears of pauses and resumes.
 
 pub mod driver;
 pub mod options;
@@ -36,6 +38,7 @@ mod engine;
 mod error;
 mod external;
 mod prepare;
+mod sharing;
 mod start;
 pub mod steps;
 mod table;
@@ -48,6 +51,7 @@ pub use engine::Report;
 pub use error::{Error, Result};
 pub use external::ExternalTag;
 pub use options::Options;
+pub use sharing::{ExportedMemory, SharedAllocation, Sharing};
 pub use start::{
     OPTION_LAYERS, START_HOOKS, StartHook, check_options, global, global_driver, global_if_started,
     init_logging, start_global,

@@ -316,7 +316,7 @@ impl Steps<'_> {
                 }
             }
             let h = match memory {
-                Memory::Plain => d.create(dev.ordinal, size, false)?,
+                Memory::Plain => d.create(dev.ordinal, size, true)?,
                 Memory::Like(prop) => d.create_with(prop, size)?,
             };
             if let Err(e) = map_places(d, dev, h, places) {

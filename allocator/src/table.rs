@@ -69,6 +69,9 @@ pub(crate) struct Allocation {
     /// `free` was called while a pause or resume held this allocation; the engine frees it when
     /// it is done.
     pub free_pending: bool,
+    /// Exported to other processes at least once (`sharing.rs`): a resume backs it with a
+    /// physical allocation of its own, never a run.
+    pub shared: bool,
 }
 
 impl Allocation {

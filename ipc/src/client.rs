@@ -123,7 +123,7 @@ fn bind_owner(t: &Token, holds_imports_of: impl FnOnce(u32) -> bool) -> Result<(
 
 /// Sends `request` (at most [`MAX_BUFFERS`] buffers) to `owner` and reads `n` replies, all by
 /// one deadline: the owner's own `wait` for buffers still being restored, and [`IO_TIMEOUT`].
-fn exchange(
+pub fn exchange(
     group: i64,
     owner: &Identity,
     request: Request,

@@ -18,7 +18,9 @@
 //!   routing of each request to the [`server::Handler`] a layer above registered for it;
 //! * [`client`]: connecting to another process's server, and the importer's side of exported
 //!   buffers;
-//! * [`control`]: pause, resume, stats and profile stages of one process run for another.
+//! * [`control`]: pause, resume, stats and profile stages of one process run for another;
+//! * [`shared`]: memsaver memory opened by other processes through CUDA IPC handles, released
+//!   and rebuilt in them around the owner's pauses and resumes.
 //!
 //! Who may talk to whom, and what enforces it, is docs/security.md.
 
@@ -32,6 +34,7 @@ pub mod options;
 pub mod protocol;
 pub mod rundir;
 pub mod server;
+pub mod shared;
 pub mod token;
 
 use std::path::PathBuf;

@@ -43,6 +43,16 @@ memsaver_allocator::declare_options! {
         CONTROL = "MEMSAVER_CONTROL", bool, default "0", Library
             => /// Serve control requests (`MEMSAVER_CONTROL`).
                pub control: bool;
+
+        /// how long the owner of memory opened by other processes through CUDA IPC handles
+        /// waits, in one pause or resume, for them to release or map it again (a process that
+        /// does not answer by then is named in a warning and the pause goes on; its mapping
+        /// keeps the memory until it lets go); also how long an open waits for the owner
+        IPC_TIMEOUT_MS = "MEMSAVER_IPC_TIMEOUT_MS", int(1, 86_400_000, "ms"), default "30000",
+            Library
+            => /// The CUDA IPC deadline (`MEMSAVER_IPC_TIMEOUT_MS`).
+               pub ipc_timeout: std::time::Duration =
+                   |ms| std::time::Duration::from_millis(ms as u64);
     }
 }
 

@@ -7,9 +7,11 @@
 //! its length or with bytes left over is an error: the connection is closed, nothing is
 //! guessed. One connection carries one request; the server answers it and closes.
 //!
-//! Two services share the wire ([`crate::server`] routes each request to the layer that
-//! answers it): the **buffers** an owner exports to its peers (imports and their release), and
-//! **control** of one process by another ([`crate::control`]).
+//! Three services share the wire ([`crate::server`] routes each request to the layer that
+//! answers it): the **buffers** an owner exports to its peers (imports and their release),
+//! **control** of one process by another ([`crate::control`]), and **shared** memory: any
+//! tag's allocations opened by other processes through CUDA IPC handles ([`crate::shared`]),
+//! whose owner makes the importers let go and map again around its pauses and resumes.
 //!
 //! | kind | message | fields | answer |
 //! | --- | --- | --- | --- |
@@ -19,12 +21,17 @@
 //! | 0x04 | [`Control::Resume`] | from, to, group, tags | `Done`, `Error` or `Refused` |
 //! | 0x05 | [`Control::Stats`] | from, to, group | `Json`, `Error` or `Refused` |
 //! | 0x06 | [`Control::Run`] | from, to, group, source, stage, profile text | `Json` (the stage's report), `Error` or `Refused` |
+//! | 0x07 | [`Request::Shared`] [`Share::Open`] | from, to, group, buffers | one [`Reply::Shared`] (fd attached), `NotReady` or `Failed` per buffer, in order; or `Refused` |
+//! | 0x08 | [`Request::Shared`] [`Share::Close`] | from, to, group, buffers | `Done`, or `Refused` |
+//! | 0x09 | [`Request::Shared`] [`Share::Release`] (owner to importer) | from, to, group, buffers | `Done` once the importer unmapped and released them, or `Refused` |
+//! | 0x0a | [`Request::Shared`] [`Share::Rebuild`] (owner to importer) | from, to, group, buffers (the new generation) | `Done` once the importer mapped them again (`Error` if it could not), or `Refused` |
 //! | 0x81 | [`Reply::Export`] | id, generation; the fd by `SCM_RIGHTS` | |
 //! | 0x83 | [`Reply::NotReady`] | id: not restored within the owner's wait | |
 //! | 0x84 | [`Reply::Failed`] | id: the owner's export failed | |
 //! | 0x85 | [`Reply::Done`] | | |
 //! | 0x86 | [`Reply::Refused`] | reason (UTF-8, at most [`MAX_TEXT`] bytes) | |
 //! | 0x87 | [`Reply::Json`] | `u32` length, UTF-8 JSON | |
+//! | 0x89 | [`Reply::Shared`] | id, generation, offset, handle size; the fd by `SCM_RIGHTS` | |
 //! | 0x88 | [`Reply::Error`] | status `u16` (a code of the C ABI), `u32` length, message (UTF-8, at most [`MAX_MESSAGE`] bytes) | |
 //!
 //! Control requests (0x03 to 0x06) share the head of the others (from, to, group). Tags: a
@@ -103,6 +110,14 @@ pub enum Request {
         group: i64,
         buffers: Vec<Buffer>,
     },
+    /// About allocations of the owner shared with other processes ([`Share`]).
+    Shared {
+        from: Identity,
+        to: Identity,
+        group: i64,
+        op: Share,
+        buffers: Vec<Buffer>,
+    },
     /// `from` asks the addressee, which must serve control requests, to do `op`.
     Control {
         from: Identity,
@@ -110,6 +125,22 @@ pub enum Request {
         group: i64,
         op: Control,
     },
+}
+
+/// What a request about shared allocations asks ([`crate::shared`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Share {
+    /// Importer to owner: the fds of these allocations (each once its generation is at least
+    /// the one given); the sender becomes an importer of each.
+    Open,
+    /// Importer to owner: the sender closed its imports of these allocations.
+    Close,
+    /// Owner to importer: unmap and release your imports of these allocations (the owner is
+    /// pausing them); answered once done.
+    Release,
+    /// Owner to importer: these allocations are resident again at the generation given; map
+    /// them again at the same addresses; answered once done.
+    Rebuild,
 }
 
 /// What a control request asks of the process it is sent to (`control`).
@@ -147,6 +178,14 @@ pub enum Reply {
     Done,
     Refused {
         reason: String,
+    },
+    /// The owner exports shared allocation `id` at `generation`: its fd comes with the frame,
+    /// the allocation lies at `offset` in a physical allocation of `handle_size` bytes.
+    Shared {
+        id: u64,
+        generation: u64,
+        offset: u64,
+        handle_size: u64,
     },
     /// A control request's result.
     Json {
@@ -199,6 +238,11 @@ const STATS: u8 = 0x05;
 const RUN: u8 = 0x06;
 const R_JSON: u8 = 0x87;
 const R_ERROR: u8 = 0x88;
+const R_SHARED: u8 = 0x89;
+const OPEN: u8 = 0x07;
+const CLOSE: u8 = 0x08;
+const RELEASE: u8 = 0x09;
+const REBUILD: u8 = 0x0a;
 
 /// Reads fields off a body, front to back.
 struct Cursor<'a>(&'a [u8]);
@@ -294,6 +338,9 @@ impl Request {
             | Self::Released {
                 from, to, group, ..
             }
+            | Self::Shared {
+                from, to, group, ..
+            }
             | Self::Control {
                 from, to, group, ..
             } => (from, to, *group),
@@ -306,6 +353,12 @@ impl Request {
         let kind = match self {
             Self::Import { .. } => IMPORT,
             Self::Released { .. } => RELEASED,
+            Self::Shared { op, .. } => match op {
+                Share::Open => OPEN,
+                Share::Close => CLOSE,
+                Share::Release => RELEASE,
+                Share::Rebuild => REBUILD,
+            },
             Self::Control { op, .. } => match op {
                 Control::Pause { .. } => PAUSE,
                 Control::Resume { .. } => RESUME,
@@ -320,7 +373,9 @@ impl Request {
         put_identity(&mut out, to);
         out.extend_from_slice(&group.to_le_bytes());
         match self {
-            Self::Import { buffers, .. } | Self::Released { buffers, .. } => {
+            Self::Import { buffers, .. }
+            | Self::Released { buffers, .. }
+            | Self::Shared { buffers, .. } => {
                 assert!(buffers.len() <= MAX_BUFFERS, "callers split long requests");
                 out.extend_from_slice(&(buffers.len() as u32).to_le_bytes());
                 for i in buffers {
@@ -338,7 +393,10 @@ impl Request {
         check_len(body)?;
         let mut c = Cursor(body);
         let kind = c.u8()?;
-        if !matches!(kind, IMPORT | RELEASED | PAUSE | RESUME | STATS | RUN) {
+        if !matches!(
+            kind,
+            IMPORT | RELEASED | PAUSE | RESUME | STATS | RUN | OPEN | CLOSE | RELEASE | REBUILD
+        ) {
             return Err(DecodeError::UnknownKind(kind));
         }
         let from = c.identity()?;
@@ -390,20 +448,30 @@ impl Request {
             });
         }
         c.finish()?;
-        Ok(if kind == IMPORT {
-            Self::Import {
+        let share = |op| Self::Shared {
+            from,
+            to,
+            group,
+            op,
+            buffers: buffers.clone(),
+        };
+        Ok(match kind {
+            IMPORT => Self::Import {
                 from,
                 to,
                 group,
                 buffers,
-            }
-        } else {
-            Self::Released {
+            },
+            RELEASED => Self::Released {
                 from,
                 to,
                 group,
                 buffers,
-            }
+            },
+            OPEN => share(Share::Open),
+            CLOSE => share(Share::Close),
+            RELEASE => share(Share::Release),
+            _ => share(Share::Rebuild),
         })
     }
 }
@@ -492,6 +560,17 @@ impl Reply {
                 out.extend_from_slice(&id.to_le_bytes());
             }
             Self::Done => out.push(R_DONE),
+            Self::Shared {
+                id,
+                generation,
+                offset,
+                handle_size,
+            } => {
+                out.push(R_SHARED);
+                for v in [id, generation, offset, handle_size] {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
             Self::Refused { reason } => {
                 let reason = clip(reason, MAX_TEXT);
                 out.push(R_REFUSED);
@@ -525,6 +604,12 @@ impl Reply {
             R_NOT_READY => Self::NotReady { id: c.u64()? },
             R_FAILED => Self::Failed { id: c.u64()? },
             R_DONE => Self::Done,
+            R_SHARED => Self::Shared {
+                id: c.u64()?,
+                generation: c.u64()?,
+                offset: c.u64()?,
+                handle_size: c.u64()?,
+            },
             R_REFUSED => {
                 let n = c.u16()? as usize;
                 Self::Refused {
@@ -844,16 +929,26 @@ mod tests {
         ]
     }
 
+    fn share() -> impl Strategy<Value = Share> {
+        prop_oneof![
+            Just(Share::Open),
+            Just(Share::Close),
+            Just(Share::Release),
+            Just(Share::Rebuild),
+        ]
+    }
+
     fn request() -> impl Strategy<Value = Request> {
         (
-            0u8..3,
+            0u8..4,
             identity(),
             identity(),
             any::<i64>(),
             buffers(),
             control(),
+            share(),
         )
-            .prop_map(|(kind, from, to, group, buffers, op)| match kind {
+            .prop_map(|(kind, from, to, group, buffers, op, share)| match kind {
                 0 => Request::Import {
                     from,
                     to,
@@ -864,6 +959,13 @@ mod tests {
                     from,
                     to,
                     group,
+                    buffers,
+                },
+                2 => Request::Shared {
+                    from,
+                    to,
+                    group,
+                    op: share,
                     buffers,
                 },
                 _ => Request::Control {
@@ -882,6 +984,14 @@ mod tests {
             any::<u64>().prop_map(|id| Reply::NotReady { id }),
             any::<u64>().prop_map(|id| Reply::Failed { id }),
             Just(Reply::Done),
+            (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
+                |(id, generation, offset, handle_size)| Reply::Shared {
+                    id,
+                    generation,
+                    offset,
+                    handle_size,
+                }
+            ),
             "\\PC{0,300}".prop_map(|reason| Reply::Refused { reason }),
             "\\PC{0,300}".prop_map(|text| Reply::Json { text }),
             (any::<u16>(), "\\PC{0,300}")
@@ -917,17 +1027,18 @@ mod tests {
         /// Bytes that look like a request (a valid kind and head) with any count: the count
         /// is checked against the bytes there before anything is allocated.
         #[test]
-        fn a_request_head_with_any_count(kind in 1u8..=2, count in any::<u32>(),
+        fn a_request_head_with_any_count(kind in prop_oneof![1u8..=2, 7u8..=10], count in any::<u32>(),
                                          tail in proptest::collection::vec(any::<u8>(), 0..256)) {
             let mut body = vec![kind];
             body.extend_from_slice(&[0u8; 48]);
             body.extend_from_slice(&count.to_le_bytes());
             body.extend_from_slice(&tail);
             match Request::decode(&body) {
-                Ok(Request::Import { buffers, .. } | Request::Released { buffers, .. }) => {
+                Ok(Request::Import { buffers, .. } | Request::Released { buffers, .. }
+                   | Request::Shared { buffers, .. }) => {
                     prop_assert_eq!(buffers.len() * BUFFER, tail.len());
                 }
-                Ok(Request::Control { .. }) => prop_assert!(false, "kinds 1 and 2 only"),
+                Ok(Request::Control { .. }) => prop_assert!(false, "kinds with buffers only"),
                 Err(e) => prop_assert!(matches!(e, DecodeError::Truncated
                     | DecodeError::TrailingBytes(_) | DecodeError::TooManyBuffers(_))),
             }

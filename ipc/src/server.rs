@@ -64,6 +64,9 @@ pub enum Service {
     Buffers,
     /// [`Request::Control`]: this process's allocator, run for another process.
     Control,
+    /// [`Request::Shared`]: allocations shared through CUDA IPC handles ([`crate::shared`]),
+    /// their opens and closes (as owner) and their release and rebuild (as importer).
+    Shared,
 }
 
 impl Service {
@@ -72,6 +75,7 @@ impl Service {
         match request {
             Request::Import { .. } | Request::Released { .. } => Self::Buffers,
             Request::Control { .. } => Self::Control,
+            Request::Shared { .. } => Self::Shared,
         }
     }
 }
@@ -440,7 +444,10 @@ fn serve(a: Arrived, my_group: i64, me: Identity) {
         );
         return;
     }
-    if let Request::Import { from, .. } | Request::Released { from, .. } = &request {
+    if let Request::Import { from, .. }
+    | Request::Released { from, .. }
+    | Request::Shared { from, .. } = &request
+    {
         identity::remember_start(from.pid, from.start);
     }
     let conn = Connection { stream, cred_pid };
@@ -455,6 +462,7 @@ fn serve(a: Arrived, my_group: i64, me: Identity) {
         (None, Request::Control { .. }) => {
             conn.refuse("this build of memsaver serves no control requests");
         }
+        (None, Request::Shared { .. }) => conn.refuse(NO_BUFFER),
     }
 }
 

@@ -43,7 +43,9 @@ impl Handler for Exports {
                 drop(reg);
                 let _ = conn.send(&Reply::Done, None, Instant::now() + WRITE_TIMEOUT);
             }
-            Request::Control { .. } => conn.refuse("not a request for buffers"),
+            Request::Control { .. } | Request::Shared { .. } => {
+                conn.refuse("not a request for buffers")
+            }
         }
     }
 }

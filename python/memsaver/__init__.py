@@ -66,7 +66,7 @@ from ._memsaver import (
     UnknownPointerError,
     UnknownTagError,
 )
-from ._stats import Allocation, Stats, TagStats, Usage
+from ._stats import Allocation, SharedExport, SharedImport, Stats, TagStats, Usage
 from .control import register_callback, serve_control
 from .profile import Profile, ProfileStepError, StageReport, StepReport, load_profile, parse_profile
 
@@ -94,6 +94,8 @@ __all__ = [
     "TagStats",
     "Usage",
     "Allocation",
+    "SharedExport",
+    "SharedImport",
     # hook mode and launching
     "hook_mode",
     "require_preload",

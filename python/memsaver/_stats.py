@@ -60,6 +60,29 @@ class TagStats:
 
 
 @dataclass(frozen=True)
+class SharedExport:
+    """One tag's memory this process gave CUDA IPC handles of: ``handles`` allocations shared,
+    ``bytes`` their size, ``importers`` the processes that have them open now."""
+
+    handles: int
+    bytes: int
+    importers: int
+
+
+@dataclass(frozen=True)
+class SharedImport:
+    """Memory of another memsaver process (``owner_pid``) that this one opened through a CUDA
+    IPC handle: ``bytes``, ``paused`` while its owner has it paused (the address stays
+    reserved; touching it then is the same mistake as touching a paused tensor), ``opens``
+    the opens not closed yet."""
+
+    owner_pid: int
+    bytes: int
+    paused: bool
+    opens: int
+
+
+@dataclass(frozen=True)
 class Stats:
     """Every tag of the process (``tags``, by name) and the process total.
 
@@ -70,6 +93,9 @@ class Stats:
     difference across a pause or resume is what it asked of the driver. ``freed_held_bytes`` is
     device memory of freed allocations still held because a resume backed them together with
     their neighbours (``MEMSAVER_MERGE_MB``); it is released at the tag's next pause.
+    ``shared_exports`` (by tag) and ``shared_imports`` are the memory shared with other
+    processes through CUDA IPC handles (``cudaIpcGetMemHandle`` under the preload, e.g.
+    torch.multiprocessing's CUDA tensors).
     """
 
     tags: dict[str, TagStats]
@@ -77,6 +103,8 @@ class Stats:
     backups_preparing: int = 0
     freed_held_bytes: int = 0
     driver_calls: dict[str, int] = field(default_factory=dict)
+    shared_exports: dict[str, SharedExport] = field(default_factory=dict)
+    shared_imports: list[SharedImport] = field(default_factory=list)
 
     def __str__(self) -> str:
         return format_table(self)
@@ -143,6 +171,14 @@ def parse(text: str) -> Stats:
         backups_preparing=int(doc.get("backups_preparing", 0)),
         freed_held_bytes=int(doc.get("freed_held_bytes", 0)),
         driver_calls={str(k): int(v) for k, v in doc.get("driver_calls", {}).items()},
+        shared_exports={
+            str(k): SharedExport(int(v["handles"]), int(v["bytes"]), int(v["importers"]))
+            for k, v in doc.get("shared", {}).get("exports", {}).items()
+        },
+        shared_imports=[
+            SharedImport(int(i["owner_pid"]), int(i["bytes"]), bool(i["paused"]), int(i["opens"]))
+            for i in doc.get("shared", {}).get("imports", [])
+        ],
     )
 
 

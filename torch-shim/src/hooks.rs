@@ -205,3 +205,138 @@ pub extern "C" fn memsaver_torch_free(
         Err(_) => {}
     }
 }
+
+/// `cudaIpcMemHandle_t`: 64 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CudaIpcMemHandle {
+    pub reserved: [u8; memsaver_ipc::shared::HANDLE_BYTES],
+}
+
+/// `cudaErrorInvalidResourceHandle`: a handle that cannot be opened.
+const CUDA_ERROR_INVALID_RESOURCE_HANDLE: c_int = 400;
+/// `cudaErrorMapBufferObjectFailed`: the owner refused or could not serve the memory.
+const CUDA_ERROR_MAP_BUFFER_OBJECT_FAILED: c_int = 205;
+
+type CudaIpcGetMemHandle = unsafe extern "C" fn(*mut CudaIpcMemHandle, *mut c_void) -> c_int;
+type CudaIpcOpenMemHandle =
+    unsafe extern "C" fn(*mut *mut c_void, CudaIpcMemHandle, std::ffi::c_uint) -> c_int;
+type CudaIpcCloseMemHandle = unsafe extern "C" fn(*mut c_void) -> c_int;
+
+/// The real libcudart function `name`, as `F`.
+///
+/// # Safety
+/// `F` is the C signature of `name`.
+unsafe fn real<F: Copy>(name: &CStr) -> Option<F> {
+    let p = real_symbol(name)?;
+    // SAFETY: guaranteed by the caller; a function pointer has the size of a data pointer.
+    Some(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) })
+}
+
+/// `cudaIpcGetMemHandle`, interposed: a handle of memsaver's own (see
+/// `memsaver_ipc::shared`) for memory memsaver allocated, the real runtime's otherwise.
+///
+/// # Safety
+/// As `cudaIpcGetMemHandle`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaIpcGetMemHandle(
+    handle: *mut CudaIpcMemHandle,
+    dev_ptr: *mut c_void,
+) -> c_int {
+    catch_unwind(AssertUnwindSafe(|| {
+        if handle.is_null() {
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        match memsaver_ipc::shared::handle_of(dev_ptr as u64) {
+            Ok(Some(h)) => {
+                // SAFETY: non-null out-pointer per the function's contract.
+                unsafe {
+                    (*handle).reserved = h.encode();
+                }
+                CUDA_SUCCESS
+            }
+            Ok(None) => {
+                // SAFETY: the C signature of cudaIpcGetMemHandle.
+                match unsafe { real::<CudaIpcGetMemHandle>(c"cudaIpcGetMemHandle") } {
+                    // SAFETY: forwarding the caller's arguments.
+                    Some(f) => unsafe { f(handle, dev_ptr) },
+                    None => CUDA_ERROR_INITIALIZATION,
+                }
+            }
+            Err(e) => {
+                tracing::warn!("cudaIpcGetMemHandle of memsaver memory failed: {e}");
+                set_last_error(&e);
+                CUDA_ERROR_INVALID_VALUE
+            }
+        }
+    }))
+    .unwrap_or(CUDA_ERROR_INVALID_VALUE)
+}
+
+/// `cudaIpcOpenMemHandle`, interposed: memsaver's handles are opened through their owner (the
+/// import follows the owner's pauses and resumes), others by the real runtime.
+///
+/// # Safety
+/// As `cudaIpcOpenMemHandle`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaIpcOpenMemHandle(
+    dev_ptr: *mut *mut c_void,
+    handle: CudaIpcMemHandle,
+    flags: std::ffi::c_uint,
+) -> c_int {
+    catch_unwind(AssertUnwindSafe(|| {
+        if dev_ptr.is_null() {
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        match memsaver_ipc::shared::open(&handle.reserved) {
+            Ok(Some(p)) => {
+                // SAFETY: non-null out-pointer per the function's contract.
+                unsafe { *dev_ptr = p as *mut c_void };
+                CUDA_SUCCESS
+            }
+            Ok(None) => {
+                // SAFETY: the C signature of cudaIpcOpenMemHandle.
+                match unsafe { real::<CudaIpcOpenMemHandle>(c"cudaIpcOpenMemHandle") } {
+                    // SAFETY: forwarding the caller's arguments.
+                    Some(f) => unsafe { f(dev_ptr, handle, flags) },
+                    None => CUDA_ERROR_INITIALIZATION,
+                }
+            }
+            Err(e) => {
+                tracing::warn!("cudaIpcOpenMemHandle of memsaver memory failed: {e}");
+                set_last_error(&e);
+                CUDA_ERROR_MAP_BUFFER_OBJECT_FAILED
+            }
+        }
+    }))
+    .unwrap_or(CUDA_ERROR_INVALID_RESOURCE_HANDLE)
+}
+
+/// `cudaIpcCloseMemHandle`, interposed: imports of memsaver memory are released here (and
+/// their owner told), others by the real runtime.
+///
+/// # Safety
+/// As `cudaIpcCloseMemHandle`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaIpcCloseMemHandle(dev_ptr: *mut c_void) -> c_int {
+    catch_unwind(AssertUnwindSafe(|| {
+        match memsaver_ipc::shared::close(dev_ptr as u64) {
+            Some(Ok(())) => CUDA_SUCCESS,
+            Some(Err(e)) => {
+                // Released here; only the owner's notice failed.
+                tracing::warn!("cudaIpcCloseMemHandle: {e}");
+                set_last_error(&e);
+                CUDA_SUCCESS
+            }
+            None => {
+                // SAFETY: the C signature of cudaIpcCloseMemHandle.
+                match unsafe { real::<CudaIpcCloseMemHandle>(c"cudaIpcCloseMemHandle") } {
+                    // SAFETY: forwarding the caller's argument.
+                    Some(f) => unsafe { f(dev_ptr) },
+                    None => CUDA_ERROR_INITIALIZATION,
+                }
+            }
+        }
+    }))
+    .unwrap_or(CUDA_ERROR_INVALID_VALUE)
+}

@@ -25,7 +25,12 @@
 //! then allocations outside any region get that tag and `MEMSAVER_PROCESS_BACKUP`'s policy
 //! (whole-process mode; the process tag accepts new, resident allocations while paused, and
 //! resume skips them). Without preload, torch's CUDAPluggableAllocator calls
-//! `memsaver_torch_malloc` and `memsaver_torch_free`, inside regions only.
+//! `memsaver_torch_malloc` and `memsaver_torch_free`, inside regions only. Under LD_PRELOAD it
+//! also defines cudaIpcGetMemHandle, cudaIpcOpenMemHandle and cudaIpcCloseMemHandle: memory
+//! memsaver allocated is shared with other memsaver processes of the same user, group and pid
+//! namespace through handles of memsaver's own, and an opened handle follows its owner's
+//! pauses and resumes (docs/architecture.md, "Memory shared with other processes"); other
+//! memory goes to libcudart untouched.
 //!
 //! Control (`memsaver_control_*`): a process that opted in (`MEMSAVER_CONTROL=1`, or
 //! `memsaver_control_serve`) serves pause, resume, stats and profile-stage requests from
@@ -344,7 +349,9 @@ pub unsafe extern "C" fn memsaver_register_tag(tag: *const c_char) -> c_int {
 /// Writes the stats as JSON (see "JSON out-parameters" above): {"tags":[{"tag","paused",
 /// "allocations","reserved_bytes","resident_bytes","backup_bytes","pinned_backup_bytes",
 /// "mmap_backup_bytes","disk_backup_bytes","devices":[...]}],"total":{...}}. backup_bytes is
-/// host memory (pinned + mmap); disk files are counted apart.
+/// host memory (pinned + mmap); disk files are counted apart. "shared": memory shared through
+/// CUDA IPC handles: {"exports":{TAG:{"handles","bytes","importers"}},"imports":[{"owner_pid",
+/// "bytes","paused","opens"}]}.
 ///
 /// # Safety
 /// `buf` is valid for `len` bytes of writes (or NULL with `len == 0`); `needed` is NULL or a
@@ -358,7 +365,16 @@ pub unsafe extern "C" fn memsaver_stats_json(
     // SAFETY: forwarded contract.
     unsafe {
         write_json(buf, len, needed, || {
-            Ok(serde_json::to_string(&allocator()?.stats()))
+            let stats = allocator()?.stats();
+            Ok(serde_json::to_value(&stats).and_then(|mut doc| {
+                // Memory shared with other processes through CUDA IPC handles: this process's
+                // exports per tag, and its imports of other processes' memory.
+                doc["shared"] = serde_json::json!({
+                    "exports": memsaver_ipc::shared::exports(),
+                    "imports": memsaver_ipc::shared::imports(),
+                });
+                serde_json::to_string(&doc)
+            }))
         })
     }
 }

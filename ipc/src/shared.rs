@@ -1,0 +1,812 @@
+//! Memory memsaver allocated, opened by other processes through CUDA IPC handles
+//! (`cudaIpcGetMemHandle` / `cudaIpcOpenMemHandle` / `cudaIpcCloseMemHandle`, which
+//! libmemsaver.so interposes): an import of it follows its owner's tag.
+//!
+//! **The handle** ([`IpcHandle`], the 64 bytes of a `cudaIpcMemHandle_t`): magic `MSIP`,
+//! version, the owner's identity (pid, start time, nonce) and group, the allocation's id there,
+//! its **key** (64 random bits the owner drew when it first gave a handle of the allocation;
+//! only the handle carries it) and its size. An owner refuses a request that names an
+//! allocation it does not have with that key, whatever else it says: a forged handle, or one
+//! of an allocation since freed, opens nothing.
+//!
+//! **Owner** ([`handle_of`], [`Owner`]): giving a handle marks the allocation shared in the
+//! core (`Allocator::share`: a resume gives it a physical allocation of its own), starts this
+//! process's server and records the export. An importer's [`Share::Open`] is answered with a
+//! new fd of the physical memory ([`Reply::Shared`]) and the importer is recorded;
+//! [`Share::Close`] forgets it. The core calls [`Owner`] (the allocator's
+//! [`memsaver_allocator::Sharing`], registered by the start hook here) around each transition:
+//! before a pause releases shared allocations, every importer is asked to unmap and release
+//! its imports ([`Share::Release`]), all at once and waited for under one deadline
+//! (`MEMSAVER_IPC_TIMEOUT_MS`, [`crate::deadline::PerPeer`]); an importer that exited counts as
+//! released and is forgotten; one that does not answer in time is reported. After a resume
+//! restored them, every importer is told to map the new generation ([`Share::Rebuild`]).
+//!
+//! **Importer** ([`open`], [`close`]): an open asks the owner for the fd, imports it, reserves
+//! address space for the whole physical allocation, maps it and grants the calling thread's
+//! device access; the pointer handed out never changes. Opening a handle again gives the same
+//! pointer (counted; the last close releases it). On [`Share::Release`] the import is unmapped
+//! and its handle released (the address stays reserved; [`imports`] shows it paused); on
+//! [`Share::Rebuild`] the importer asks the owner for the new fd and maps it at the same place.
+//!
+//! Lock order: the core's `transition`, then [`EXPORTS`], then the core's `table`; [`IMPORTS`]
+//! is held across an importer's exchange with an owner (an open, a rebuild) and never while
+//! this process waits for its own importers. No lock here is held while waiting for a peer that
+//! might wait for it.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::{Arc, LazyLock};
+use std::time::Instant;
+
+use memsaver_allocator::driver::Handle;
+use memsaver_allocator::{Allocator, Error, StartHook};
+use parking_lot::Mutex;
+
+use crate::client;
+use crate::deadline::{Outcome, PerPeer};
+use crate::group;
+use crate::identity::{self, Identity};
+use crate::log::note;
+use crate::protocol::{Buffer, Reply, Request, Share};
+use crate::server::{self, Connection, Handler, NO_BUFFER, Route, Service, WRITE_TIMEOUT};
+
+/// Bytes of a `cudaIpcMemHandle_t`.
+pub const HANDLE_BYTES: usize = 64;
+const MAGIC: [u8; 4] = *b"MSIP";
+const VERSION: u16 = 1;
+
+/// The option that sets [`timeout`], named in progress lines.
+pub const TIMEOUT_SETTING: &str = "MEMSAVER_IPC_TIMEOUT_MS";
+
+/// How long an owner waits for its importers, and an importer for an owner.
+pub fn timeout() -> std::time::Duration {
+    crate::options::get().ipc_timeout
+}
+
+/// A CUDA IPC handle of memory memsaver owns (see the module documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpcHandle {
+    pub owner: Identity,
+    pub group: i64,
+    pub id: u64,
+    pub key: u64,
+    pub size: u64,
+}
+
+impl IpcHandle {
+    pub fn encode(&self) -> [u8; HANDLE_BYTES] {
+        let mut b = [0u8; HANDLE_BYTES];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[8..12].copy_from_slice(&self.owner.pid.to_le_bytes());
+        b[12..20].copy_from_slice(&self.owner.start.to_le_bytes());
+        b[20..28].copy_from_slice(&self.owner.nonce.to_le_bytes());
+        b[28..36].copy_from_slice(&self.group.to_le_bytes());
+        b[36..44].copy_from_slice(&self.id.to_le_bytes());
+        b[44..52].copy_from_slice(&self.key.to_le_bytes());
+        b[52..60].copy_from_slice(&self.size.to_le_bytes());
+        b
+    }
+
+    /// The handle `b` spells, or `None` when it is not one of memsaver's (a handle of the real
+    /// CUDA runtime, or one with a version or reserved bytes this build does not know).
+    pub fn decode(b: &[u8; HANDLE_BYTES]) -> Option<Self> {
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        if b[0..4] != MAGIC
+            || u16::from_le_bytes([b[4], b[5]]) != VERSION
+            || b[6..8] != [0, 0]
+            || b[60..64] != [0; 4]
+        {
+            return None;
+        }
+        Some(Self {
+            owner: Identity {
+                pid: u32::from_le_bytes(b[8..12].try_into().expect("4 bytes")),
+                start: u64_at(12),
+                nonce: u64_at(20),
+            },
+            group: u64_at(28) as i64,
+            id: u64_at(36),
+            key: u64_at(44),
+            size: u64_at(52),
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The owner's side.
+
+/// One allocation this process gave a handle of.
+struct Export {
+    key: u64,
+    tag: String,
+    size: u64,
+    /// Times the owner re-created its memory (each resume after a pause).
+    generation: u64,
+    /// Between a pause's release and the resume's rebuild: opens are answered `NotReady`.
+    paused: bool,
+    /// The processes that opened it (and have not closed it), by pid.
+    importers: BTreeMap<u32, Identity>,
+}
+
+/// This process's exports, by allocation id.
+static EXPORTS: LazyLock<Mutex<HashMap<u64, Export>>> = LazyLock::new(Default::default);
+
+/// The handle of the memsaver allocation holding `ptr`, or `Ok(None)` when memsaver did not
+/// allocate it (the caller forwards to the real runtime).
+pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>, String> {
+    let Some(a) = memsaver_allocator::global_if_started() else {
+        return Ok(None);
+    };
+    let shared = match a.share(ptr) {
+        Ok(s) => s,
+        Err(Error::UnknownPointer { .. }) => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
+    // Importers answer the owner's release and rebuild requests on this server, and open
+    // through it.
+    server::ensure_server().map_err(|e| {
+        format!("cannot share memsaver memory with other processes: this process cannot serve its socket: {e}")
+    })?;
+    let key = {
+        let mut ex = EXPORTS.lock();
+        match ex.get(&shared.id) {
+            Some(e) => e.key,
+            None => {
+                let key = identity::new_key()
+                    .map_err(|e| format!("cannot draw a key for a CUDA IPC handle: {e}"))?;
+                ex.insert(
+                    shared.id,
+                    Export {
+                        key,
+                        tag: shared.tag.clone(),
+                        size: shared.size as u64,
+                        generation: 0,
+                        paused: false,
+                        importers: BTreeMap::new(),
+                    },
+                );
+                key
+            }
+        }
+    };
+    Ok(Some(IpcHandle {
+        owner: identity::me(),
+        group: group::fix(),
+        id: shared.id,
+        key,
+        size: shared.size as u64,
+    }))
+}
+
+/// Forgets the exports of allocations freed since: a handle of a freed allocation (its id is
+/// never reused) names nothing any more, and is refused like a forged one.
+fn forget_freed(ex: &mut HashMap<u64, Export>) {
+    if let Some(a) = memsaver_allocator::global_if_started() {
+        ex.retain(|id, _| a.shared_allocation(*id).is_some());
+    }
+}
+
+/// Whether `b` names export `e` (the key compared without branching on its bits).
+fn names(e: &Export, b: &Buffer) -> bool {
+    std::hint::black_box(e.key ^ b.key) == 0
+}
+
+/// The owner's answers: opens and closes of its exports.
+fn serve_owner(conn: &Connection, from: Identity, op: Share, buffers: &[Buffer]) {
+    let known = {
+        let mut ex = EXPORTS.lock();
+        forget_freed(&mut ex);
+        buffers.iter().fold(true, |ok, b| {
+            ok & ex.get(&b.id).is_some_and(|e| names(e, b))
+        })
+    };
+    if !known {
+        conn.refuse(NO_BUFFER);
+        return;
+    }
+    let write_by = Instant::now() + WRITE_TIMEOUT;
+    if op == Share::Close {
+        let mut ex = EXPORTS.lock();
+        for b in buffers {
+            if let Some(e) = ex.get_mut(&b.id) {
+                e.importers.remove(&from.pid);
+            }
+        }
+        drop(ex);
+        let _ = conn.send(&Reply::Done, None, write_by);
+        return;
+    }
+    let allocator = memsaver_allocator::start_global();
+    for b in buffers {
+        // Under EXPORTS: a pause marks the export paused under it before it releases anything,
+        // so the handle read here stays valid until the fd is made.
+        let (reply, fd): (Reply, Option<OwnedFd>) = {
+            let mut ex = EXPORTS.lock();
+            let Some(e) = ex.get_mut(&b.id) else {
+                // Its allocation was freed (and the export forgotten) since the check above.
+                let reply = Reply::Failed { id: b.id };
+                let _ = conn.send(&reply, None, write_by);
+                continue;
+            };
+            if e.paused || e.generation < b.generation {
+                (Reply::NotReady { id: b.id }, None)
+            } else {
+                match allocator
+                    .as_ref()
+                    .map_err(|e| e.to_string())
+                    .and_then(|a| a.export_shared(b.id).map_err(|e| e.to_string()))
+                {
+                    Ok(Some(m)) => {
+                        e.importers.insert(from.pid, from);
+                        let reply = Reply::Shared {
+                            id: b.id,
+                            generation: e.generation,
+                            offset: m.offset,
+                            handle_size: m.handle_size as u64,
+                        };
+                        (reply, Some(m.fd))
+                    }
+                    Ok(None) => (Reply::NotReady { id: b.id }, None),
+                    Err(err) => {
+                        note(format!(
+                            "cannot export memsaver memory to process {}: {err}",
+                            from.pid
+                        ));
+                        (Reply::Failed { id: b.id }, None)
+                    }
+                }
+            }
+        };
+        if conn
+            .send(&reply, fd.as_ref().map(|f| f.as_fd()), write_by)
+            .is_err()
+        {
+            // The importer is gone or gave up: it holds none of what was not delivered.
+            if fd.is_some()
+                && let Some(e) = EXPORTS.lock().get_mut(&b.id)
+            {
+                e.importers.remove(&from.pid);
+            }
+            return;
+        }
+    }
+}
+
+/// The allocator's [`memsaver_allocator::Sharing`]: releases and rebuilds of importers.
+pub struct Owner;
+
+impl Owner {
+    /// Sends `op` for the exports `ids` to each of their importers at once and waits for them
+    /// under one deadline. Returns the pids that exited (forgotten as importers).
+    fn tell_importers(&self, ids: &[u64], op: Share, pausing: bool) {
+        let group = group::id();
+        let mut per: BTreeMap<u32, (Identity, Vec<Buffer>)> = BTreeMap::new();
+        {
+            let mut ex = EXPORTS.lock();
+            for id in ids {
+                let Some(e) = ex.get_mut(id) else { continue };
+                if pausing {
+                    e.paused = true;
+                } else {
+                    e.paused = false;
+                    e.generation += 1;
+                }
+                for (pid, who) in &e.importers {
+                    per.entry(*pid)
+                        .or_insert_with(|| (*who, Vec::new()))
+                        .1
+                        .push(Buffer {
+                            id: *id,
+                            key: e.key,
+                            generation: e.generation,
+                        });
+                }
+            }
+        }
+        if per.is_empty() {
+            return;
+        }
+        let what = if pausing { "release" } else { "map again" };
+        let deadline = Instant::now() + timeout();
+        let wait = timeout();
+        let outcomes = PerPeer::start(
+            "ipc-owner",
+            TIMEOUT_SETTING,
+            per.clone(),
+            deadline,
+            move |_pid, (who, buffers): (Identity, Vec<Buffer>)| {
+                let request = Request::Shared {
+                    from: identity::me(),
+                    to: who,
+                    group,
+                    op,
+                    buffers,
+                };
+                match client::exchange(group, &who, request, 1, wait) {
+                    Ok(replies) => match replies.into_iter().next() {
+                        Some((Reply::Done, _)) => Ok(()),
+                        Some((Reply::Error { message, .. }, _)) => Err(message),
+                        other => Err(format!("answered {other:?}")),
+                    },
+                    Err(e) if !identity::is_running(&who) => Err(format!("exited ({e})")),
+                    Err(e) => Err(e),
+                }
+            },
+            |_pid, _r| {},
+        )
+        .finish(
+            deadline,
+            &format!("waiting for processes to {what} memsaver memory they opened"),
+            group,
+        );
+        let mut gone = BTreeSet::new();
+        for (pid, o) in outcomes {
+            let who = per[&pid].0;
+            match o {
+                Outcome::Done(Ok(())) => {}
+                Outcome::Done(Err(_)) | Outcome::NoAnswer | Outcome::NotStarted(_)
+                    if !identity::is_running(&who) =>
+                {
+                    // A dead importer holds nothing: its mappings went with it.
+                    gone.insert(pid);
+                }
+                Outcome::Done(Err(e)) => tracing::warn!(
+                    "memsaver: process {pid} (group {group}) could not {what} memsaver memory it opened: {e}"
+                ),
+                Outcome::NoAnswer => tracing::warn!(
+                    "memsaver: process {pid} (group {group}) did not {what} memsaver memory it opened within {} ms ({TIMEOUT_SETTING}); its mapping may keep the old memory alive",
+                    timeout().as_millis()
+                ),
+                Outcome::NotStarted(e) => tracing::warn!(
+                    "memsaver: cannot ask process {pid} to {what} memsaver memory it opened: {e}"
+                ),
+            }
+        }
+        if !gone.is_empty() {
+            let mut ex = EXPORTS.lock();
+            for e in ex.values_mut() {
+                e.importers.retain(|pid, _| !gone.contains(pid));
+            }
+        }
+    }
+}
+
+impl memsaver_allocator::Sharing for Owner {
+    fn before_release(&self, ids: &[u64]) {
+        self.tell_importers(ids, Share::Release, true);
+    }
+
+    fn after_resume(&self, ids: &[u64]) {
+        self.tell_importers(ids, Share::Rebuild, false);
+    }
+}
+
+#[linkme::distributed_slice(memsaver_allocator::START_HOOKS)]
+static START: StartHook = StartHook {
+    name: "memsaver-ipc shared memory",
+    order: 0,
+    run: register,
+};
+
+fn register(a: &'static Allocator) -> Result<(), String> {
+    a.set_sharing(Arc::new(Owner));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The importer's side.
+
+/// One open handle in this process.
+struct Import {
+    owner: Identity,
+    group: i64,
+    id: u64,
+    key: u64,
+    generation: u64,
+    /// The allocation's size in the owner.
+    size: u64,
+    /// The pointer handed out (never changes).
+    ptr: u64,
+    /// The address range reserved for it (the physical allocation it lay in when first opened).
+    reserved: (u64, usize),
+    /// The device it is mapped for (the caller's current device at open).
+    device: i32,
+    /// The imported handle and where it is mapped, while mapped.
+    mapped: Option<(Handle, u64, usize)>,
+    /// Opens not closed yet.
+    opens: u32,
+}
+
+/// This process's imports, by the pointer handed out.
+static IMPORTS: LazyLock<Mutex<BTreeMap<u64, Import>>> = LazyLock::new(Default::default);
+
+/// Asks `owner` for the fd of allocation `b`: the reply's generation, offset and handle size.
+fn fetch(group: i64, owner: &Identity, b: Buffer) -> Result<(OwnedFd, u64, u64, usize), String> {
+    let request = Request::Shared {
+        from: identity::me(),
+        to: *owner,
+        group,
+        op: Share::Open,
+        buffers: vec![b],
+    };
+    let pid = owner.pid;
+    let replies = client::exchange(group, owner, request, 1, timeout()).map_err(|e| {
+        if identity::is_running(owner) {
+            e
+        } else {
+            format!("the owner of this memory, process {pid}, exited: {e}")
+        }
+    })?;
+    match replies.into_iter().next() {
+        Some((
+            Reply::Shared {
+                id,
+                generation,
+                offset,
+                handle_size,
+            },
+            Some(fd),
+        )) if id == b.id => Ok((fd, generation, offset, handle_size as usize)),
+        Some((Reply::NotReady { .. }, _)) => Err(format!(
+            "process {pid} has this memory paused: resume its tag in process {pid} first"
+        )),
+        Some((Reply::Failed { .. }, _)) => Err(format!(
+            "process {pid} could not export this memory (its driver failed)"
+        )),
+        other => Err(format!("process {pid} answered {other:?}")),
+    }
+}
+
+/// Imports `fd` and maps it at `at` for `device`; the handle on success.
+fn map_fd(a: &Allocator, fd: &OwnedFd, at: u64, len: usize, device: i32) -> Result<Handle, String> {
+    let d = a.driver();
+    let dev = a.device(device).map_err(|e| e.to_string())?;
+    let h = d.import_fd(fd.as_raw_fd()).map_err(|e| e.to_string())?;
+    // SAFETY: `[at, at+len)` lies in a range this module reserved, with nothing mapped in it.
+    let mapped = d.with_context(dev.ctx, || unsafe { d.map(at, len, h, device) });
+    if let Err(e) = mapped {
+        let _ = d.release(h);
+        return Err(e.to_string());
+    }
+    Ok(h)
+}
+
+/// `cudaIpcOpenMemHandle` of memsaver's handle `bytes`: `Ok(None)` when `bytes` is not one
+/// (the caller forwards to the real runtime), else the pointer or why not.
+pub fn open(bytes: &[u8; HANDLE_BYTES]) -> Result<Option<u64>, String> {
+    let Some(h) = IpcHandle::decode(bytes) else {
+        return Ok(None);
+    };
+    let pid = h.owner.pid;
+    if h.owner == identity::me() {
+        return Err(
+            "cudaIpcOpenMemHandle: this handle is of memory of this very process (use the pointer itself)".into(),
+        );
+    }
+    let mine = group::fix();
+    if h.group != mine {
+        return Err(format!(
+            "the memory belongs to process {pid} of group {}, this process is in group {mine}: \
+             groups do not share memory; give every process of one job the same group \
+             (MEMSAVER_GROUP or memsaver.set_group)",
+            h.group
+        ));
+    }
+    let a = memsaver_allocator::start_global().map_err(|e| e.to_string())?;
+    server::ensure_server().map_err(|e| {
+        format!("cannot open memsaver memory of process {pid}: this process cannot serve its socket: {e}")
+    })?;
+    // Held across the exchange: the owner's release of this import waits until it is recorded.
+    let mut imports = IMPORTS.lock();
+    if let Some((&ptr, i)) = imports
+        .iter_mut()
+        .find(|(_, i)| i.owner == h.owner && i.id == h.id)
+    {
+        i.opens += 1;
+        return Ok(Some(ptr));
+    }
+    let want = Buffer {
+        id: h.id,
+        key: h.key,
+        generation: 0,
+    };
+    let (fd, generation, offset, handle_size) = fetch(h.group, &h.owner, want)?;
+    let device = a.driver().current_device().unwrap_or(0);
+    let gran = a.granularity(device).map_err(|e| e.to_string())?;
+    let ctx = a.device(device).map_err(|e| e.to_string())?.ctx;
+    let base = a
+        .driver()
+        .with_context(ctx, || a.driver().reserve(handle_size, gran, 0))
+        .map_err(|e| e.to_string())?;
+    let handle = match map_fd(a, &fd, base, handle_size, device) {
+        Ok(handle) => handle,
+        Err(e) => {
+            // SAFETY: reserved above, nothing mapped.
+            let _ = unsafe { a.driver().address_free(base, handle_size) };
+            drop(imports);
+            let _ = client::exchange(
+                h.group,
+                &h.owner,
+                Request::Shared {
+                    from: identity::me(),
+                    to: h.owner,
+                    group: h.group,
+                    op: Share::Close,
+                    buffers: vec![want],
+                },
+                1,
+                timeout(),
+            );
+            return Err(format!("cannot map memory of process {pid}: {e}"));
+        }
+    };
+    let ptr = base + offset;
+    imports.insert(
+        ptr,
+        Import {
+            owner: h.owner,
+            group: h.group,
+            id: h.id,
+            key: h.key,
+            generation,
+            size: h.size,
+            ptr,
+            reserved: (base, handle_size),
+            device,
+            mapped: Some((handle, base, handle_size)),
+            opens: 1,
+        },
+    );
+    Ok(Some(ptr))
+}
+
+/// Unmaps and releases an import's mapping (the address stays reserved).
+fn unmap(a: &Allocator, i: &mut Import) {
+    if let Some((h, at, len)) = i.mapped.take() {
+        let d = a.driver();
+        let ctx = a.device(i.device).map(|dev| dev.ctx);
+        let work = || {
+            // No queued kernel of this process may still use the memory.
+            d.synchronize()?;
+            // SAFETY: mapped by this module, and the device is synchronised; touching it
+            // later is the caller's mistake, as touching a paused tensor.
+            unsafe { d.unmap(at, len) }
+        };
+        let r = match ctx {
+            Ok(ctx) => d.with_context(ctx, work),
+            Err(_) => work(),
+        };
+        if let Err(e) = r {
+            note(format!(
+                "cannot unmap memory opened from process {}: {e}",
+                i.owner.pid
+            ));
+        }
+        let _ = d.release(h);
+    }
+}
+
+/// `cudaIpcCloseMemHandle(ptr)`: `None` when `ptr` is not an import of memsaver memory.
+pub fn close(ptr: u64) -> Option<Result<(), String>> {
+    let mut imports = IMPORTS.lock();
+    let i = imports.get_mut(&ptr)?;
+    i.opens -= 1;
+    if i.opens > 0 {
+        return Some(Ok(()));
+    }
+    let mut i = imports.remove(&ptr).expect("found above");
+    drop(imports);
+    let a = match memsaver_allocator::start_global() {
+        Ok(a) => a,
+        Err(e) => return Some(Err(e.to_string())),
+    };
+    unmap(a, &mut i);
+    // SAFETY: reserved by `open`, nothing mapped in it any more.
+    let _ = unsafe { a.driver().address_free(i.reserved.0, i.reserved.1) };
+    let request = Request::Shared {
+        from: identity::me(),
+        to: i.owner,
+        group: i.group,
+        op: Share::Close,
+        buffers: vec![Buffer {
+            id: i.id,
+            key: i.key,
+            generation: i.generation,
+        }],
+    };
+    // The memory is released here either way; an owner that exited needs no notice.
+    match client::exchange(i.group, &i.owner, request, 1, timeout()) {
+        Ok(_) => Some(Ok(())),
+        Err(_) if !identity::is_running(&i.owner) => Some(Ok(())),
+        Err(e) => Some(Err(format!(
+            "closed, but process {} was not told: {e}",
+            i.owner.pid
+        ))),
+    }
+}
+
+/// The importer's answers to its owners: release, rebuild.
+fn serve_importer(conn: &Connection, from: Identity, op: Share, buffers: &[Buffer]) {
+    let write_by = Instant::now() + WRITE_TIMEOUT;
+    let a = match memsaver_allocator::start_global() {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = conn.send(
+                &Reply::Error {
+                    status: 0,
+                    message: e.to_string(),
+                },
+                None,
+                write_by,
+            );
+            return;
+        }
+    };
+    let mut imports = IMPORTS.lock();
+    let mut failed = Vec::new();
+    for b in buffers {
+        let Some(i) = imports
+            .values_mut()
+            .find(|i| i.owner == from && i.id == b.id && i.key == b.key)
+        else {
+            continue; // closed meanwhile
+        };
+        match op {
+            Share::Release => unmap(a, i),
+            _ => {
+                if i.mapped.is_some() && i.generation >= b.generation {
+                    continue;
+                }
+                unmap(a, i);
+                let r = fetch(i.group, &i.owner, *b).and_then(|(fd, generation, offset, len)| {
+                    // The allocation stays where it was: its new memory starts `offset` before.
+                    let at = i.ptr.checked_sub(offset).filter(|at| {
+                        *at >= i.reserved.0
+                            && at + len as u64 <= i.reserved.0 + i.reserved.1 as u64
+                    });
+                    let Some(at) = at else {
+                        return Err(format!(
+                            "process {} re-created the memory in a layout that does not fit the reserved range",
+                            from.pid
+                        ));
+                    };
+                    let h = map_fd(a, &fd, at, len, i.device)?;
+                    i.mapped = Some((h, at, len));
+                    i.generation = generation;
+                    Ok(())
+                });
+                if let Err(e) = r {
+                    failed.push(e);
+                }
+            }
+        }
+    }
+    drop(imports);
+    let reply = match failed.first() {
+        None => Reply::Done,
+        Some(e) => Reply::Error {
+            status: 0,
+            message: e.clone(),
+        },
+    };
+    let _ = conn.send(&reply, None, write_by);
+}
+
+/// The routes of [`Service::Shared`]: an owner's opens and closes, an importer's releases and
+/// rebuilds.
+struct Shared;
+
+#[linkme::distributed_slice(server::ROUTES)]
+static ROUTE: Route = Route {
+    service: Service::Shared,
+    handler: &Shared,
+};
+
+impl Handler for Shared {
+    fn handle(&self, conn: Connection, request: Request) {
+        let Request::Shared {
+            from, op, buffers, ..
+        } = request
+        else {
+            conn.refuse("not a request about shared memory");
+            return;
+        };
+        match op {
+            Share::Open | Share::Close => serve_owner(&conn, from, op, &buffers),
+            Share::Release | Share::Rebuild => serve_importer(&conn, from, op, &buffers),
+        }
+    }
+}
+
+/// What [`imports`] reports of one open handle.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ImportStats {
+    pub owner_pid: u32,
+    pub bytes: u64,
+    pub paused: bool,
+    pub opens: u32,
+}
+
+/// What [`exports`] reports of one tag's exports.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct ExportStats {
+    pub handles: u64,
+    pub bytes: u64,
+    pub importers: u64,
+}
+
+/// This process's open imports of other processes' memsaver memory.
+pub fn imports() -> Vec<ImportStats> {
+    IMPORTS
+        .lock()
+        .values()
+        .map(|i| ImportStats {
+            owner_pid: i.owner.pid,
+            bytes: i.size,
+            paused: i.mapped.is_none(),
+            opens: i.opens,
+        })
+        .collect()
+}
+
+/// This process's exports, per tag (allocations freed since are forgotten here).
+pub fn exports() -> BTreeMap<String, ExportStats> {
+    let mut out: BTreeMap<String, ExportStats> = BTreeMap::new();
+    let mut ex = EXPORTS.lock();
+    forget_freed(&mut ex);
+    for e in ex.values() {
+        let s = out.entry(e.tag.clone()).or_default();
+        s.handles += 1;
+        s.bytes += e.size;
+        s.importers += e.importers.len() as u64;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn handles_round_trip(pid in any::<u32>(), start in any::<u64>(), nonce in any::<u64>(),
+                              group in any::<i64>(), id in any::<u64>(), key in any::<u64>(),
+                              size in any::<u64>()) {
+            let h = IpcHandle { owner: Identity { pid, start, nonce }, group, id, key, size };
+            prop_assert_eq!(IpcHandle::decode(&h.encode()), Some(h));
+        }
+
+        /// Bytes that are not memsaver's handle (the real runtime's, or another version) are
+        /// not taken for one: the caller forwards them to libcudart.
+        #[test]
+        fn other_bytes_are_not_a_handle(b in proptest::collection::vec(any::<u8>(), 64)) {
+            let b: [u8; HANDLE_BYTES] = b.try_into().expect("64 bytes");
+            if let Some(h) = IpcHandle::decode(&b) {
+                prop_assert_eq!(h.encode(), b);
+            }
+        }
+    }
+
+    #[test]
+    fn magic_version_and_reserved_bytes_are_checked() {
+        let h = IpcHandle {
+            owner: Identity {
+                pid: 1,
+                start: 2,
+                nonce: 3,
+            },
+            group: 4,
+            id: 5,
+            key: 6,
+            size: 7,
+        };
+        for at in [0, 4, 6, 60, 63] {
+            let mut b = h.encode();
+            b[at] ^= 0x40;
+            assert_eq!(IpcHandle::decode(&b), None, "byte {at}");
+        }
+        assert_eq!(IpcHandle::decode(&[0; HANDLE_BYTES]), None);
+    }
+}

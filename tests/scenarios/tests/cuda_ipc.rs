@@ -1,0 +1,349 @@
+//! CUDA IPC on memsaver memory between real processes on the fake driver: `ipc-proc` processes
+//! under `LD_PRELOAD=libmemsaver.so` in whole-process mode (the tag `weights`, cpu backups),
+//! calling the interposed `cudaMalloc` and `cudaIpc*MemHandle` as torch's `reduce_tensor` and
+//! its receiver do. The fake driver's accounting is shared by all processes of a test (one
+//! state directory): `used` is what every process holds together, and physical memory is freed
+//! only once no process maps, holds or exports it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use memsaver_scenarios::{cuda_lib, preload_lib, tempdir};
+
+mod common;
+
+const MIB: u64 = 1 << 20;
+/// No working peer takes this long: the deadline of every wait here.
+const NEVER_MS: &str = "60000";
+
+struct Dirs {
+    fake: std::path::PathBuf,
+    rt: std::path::PathBuf,
+}
+
+impl Dirs {
+    fn new() -> Self {
+        Self {
+            fake: tempdir("ipc-fake"),
+            rt: tempdir("ipc-rt"),
+        }
+    }
+}
+
+impl Drop for Dirs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.fake);
+        let _ = std::fs::remove_dir_all(&self.rt);
+    }
+}
+
+struct Proc {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Proc {
+    fn start(dirs: &Dirs, group: &str, env: &[(&str, &str)]) -> Proc {
+        Self::start_in(dirs, group, env, &[])
+    }
+
+    /// As [`Proc::start`], run by `launcher` (a command line the program is appended to).
+    fn start_in(dirs: &Dirs, group: &str, env: &[(&str, &str)], launcher: &[&str]) -> Proc {
+        let cuda = cuda_lib();
+        let exe = env!("CARGO_BIN_EXE_ipc-proc");
+        let mut cmd = match launcher.split_first() {
+            None => Command::new(exe),
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(exe);
+                c
+            }
+        };
+        let mut child = cmd
+            .arg(&cuda)
+            .env("LD_PRELOAD", preload_lib())
+            .env("MEMSAVER_CUDA_LIB", &cuda)
+            .env("FAKE_CUDA_DIR", &dirs.fake)
+            .env("MEMSAVER_RUNTIME_DIR", &dirs.rt)
+            .env("MEMSAVER_GROUP", group)
+            .env("MEMSAVER_PROCESS_TAG", "weights")
+            .env("MEMSAVER_PROCESS_BACKUP", "cpu")
+            .env("MEMSAVER_IPC_TIMEOUT_MS", NEVER_MS)
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start ipc-proc");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Proc {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    /// Sends one command; the answer line, `Ok(rest)` for `ok rest`, `Err(rest)` for `err rest`.
+    fn try_cmd(&mut self, line: &str) -> Result<String, String> {
+        writeln!(self.stdin, "{line}").expect("the process takes commands");
+        self.stdin.flush().unwrap();
+        let mut answer = String::new();
+        self.stdout.read_line(&mut answer).unwrap();
+        let answer = answer.trim_end();
+        if let Some(rest) = answer.strip_prefix("ok") {
+            Ok(rest.trim().to_owned())
+        } else if let Some(rest) = answer.strip_prefix("err") {
+            Err(rest.trim().to_owned())
+        } else {
+            panic!("`{line}`: the process answered {answer:?} (did it die?)")
+        }
+    }
+
+    fn cmd(&mut self, line: &str) -> String {
+        self.try_cmd(line)
+            .unwrap_or_else(|e| panic!("`{line}` failed: {e}"))
+    }
+
+    fn used(&mut self) -> u64 {
+        self.cmd("used").parse().unwrap()
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// SIGKILL, and wait until it is reaped.
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig).unwrap();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// An owner with a 4 MiB buffer written with seed 1, and its handle.
+fn owner(dirs: &Dirs, env: &[(&str, &str)]) -> (Proc, String) {
+    let mut o = Proc::start(dirs, "1", env);
+    o.cmd("alloc 4");
+    o.cmd("write own 1");
+    let h = o.cmd("handle");
+    (o, h)
+}
+
+/// The `imports` and `exports` of a process's stats.
+fn shared_stats(p: &mut Proc) -> serde_json::Value {
+    let doc: serde_json::Value = serde_json::from_str(&p.cmd("stats")).unwrap();
+    doc["shared"].clone()
+}
+
+#[test]
+fn an_opened_handle_reads_and_writes_the_owners_memory() {
+    let dirs = Dirs::new();
+    let (mut o, h) = owner(&dirs, &[]);
+    let mut r = Proc::start(&dirs, "1", &[]);
+    let before = r.used();
+    r.cmd(&format!("open {h}"));
+    // One physical allocation, two mappings: opening costs no device memory.
+    assert_eq!(r.used(), before);
+    r.cmd("check imp 1");
+    r.cmd("write imp 2");
+    o.cmd("check own 2");
+    // Opening it again gives the same pointer; the memory stays until the last close.
+    let p1 = r.cmd(&format!("open {h}"));
+    let p2 = r.cmd(&format!("open {h}"));
+    assert_eq!(p1, p2);
+    let s = shared_stats(&mut o);
+    assert_eq!(s["exports"]["weights"]["handles"], 1, "{s}");
+    assert_eq!(s["exports"]["weights"]["bytes"], 4 * MIB, "{s}");
+    assert_eq!(s["exports"]["weights"]["importers"], 1, "{s}");
+    let s = shared_stats(&mut r);
+    assert_eq!(s["imports"][0]["bytes"], 4 * MIB, "{s}");
+    assert_eq!(s["imports"][0]["paused"], false, "{s}");
+}
+
+#[test]
+fn the_owners_pause_frees_the_memory_only_once_the_importer_let_go() {
+    let dirs = Dirs::new();
+    let (mut o, h) = owner(&dirs, &[]);
+    let mut r = Proc::start(&dirs, "1", &[]);
+    let ptr = r.cmd(&format!("open {h}"));
+    r.cmd("write imp 2");
+    let used = o.used();
+    // A stopped importer cannot let go: the pause waits for it until its deadline (the short
+    // one of this owner), and the memory stays held by the importer's mapping.
+    let (mut o2, h2) = owner(&dirs, &[("MEMSAVER_IPC_TIMEOUT_MS", "200")]);
+    let mut r2 = Proc::start(&dirs, "1", &[]);
+    r2.cmd(&format!("open {h2}"));
+    let used2 = o2.used();
+    r2.signal(nix::sys::signal::Signal::SIGSTOP);
+    o2.cmd("pause");
+    assert_eq!(
+        o2.used(),
+        used2,
+        "the stopped importer's mapping holds the memory"
+    );
+    // Once it runs again it answers the release it was sent, and the memory goes.
+    r2.signal(nix::sys::signal::Signal::SIGCONT);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while o2.used() != used2 - 4 * MIB {
+        assert!(Instant::now() < deadline, "the importer never let go");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(shared_stats(&mut r2)["imports"][0]["paused"], true);
+    // A working importer lets go within the pause: the memory is free when it returns.
+    o.cmd("pause");
+    assert_eq!(o.used(), used - 4 * MIB);
+    let s = shared_stats(&mut r);
+    assert_eq!(s["imports"][0]["paused"], true, "{s}");
+    // Resume: the importer sees the owner's contents at the same address, and its writes.
+    o.cmd("resume");
+    assert_eq!(o.used(), used);
+    r.cmd("check imp 2");
+    assert_eq!(shared_stats(&mut r)["imports"][0]["paused"], false);
+    o.cmd("write own 3");
+    r.cmd("check imp 3");
+    r.cmd("write imp 4");
+    o.cmd("check own 4");
+    assert_eq!(
+        r.cmd(&format!("open {h}")),
+        ptr,
+        "the same address after a cycle"
+    );
+    r.cmd("close");
+}
+
+#[test]
+fn a_closed_import_no_longer_holds_the_memory() {
+    let dirs = Dirs::new();
+    let (mut o, h) = owner(&dirs, &[]);
+    let mut r = Proc::start(&dirs, "1", &[]);
+    r.cmd(&format!("open {h}"));
+    r.cmd("close");
+    assert_eq!(shared_stats(&mut o)["exports"]["weights"]["importers"], 0);
+    let used = o.used();
+    o.cmd("pause");
+    assert_eq!(o.used(), used - 4 * MIB);
+    o.cmd("resume");
+    o.cmd("check own 1");
+}
+
+#[test]
+fn a_dead_importer_counts_as_released() {
+    let dirs = Dirs::new();
+    let (mut o, h) = owner(&dirs, &[]);
+    let mut r = Proc::start(&dirs, "1", &[]);
+    r.cmd(&format!("open {h}"));
+    r.kill();
+    let used = o.used();
+    let t = Instant::now();
+    o.cmd("pause");
+    // Its deadline (NEVER_MS) was not waited for: a dead importer answers nothing.
+    assert!(t.elapsed() < Duration::from_secs(60));
+    assert_eq!(o.used(), used - 4 * MIB);
+    assert_eq!(shared_stats(&mut o)["exports"]["weights"]["importers"], 0);
+    o.cmd("resume");
+    o.cmd("check own 1");
+}
+
+#[test]
+fn a_dead_owner_is_named_and_its_import_still_closes() {
+    let dirs = Dirs::new();
+    let (o, h) = owner(&dirs, &[]);
+    let (o2, h2) = owner(&dirs, &[]);
+    let mut r = Proc::start(&dirs, "1", &[]);
+    r.cmd(&format!("open {h2}"));
+    let pid = o.pid();
+    o.kill();
+    let e = r.try_cmd(&format!("open {h}")).unwrap_err();
+    assert!(e.contains(&format!("process {pid}")), "{e}");
+    o2.kill();
+    // The import keeps the memory it mapped (as CUDA's IPC does); closing it needs no owner.
+    r.cmd("check imp 1");
+    r.cmd("close");
+}
+
+#[test]
+fn a_process_of_another_group_is_refused() {
+    let dirs = Dirs::new();
+    let (_o, h) = owner(&dirs, &[]);
+    let mut r = Proc::start(&dirs, "2", &[]);
+    let e = r.try_cmd(&format!("open {h}")).unwrap_err();
+    assert!(e.contains("group"), "{e}");
+    // A handle whose group was rewritten to the importer's: the owner serves only in its own
+    // group's directory, so the importer does not reach it there.
+    let mut forged = hex_bytes(&h);
+    forged[28..36].copy_from_slice(&2i64.to_le_bytes());
+    let e = r.try_cmd(&format!("open {}", hex(&forged))).unwrap_err();
+    assert!(e.contains("does not serve") && e.contains("group"), "{e}");
+}
+
+#[test]
+fn a_forged_or_replayed_key_is_refused() {
+    let dirs = Dirs::new();
+    let (mut o, h) = owner(&dirs, &[]);
+    let mut r = Proc::start(&dirs, "1", &[]);
+    let mut forged = hex_bytes(&h);
+    forged[44] ^= 1;
+    let e = r.try_cmd(&format!("open {}", hex(&forged))).unwrap_err();
+    assert!(e.contains("refused"), "{e}");
+    // Another allocation's id with this one's key: refused too.
+    let mut other = hex_bytes(&h);
+    other[36] ^= 1;
+    let e = r.try_cmd(&format!("open {}", hex(&other))).unwrap_err();
+    assert!(e.contains("refused"), "{e}");
+    // The real handle opens, and nobody was recorded for the forged ones.
+    r.cmd(&format!("open {h}"));
+    assert_eq!(shared_stats(&mut o)["exports"]["weights"]["importers"], 1);
+    r.cmd("close");
+    // Replayed: the handle of an allocation freed since names nothing (ids are never reused,
+    // and a new allocation gets a handle of its own).
+    o.cmd("free");
+    o.cmd("alloc 4");
+    let e = r.try_cmd(&format!("open {h}")).unwrap_err();
+    assert!(e.contains("refused"), "{e}");
+    let fresh = o.cmd("handle");
+    assert_ne!(fresh, h);
+    r.cmd(&format!("open {fresh}"));
+}
+
+#[test]
+fn a_process_of_another_pid_namespace_is_refused() {
+    if let Some(why) = common::pid_namespaces_missing() {
+        return memsaver_test_support::skip(&why);
+    }
+    let dirs = Dirs::new();
+    let (mut o, h) = owner(&dirs, &[]);
+    let ns = [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+    ];
+    let mut r = Proc::start_in(&dirs, "1", &[], &ns);
+    let e = r.try_cmd(&format!("open {h}")).unwrap_err();
+    assert!(e.contains("pid namespace"), "{e}");
+    assert_eq!(shared_stats(&mut o)["exports"]["weights"]["importers"], 0);
+}
+
+fn hex_bytes(h: &str) -> Vec<u8> {
+    (0..h.len() / 2)
+        .map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16).unwrap())
+        .collect()
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
