@@ -291,6 +291,9 @@ impl PinnedBuffer {
     }
 }
 
+/// `CUDA_ERROR_DEINITIALIZED`: the driver is shutting down (process exit).
+const DRIVER_DEINITIALIZED: crate::driver::sys::CUresult = 4;
+
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
         let d = &self.driver;
@@ -300,7 +303,11 @@ impl Drop for PinnedBuffer {
             let at = unsafe { self.ptr.add(off) };
             // SAFETY: as above; this value is the registration's only owner.
             let r = d.with_context(self.ctx, || unsafe { d.host_unregister(at) });
-            if let Err(e) = r {
+            // At process exit the driver may be torn down before the backups: it drops their
+            // registrations itself, so that is not worth a line per chunk.
+            if let Err(e) = r
+                && e.code != DRIVER_DEINITIALIZED
+            {
                 tracing::warn!(bytes = n, error = %e, "could not unpin a pinned backup chunk");
             }
             // SAFETY: the chunk's mapping, owned by this value and no longer registered.
