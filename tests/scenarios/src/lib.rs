@@ -29,6 +29,61 @@ pub use memsaver_allocator::driver::CALL_KINDS;
 /// `memsaver_pause` / `memsaver_resume`.
 pub type TagCall = unsafe extern "C" fn(*const c_char) -> c_int;
 
+/// The byte a scenario program writes at offset `i` of a buffer filled with `seed`.
+pub fn pattern(seed: u64, i: usize) -> u8 {
+    (seed as usize * 131 + i / 4096 * 7 + i) as u8
+}
+
+/// Makes device 0's primary context current on this thread through the driver `hc` (a dlopen
+/// handle), as a process does before its first driver call.
+pub fn make_context_current(hc: *mut c_void) {
+    use memsaver_allocator::driver::sys::fns;
+    let init: fns::cuInit = sym(hc, c"cuInit");
+    let retain: fns::cuDevicePrimaryCtxRetain = sym(hc, c"cuDevicePrimaryCtxRetain");
+    let push: fns::cuCtxPushCurrent_v2 = sym(hc, c"cuCtxPushCurrent_v2");
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: valid out-pointers; the context stays current on this thread.
+    unsafe {
+        assert_eq!(init(0), 0);
+        assert_eq!(retain(&mut ctx, 0), 0);
+        assert_eq!(push(ctx), 0);
+    }
+}
+
+/// Device 0's bytes in use (total less free), asked of the driver's `cuMemGetInfo` with the
+/// context current.
+pub fn used_bytes(
+    mem_info: memsaver_allocator::driver::sys::fns::cuMemGetInfo_v2,
+) -> Result<String, String> {
+    let (mut free, mut total) = (0, 0);
+    // SAFETY: valid out-pointers.
+    let rc = unsafe { mem_info(&mut free, &mut total) };
+    if rc != 0 {
+        return Err(format!("cuMemGetInfo {rc}"));
+    }
+    Ok((total - free).to_string())
+}
+
+/// Answers the commands read from stdin, one per line, until `exit` or the end of input:
+/// `ok`, `ok <value>` or `err <message>` (on one line), as the scenario tests expect.
+pub fn serve(mut run: impl FnMut(&str) -> Result<String, String>) {
+    use std::io::{BufRead, Write};
+    let mut out = std::io::stdout();
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        if line.trim() == "exit" {
+            break;
+        }
+        let answer = match run(&line) {
+            Ok(v) if v.is_empty() => "ok".to_string(),
+            Ok(v) => format!("ok {v}"),
+            Err(e) => format!("err {}", e.replace('\n', " ")),
+        };
+        writeln!(out, "{answer}").unwrap();
+        out.flush().unwrap();
+    }
+}
+
 /// The function `name` of `h` (a dlopen handle or RTLD_DEFAULT) as type `T`; panics if missing.
 /// Test support: every caller passes a handle it got from `dlopen` (or RTLD_DEFAULT).
 #[allow(clippy::not_unsafe_ptr_arg_deref)]

@@ -20,10 +20,9 @@
 //! ```
 
 use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
-use std::io::{BufRead, Write};
 
 use memsaver_allocator::driver::sys::fns;
-use memsaver_scenarios::{TagCall, sym};
+use memsaver_scenarios::{TagCall, make_context_current, pattern, serve, sym, used_bytes};
 
 type Malloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
 type FreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
@@ -32,10 +31,6 @@ type OpenHandle = unsafe extern "C" fn(*mut *mut c_void, [u8; 64], c_uint) -> c_
 type CloseHandle = unsafe extern "C" fn(*mut c_void) -> c_int;
 type LastError = unsafe extern "C" fn() -> *const c_char;
 type StatsJson = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
-
-fn pattern(seed: u64, i: usize) -> u8 {
-    (seed as usize * 131 + i / 4096 * 7 + i) as u8
-}
 
 struct Proc {
     tag: CString,
@@ -173,15 +168,8 @@ impl Proc {
                 }
                 Ok(String::new())
             }
-            Some("used") => {
-                let (mut free, mut total) = (0, 0);
-                // SAFETY: valid out-pointers; the context pushed at start-up is current.
-                let rc = unsafe { (self.mem_info)(&mut free, &mut total) };
-                if rc != 0 {
-                    return Err(format!("cuMemGetInfo {rc}"));
-                }
-                Ok((total - free).to_string())
-            }
+            // The context pushed at start-up is current.
+            Some("used") => used_bytes(self.mem_info),
             Some("stats") => {
                 let mut buf = vec![0u8; 1 << 20];
                 let mut needed = 0;
@@ -205,16 +193,7 @@ fn main() {
     // SAFETY: NUL-terminated path.
     let hc = unsafe { libc::dlopen(cuda.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     assert!(!hc.is_null(), "cannot open the fake driver");
-    let init: fns::cuInit = sym(hc, c"cuInit");
-    let retain: fns::cuDevicePrimaryCtxRetain = sym(hc, c"cuDevicePrimaryCtxRetain");
-    let push: fns::cuCtxPushCurrent_v2 = sym(hc, c"cuCtxPushCurrent_v2");
-    let mut ctx = std::ptr::null_mut();
-    // SAFETY: valid out-pointers; the context stays current on the main thread.
-    unsafe {
-        assert_eq!(init(0), 0);
-        assert_eq!(retain(&mut ctx, 0), 0);
-        assert_eq!(push(ctx), 0);
-    }
+    make_context_current(hc);
     let d = libc::RTLD_DEFAULT;
     let mut p = Proc {
         tag: CString::new(std::env::var("MEMSAVER_PROCESS_TAG").unwrap_or_default()).unwrap(),
@@ -231,19 +210,5 @@ fn main() {
         own: None,
         imported: None,
     };
-    let stdin = std::io::stdin();
-    let mut out = std::io::stdout();
-    for line in stdin.lock().lines() {
-        let Ok(line) = line else { break };
-        if line.trim() == "exit" {
-            break;
-        }
-        let answer = match p.run(&line) {
-            Ok(v) if v.is_empty() => "ok".to_string(),
-            Ok(v) => format!("ok {v}"),
-            Err(e) => format!("err {}", e.replace('\n', " ")),
-        };
-        writeln!(out, "{answer}").unwrap();
-        out.flush().unwrap();
-    }
+    serve(|line| p.run(line));
 }

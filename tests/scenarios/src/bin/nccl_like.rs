@@ -238,17 +238,8 @@ fn nccl_backup_bytes() -> u64 {
 /// Free device memory of device 0, read through the driver directly.
 fn device_memory(hc: *mut c_void) -> impl Fn() -> usize {
     use memsaver_allocator::driver::sys::fns;
-    let init: fns::cuInit = sym(hc, c"cuInit");
-    let retain: fns::cuDevicePrimaryCtxRetain = sym(hc, c"cuDevicePrimaryCtxRetain");
-    let push: fns::cuCtxPushCurrent_v2 = sym(hc, c"cuCtxPushCurrent_v2");
+    memsaver_scenarios::make_context_current(hc);
     let info: fns::cuMemGetInfo_v2 = sym(hc, c"cuMemGetInfo_v2");
-    let mut ctx = std::ptr::null_mut();
-    // SAFETY: valid out-pointers; the context stays current on this thread.
-    unsafe {
-        assert_eq!(init(0), 0);
-        assert_eq!(retain(&mut ctx, 0), 0);
-        assert_eq!(push(ctx), 0);
-    }
     move || {
         let (mut free, mut total) = (0, 0);
         // SAFETY: valid out-pointers.

@@ -27,8 +27,11 @@
 
 use std::ffi::{CStr, CString, c_char, c_int};
 
-use memsaver_scenarios::{Alloc, CALL_KINDS, FakeNcclAlloc, Free, Import, TagCall, sym};
-use std::io::{BufRead, IoSlice, IoSliceMut, Write};
+use memsaver_scenarios::{
+    Alloc, CALL_KINDS, FakeNcclAlloc, Free, Import, TagCall, make_context_current, pattern, serve,
+    sym, used_bytes,
+};
+use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -40,10 +43,6 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, UnixAddr, 
 const MAX_FDS: usize = 253;
 
 type LastError = unsafe extern "C" fn() -> *const c_char;
-
-fn pattern(seed: u64, i: usize) -> u8 {
-    (seed as usize * 131 + i / 4096 * 7 + i) as u8
-}
 
 struct Rank {
     cuda: CString,
@@ -231,15 +230,8 @@ impl Rank {
                 }
             }
             Some("pid") => Ok(std::process::id().to_string()),
-            Some("used") => {
-                let (mut free, mut total) = (0, 0);
-                // SAFETY: valid out-pointers; the context pushed at start-up is current.
-                let rc = unsafe { (self.mem_info)(&mut free, &mut total) };
-                if rc != 0 {
-                    return Err(format!("cuMemGetInfo {rc}"));
-                }
-                Ok((total - free).to_string())
-            }
+            // The context pushed at start-up is current.
+            Some("used") => used_bytes(self.mem_info),
             Some("free") => {
                 let all: Vec<FakeNcclAlloc> = self
                     .peers
@@ -371,16 +363,7 @@ fn main() {
         !hn.is_null() && !hc.is_null(),
         "cannot open the fake libraries"
     );
-    let init: fns::cuInit = sym(hc, c"cuInit");
-    let retain: fns::cuDevicePrimaryCtxRetain = sym(hc, c"cuDevicePrimaryCtxRetain");
-    let push: fns::cuCtxPushCurrent_v2 = sym(hc, c"cuCtxPushCurrent_v2");
-    let mut ctx = std::ptr::null_mut();
-    // SAFETY: valid out-pointers; the context stays current on the main thread.
-    unsafe {
-        assert_eq!(init(0), 0);
-        assert_eq!(retain(&mut ctx, 0), 0);
-        assert_eq!(push(ctx), 0);
-    }
+    make_context_current(hc);
     let mut r = Rank {
         cuda,
         dir: PathBuf::from(&a[3]),
@@ -402,19 +385,5 @@ fn main() {
         reset_counts: sym(hc, c"fakecuda_reset_call_counts"),
         last: std::time::Duration::ZERO,
     };
-    let stdin = std::io::stdin();
-    let mut out = std::io::stdout();
-    for line in stdin.lock().lines() {
-        let Ok(line) = line else { break };
-        if line.trim() == "exit" {
-            break;
-        }
-        let answer = match r.run(&line) {
-            Ok(v) if v.is_empty() => "ok".to_string(),
-            Ok(v) => format!("ok {v}"),
-            Err(e) => format!("err {e}"),
-        };
-        writeln!(out, "{answer}").unwrap();
-        out.flush().unwrap();
-    }
+    serve(|line| r.run(line));
 }
