@@ -552,6 +552,14 @@ impl Allocator {
             .map(|a| a.phase.state())
     }
 
+    /// The base address and tag of the allocation holding `ptr` (any address inside it), if
+    /// memsaver made it, and whether it is resident now.
+    pub fn allocation_at(&self, ptr: u64) -> Option<(u64, String, bool)> {
+        let t = self.table.lock();
+        let (base, a) = t.containing(ptr)?;
+        Some((base, a.tag.to_string(), a.phase.state() == State::Resident))
+    }
+
     /// Every tag used so far and every external tag, in name order.
     pub fn tags(&self) -> Vec<String> {
         let mut tags = self.table.lock().known_tags();

@@ -28,6 +28,13 @@
 //! and its handle released (the address stays reserved; [`imports`] shows it paused); on
 //! [`Share::Rebuild`] the importer asks the owner for the new fd and maps it at the same place.
 //!
+//! **Imports another layer maps** ([`Holder`], [`HOLDERS`]): NCCL registers user buffers by
+//! retaining the handle of the memory, exporting it and having each peer import and map it
+//! itself. nccl-hook hands NCCL a token naming the allocation ([`crate::token::Names::Allocation`]),
+//! the peer's nccl-hook trades it for the fd here ([`open_for_holder`]: an import the owner
+//! tracks like an open handle), and registers a [`Holder`] that the owner's release and
+//! rebuild reach for the imports it maps.
+//!
 //! Lock order: the core's `transition`, then [`EXPORTS`], then the core's `table`; [`IMPORTS`]
 //! is held across an importer's exchange with an owner (an open, a rebuild) and never while
 //! this process waits for its own importers. No lock here is held while waiting for a peer that
@@ -49,6 +56,7 @@ use crate::identity::{self, Identity};
 use crate::log::note;
 use crate::protocol::{Buffer, Reply, Request, Share};
 use crate::server::{self, Connection, Handler, NO_BUFFER, Route, Service, WRITE_TIMEOUT};
+use crate::token::{Names, Token};
 
 /// Bytes of a `cudaIpcMemHandle_t`.
 pub const HANDLE_BYTES: usize = 64;
@@ -421,8 +429,78 @@ struct Import {
 /// This process's imports, by the pointer handed out.
 static IMPORTS: LazyLock<Mutex<BTreeMap<u64, Import>>> = LazyLock::new(Default::default);
 
+/// Imports of memsaver memory that a layer above maps itself (nccl-hook: a peer's buffer NCCL
+/// registered): the owner's release and rebuild of each allocation reach them here. Each
+/// returns whether it holds the buffer at all.
+pub trait Holder: Sync {
+    /// Unmaps and releases what this process maps of allocation `b` of `owner` (its addresses
+    /// stay reserved), once no queued work of this process uses it.
+    fn release(&self, owner: &Identity, b: &Buffer) -> Result<bool, String>;
+    /// Maps generation `b.generation` of it again where it was, asking the owner for the new
+    /// memory with [`fetch`].
+    fn rebuild(&self, owner: &Identity, group: i64, b: &Buffer) -> Result<bool, String>;
+    /// What it holds, for [`imports`].
+    fn imports(&self) -> Vec<ImportStats>;
+}
+
+/// The registered [`Holder`]s (nccl-hook's).
+#[linkme::distributed_slice]
+pub static HOLDERS: [&'static dyn Holder];
+
+/// What a token of an allocation ([`Names::Allocation`]) opens: the fd of the owner's memory,
+/// its generation, the allocation's offset in it and its size (see [`fetch`]).
+pub struct Opened {
+    pub fd: OwnedFd,
+    pub generation: u64,
+    pub offset: u64,
+    pub handle_size: usize,
+}
+
+/// Opens the allocation a token names for a [`Holder`] that maps it itself: the same checks
+/// as [`open`] (the group, not this very process, this process's server running to answer
+/// the owner's release and rebuild), then [`fetch`].
+pub fn open_for_holder(t: &Token) -> Result<Opened, String> {
+    if t.names != Names::Allocation {
+        return Err("not a token of a memsaver allocation".into());
+    }
+    let owner = t.owner();
+    let pid = owner.pid;
+    if owner == identity::me() {
+        return Err("the memory is this very process's own".into());
+    }
+    let mine = group::fix();
+    if t.group != mine {
+        return Err(format!(
+            "the memory belongs to process {pid} of group {}, this process is in group {mine}: \
+             groups do not share memory; give every process of one job the same group \
+             (MEMSAVER_GROUP, memsaver.set_group or ncclSetGroupID)",
+            t.group
+        ));
+    }
+    server::ensure_server().map_err(|e| {
+        format!("cannot import memsaver memory of process {pid}: this process cannot serve its socket: {e}")
+    })?;
+    let want = Buffer {
+        id: t.buffer,
+        key: t.key,
+        generation: t.generation,
+    };
+    let (fd, generation, offset, handle_size) = fetch(t.group, &owner, want)?;
+    Ok(Opened {
+        fd,
+        generation,
+        offset,
+        handle_size,
+    })
+}
+
 /// Asks `owner` for the fd of allocation `b`: the reply's generation, offset and handle size.
-fn fetch(group: i64, owner: &Identity, b: Buffer) -> Result<(OwnedFd, u64, u64, usize), String> {
+/// The owner records this process as an importer of it.
+pub fn fetch(
+    group: i64,
+    owner: &Identity,
+    b: Buffer,
+) -> Result<(OwnedFd, u64, u64, usize), String> {
     let request = Request::Shared {
         from: identity::me(),
         to: *owner,
@@ -627,7 +705,7 @@ pub fn close(ptr: u64) -> Option<Result<(), String>> {
 }
 
 /// The importer's answers to its owners: release, rebuild.
-fn serve_importer(conn: &Connection, from: Identity, op: Share, buffers: &[Buffer]) {
+fn serve_importer(conn: &Connection, from: Identity, group: i64, op: Share, buffers: &[Buffer]) {
     let write_by = Instant::now() + WRITE_TIMEOUT;
     let a = match memsaver_allocator::start_global() {
         Ok(a) => a,
@@ -645,12 +723,14 @@ fn serve_importer(conn: &Connection, from: Identity, op: Share, buffers: &[Buffe
     };
     let mut imports = IMPORTS.lock();
     let mut failed = Vec::new();
+    let mut others = Vec::new();
     for b in buffers {
         let Some(i) = imports
             .values_mut()
             .find(|i| i.owner == from && i.id == b.id && i.key == b.key)
         else {
-            continue; // closed meanwhile
+            others.push(*b); // a holder's, or closed meanwhile
+            continue;
         };
         match op {
             Share::Release => unmap(a, i),
@@ -683,6 +763,17 @@ fn serve_importer(conn: &Connection, from: Identity, op: Share, buffers: &[Buffe
         }
     }
     drop(imports);
+    for b in &others {
+        for h in HOLDERS {
+            let r = match op {
+                Share::Release => h.release(&from, b),
+                _ => h.rebuild(&from, group, b),
+            };
+            if let Err(e) = r {
+                failed.push(e);
+            }
+        }
+    }
     let reply = match failed.first() {
         None => Reply::Done,
         Some(e) => Reply::Error {
@@ -706,7 +797,11 @@ static ROUTE: Route = Route {
 impl Handler for Shared {
     fn handle(&self, conn: Connection, request: Request) {
         let Request::Shared {
-            from, op, buffers, ..
+            from,
+            group,
+            op,
+            buffers,
+            ..
         } = request
         else {
             conn.refuse("not a request about shared memory");
@@ -714,18 +809,22 @@ impl Handler for Shared {
         };
         match op {
             Share::Open | Share::Close => serve_owner(&conn, from, op, &buffers),
-            Share::Release | Share::Rebuild => serve_importer(&conn, from, op, &buffers),
+            Share::Release | Share::Rebuild => serve_importer(&conn, from, group, op, &buffers),
         }
     }
 }
 
-/// What [`imports`] reports of one open handle.
+/// What [`imports`] reports of one import.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ImportStats {
     pub owner_pid: u32,
     pub bytes: u64,
     pub paused: bool,
+    /// Opens not closed yet (CUDA IPC), or mappings (NCCL).
     pub opens: u32,
+    /// Who opened it: `"cuda_ipc"` (a `cudaIpcOpenMemHandle`) or `"nccl"` (NCCL's registration
+    /// of a peer's buffer).
+    pub via: &'static str,
 }
 
 /// What [`exports`] reports of one tag's exports.
@@ -738,7 +837,7 @@ pub struct ExportStats {
 
 /// This process's open imports of other processes' memsaver memory.
 pub fn imports() -> Vec<ImportStats> {
-    IMPORTS
+    let mut out: Vec<ImportStats> = IMPORTS
         .lock()
         .values()
         .map(|i| ImportStats {
@@ -746,8 +845,13 @@ pub fn imports() -> Vec<ImportStats> {
             bytes: i.size,
             paused: i.mapped.is_none(),
             opens: i.opens,
+            via: "cuda_ipc",
         })
-        .collect()
+        .collect();
+    for h in HOLDERS {
+        out.extend(h.imports());
+    }
+    out
 }
 
 /// This process's exports, per tag (allocations freed since are forgotten here).

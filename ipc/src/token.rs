@@ -10,25 +10,56 @@
 //! each import. The **key** is 64 random bits the owner draws when it first exports a buffer
 //! ([`crate::identity::new_key`]): the owner hands out the buffer's fd only to a request that
 //! carries it, so only a process that was given the token can get the memory.
+//!
+//! A token names one of two things ([`Names`]): a buffer NCCL created (nccl-hook's, by virtual
+//! handle, served by [`crate::server::Service::Buffers`]), or an allocation of the memsaver
+//! allocator that NCCL registered (by allocation id, served by [`crate::shared`] like a CUDA IPC
+//! handle of it: its imports follow the owner's tag).
 
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use crate::identity::{self, Identity};
 
-const MAGIC: &[u8] = b"memsaver-token-v3";
+const MAGIC: &[u8] = b"memsaver-token-v4";
 const SEALS: libc::c_int =
     libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+
+/// What kind of memory a token names, and so which service of the owner serves it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Names {
+    /// A buffer NCCL created, by its virtual handle ([`crate::server::Service::Buffers`]).
+    NcclBuffer,
+    /// An allocation of the owner's allocator (a tagged tensor NCCL registered), by its id
+    /// ([`crate::shared`]).
+    Allocation,
+}
+
+impl Names {
+    fn word(self) -> &'static str {
+        match self {
+            Names::NcclBuffer => "nccl",
+            Names::Allocation => "allocation",
+        }
+    }
+
+    fn parse(w: &str) -> Option<Self> {
+        [Names::NcclBuffer, Names::Allocation]
+            .into_iter()
+            .find(|n| n.word() == w)
+    }
+}
 
 /// What a token names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Token {
+    pub names: Names,
     pub group: i64,
     pub pid: u32,
     /// The owner's start time and nonce (with `pid`, its identity).
     pub start: u64,
     pub nonce: u64,
-    /// The buffer's id at the owner.
+    /// The buffer's id at the owner (a virtual handle, or an allocation id).
     pub buffer: u64,
     /// The buffer's key: what the owner asks of whoever names the buffer.
     pub key: u64,
@@ -36,10 +67,11 @@ pub struct Token {
 }
 
 impl Token {
-    /// A token of this process for its buffer `buffer`, whose key is `key`.
-    pub fn own(group: i64, buffer: u64, key: u64, generation: u64) -> Self {
+    /// A token of this process for its buffer `buffer` (of kind `names`), whose key is `key`.
+    pub fn own(names: Names, group: i64, buffer: u64, key: u64, generation: u64) -> Self {
         let me = identity::me();
         Self {
+            names,
             group,
             pid: me.pid,
             start: me.start,
@@ -75,8 +107,9 @@ pub fn make(t: Token) -> std::io::Result<OwnedFd> {
     // SAFETY: a new fd we own.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let text = format!(
-        "{} {} {} {} {} {} {} {}\n",
+        "{} {} {} {} {} {} {} {} {}\n",
         std::str::from_utf8(MAGIC).unwrap_or(""),
+        t.names.word(),
         t.group,
         t.pid,
         t.start,
@@ -110,6 +143,7 @@ pub fn read(fd: RawFd) -> Option<Token> {
         return None;
     }
     let t = Token {
+        names: Names::parse(it.next()?)?,
         group: it.next()?.parse().ok()?,
         pid: it.next()?.parse().ok()?,
         start: it.next()?.parse().ok()?,
@@ -127,10 +161,18 @@ mod tests {
 
     #[test]
     fn tokens_round_trip_and_reject_extra_fields() {
-        let t = Token::own(-3, 0x6d73_0000_0000_0007, identity::new_key().unwrap(), 2);
-        assert_eq!(t.pid, std::process::id());
-        let fd = make(t).unwrap();
-        assert_eq!(read(fd.as_raw_fd()), Some(t));
+        for names in [Names::NcclBuffer, Names::Allocation] {
+            let t = Token::own(
+                names,
+                -3,
+                0x6d73_0000_0000_0007,
+                identity::new_key().unwrap(),
+                2,
+            );
+            assert_eq!(t.pid, std::process::id());
+            let fd = make(t).unwrap();
+            assert_eq!(read(fd.as_raw_fd()), Some(t));
+        }
         let f = std::fs::File::open("/dev/null").unwrap();
         assert_eq!(read(f.as_raw_fd()), None);
     }

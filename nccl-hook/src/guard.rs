@@ -1,6 +1,8 @@
-//! NCCL's collective and point-to-point entry points, guarded: while the `nccl` tag is paused
-//! they return `ncclInvalidUsage` with a clear message instead of letting NCCL touch released
-//! memory (a crash, a hang, or silent corruption). Otherwise they forward to libnccl.
+//! NCCL's collective and point-to-point entry points, guarded: while the `nccl` tag is paused,
+//! or when a buffer passed lies in memsaver memory whose tag is paused, they return
+//! `ncclInvalidUsage` with a clear message instead of letting NCCL touch released memory (a
+//! crash, a hang, or silent corruption; with registration, the peers' mappings of the buffer
+//! are released too). Otherwise they forward to libnccl.
 //!
 //! With libmemsaver.so preloaded these definitions come first in the global lookup scope, so
 //! callers linked against libnccl (torch's ProcessGroupNCCL) reach them. Code that looks the
@@ -40,6 +42,26 @@ fn refuse(name: &str) -> c_int {
     NCCL_INVALID_USAGE
 }
 
+/// The first of `buffers` that lies in memsaver memory not resident now, and its tag.
+fn paused_buffer(buffers: &[usize]) -> Option<(usize, String)> {
+    let a = memsaver_allocator::global_if_started()?;
+    buffers
+        .iter()
+        .filter(|&&b| b != 0)
+        .find_map(|&b| match a.allocation_at(b as u64) {
+            Some((_, tag, false)) => Some((b, tag)),
+            _ => None,
+        })
+}
+
+fn refuse_buffer(name: &str, (ptr, tag): (usize, String)) -> c_int {
+    tracing::error!(
+        "{name} called with the buffer at {ptr:#x}, memory of the paused tag '{tag}': call \
+         memsaver.resume('{tag}') first"
+    );
+    NCCL_INVALID_USAGE
+}
+
 /// libnccl's definition of `name`: the next one after this library, else in an already loaded
 /// libnccl (loaded into a local scope, where RTLD_NEXT does not look).
 fn resolve(slot: &AtomicUsize, name: &CStr) -> Option<usize> {
@@ -74,7 +96,7 @@ fn in_this_library(p: *mut c_void) -> bool {
 }
 
 macro_rules! guarded {
-    ($($name:ident($($arg:ident: $ty:ty),*);)*) => {
+    ($($name:ident [$($buf:ident),*] ($($arg:ident: $ty:ty),*);)*) => {
         $(
             /// Where the guarded function of this name forwards to (resolved on first use).
             #[allow(non_snake_case)]
@@ -98,6 +120,9 @@ macro_rules! guarded {
             pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
                 if PAUSED.load(Ordering::Acquire) {
                     return refuse(stringify!($name));
+                }
+                if let Some(paused) = paused_buffer(&[$($buf as usize),*]) {
+                    return refuse_buffer(stringify!($name), paused);
                 }
                 match resolve(&$name::REAL, $name::NAME) {
                     Some(f) => {
@@ -136,15 +161,15 @@ type Comm = *mut c_void;
 type Stream = *mut c_void;
 
 guarded! {
-    ncclAllReduce(send: Buf, recv: BufMut, count: usize, dtype: c_int, op: c_int, comm: Comm, stream: Stream);
-    ncclBroadcast(send: Buf, recv: BufMut, count: usize, dtype: c_int, root: c_int, comm: Comm, stream: Stream);
-    ncclBcast(buf: BufMut, count: usize, dtype: c_int, root: c_int, comm: Comm, stream: Stream);
-    ncclReduce(send: Buf, recv: BufMut, count: usize, dtype: c_int, op: c_int, root: c_int, comm: Comm, stream: Stream);
-    ncclAllGather(send: Buf, recv: BufMut, count: usize, dtype: c_int, comm: Comm, stream: Stream);
-    ncclReduceScatter(send: Buf, recv: BufMut, count: usize, dtype: c_int, op: c_int, comm: Comm, stream: Stream);
-    ncclAlltoAll(send: Buf, recv: BufMut, count: usize, dtype: c_int, comm: Comm, stream: Stream);
-    ncclGather(send: Buf, recv: BufMut, count: usize, dtype: c_int, root: c_int, comm: Comm, stream: Stream);
-    ncclScatter(send: Buf, recv: BufMut, count: usize, dtype: c_int, root: c_int, comm: Comm, stream: Stream);
-    ncclSend(send: Buf, count: usize, dtype: c_int, peer: c_int, comm: Comm, stream: Stream);
-    ncclRecv(recv: BufMut, count: usize, dtype: c_int, peer: c_int, comm: Comm, stream: Stream);
+    ncclAllReduce [send, recv] (send: Buf, recv: BufMut, count: usize, dtype: c_int, op: c_int, comm: Comm, stream: Stream);
+    ncclBroadcast [send, recv] (send: Buf, recv: BufMut, count: usize, dtype: c_int, root: c_int, comm: Comm, stream: Stream);
+    ncclBcast [buf] (buf: BufMut, count: usize, dtype: c_int, root: c_int, comm: Comm, stream: Stream);
+    ncclReduce [send, recv] (send: Buf, recv: BufMut, count: usize, dtype: c_int, op: c_int, root: c_int, comm: Comm, stream: Stream);
+    ncclAllGather [send, recv] (send: Buf, recv: BufMut, count: usize, dtype: c_int, comm: Comm, stream: Stream);
+    ncclReduceScatter [send, recv] (send: Buf, recv: BufMut, count: usize, dtype: c_int, op: c_int, comm: Comm, stream: Stream);
+    ncclAlltoAll [send, recv] (send: Buf, recv: BufMut, count: usize, dtype: c_int, comm: Comm, stream: Stream);
+    ncclGather [send, recv] (send: Buf, recv: BufMut, count: usize, dtype: c_int, root: c_int, comm: Comm, stream: Stream);
+    ncclScatter [send, recv] (send: Buf, recv: BufMut, count: usize, dtype: c_int, root: c_int, comm: Comm, stream: Stream);
+    ncclSend [send] (send: Buf, count: usize, dtype: c_int, peer: c_int, comm: Comm, stream: Stream);
+    ncclRecv [recv] (recv: BufMut, count: usize, dtype: c_int, peer: c_int, comm: Comm, stream: Stream);
 }

@@ -166,7 +166,7 @@ pub(crate) fn restore_stacks(a: &'static Allocator) {
 /// to (the owner's device may not even be visible in this process); else its location.
 pub(crate) fn device_of(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>, vh: u64) -> i32 {
     let p = &reg.physicals[&vh];
-    if p.kind == Kind::Imported
+    if matches!(p.kind, Kind::Imported | Kind::Registered)
         && let Some(d) = ranges
             .get(&vh)
             .into_iter()
@@ -201,7 +201,12 @@ fn by_device(
 fn releasable(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>) -> (Vec<u64>, Vec<u64>) {
     let (mut own, mut imports) = (Vec::new(), Vec::new());
     for (vh, p) in &reg.physicals {
-        if p.real().is_none() || p.pausable().is_err() || !ranges.contains_key(vh) {
+        // A peer's memsaver memory NCCL registered follows its owner's tag, not this one.
+        if p.real().is_none()
+            || p.pausable().is_err()
+            || p.kind == Kind::Registered
+            || !ranges.contains_key(vh)
+        {
             continue;
         }
         if p.kind == Kind::Imported {

@@ -32,6 +32,32 @@ pub(crate) enum Kind {
     Fabric,
     /// A peer process's memory imported here.
     Imported,
+    /// This process's memsaver memory (an allocation of a tag, not NCCL's) whose handle NCCL
+    /// retained to register the buffer: it stays as it is here; its own tag pauses it.
+    Tagged,
+    /// A peer's memsaver memory that NCCL registered, imported and mapped here: it follows the
+    /// owner's tag ([`Registration::Imported`]), not this process's `nccl` tag.
+    Registered,
+}
+
+/// What NCCL's registration of memsaver memory (`ncclCommRegister`, graph registration) made
+/// of a handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Registration {
+    /// Owner side ([`Kind::Tagged`]): NCCL retained the handle of the allocation at `at`.
+    Retained { at: u64 },
+    /// Importer side ([`Kind::Registered`]): allocation `id` of `owner` (its key from the
+    /// token), at `offset` in the memory NCCL mapped first. `window` is where the current
+    /// generation is mapped, relative to each of NCCL's mappings of it, when that is not the
+    /// whole mapping (the owner's memory was re-created smaller: a first export of a run).
+    Imported {
+        owner: memsaver_ipc::identity::Identity,
+        group: i64,
+        id: u64,
+        key: u64,
+        offset: u64,
+        window: Option<(u64, u64)>,
+    },
 }
 
 /// The driver's handle behind a virtual one.
@@ -51,6 +77,8 @@ pub(crate) enum Keep {
     ExportedRaw,
     /// Imported from a plain fd: there is no owner to follow.
     PlainImport,
+    /// Memory of a memsaver tag that NCCL retained: that tag pauses it.
+    Tagged,
     /// A peer's host memory (NCCL's shared-memory transport), which its owner keeps.
     PeerHost,
 }
@@ -66,6 +94,7 @@ impl Keep {
                 "imported from a plain fd (the owner is not preloaded, or MEMSAVER_NCCL_TOKENS=0)"
             }
             Keep::PeerHost => "a peer's host memory",
+            Keep::Tagged => "memory of a memsaver tag (its tag pauses it)",
         }
     }
 }
@@ -151,6 +180,8 @@ pub(crate) struct Physical {
     /// while retention is on.
     pub backup: Option<memsaver_allocator::Backup>,
     pub backup_len: u64,
+    /// For [`Kind::Tagged`] and [`Kind::Registered`]: what the registration made of it.
+    pub registration: Option<Registration>,
 }
 
 /// Where an import comes from.
@@ -188,6 +219,7 @@ impl Physical {
             source: None,
             backup: None,
             backup_len: 0,
+            registration: None,
         }
     }
 
@@ -196,9 +228,30 @@ impl Physical {
         let state = match kind {
             Kind::Host => State::Kept(real, Keep::Host),
             Kind::Fabric => State::Kept(real, Keep::Fabric),
-            Kind::Device | Kind::Imported => State::Resident(real),
+            Kind::Device | Kind::Imported | Kind::Registered => State::Resident(real),
+            Kind::Tagged => State::Kept(real, Keep::Tagged),
         };
         Self::with_state(state, size, prop, kind)
+    }
+
+    /// The handle of memsaver memory at `at` that NCCL retained (`Kept`: its tag pauses it).
+    pub fn retained(real: Real, size: u64, prop: CUmemAllocationProp, at: u64) -> Self {
+        let mut p = Self::created(real, size, prop, Kind::Tagged);
+        p.registration = Some(Registration::Retained { at });
+        p
+    }
+
+    /// A peer's memsaver memory NCCL registered, imported here at the owner's `generation`
+    /// (`Mapped`: the owner's release and rebuild move it, [`crate::registered`]).
+    pub fn registered(
+        real: Real,
+        prop: CUmemAllocationProp,
+        registration: Registration,
+        generation: u64,
+    ) -> Self {
+        let mut p = Self::with_state(State::Mapped(real, generation), 0, prop, Kind::Registered);
+        p.registration = Some(registration);
+        p
     }
 
     /// A peer's memory NCCL imported here (its size is learnt when mapped): `Mapped` at the
@@ -509,6 +562,8 @@ pub(crate) fn stats(hooked: bool, cumem_disabled: bool, paused: bool) -> NcclSta
             }
             Kind::Host => s.resident_host_bytes += p.size,
             Kind::Fabric => s.resident_fabric_bytes += p.size,
+            // Memory of memsaver's tags, counted with them (`stats().shared`).
+            Kind::Tagged | Kind::Registered => {}
         }
     }
     s.multicast_objects = r.multicast_objects;

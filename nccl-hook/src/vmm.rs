@@ -14,13 +14,13 @@ use crate::options::{self, NcclBackup};
 use memsaver_allocator::driver::Handle;
 use memsaver_allocator::driver::sys::{fns, *};
 use memsaver_allocator::steps::external_key;
-use memsaver_ipc::token::{self, Token};
+use memsaver_ipc::token::{self, Names, Token};
 use memsaver_ipc::{client, group, identity, server};
 
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
 
-use crate::registry::{self, Keep, Kind, Mapping, Physical, Source};
+use crate::registry::{self, Keep, Kind, Mapping, Physical, Registration, Source};
 
 type GetHandleForAddressRange =
     unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, c_uint, c_ulonglong) -> CUresult;
@@ -210,8 +210,40 @@ unsafe extern "C" fn mem_retain(
     let Some(f) = real::RETAIN() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
-    // SAFETY: not one of ours: forwarded unchanged.
-    unsafe { f(handle, addr) }
+    // SAFETY: not one of NCCL's own: forwarded unchanged.
+    let r = unsafe { f(handle, addr) };
+    if r == CUDA_SUCCESS && !handle.is_null() {
+        quietly(|| {
+            // SAFETY: written by the driver on success.
+            let h = unsafe { *handle };
+            if let Some(vh) = retained_tagged(h, addr as u64) {
+                // SAFETY: the caller's out-pointer.
+                unsafe { *handle = vh };
+            }
+        });
+    }
+    r
+}
+
+thread_local! {
+    /// The last range NCCL asked of memory it did not allocate, on this thread: (the range's
+    /// base, the address asked). NCCL asks `cuMemGetAddressRange` of the user's buffer, then
+    /// retains the handle at the range's base: when that base is a run of several memsaver
+    /// allocations, the address asked says which allocation NCCL registers.
+    static RANGE_ASKED: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// NCCL retained the driver's handle `h` at `addr`: when that is memsaver memory (a tensor of
+/// some tag that NCCL registers), records it and returns the virtual handle to give NCCL, so
+/// that its export hands out a token that makes the peers' imports follow the tag
+/// ([`mem_export`]). `None`: not memsaver memory (NCCL keeps the driver's handle).
+fn retained_tagged(h: CUmemGenericAllocationHandle, addr: u64) -> Option<u64> {
+    let a = memsaver_allocator::global_if_started()?;
+    let (asked_base, asked) = RANGE_ASKED.get();
+    let at = if asked_base == addr { asked } else { addr };
+    let (base, _, _) = a.allocation_at(at)?;
+    let prop = a.driver().properties(Handle(h)).ok().unwrap_or_default();
+    Some(registry::lock().insert(Physical::retained(h, 0, prop, base)))
 }
 
 unsafe extern "C" fn mem_map(
@@ -236,7 +268,7 @@ unsafe extern "C" fn mem_map(
     // SAFETY: the caller's arguments with the driver's handle behind the virtual one.
     let r = unsafe { f(ptr, size, offset, h, flags) };
     if r == CUDA_SUCCESS {
-        if p.kind == Kind::Imported {
+        if matches!(p.kind, Kind::Imported | Kind::Registered) {
             p.size = p.size.max(size as u64);
         }
         reg.mappings.insert(
@@ -264,10 +296,12 @@ unsafe extern "C" fn mem_set_access(
     let r = unsafe { f(ptr, size, desc, count) };
     if r == CUDA_SUCCESS && !desc.is_null() {
         quietly(|| {
+            // SAFETY: `desc` holds `count` entries per cuMemSetAccess's contract.
+            let access = unsafe { std::slice::from_raw_parts(desc, count) };
             let mut reg = registry::lock();
-            if let Some(m) = reg.mappings.get_mut(&ptr) {
-                // SAFETY: `desc` holds `count` entries per cuMemSetAccess's contract.
-                m.access = unsafe { std::slice::from_raw_parts(desc, count) }.to_vec();
+            // Every mapping in the range (NCCL sets access once over a registration's segments).
+            for (_, m) in reg.mappings.range_mut(ptr..ptr + size as u64) {
+                m.access = access.to_vec();
             }
         });
     }
@@ -284,10 +318,20 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
         // SAFETY: not one of ours: forwarded unchanged.
         return unsafe { f(ptr, size) };
     };
-    let paused = reg.physicals.get(&vh).is_some_and(|p| p.real().is_none());
+    let p = reg.physicals.get(&vh);
+    let paused = p.is_some_and(|p| p.real().is_none());
     if !paused {
+        // Where the memory is mapped: NCCL's range, or the window of a registered import
+        // whose owner re-created it smaller.
+        let (at, len) = match p.and_then(|p| p.registration) {
+            Some(Registration::Imported {
+                window: Some((off, len)),
+                ..
+            }) => (ptr + off, len as usize),
+            _ => (ptr, size),
+        };
         // SAFETY: NCCL's own mapping, unmapped as it asks.
-        let r = unsafe { f(ptr, size) };
+        let r = unsafe { f(at, len) };
         if r != CUDA_SUCCESS {
             return r;
         }
@@ -371,6 +415,10 @@ unsafe extern "C" fn mem_export(
     let Some(h) = p.real() else {
         return paused_use("cuMemExportToShareableHandle");
     };
+    if let Some(Registration::Retained { at }) = p.registration {
+        drop(reg);
+        return export_tagged(shareable, h, at, handle_type, flags, f);
+    }
     if handle_type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         && tokens_enabled()
         && !shareable.is_null()
@@ -380,7 +428,7 @@ unsafe extern "C" fn mem_export(
         let made = server::ensure_server()
             .and_then(|()| p.key.map_or_else(identity::new_key, Ok))
             .and_then(|key| {
-                let token = Token::own(group::id(), handle, key, p.generation);
+                let token = Token::own(Names::NcclBuffer, group::id(), handle, key, p.generation);
                 Ok((key, token::make(token)?))
             });
         match made {
@@ -408,6 +456,58 @@ unsafe extern "C" fn mem_export(
     r
 }
 
+/// NCCL exports memsaver memory it registers (the allocation at `at`, whose driver handle it
+/// retained as `h`): the peer gets a token naming the allocation, so that its import follows
+/// the allocation's tag (`memsaver_ipc::shared`). A plain fd would let the peers' imports keep
+/// the old memory across a pause and map stale memory after the resume, so when no token can
+/// be made (tokens off, this process cannot serve its socket) the export fails with the reason:
+/// NCCL then fails the registration and says so.
+fn export_tagged(
+    shareable: *mut c_void,
+    h: CUmemGenericAllocationHandle,
+    at: u64,
+    handle_type: c_uint,
+    flags: c_ulonglong,
+    real_export: fns::cuMemExportToShareableHandle,
+) -> CUresult {
+    if handle_type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || shareable.is_null() {
+        // SAFETY: the caller's arguments with the driver's handle (memsaver's memory exports
+        // POSIX fds only: the driver refuses other types itself).
+        return unsafe { real_export(shareable, h, handle_type, flags) };
+    }
+    let made = if tokens_enabled() {
+        memsaver_ipc::shared::handle_of(at).and_then(|handle| {
+            let handle = handle.ok_or("it is no longer allocated")?;
+            let token = Token::own(Names::Allocation, handle.group, handle.id, handle.key, 0);
+            token::make(token).map_err(|e| format!("cannot make a token: {e}"))
+        })
+    } else {
+        Err(
+            "MEMSAVER_NCCL_TOKENS=0 is set, and a plain fd would let peers keep and later \
+             read stale memory across a pause"
+                .into(),
+        )
+    };
+    match made {
+        Ok(fd) => {
+            // SAFETY: for POSIX fds the out-pointer holds one int; NCCL owns the fd now.
+            unsafe { *shareable.cast::<c_int>() = fd.into_raw_fd() };
+            CUDA_SUCCESS
+        }
+        Err(e) => {
+            let tag = memsaver_allocator::global_if_started()
+                .and_then(|a| a.allocation_at(at))
+                .map_or_else(String::new, |(_, tag, _)| format!(" of tag '{tag}'"));
+            tracing::error!(
+                "memsaver: NCCL cannot share the buffer at {at:#x}{tag} it registers with its peers: {e}. \
+                 Fix that, or turn NCCL's buffer registration off (NCCL_LOCAL_REGISTER=0, \
+                 NCCL_GRAPH_REGISTER=0)"
+            );
+            CUDA_ERROR_NOT_SUPPORTED
+        }
+    }
+}
+
 unsafe extern "C" fn mem_import(
     handle: *mut CUmemGenericAllocationHandle,
     os_handle: *mut c_void,
@@ -422,6 +522,9 @@ unsafe extern "C" fn mem_import(
     let token = (handle_type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
         .then(|| token::read(os_handle as isize as RawFd))
         .flatten();
+    if let Some(t) = token.filter(|t| t.names == Names::Allocation) {
+        return import_registered(handle, &t, handle_type, f);
+    }
     let (r, source) = match token {
         None => {
             // SAFETY: forwarded unchanged.
@@ -466,6 +569,60 @@ unsafe extern "C" fn mem_import(
             .and_then(|d| d.properties(Handle(h)).ok())
             .unwrap_or_default();
         let vh = registry::lock().insert(Physical::imported(h, prop, source));
+        // SAFETY: the caller's out-pointer.
+        unsafe { *handle = vh };
+    });
+    r
+}
+
+/// NCCL imports a peer's memsaver memory it registered (token `t`): the fd comes from the
+/// owner through `memsaver_ipc::shared`, which records this process as an importer, so the
+/// owner's pause releases the import and its resume maps it again ([`crate::registered`]).
+fn import_registered(
+    handle: *mut CUmemGenericAllocationHandle,
+    t: &Token,
+    handle_type: c_uint,
+    real_import: fns::cuMemImportFromShareableHandle,
+) -> CUresult {
+    let opened = match memsaver_ipc::shared::open_for_holder(t) {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::error!(
+                "memsaver: cannot import a buffer of process {} that NCCL registered: {e}",
+                t.pid
+            );
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+    };
+    // SAFETY: the owner's real fd, imported the way NCCL asked; it is closed after.
+    let r = unsafe {
+        real_import(
+            handle,
+            opened.fd.as_raw_fd() as isize as *mut c_void,
+            handle_type,
+        )
+    };
+    if r != CUDA_SUCCESS {
+        return r;
+    }
+    quietly(|| {
+        // SAFETY: written by the driver on success.
+        let h = unsafe { *handle };
+        let prop = memsaver_allocator::global_driver()
+            .ok()
+            .and_then(|d| d.properties(Handle(h)).ok())
+            .unwrap_or_default();
+        let registration = Registration::Imported {
+            owner: t.owner(),
+            group: t.group,
+            id: t.buffer,
+            key: t.key,
+            offset: opened.offset,
+            window: None,
+        };
+        let mut p = Physical::registered(h, prop, registration, opened.generation);
+        p.size = opened.handle_size as u64;
+        let vh = registry::lock().insert(p);
         // SAFETY: the caller's out-pointer.
         unsafe { *handle = vh };
     });
@@ -518,7 +675,12 @@ unsafe extern "C" fn mem_range(
         return CUDA_ERROR_NOT_INITIALIZED;
     };
     // SAFETY: forwarded unchanged.
-    unsafe { f(base, size, ptr) }
+    let r = unsafe { f(base, size, ptr) };
+    if r == CUDA_SUCCESS && !base.is_null() {
+        // SAFETY: written by the driver on success.
+        RANGE_ASKED.set((unsafe { *base }, ptr));
+    }
+    r
 }
 
 unsafe extern "C" fn mem_nic_handle(

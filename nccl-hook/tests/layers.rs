@@ -147,7 +147,7 @@ fn nccl_hook_has_no_import_cycle() {
 #[test]
 fn interposition_depends_on_nothing_above_it() {
     let g = graph(&src("nccl-hook"));
-    let above = ["provider", "local", "exports", "peer", "lib"];
+    let above = ["provider", "local", "exports", "peer", "registered", "lib"];
     for m in [
         "interpose",
         "procaddr",

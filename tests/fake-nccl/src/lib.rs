@@ -266,6 +266,61 @@ pub unsafe extern "C" fn fake_nccl_free(cuda_lib: *const c_char, a: *const FakeN
     r.err().unwrap_or(0)
 }
 
+/// Registers the user buffer at `buff` the way NCCL's IPC registration does
+/// (`ncclCommRegister`, and the buffers of collectives captured in a graph, with cuMem on):
+/// asks the driver for the range the buffer lies in, retains the handle at its base, exports
+/// a POSIX fd of it for the peers and releases the retained handle. `out` gets the range
+/// (`ptr`, `size`) and the exported fd; the peers import and map it with [`fake_nccl_import`]
+/// (the whole range, as NCCL's proxy maps `size` bytes of the import) and unmap it with
+/// [`fake_nccl_free`]. Returns 0 or an error code.
+///
+/// # Safety
+/// `cuda_lib` is NUL-terminated; `out` is a valid out-pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_nccl_register(
+    cuda_lib: *const c_char,
+    buff: u64,
+    out: *mut FakeNcclAlloc,
+) -> c_int {
+    // SAFETY: per this function's contract; every pointer passed to the driver is a live local.
+    let r = unsafe {
+        (|| -> Result<FakeNcclAlloc, c_int> {
+            let d = open(cuda_lib)?;
+            let range: fns::cuMemGetAddressRange_v2 = d.get(c"cuMemGetAddressRange")?;
+            let retain: fns::cuMemRetainAllocationHandle = d.get(c"cuMemRetainAllocationHandle")?;
+            let export: fns::cuMemExportToShareableHandle =
+                d.get(c"cuMemExportToShareableHandle")?;
+            let release: fns::cuMemRelease = d.get(c"cuMemRelease")?;
+            let mut a = FakeNcclAlloc {
+                exported_fd: -1,
+                ..Default::default()
+            };
+            ok(range(&mut a.ptr, &mut a.size, buff))?;
+            let mut h = 0;
+            ok(retain(&mut h, a.ptr as *mut c_void))?;
+            let mut fd: c_int = -1;
+            let r = export(
+                (&mut fd as *mut c_int).cast(),
+                h,
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            );
+            ok(release(h))?;
+            ok(r)?;
+            a.exported_fd = fd;
+            Ok(a)
+        })()
+    };
+    match r {
+        Ok(a) => {
+            // SAFETY: valid out-pointer.
+            unsafe { *out = a };
+            0
+        }
+        Err(e) => e,
+    }
+}
+
 /// Stack per thread NCCL 2.28's kernels need (the driver grows the limit to it when they
 /// launch with 2+ ranks; with one rank NCCL launches no kernel that needs it).
 pub const KERNEL_STACK_BYTES: usize = 1744;

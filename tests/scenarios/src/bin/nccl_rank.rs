@@ -11,11 +11,19 @@
 //! exchange         send the exported fds to every other rank (as NCCL's proxy does) and
 //!                  import and map every peer's buffers
 //! write SEED       fill this rank's buffer with a pattern
-//! check RANK SEED  read rank RANK's buffer through this rank's import of it
-//! pause / resume   memsaver_pause/resume("nccl") -> ok | err CODE MESSAGE
+//! check RANK SEED [BYTES [FROM]]  read rank RANK's buffer through this rank's import of it
+//!                  (BYTES of it from byte FROM, compared with SEED's pattern there)
+//! pause / resume [TAGS]  memsaver_pause/resume(TAGS, "nccl" by default) -> ok | err CODE MESSAGE
+//! tensor MIB [TAG] allocate a tensor of TAG (`weights` by default, cpu backups) through
+//!                  memsaver_malloc (more tensors of one tag are adjacent)
+//! register [I]     NCCL's registration of tensor I (the last by default): this rank's buffer
+//!                  becomes the range NCCL exports, sent by the next `exchange`
+//! allreduce        ncclAllReduce on this rank's buffer, as the application calls it -> the rc
+//! unimport         NCCL's free path on the imports of peers' buffers (a deregistration)
 //! used             device memory in use (all processes, fake driver) in bytes
 //! free             free imports and the own buffer through NCCL's free path
 //! stats            memsaver_nccl_stats_json on one line
+//! mstats           memsaver_stats_json on one line
 //! prepared         waits (up to 30 s) until memsaver has prepared every pinned backup it was
 //!                  asked for in the background (memsaver_stats_json's backups_preparing is 0)
 //! pid              this process's pid (in its own pid namespace)
@@ -25,7 +33,7 @@
 //!                  import=N copy=N reserve=N address_free=N us=N`
 //! ```
 
-use std::ffi::{CStr, CString, c_char, c_int};
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
 
 use memsaver_scenarios::{
     Alloc, CALL_KINDS, FakeNcclAlloc, Free, Import, TagCall, make_context_current, pattern, serve,
@@ -50,6 +58,7 @@ struct Rank {
     rank: usize,
     world: usize,
     alloc: Alloc,
+    register: Register,
     import: Import,
     free: Free,
     pause: TagCall,
@@ -66,12 +75,36 @@ struct Rank {
     reset_counts: extern "C" fn(),
     /// The wall time of the last pause or resume.
     last: std::time::Duration,
+    /// Tensors of `tensor`: pointer and size.
+    tensors: Vec<(u64, usize)>,
+    malloc: MemsaverMalloc,
 }
+
+/// `fake_nccl_register` of the fake NCCL.
+type Register = unsafe extern "C" fn(*const c_char, u64, *mut FakeNcclAlloc) -> c_int;
+type MemsaverMalloc =
+    unsafe extern "C" fn(*mut *mut c_void, usize, c_int, *const c_char, *const c_char) -> c_int;
+type AllReduce = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    *mut c_void,
+    *mut c_void,
+) -> c_int;
 
 /// `fakecuda_call_counts` of the fake driver.
 type CallCounts = unsafe extern "C" fn(*mut u64, usize) -> usize;
 
 impl Rank {
+    fn last_error(&self) -> String {
+        // SAFETY: NUL-terminated thread-local message.
+        unsafe { CStr::from_ptr((self.last_error)()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
     fn run(&mut self, line: &str) -> Result<String, String> {
         let f: Vec<&str> = line.split_whitespace().collect();
         let num = |i: usize| {
@@ -141,8 +174,8 @@ impl Rank {
                     .for_each(|(i, x)| *x = pattern(seed, i));
                 Ok(String::new())
             }
-            // `check PEER SEED [BYTES]`: the import of PEER's buffer holds SEED's pattern (in
-            // its first BYTES bytes).
+            // `check PEER SEED [BYTES [FROM]]`: the import of PEER's buffer holds SEED's
+            // pattern (in BYTES bytes from byte FROM).
             Some("check") => {
                 let a = self
                     .peers
@@ -150,17 +183,24 @@ impl Rank {
                     .copied()
                     .flatten()
                     .ok_or("no such import")?;
-                let len = num(3).map_or(a.size, |n| a.size.min(n as usize));
+                let from = num(4).map_or(0, |n| (n as usize).min(a.size));
+                let len = num(3).map_or(a.size, |n| (a.size - from).min(n as usize));
                 // SAFETY: the import is mapped read-write at its address (fake driver).
-                let b = unsafe { std::slice::from_raw_parts(a.ptr as *const u8, len) };
+                let b = unsafe {
+                    std::slice::from_raw_parts((a.ptr as usize + from) as *const u8, len)
+                };
                 let seed = num(2)?;
-                if b.iter().enumerate().all(|(i, x)| *x == pattern(seed, i)) {
+                if b.iter()
+                    .enumerate()
+                    .all(|(i, x)| *x == pattern(seed, from + i))
+                {
                     Ok(String::new())
                 } else {
                     Err("mismatch".into())
                 }
             }
             Some(op @ ("pause" | "resume")) => {
+                let tags = CString::new(f.get(1).copied().unwrap_or("nccl")).unwrap();
                 let f = if op == "pause" {
                     self.pause
                 } else {
@@ -168,7 +208,7 @@ impl Rank {
                 };
                 let t = std::time::Instant::now();
                 // SAFETY: NUL-terminated tag list.
-                let rc = unsafe { f(c"nccl".as_ptr()) };
+                let rc = unsafe { f(tags.as_ptr()) };
                 self.last = t.elapsed();
                 if rc == 0 {
                     Ok(String::new())
@@ -194,9 +234,14 @@ impl Rank {
                     Err(format!("{rc} {msg}"))
                 }
             }
-            Some("stats") => {
+            Some(which @ ("stats" | "mstats")) => {
                 type StatsJson = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
-                let f: StatsJson = sym(libc::RTLD_DEFAULT, c"memsaver_nccl_stats_json");
+                let name = if which == "stats" {
+                    c"memsaver_nccl_stats_json"
+                } else {
+                    c"memsaver_stats_json"
+                };
+                let f: StatsJson = sym(libc::RTLD_DEFAULT, name);
                 let mut buf = vec![0u8; 1 << 16];
                 let mut needed = 0;
                 // SAFETY: `buf` has its length in writable bytes.
@@ -228,6 +273,64 @@ impl Rank {
                     }
                     std::thread::sleep(std::time::Duration::from_millis(5));
                 }
+            }
+            Some("tensor") => {
+                let size = (num(1)? << 20) as usize;
+                let tag = CString::new(f.get(2).copied().unwrap_or("weights")).unwrap();
+                let mut p = std::ptr::null_mut();
+                // SAFETY: valid out-pointer, NUL-terminated tag and policy.
+                let rc = unsafe { (self.malloc)(&mut p, size, 0, tag.as_ptr(), c"cpu".as_ptr()) };
+                if rc != 0 {
+                    return Err(format!("{rc} {}", self.last_error()));
+                }
+                self.tensors.push((p as u64, size));
+                Ok(String::new())
+            }
+            Some("register") => {
+                let i = num(1).map_or(self.tensors.len().wrapping_sub(1), |i| i as usize);
+                let (ptr, _) = *self.tensors.get(i).ok_or("no such tensor")?;
+                let mut a = FakeNcclAlloc::default();
+                // SAFETY: per the fake NCCL's contract.
+                let rc = unsafe { (self.register)(self.cuda.as_ptr(), ptr, &mut a) };
+                if rc != 0 {
+                    return Err(format!("register {rc}"));
+                }
+                self.own = Some(a);
+                Ok(format!("{:#x} {}", a.ptr, a.size))
+            }
+            Some("allreduce") => {
+                let a = self.own.ok_or("no buffer")?;
+                let f: AllReduce = sym(libc::RTLD_DEFAULT, c"ncclAllReduce");
+                let p = a.ptr as *mut c_void;
+                // SAFETY: the guarded entry point; the fake NCCL touches no argument.
+                let rc = unsafe {
+                    f(
+                        p,
+                        p,
+                        a.size,
+                        0,
+                        0,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                    )
+                };
+                Ok(rc.to_string())
+            }
+            Some("unimport") => {
+                let all: Vec<FakeNcclAlloc> = self
+                    .peers
+                    .drain(..)
+                    .flatten()
+                    .chain(self.extra_imports.drain(..))
+                    .collect();
+                for a in all {
+                    // SAFETY: imports made by the fake NCCL, freed once.
+                    let rc = unsafe { (self.free)(self.cuda.as_ptr(), &a) };
+                    if rc != 0 {
+                        return Err(format!("free {rc}"));
+                    }
+                }
+                Ok(String::new())
             }
             Some("pid") => Ok(std::process::id().to_string()),
             // The context pushed at start-up is current.
@@ -370,6 +473,7 @@ fn main() {
         rank: a[4].parse().unwrap(),
         world: a[5].parse().unwrap(),
         alloc: sym(hn, c"fake_nccl_alloc"),
+        register: sym(hn, c"fake_nccl_register"),
         import: sym(hn, c"fake_nccl_import"),
         free: sym(hn, c"fake_nccl_free"),
         pause: sym(libc::RTLD_DEFAULT, c"memsaver_pause"),
@@ -384,6 +488,8 @@ fn main() {
         counts: sym(hc, c"fakecuda_call_counts"),
         reset_counts: sym(hc, c"fakecuda_reset_call_counts"),
         last: std::time::Duration::ZERO,
+        tensors: Vec::new(),
+        malloc: sym(libc::RTLD_DEFAULT, c"memsaver_malloc"),
     };
     serve(|line| r.run(line));
 }

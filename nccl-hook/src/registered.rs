@@ -1,0 +1,225 @@
+//! NCCL's registration of memsaver memory, on the importer's side: a peer's tensor that NCCL
+//! registered (`ncclCommRegister`, or a buffer of a collective captured in a CUDA graph) and
+//! this process imported and mapped follows the owner's tag.
+//!
+//! The owner's NCCL retains the handle of the tensor's memory and exports it; memsaver hands
+//! NCCL a token naming the allocation (`crate::vmm`), and this process's import trades it for
+//! the fd through `memsaver_ipc::shared`, so the owner tracks this process as an importer like
+//! any CUDA IPC receiver. The mapping is NCCL's, recorded in the registry
+//! ([`registry::Kind::Registered`]). When the owner pauses the tag, its release request comes
+//! here ([`Holder::release`]): the mapping is unmapped and the imported handle released, the
+//! addresses stay reserved and recorded, and the owner's memory is really freed. When it
+//! resumes, [`Holder::rebuild`] maps the new memory at the same addresses, with the access NCCL
+//! granted. This process's own `nccl` tag leaves these imports alone.
+//!
+//! An allocation first exported while it was part of a run (one physical allocation behind
+//! several allocations, made by a resume) is exported as the run, which NCCL maps whole; every
+//! later generation is the allocation's own memory, mapped at the allocation's place inside
+//! NCCL's mapping (its *window*), so the address NCCL uses never changes.
+
+use memsaver_allocator::driver::Handle;
+use memsaver_allocator::steps::{Op, Place};
+use memsaver_allocator::{Allocator, Device};
+use memsaver_ipc::identity::Identity;
+use memsaver_ipc::protocol::Buffer;
+use memsaver_ipc::shared::{self, HOLDERS, Holder, ImportStats};
+
+use crate::local::device_of;
+use crate::registry::{self, Kind, Range, Registration, Registry};
+
+/// The imports of peers' memsaver memory that NCCL registered.
+struct Registered;
+
+#[linkme::distributed_slice(HOLDERS)]
+static HOLDER: &'static dyn Holder = &Registered;
+
+/// The registered imports of allocation `b` of `owner`.
+fn matching(reg: &Registry, owner: &Identity, b: &Buffer) -> Vec<u64> {
+    let mut vhs: Vec<u64> = reg
+        .physicals
+        .iter()
+        .filter(|(_, p)| {
+            matches!(p.registration, Some(Registration::Imported { owner: o, id, key, .. })
+                if o == *owner && id == b.id && key == b.key)
+        })
+        .map(|(vh, _)| *vh)
+        .collect();
+    vhs.sort_unstable();
+    vhs
+}
+
+/// Where `window` puts the memory in each of NCCL's mappings `rs`.
+fn places(rs: &[Range], window: Option<(u64, u64)>) -> Vec<Place<'_>> {
+    rs.iter()
+        .map(|(ptr, size, access)| {
+            let (off, len) = window.unwrap_or((0, *size));
+            Place {
+                ptr: ptr + off,
+                size: len as usize,
+                access: Some(access),
+            }
+        })
+        .collect()
+}
+
+fn window(reg: &Registry, vh: u64) -> Option<(u64, u64)> {
+    match reg.physicals[&vh].registration {
+        Some(Registration::Imported { window, .. }) => window,
+        _ => None,
+    }
+}
+
+/// Unmaps the mapped import `vh` and releases its handle: `Mapped` → `Released`.
+fn release_one(a: &Allocator, reg: &mut Registry, vh: u64) -> Result<(), String> {
+    let ranges = reg.ranges_by_handle();
+    let rs = ranges.get(&vh).map_or(&[][..], Vec::as_slice);
+    let dev = device(a, reg, &ranges, vh)?;
+    let steps = a.steps(Op::Pause);
+    let pl = places(rs, window(reg, vh));
+    // No kernel of this process may still use the owner's memory.
+    steps.synchronize(&dev).map_err(|e| e.to_string())?;
+    // SAFETY: NCCL's mappings of the import, mapped now; the device is idle.
+    unsafe { steps.unmap(&dev, &pl) }.map_err(|e| e.to_string())?;
+    let p = reg.physicals.get_mut(&vh).expect("matched under this lock");
+    let real = p.release().map_err(|e| e.to_string())?;
+    steps.release(Handle(real), pl.first().map_or(0, |p| p.ptr));
+    Ok(())
+}
+
+fn device(
+    a: &Allocator,
+    reg: &Registry,
+    ranges: &std::collections::HashMap<u64, Vec<Range>>,
+    vh: u64,
+) -> Result<std::sync::Arc<Device>, String> {
+    a.device(device_of(reg, ranges, vh))
+        .map_err(|e| e.to_string())
+}
+
+impl Holder for Registered {
+    fn release(&self, owner: &Identity, b: &Buffer) -> Result<bool, String> {
+        // Before the registry lock: this may start the allocator.
+        let a = memsaver_allocator::global().map_err(|e| e.to_string())?;
+        let mut reg = registry::lock();
+        let vhs = matching(&reg, owner, b);
+        let mut first_error = None;
+        for &vh in &vhs {
+            if reg.physicals[&vh].mapped_generation().is_some()
+                && let Err(e) = release_one(a, &mut reg, vh)
+            {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(!vhs.is_empty()), Err)
+    }
+
+    fn rebuild(&self, owner: &Identity, group: i64, b: &Buffer) -> Result<bool, String> {
+        let a = memsaver_allocator::global().map_err(|e| e.to_string())?;
+        let behind = |reg: &Registry| -> Vec<u64> {
+            matching(reg, owner, b)
+                .into_iter()
+                .filter(|vh| {
+                    let p = &reg.physicals[vh];
+                    p.released_generation().is_some()
+                        || p.mapped_generation().is_some_and(|g| g < b.generation)
+                })
+                .collect()
+        };
+        let (any, todo) = {
+            let reg = registry::lock();
+            (!matching(&reg, owner, b).is_empty(), behind(&reg))
+        };
+        if todo.is_empty() {
+            return Ok(any);
+        }
+        // Not under the registry lock: the owner serves this while it waits for us.
+        let (fd, generation, offset, len) = shared::fetch(group, owner, *b)?;
+        let d = a.driver();
+        let mut reg = registry::lock();
+        let mut first_error = None;
+        for vh in behind(&reg) {
+            if reg.physicals[&vh].mapped_generation().is_some()
+                && let Err(e) = release_one(a, &mut reg, vh)
+            {
+                first_error.get_or_insert(e);
+                continue;
+            }
+            let ranges = reg.ranges_by_handle();
+            let rs = ranges.get(&vh).map_or(&[][..], Vec::as_slice);
+            let Some(Registration::Imported { offset: first, .. }) =
+                reg.physicals[&vh].registration
+            else {
+                continue;
+            };
+            // The allocation stays where NCCL saw it first: its new memory starts `offset`
+            // into what is exported now.
+            let fits = |(_, size, _): &Range| {
+                first
+                    .checked_sub(offset)
+                    .is_some_and(|off| off + len as u64 <= *size)
+            };
+            if !rs.iter().all(fits) {
+                first_error.get_or_insert(format!(
+                    "process {} re-created memory NCCL registered in a layout that does not fit \
+                     NCCL's mapping here",
+                    owner.pid
+                ));
+                continue;
+            }
+            let off = first - offset;
+            let win = rs
+                .first()
+                .is_some_and(|(_, size, _)| off != 0 || len as u64 != *size)
+                .then_some((off, len as u64));
+            let r = device(a, &reg, &ranges, vh).and_then(|dev| {
+                let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+                let h = d
+                    .with_context(dev.ctx, || d.import_fd(raw))
+                    .map_err(|e| e.to_string())?;
+                let steps = a.steps(Op::Resume);
+                steps.map_handle(&dev, h, &places(rs, win)).map_err(|e| {
+                    let _ = d.release(h);
+                    e.to_string()
+                })?;
+                Ok(h)
+            });
+            match r {
+                Ok(h) => {
+                    let p = reg.physicals.get_mut(&vh).expect("matched under this lock");
+                    if let Some(Registration::Imported { window, .. }) = &mut p.registration {
+                        *window = win;
+                    }
+                    if let Err(e) = p.remapped(h.0, generation) {
+                        first_error.get_or_insert(e.to_string());
+                    }
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(true), Err)
+    }
+
+    fn imports(&self) -> Vec<ImportStats> {
+        let reg = registry::lock();
+        let mut mappings = std::collections::HashMap::<u64, u32>::new();
+        for m in reg.mappings.values() {
+            *mappings.entry(m.vh).or_default() += 1;
+        }
+        reg.physicals
+            .iter()
+            .filter(|(_, p)| p.kind == Kind::Registered)
+            .filter_map(|(vh, p)| match p.registration {
+                Some(Registration::Imported { owner, .. }) => Some(ImportStats {
+                    owner_pid: owner.pid,
+                    bytes: p.size,
+                    paused: p.real().is_none(),
+                    opens: mappings.get(vh).copied().unwrap_or(0),
+                    via: "nccl",
+                }),
+                _ => None,
+            })
+            .collect()
+    }
+}
