@@ -12,38 +12,18 @@ import sys
 
 import memsaver
 import pytest
-from helpers import MiB, pattern, run_python, write
+from helpers import IPC_OPEN, MiB, pattern, run_python, write
 
-RECEIVER = r"""
-import ctypes, json, sys
-import memsaver
-memsaver.hook_mode()
-lib = ctypes.CDLL(memsaver.preload_path())
-class Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
-lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), Handle, ctypes.c_uint]
-lib.memsaver_last_error.restype = ctypes.c_char_p
-h = Handle()
-ctypes.memmove(h.reserved, bytes.fromhex(sys.argv[1]), 64)
-p = ctypes.c_void_p()
-rc = lib.cudaIpcOpenMemHandle(ctypes.byref(p), h, 1)
+RECEIVER = IPC_OPEN + r"""
+import json, sys
+rc, p, error = ipc_open(sys.argv[1])
 if rc != 0:
-    print(json.dumps({"rc": rc, "error": lib.memsaver_last_error().decode()}))
+    print(json.dumps({"rc": rc, "error": error}))
     sys.exit(0)
-data = ctypes.string_at(p.value, int(sys.argv[2])).hex()
+data = ctypes.string_at(p, int(sys.argv[2])).hex()
 imports = [i.__dict__ for i in memsaver.stats().shared_imports]
 print(json.dumps({"rc": rc, "data": data, "imports": imports}))
 """
-
-
-def handle_of(hooks: object, ptr: int) -> str:
-    lib = hooks.lib  # type: ignore[attr-defined]
-    buf = (ctypes.c_ubyte * 64)()
-    lib.cudaIpcGetMemHandle.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    lib.cudaIpcGetMemHandle.restype = ctypes.c_int
-    lib.memsaver_last_error.restype = ctypes.c_char_p
-    assert lib.cudaIpcGetMemHandle(buf, ptr) == 0, lib.memsaver_last_error()
-    return bytes(buf).hex()
 
 
 def test_stats_show_exports_and_imports(hooks, tag):
@@ -51,7 +31,7 @@ def test_stats_show_exports_and_imports(hooks, tag):
         p = hooks.malloc_ok(2 * MiB)
     data = pattern(4096)
     write(p, data)
-    h = handle_of(hooks, p)
+    h = hooks.ipc_handle(p)
     out = run_python(RECEIVER, dict(os.environ), h, str(len(data)))
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
@@ -72,7 +52,7 @@ def test_stats_show_exports_and_imports(hooks, tag):
 def test_a_forged_handle_is_refused(hooks, tag):
     with memsaver.region(tag):
         p = hooks.malloc_ok(2 * MiB)
-    h = bytearray.fromhex(handle_of(hooks, p))
+    h = bytearray.fromhex(hooks.ipc_handle(p))
     h[44] ^= 1  # the key
     out = run_python(RECEIVER, dict(os.environ), h.hex(), "16")
     assert out.returncode == 0, out.stderr
