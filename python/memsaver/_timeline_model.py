@@ -1,5 +1,6 @@
 """What the page and the trace export both read from recorded events: spans, the state samples
-of each process (before and after every span), stage runs, and the fixed colour of each tag."""
+of each process (before and after every span), stage runs, the memory shared with other
+processes, and the fixed colour of each tag."""
 
 from __future__ import annotations
 
@@ -121,6 +122,27 @@ def depths(evts: Sequence[Mapping[str, Any]]) -> list[int]:
         out[i] = len(stack)
         stack.append(end(evts[i]))
     return out
+
+
+def shared_exports(e: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """Per tag, the memory of the process shared with others after the event: ``bytes``,
+    ``handles``, ``importers`` (none in files of version 2 and older)."""
+    return {
+        str(tag): {k: int(x.get(k, 0)) for k in ("bytes", "handles", "importers")}
+        for tag, x in (e.get("shared_exports") or {}).items()
+    }
+
+
+def shared_imports(e: Mapping[str, Any]) -> dict[str, int]:
+    """Other processes' memory the process has open after the event: ``count``, ``bytes`` and
+    how many are ``paused`` by their owner (all 0 in files of version 2 and older)."""
+    imports = e.get("shared_imports") or {}
+    return {k: int(imports.get(k, 0)) for k in ("count", "bytes", "paused")}
+
+
+def has_shared(evts: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether any event has memory shared with other processes (exported or imported)."""
+    return any(shared_exports(e) or shared_imports(e)["count"] for e in evts)
 
 
 def tags_of(evts: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -6,7 +6,8 @@ tag stacked over time (a step function: the state sampled before and after each 
 first sample being the state before the first event), and the device's memory as tagged /
 untagged / free bands (untagged = total - free - tagged: the CUDA context, untagged
 allocations and other processes on the device). The table below lists every event with the
-resident bytes of every tag after it.
+resident bytes of every tag after it, and, when any event has some, the memory shared with
+other processes through CUDA IPC after it.
 """
 
 from __future__ import annotations
@@ -196,8 +197,30 @@ def _lane(p: model.Process, tags: list[str], axis: _Axis, peak: int, pad: float,
     return parts, y + DEV_H - top
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def _shared_cell(e: Mapping[str, Any]) -> str:
+    """The memory shared with other processes after ``e``, in a few words: each tag that gave
+    out handles, then the imports of other processes' memory."""
+    parts = []
+    exports = model.shared_exports(e)
+    for tag in model.tag_order(set(exports)):
+        x = exports[tag]
+        parts.append(f"{tag}: {_mib(x['bytes'])} exported, {_count(x['handles'], 'handle')}, "
+                     f"{_count(x['importers'], 'importer')}")
+    imports = model.shared_imports(e)
+    if imports["count"]:
+        parts.append(f"{_count(imports['count'], 'import')}: {_mib(imports['bytes'])}"
+                     + (f", {imports['paused']} paused" if imports["paused"] else ""))
+    return "; ".join(parts)
+
+
 def _table(evts: Sequence[Mapping[str, Any]], procs: list[model.Process], tags: list[str], t0: float) -> str:
-    head = ["pid", "device", "stage", "event", "start", "ms"] + tags + ["untagged", "device free", "error"]
+    shared = model.has_shared(evts)  # the column only where some memory was shared
+    head = (["pid", "device", "stage", "event", "start", "ms"] + tags + ["untagged", "device free"]
+            + (["shared (CUDA IPC)"] if shared else []) + ["error"])
     rows: list[tuple[float, int, str]] = []
 
     def cells(pid: Any, e: Mapping[str, Any] | None, s: model.Sample, prev: Mapping[str, int] | None,
@@ -212,6 +235,8 @@ def _table(evts: Sequence[Mapping[str, Any]], procs: list[model.Process], tags: 
         u = s.untagged()
         out.append(f"<td class='n'>{_esc('' if u is None else _mib(u))}</td>")
         out.append(f"<td class='n'>{_esc('' if s.free is None else _mib(s.free))}</td>")
+        if shared:
+            out.append(f"<td class='shared'>{_esc('' if e is None else _shared_cell(e))}</td>")
         out.append(f"<td class='err'>{_esc(e.get('error', '') if e is not None else '')}</td>")
         return "".join(out)
 
@@ -271,6 +296,10 @@ def render_html(evts: list[dict[str, Any]], title: str = "memsaver timeline") ->
     legend += swatch.format(model.UNTAGGED, "untagged (context, other allocations, other processes)")
     legend += swatch.format(model.FREE, "free")
     kinds = "".join(swatch.format(c, k) for k, c in KIND_FILL.items())
+    shared = (" The shared column is the memory shared with other processes through CUDA IPC after each "
+              "event: per tag, the bytes this process exported, their handles and the processes that have "
+              "them open; then its imports of other processes' memory, and how many their owner paused."
+              if model.has_shared(evts) else "")
     when = datetime.datetime.fromtimestamp(lo, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{_esc(title)}</title>
@@ -301,7 +330,7 @@ tr.start td {{ background: #f7f7f7; font-style: italic; }}
 from {_esc(when)}. x: wall-clock time, shared by all processes; each pause, resume and profile step is a
 span as long as it took. Per process: resident memory per tag (a step function, sampled before and after
 each span; "start" is the state before the first event) and the device's memory: tagged, untagged
-(total - free - tagged) and free. Hover a shape for its values; the table lists every event.</p>
+(total - free - tagged) and free. Hover a shape for its values; the table lists every event.{shared}</p>
 <div id="legend">{legend}</div>
 <div id="kinds">{kinds}</div>
 {svg}

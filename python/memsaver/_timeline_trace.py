@@ -5,8 +5,11 @@ Per process (``pid``): metadata events (``ph: "M"``) naming it and its threads; 
 event (``ph: "X"``) per pause, resume and profile step on its thread, inside a complete event
 per stage run; and counter events (``ph: "C"``) before and after every span: ``resident bytes``
 (one series per tag) and ``device bytes`` (``tagged``, ``untagged``, ``free``: their sum is the
-device's total). Timestamps are microseconds since the first event's start (its wall-clock time
-is ``otherData.memsaver_epoch_s``).
+device's total); for a process that shared memory with others through CUDA IPC, also after every
+span: ``exported bytes`` (one series per tag that gave out handles), ``imported bytes``
+(``imported``) and ``imports`` (``mapped``, ``paused``: their sum is the imports open).
+Timestamps are microseconds since the first event's start (its wall-clock time is
+``otherData.memsaver_epoch_s``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,26 @@ def _dur(a: float, b: float, t0: float) -> float:
     # From the two ends as placed on the axis (not from "seconds"), so that a slice ends where
     # the slice holding it ends, to the rounding.
     return round(_us(b, t0) - _us(a, t0), 3)
+
+
+def _shared_series(p: model.Process, t0: float) -> list[tuple[str, list[tuple[float, dict[str, int]]]]]:
+    """The counters of the memory ``p`` shared with other processes, sampled at the end of each
+    span: those it never had (no export, no import) are left out."""
+    exported = model.tag_order({t for e in p.events for t in model.shared_exports(e)})
+    imported = any(model.shared_imports(e)["count"] for e in p.events)
+    exports_ts: list[tuple[float, dict[str, int]]] = []
+    bytes_ts: list[tuple[float, dict[str, int]]] = []
+    imports_ts: list[tuple[float, dict[str, int]]] = []
+    for e in sorted(p.events, key=model.end):
+        ts = _us(model.end(e), t0)
+        exports, imports = model.shared_exports(e), model.shared_imports(e)
+        exports_ts.append((ts, {t: exports.get(t, {}).get("bytes", 0) for t in exported}))
+        bytes_ts.append((ts, {"imported": imports["bytes"]}))
+        imports_ts.append((ts, {"mapped": imports["count"] - imports["paused"], "paused": imports["paused"]}))
+    out = [("exported bytes", exports_ts)] if exported else []
+    if imported:
+        out += [("imported bytes", bytes_ts), ("imports", imports_ts)]
+    return out
 
 
 def to_chrome_trace(evts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -62,6 +85,10 @@ def to_chrome_trace(evts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 args["bytes"] = sum(changed.values())  # this process's resident bytes gained (< 0: released)
             if e.get("device_free") is not None:
                 args["device_free_bytes"] = e["device_free"]
+            if model.shared_exports(e):
+                args["shared_exports"] = model.shared_exports(e)
+            if model.shared_imports(e)["count"]:
+                args["shared_imports"] = model.shared_imports(e)
             if e.get("error"):
                 args["error"] = e["error"]
             slices.append({
@@ -84,7 +111,7 @@ def to_chrome_trace(evts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 device_ts.append((ts, {"tagged": tagged, "untagged": s.untagged() or 0, "free": s.free}))
             elif s.free is not None:
                 device_ts.append((ts, {"free": s.free}))
-        for name, series in (("resident bytes", resident_ts), ("device bytes", device_ts)):
+        for name, series in (("resident bytes", resident_ts), ("device bytes", device_ts), *_shared_series(p, t0)):
             by_ts: dict[float, dict[str, int]] = {}
             for ts, values in series:  # one sample per instant: the last one taken there
                 by_ts[ts] = values

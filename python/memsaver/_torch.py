@@ -10,7 +10,8 @@ memory that B's tensor uses (torch_memory_saver issue #85). So every region allo
 * in-process mode (and preload with expandable segments, whose memory does not come from
   ``cudaMalloc``): a ``MemPool`` over ``CUDAPluggableAllocator(libmemsaver.so,
   "memsaver_torch_malloc", "memsaver_torch_free")``, which allocates for the calling thread's
-  region.
+  region. Sharing such a pool's tensors with another process (CUDA IPC) raises a
+  ``MemsaverError`` that says to use the preload (see ``_guard_cuda_ipc``).
 
 torch routes an allocation to the *first* active pool whose filter matches (its
 ``captures_underway`` list), so nested ``use_mem_pool`` blocks on one thread do not work: the
@@ -24,19 +25,21 @@ Nothing here imports torch: it is used only when the application has imported it
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import _core
+from . import _core, _memsaver, _stats
 
 _LIB_MALLOC = "memsaver_torch_malloc"
 _LIB_FREE = "memsaver_torch_free"
 
-# Guards the creation of _pools and _graph_pools entries and of _allocator (reads of a filled
-# entry need no lock). Reentrant: creating a pool creates the allocator.
+# Guards the creation of _pools and _graph_pools entries and of _allocator, and the
+# installation of the CUDA IPC guard (reads of a filled entry need no lock). Reentrant:
+# creating a pool creates the allocator.
 _lock = threading.RLock()
 # (tag, policy, device, kind) -> MemPool. Kept for the life of the process: a pool's cached
 # blocks belong to its tag.
@@ -84,13 +87,82 @@ def pool_kind() -> str:
 
 
 def _pluggable_allocator(torch: Any) -> Any:
-    """The process's one ``CUDAPluggableAllocator`` over libmemsaver.so."""
+    """The process's one ``CUDAPluggableAllocator`` over libmemsaver.so. In in-process mode,
+    where it is how torch reaches memsaver, it also installs the CUDA IPC guard."""
     global _allocator
     with _lock:
         if _allocator is None:
-            _, path = _core.library()
+            mode, path = _core.library()
             _allocator = torch.cuda.memory.CUDAPluggableAllocator(path, _LIB_MALLOC, _LIB_FREE)
+            if mode == "inprocess":
+                _guard_cuda_ipc(torch)
         return _allocator
+
+
+# The attribute of the guard's wrapper that holds the method it wraps: its mark, so that it is
+# installed once however often the allocator is made (tests make it again).
+_GUARD_ORIGINAL = "_memsaver_original"
+
+
+def _guard_cuda_ipc(torch: Any) -> None:
+    """Has sharing memsaver memory with another process raise ``MemsaverError`` in in-process
+    mode, instead of failing in libcudart with an opaque ``cudaErrorInvalidValue``.
+
+    torch shares a CUDA tensor (``torch.multiprocessing`` queues, ``reduce_tensor``) through
+    ``storage._share_cuda_()`` (``TypedStorage._share_cuda_`` calls its untyped storage's),
+    which asks libcudart's ``cudaIpcGetMemHandle`` for a handle. Under the preload,
+    libmemsaver.so interposes that function and shares memsaver memory through handles of its
+    own; in in-process mode nothing interposes it, and the runtime cannot export memory it did
+    not allocate. ``_share_cuda_`` is a method of the C class ``torch._C.StorageBase``, whose
+    Python subclass ``torch.UntypedStorage`` takes the wrapper as an attribute: storages that
+    are not memsaver memory go to the original method unchanged. Idempotent; called with
+    ``_lock`` held, and never under the preload (the interposed functions serve it there).
+    """
+    cls: Any = getattr(torch, "UntypedStorage", None)
+    original = getattr(cls, "_share_cuda_", None)
+    if original is None or getattr(original, _GUARD_ORIGINAL, None) is not None:
+        return  # a torch without it, or guarded already
+
+    @functools.wraps(original)
+    def _share_cuda_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ptr = int(self.data_ptr())
+        allocation = _allocation_at(ptr)
+        if allocation is not None:
+            raise _memsaver.MemsaverError(_ipc_in_process_message(ptr, allocation))
+        return original(self, *args, **kwargs)
+
+    setattr(_share_cuda_, _GUARD_ORIGINAL, original)
+    cls._share_cuda_ = _share_cuda_
+
+
+def _allocation_at(ptr: int) -> _stats.Allocation | None:
+    """The memsaver allocation that holds the device address ``ptr``, if any. The C ABI has no
+    lookup by address, so this reads the whole list (``memsaver.allocations()``): a cost paid
+    once per tensor shared, which torch's own export outweighs."""
+    if not ptr:
+        return None
+    for a in _stats.parse_allocations(_memsaver.allocations_json([])):
+        if a.ptr <= ptr < a.ptr + a.size:
+            return a
+    return None
+
+
+def _ipc_in_process_message(ptr: int, allocation: _stats.Allocation) -> str:
+    """Why a storage at ``ptr`` in ``allocation`` cannot be shared here, and what to do."""
+    return (
+        f"memsaver: cannot share this CUDA tensor with another process: its memory ({ptr:#x}) is "
+        f"memsaver memory of tag '{allocation.tag}' (an allocation of {allocation.size} bytes at "
+        f"{allocation.ptr:#x}), and this process runs memsaver in in-process mode (libmemsaver.so "
+        "loaded by the package, not preloaded), where CUDA IPC (torch.multiprocessing, "
+        "reduce_tensor) cannot export it: libcudart's cudaIpcGetMemHandle exports cudaMalloc "
+        "memory only, and nothing here hands it memsaver's. Start this process and the processes "
+        "that receive its tensors under the preload: "
+        f"LD_PRELOAD={_core.BUNDLED_LIBRARY} (what `python3 -m memsaver preload-path` prints), "
+        '`eval "$(python3 -m memsaver env)"` in the shell that launches them, or '
+        "env=memsaver.subprocess_env() when starting them from Python; children that "
+        "torch.multiprocessing spawns inherit it. Tensors allocated outside memsaver regions are "
+        "shared as usual."
+    )
 
 
 def _new_pool(torch: Any, kind: str, device: int) -> Any:

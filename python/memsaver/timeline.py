@@ -1,7 +1,7 @@
 """A measured memory timeline: pause/resume calls and profile steps recorded as events (start,
-duration, tags, resident bytes per tag before and after, device free and total memory), a
-self-contained HTML page that charts them on a time axis, and an export to the Chrome trace
-event format (Perfetto, chrome://tracing).
+duration, tags, resident bytes per tag before and after, device free and total memory, memory
+shared with other processes), a self-contained HTML page that charts them on a time axis, and
+an export to the Chrome trace event format (Perfetto, chrome://tracing).
 
 Recording is off by default. Turn it on with :func:`enable` or ``MEMSAVER_TIMELINE=PATH`` (the
 events are written to PATH, with ``{pid}`` replaced by the process id, at exit and on
@@ -13,8 +13,9 @@ Every pause, resume and profile step is also an NVTX range (Nsight Systems) and 
 imported torch and CUDA is available, whether recording is on or not. memsaver never imports
 torch itself.
 
-Event fields (``version`` 2 of the file; version 1 files lack the ``*_before`` fields, ``start``,
-``tid``, ``tags`` and ``device_total``, and are still read):
+Event fields (``version`` 3 of the file; older files are still read, a missing field as none:
+version 2 files lack ``shared_exports`` and ``shared_imports``, version 1 files also lack the
+``*_before`` fields, ``start``, ``tid``, ``tags`` and ``device_total``):
 
 ``time``/``start``
     wall-clock seconds (``time.time()``) at the end and at the start of the span. Both come
@@ -27,6 +28,11 @@ Event fields (``version`` 2 of the file; version 1 files lack the ``*_before`` f
     resident bytes per tag of this process at the start and at the end.
 ``device``, ``device_free_before``/``device_free``, ``device_total``
     the device and its free and total memory (all processes) at the start and at the end.
+``shared_exports``/``shared_imports``
+    memory shared with other processes through CUDA IPC handles at the end (``stats()``'s
+    ``shared_exports`` and ``shared_imports``): per tag of this process that gave out handles,
+    its ``bytes``, ``handles`` and ``importers``; and this process's imports of other
+    processes' memory: their ``count``, ``bytes`` and how many are ``paused`` by their owner.
 ``error``
     present when the span raised: the exception's type and message.
 """
@@ -39,7 +45,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _core, _memsaver, _stats, _torch
 from ._chromium import browser, screenshot
@@ -53,7 +59,7 @@ __all__ = [
     "write_trace",
 ]
 
-VERSION = 2
+VERSION = 3
 
 _lock = threading.Lock()  # guards _events and _path
 _context = threading.local()  # .stage: the profile stage running on this thread, if any
@@ -111,19 +117,41 @@ class stage_context:
         _context.stage = self.outer
 
 
-def _snapshot() -> tuple[dict[str, int], int, int | None, int | None]:
-    """Resident bytes per tag of this process, and the device with its free and total memory."""
+class _State(NamedTuple):
+    """What an event records of this process at one instant (the fields of the same names)."""
+
+    resident: dict[str, int]
+    device: int
+    free: int | None
+    total: int | None
+    shared_exports: dict[str, dict[str, int]]
+    shared_imports: dict[str, int]
+
+
+def _snapshot() -> _State:
+    """Resident bytes per tag of this process, the device with its free and total memory, and
+    the memory shared with other processes."""
     # memsaver.stats() and memsaver.device_memory(), from below the module that defines them
     # (memsaver._api, whose pause and resume record here).
     _core.ensure_loaded()
-    resident = {name: t.resident_bytes for name, t in _stats.parse(_memsaver.stats_json()).tags.items()}
+    stats = _stats.parse(_memsaver.stats_json())
+    resident = {name: t.resident_bytes for name, t in stats.tags.items()}
+    exports = {
+        tag: {"bytes": e.bytes, "handles": e.handles, "importers": e.importers}
+        for tag, e in stats.shared_exports.items()
+    }
+    imports = {
+        "count": len(stats.shared_imports),
+        "bytes": sum(i.bytes for i in stats.shared_imports),
+        "paused": sum(1 for i in stats.shared_imports if i.paused),
+    }
     torch = _torch.cuda_initialized()
     device = torch.cuda.current_device() if torch is not None else 0
     try:
         free, total = _memsaver.device_memory(device)
     except Exception:  # a process without that device: keep the event without it
-        return resident, device, None, None
-    return resident, device, free, total
+        free, total = None, None
+    return _State(resident, device, free, total, exports, imports)
 
 
 def _append(ev: dict[str, Any]) -> None:
@@ -138,7 +166,7 @@ def record(kind: str, label: str, seconds: float | None = None) -> None:
     if _events is None:
         return
     end = time.perf_counter()
-    resident, device, free, total = _snapshot()
+    now = _snapshot()
     _append({
         "time": _wall(end),
         "start": None if seconds is None else _wall(end - seconds),
@@ -148,10 +176,12 @@ def record(kind: str, label: str, seconds: float | None = None) -> None:
         "label": label,
         "stage": getattr(_context, "stage", None),
         "seconds": seconds,
-        "resident": resident,
-        "device": device,
-        "device_free": free,
-        "device_total": total,
+        "resident": now.resident,
+        "device": now.device,
+        "device_free": now.free,
+        "device_total": now.total,
+        "shared_exports": now.shared_exports,
+        "shared_imports": now.shared_imports,
     })
 
 
@@ -170,7 +200,7 @@ class span:
         self.kind, self.label, self.tags, self.record = kind, label, tags, record
         self._nvtx: Any = None
         self._function: Any = None
-        self._before: tuple[dict[str, int], int, int | None, int | None] | None = None
+        self._before: _State | None = None
         self._stage: str | None = None
         self._t0 = 0.0
 
@@ -212,14 +242,14 @@ class span:
                     self._nvtx.range_pop()
 
     def _record(self, end: float, exc: BaseException | None) -> None:
-        assert self._before is not None
-        before, device, free_before, total = self._before
+        before = self._before
+        assert before is not None
         try:
-            resident, device, free, total_after = _snapshot()
+            after = _snapshot()
         except Exception:  # the failure also broke stats(): keep what is known
             if exc is None:
                 raise
-            resident, free, total_after = before, None, total
+            after = before._replace(free=None)
         ev: dict[str, Any] = {
             "time": _wall(end),
             "start": _wall(self._t0),
@@ -229,12 +259,14 @@ class span:
             "label": self.label,
             "stage": self._stage,
             "seconds": end - self._t0,
-            "resident_before": before,
-            "resident": resident,
-            "device": device,
-            "device_free_before": free_before,
-            "device_free": free,
-            "device_total": total_after if total_after is not None else total,
+            "resident_before": before.resident,
+            "resident": after.resident,
+            "device": after.device,
+            "device_free_before": before.free,
+            "device_free": after.free,
+            "device_total": after.total if after.total is not None else before.total,
+            "shared_exports": after.shared_exports,
+            "shared_imports": after.shared_imports,
         }
         if self.tags is not None:
             ev["tags"] = list(self.tags)

@@ -1,7 +1,7 @@
 """A stand-in for the parts of torch that memsaver's pool scopes use (``torch.cuda``'s
-``MemPool``, ``use_mem_pool``, ``device``, ``graph``, ``CUDAPluggableAllocator``), recording every call, so
-that what memsaver does under torch is checked without torch. The real torch:
-tests/gpu/torch_hooks.py."""
+``MemPool``, ``use_mem_pool``, ``device``, ``graph``, ``CUDAPluggableAllocator``) and the storages
+that CUDA IPC shares (``UntypedStorage``, ``TypedStorage``), recording every call, so that what
+memsaver does under torch is checked without torch. The real torch: tests/gpu/torch_hooks.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from typing import Any
 class FakeTorch(types.ModuleType):
     """Put it in ``sys.modules["torch"]``; ``calls`` lists ("pool", name, allocator),
     ("enter", name, device), ("exit", name), ("freed", name), and ("capture", pool id,
-    options) / ("captured",) around a graph capture, and ("synchronize",), in order."""
+    options) / ("captured",) around a graph capture, ("synchronize",), and ("share_cuda",
+    data pointer) when a storage reaches torch's own ``_share_cuda_``, in order."""
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -52,6 +53,35 @@ class FakeTorch(types.ModuleType):
             yield
             calls.append(("captured",))
 
+        class UntypedStorage:
+            """A CUDA storage at ``ptr``. ``_share_cuda_`` stands for the method torch's
+            ``UntypedStorage`` inherits from the C class ``torch._C.StorageBase``, which calls
+            ``cudaIpcGetMemHandle``; it returns what torch's does (device, handle, size, offset,
+            ...), shortened."""
+
+            def __init__(self, ptr: int, nbytes: int = 4096) -> None:
+                self.ptr, self.size = ptr, nbytes
+
+            def data_ptr(self) -> int:
+                return self.ptr
+
+            def _share_cuda_(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+                calls.append(("share_cuda", self.ptr))
+                return (0, b"handle", self.size, 0)
+
+        class TypedStorage:
+            """What ``torch.multiprocessing.reductions.reduce_tensor`` shares
+            (``tensor._typed_storage()``): as torch's, its ``_share_cuda_`` is its untyped
+            storage's."""
+
+            def __init__(self, untyped: UntypedStorage) -> None:
+                self._untyped_storage = untyped
+
+            def _share_cuda_(self, *args: Any, **kwargs: Any) -> Any:
+                return self._untyped_storage._share_cuda_(*args, **kwargs)
+
+        self.UntypedStorage = UntypedStorage
+        self.TypedStorage = TypedStorage
         self.cuda = types.SimpleNamespace(
             graph=graph,
             synchronize=lambda: calls.append(("synchronize",)),

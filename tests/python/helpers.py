@@ -51,6 +51,37 @@ class Hooks:
     def free(self, ptr: int) -> int:
         return self.lib.cudaFree(ptr)
 
+    def ipc_handle(self, ptr: int) -> str:
+        """The interposed cudaIpcGetMemHandle's handle of ``ptr`` (memsaver's own for memsaver
+        memory), as hex: what torch would pickle and send."""
+        buf = (ctypes.c_ubyte * 64)()
+        self.lib.cudaIpcGetMemHandle.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.lib.cudaIpcGetMemHandle.restype = ctypes.c_int
+        self.lib.memsaver_last_error.restype = ctypes.c_char_p
+        assert self.lib.cudaIpcGetMemHandle(buf, ptr) == 0, self.lib.memsaver_last_error()
+        return bytes(buf).hex()
+
+
+# Python code for a child process: `ipc_open(hex)` opens a handle of `Hooks.ipc_handle` with the
+# interposed cudaIpcOpenMemHandle, as torch's rebuild of a shared tensor does, and returns
+# (cudaError, pointer, memsaver's last error).
+IPC_OPEN = r"""
+import ctypes
+import memsaver
+memsaver.hook_mode()
+_lib = ctypes.CDLL(memsaver.preload_path())
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+_lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _Handle, ctypes.c_uint]
+_lib.memsaver_last_error.restype = ctypes.c_char_p
+def ipc_open(hex_handle):
+    h = _Handle()
+    ctypes.memmove(h.reserved, bytes.fromhex(hex_handle), 64)
+    p = ctypes.c_void_p()
+    rc = _lib.cudaIpcOpenMemHandle(ctypes.byref(p), h, 1)
+    return rc, p.value, _lib.memsaver_last_error().decode()
+"""
+
 
 def write(ptr: int, data: bytes) -> None:
     ctypes.memmove(ptr, data, len(data))

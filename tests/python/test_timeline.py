@@ -4,13 +4,14 @@ its rendering in a real headless Chromium (screenshot checked for every series' 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import memsaver
 import pytest
-from helpers import MiB
-from memsaver import _memsaver, timeline
+from helpers import IPC_OPEN, MiB
+from memsaver import _memsaver, _timeline_model, timeline
 
 
 def _hex(c: str) -> tuple[int, int, int]:
@@ -62,7 +63,9 @@ def test_pause_resume_and_steps_are_recorded(tmp_path, tag, tag2):
     assert ev[0]["tags"] == [tag2] and ev[5].get("tags") is None
     assert all(e["device_total"] >= e["device_free"] and e["start"] <= e["time"] for e in ev)
     assert all(a["time"] <= b["start"] for a, b in zip(ev, ev[1:], strict=False)), "one clock: spans in order"
-    assert json.loads(events.read_text())["version"] == 2
+    # And the memory shared with other processes, after it (test_shared_memory_is_recorded).
+    assert all(isinstance(e["shared_exports"], dict) and e["shared_imports"]["count"] == 0 for e in ev)
+    assert json.loads(events.read_text())["version"] == 3
 
 
 def test_the_page_needs_no_browser(tmp_path, tag, tag2):
@@ -270,6 +273,145 @@ def test_chrome_trace_export(tmp_path):
     dev = [e for e in te if e["ph"] == "C" and e["name"] == "device bytes" and e["pid"] == 101]
     assert all(sum(e["args"].values()) == 80 << 30 for e in dev), "tagged + untagged + free = total"
     assert dev[0]["args"] == {"tagged": 5 << 30, "untagged": 15 << 30, "free": 60 << 30}
+
+
+def _with_shared(evts):
+    """The events of _events_of_two_ranks with memory shared through CUDA IPC (version 3): rank
+    101 gave out a handle of its weights, which rank 102 has open, paused by 101 while its
+    weights are (from "pause weights" to "resume weights, kv_cache")."""
+    G = 1 << 30
+    out = []
+    for e in evts:
+        e = dict(e)
+        if e["pid"] == 101:
+            e["shared_exports"] = {"weights": {"bytes": G, "handles": 1, "importers": 1}}
+            e["shared_imports"] = {"count": 0, "bytes": 0, "paused": 0}
+        else:
+            e["shared_exports"] = {}
+            e["shared_imports"] = {"count": 1, "bytes": G, "paused": int(e["label"] == "pause weights")}
+        out.append(e)
+    return out
+
+
+def test_shared_memory_in_page_and_trace(tmp_path):
+    evts = _with_shared(_events_of_two_ranks())
+    events = tmp_path / "ev.json"
+    events.write_text(json.dumps({"version": 3, "events": evts}))
+    loaded = timeline.load([str(events)])
+    assert [(e["shared_exports"], e["shared_imports"]) for e in loaded] == [
+        (e["shared_exports"], e["shared_imports"]) for e in evts
+    ], "round trip"
+
+    page = timeline.render_html(loaded, "shared")
+    assert "<th>shared (CUDA IPC)</th>" in page and "The shared column is the memory shared" in page
+    cells = [c for c in page.split("<td class='shared'>")[1:]]
+    cells = [c[: c.index("</td>")] for c in cells]
+    assert len(cells) == 2 + 8, "a cell in every row, the starting states' empty"
+    assert cells.count("weights: 1.00 GiB exported, 1 handle, 1 importer") == 4
+    assert cells.count("1 import: 1.00 GiB") == 3 and cells.count("1 import: 1.00 GiB, 1 paused") == 1
+    assert cells.count("") == 2
+
+    trace = _validate_chrome_trace(json.dumps(timeline.to_chrome_trace(loaded)))
+    te = trace["traceEvents"]
+    ends = [2_000, 12_050, 1_072_050, 1_162_050]  # rank 101's spans end there (rank 102: 5 ms later)
+
+    def counter(pid, name):
+        return [(e["ts"], e["args"]) for e in te if e["ph"] == "C" and e["pid"] == pid and e["name"] == name]
+
+    G = 1 << 30
+    assert counter(101, "exported bytes") == [(pytest.approx(ts, abs=1e-3), {"weights": G}) for ts in ends]
+    assert counter(101, "imports") == [] and counter(102, "exported bytes") == []
+    assert counter(102, "imported bytes") == [(pytest.approx(ts + 5_000, abs=1e-3), {"imported": G}) for ts in ends]
+    assert [args for _, args in counter(102, "imports")] == [
+        {"mapped": 1, "paused": 0}, {"mapped": 1, "paused": 0}, {"mapped": 0, "paused": 1}, {"mapped": 1, "paused": 0},
+    ]
+    pause = next(e for e in te if e["ph"] == "X" and e["name"] == "pause weights" and e["pid"] == 102)
+    assert pause["args"]["shared_imports"] == {"count": 1, "bytes": G, "paused": 1}
+    assert "shared_exports" not in pause["args"]
+
+
+def test_files_without_shared_memory_still_load(tmp_path):
+    """Version 2 files (before the shared fields) load, read as nothing shared: no column on the
+    page, no counter in the trace. (Version 1: test_version_1_files_still_render.)"""
+    evts = _events_of_two_ranks()
+    assert not any("shared_exports" in e or "shared_imports" in e for e in evts)
+    events = tmp_path / "ev.json"
+    events.write_text(json.dumps({"version": 2, "events": evts}))
+    loaded = timeline.load([str(events)])
+    assert loaded == evts
+    assert all(_timeline_model.shared_exports(e) == {} for e in loaded)
+    assert all(_timeline_model.shared_imports(e) == {"count": 0, "bytes": 0, "paused": 0} for e in loaded)
+    page = timeline.render_html(loaded)
+    assert "shared (CUDA IPC)" not in page and "class='shared'" not in page and "shared column" not in page
+    assert page.count("<tr>") == 1 + len(evts)
+    names = {e["name"] for e in timeline.to_chrome_trace(loaded)["traceEvents"] if e["ph"] == "C"}
+    assert names == {"resident bytes", "device bytes"}
+    # Events that recorded nothing shared (version 3, empty fields) read the same.
+    empty = [dict(e, shared_exports={}, shared_imports={"count": 0, "bytes": 0, "paused": 0}) for e in evts]
+    assert timeline.render_html(empty) == page
+
+
+# A receiver of the owner's memory (argv: handle, events file): it opens the handle, records an
+# event, tells the owner, waits until the owner paused the memory, records another and saves.
+IMPORTER = IPC_OPEN + r"""
+import sys
+from memsaver import timeline
+timeline.enable()
+rc, p, error = ipc_open(sys.argv[1])
+assert rc == 0, error
+memsaver.register_tag("own")
+memsaver.pause("own")            # an event: the import mapped
+print("opened", flush=True)
+assert sys.stdin.readline() == "paused\n"
+memsaver.resume("own")           # an event: the import paused by its owner
+timeline.save(sys.argv[2])
+print("saved", flush=True)
+"""
+
+
+def test_shared_memory_is_recorded(tmp_path, hooks, tag):
+    """An owner shares memory of a tag with another process, which holds it open while the owner
+    pauses: both record it in their events, and the page and the trace show it."""
+    timeline.enable()
+    n0 = len(timeline.events())
+    with memsaver.region(tag, backup="cpu"):
+        p = hooks.malloc_ok(2 * MiB)
+    mine, theirs = tmp_path / "owner.json", tmp_path / "importer.json"
+    child = subprocess.Popen([sys.executable, "-c", IMPORTER, hooks.ipc_handle(p), str(theirs)],
+                             env=dict(os.environ), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "opened\n"
+        memsaver.pause(tag)      # waits for the importer to release its mapping
+        child.stdin.write("paused\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "saved\n"
+    finally:
+        child.stdin.close()
+        assert child.wait(timeout=60) == 0
+    memsaver.resume(tag)         # the importer exited: released, forgotten
+    recorded = timeline.events()[n0:]
+    timeline.save(str(mine))
+    assert hooks.free(p) == 0
+
+    export = {"bytes": 2 * MiB, "handles": 1, "importers": 1}
+    assert [e["label"] for e in recorded] == [f"pause {tag}", f"resume {tag}"]
+    assert recorded[0]["shared_exports"][tag] == export, "the importer holds it, paused"
+    assert recorded[1]["shared_exports"][tag] == dict(export, importers=0)
+    assert all(e["shared_imports"] == {"count": 0, "bytes": 0, "paused": 0} for e in recorded)
+    imported = timeline.load([str(theirs)])
+    assert [e["shared_imports"] for e in imported] == [
+        {"count": 1, "bytes": 2 * MiB, "paused": 0}, {"count": 1, "bytes": 2 * MiB, "paused": 1},
+    ]
+    assert all(e["shared_exports"] == {} for e in imported)
+
+    both = timeline.load([str(mine), str(theirs)])
+    page = timeline.render_html(both)
+    assert "<th>shared (CUDA IPC)</th>" in page
+    assert f"{tag}: 2.0 MiB exported, 1 handle, 1 importer" in page
+    assert "1 import: 2.0 MiB, 1 paused" in page
+    trace = _validate_chrome_trace(json.dumps(timeline.to_chrome_trace(both)))
+    imports = [e["args"] for e in trace["traceEvents"] if e["ph"] == "C" and e["name"] == "imports"]
+    assert imports == [{"mapped": 1, "paused": 0}, {"mapped": 0, "paused": 1}]
 
 
 def test_trace_of_recorded_events_is_valid(tmp_path, tag):
