@@ -589,7 +589,9 @@ pub fn open(bytes: &[u8; HANDLE_BYTES]) -> Result<Option<u64>, String> {
         key: h.key,
         generation: 0,
     };
+    let started = Instant::now();
     let (fd, generation, offset, handle_size) = fetch(h.group, &h.owner, want)?;
+    let fetched = started.elapsed();
     let device = a.driver().current_device().unwrap_or(0);
     let gran = a.granularity(device).map_err(|e| e.to_string())?;
     let ctx = a.device(device).map_err(|e| e.to_string())?.ctx;
@@ -619,6 +621,13 @@ pub fn open(bytes: &[u8; HANDLE_BYTES]) -> Result<Option<u64>, String> {
             return Err(format!("cannot map memory of process {pid}: {e}"));
         }
     };
+    tracing::debug!(
+        owner = pid,
+        bytes = handle_size,
+        fetch_us = fetched.as_micros() as u64,
+        map_us = (started.elapsed() - fetched).as_micros() as u64,
+        "opened memsaver memory of another process"
+    );
     let ptr = base + offset;
     imports.insert(
         ptr,

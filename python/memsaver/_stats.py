@@ -71,15 +71,17 @@ class SharedExport:
 
 @dataclass(frozen=True)
 class SharedImport:
-    """Memory of another memsaver process (``owner_pid``) that this one opened through a CUDA
-    IPC handle: ``bytes``, ``paused`` while its owner has it paused (the address stays
-    reserved; touching it then is the same mistake as touching a paused tensor), ``opens``
-    the opens not closed yet."""
+    """Memory of another memsaver process (``owner_pid``) that this one maps: ``bytes``,
+    ``paused`` while its owner has it paused (the address stays reserved; touching it then is
+    the same mistake as touching a paused tensor), ``via`` how it was opened: ``"cuda_ipc"`` (a
+    CUDA IPC handle; ``opens``: the opens not closed yet) or ``"nccl"`` (NCCL registered the
+    owner's buffer; ``opens``: NCCL's mappings of it)."""
 
     owner_pid: int
     bytes: int
     paused: bool
     opens: int
+    via: str = "cuda_ipc"
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,13 @@ def parse(text: str) -> Stats:
             for k, v in doc.get("shared", {}).get("exports", {}).items()
         },
         shared_imports=[
-            SharedImport(int(i["owner_pid"]), int(i["bytes"]), bool(i["paused"]), int(i["opens"]))
+            SharedImport(
+                int(i["owner_pid"]),
+                int(i["bytes"]),
+                bool(i["paused"]),
+                int(i["opens"]),
+                str(i.get("via", "cuda_ipc")),
+            )
             for i in doc.get("shared", {}).get("imports", [])
         ],
     )

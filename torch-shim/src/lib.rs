@@ -349,9 +349,10 @@ pub unsafe extern "C" fn memsaver_register_tag(tag: *const c_char) -> c_int {
 /// Writes the stats as JSON (see "JSON out-parameters" above): {"tags":[{"tag","paused",
 /// "allocations","reserved_bytes","resident_bytes","backup_bytes","pinned_backup_bytes",
 /// "mmap_backup_bytes","disk_backup_bytes","devices":[...]}],"total":{...}}. backup_bytes is
-/// host memory (pinned + mmap); disk files are counted apart. "shared": memory shared through
-/// CUDA IPC handles: {"exports":{TAG:{"handles","bytes","importers"}},"imports":[{"owner_pid",
-/// "bytes","paused","opens"}]}.
+/// host memory (pinned + mmap); disk files are counted apart. "shared": memory shared with
+/// other processes (CUDA IPC handles, NCCL's registration of tagged buffers):
+/// {"exports":{TAG:{"handles","bytes","importers"}},"imports":[{"owner_pid","bytes","paused",
+/// "opens","via"}]}, "via" being "cuda_ipc" or "nccl".
 ///
 /// # Safety
 /// `buf` is valid for `len` bytes of writes (or NULL with `len == 0`); `needed` is NULL or a
