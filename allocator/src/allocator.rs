@@ -476,6 +476,11 @@ impl Allocator {
     /// the run's last allocation: see [`detach`]). Failures are logged: the allocation is gone
     /// from the caller's point of view either way.
     pub(crate) fn release(&self, alloc: Allocation, ptr: u64, ended: Option<(u64, Run)>) {
+        if alloc.shared
+            && let Some(s) = self.sharing()
+        {
+            s.freed(alloc.id);
+        }
         let d = &self.driver;
         let dev = &alloc.device;
         let r = d.with_context(dev.ctx, || match alloc.phase {

@@ -26,6 +26,10 @@ pub trait Sharing: Send + Sync {
     /// pause released before failed for them, so they stayed resident): the importers may map
     /// the memory again.
     fn after_resume(&self, ids: &[u64]);
+    /// The shared allocation `id` is being freed: whatever the layer holds of its memory
+    /// (an exported fd keeps the memory alive) must go. The importers keep their mappings, as
+    /// with CUDA IPC.
+    fn freed(&self, id: u64);
 }
 
 /// A shared allocation, as [`Allocator::share`] found it.

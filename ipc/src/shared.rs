@@ -46,7 +46,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::Instant;
 
 use memsaver_allocator::driver::Handle;
-use memsaver_allocator::{Allocator, Error, StartHook};
+use memsaver_allocator::{Allocator, Error, ExportedMemory, StartHook};
 use parking_lot::Mutex;
 
 use crate::client;
@@ -135,6 +135,29 @@ struct Export {
     paused: bool,
     /// The processes that opened it (and have not closed it), by pid.
     importers: BTreeMap<u32, Identity>,
+    /// The current generation's memory, exported once ([`cached_export`]): the driver takes
+    /// about 1.5 ms to export a 1 GiB handle the first time and tens of microseconds after, so
+    /// the fd is made when the handle is given and copies of it are handed out. An exported fd
+    /// keeps the memory alive: it is dropped before a pause releases the memory and when the
+    /// allocation is freed.
+    fd: Option<ExportedMemory>,
+}
+
+/// A copy of export `id`'s fd, exporting it first if it is not cached (`Ok(None)` while the
+/// allocation is not resident). Called under [`EXPORTS`].
+fn cached_export(a: &Allocator, id: u64, e: &mut Export) -> Result<Option<ExportedMemory>, String> {
+    if e.fd.is_none() {
+        e.fd = a.export_shared(id).map_err(|e| e.to_string())?;
+    }
+    let Some(m) = &e.fd else { return Ok(None) };
+    let fd =
+        m.fd.try_clone()
+            .map_err(|err| format!("cannot copy an exported fd: {err}"))?;
+    Ok(Some(ExportedMemory {
+        fd,
+        offset: m.offset,
+        handle_size: m.handle_size,
+    }))
 }
 
 /// This process's exports, by allocation id.
@@ -158,25 +181,28 @@ pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>, String> {
     })?;
     let key = {
         let mut ex = EXPORTS.lock();
-        match ex.get(&shared.id) {
-            Some(e) => e.key,
-            None => {
+        let e = match ex.entry(shared.id) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
                 let key = identity::new_key()
                     .map_err(|e| format!("cannot draw a key for a CUDA IPC handle: {e}"))?;
-                ex.insert(
-                    shared.id,
-                    Export {
-                        key,
-                        tag: shared.tag.clone(),
-                        size: shared.size as u64,
-                        generation: 0,
-                        paused: false,
-                        importers: BTreeMap::new(),
-                    },
-                );
-                key
+                v.insert(Export {
+                    key,
+                    tag: shared.tag.clone(),
+                    size: shared.size as u64,
+                    generation: 0,
+                    paused: false,
+                    importers: BTreeMap::new(),
+                    fd: None,
+                })
             }
+        };
+        // Exported now, so that the receiver's open only copies the fd (a failure here is
+        // the open's to report).
+        if !e.paused {
+            let _ = cached_export(a, shared.id, e);
         }
+        e.key
     };
     Ok(Some(IpcHandle {
         owner: identity::me(),
@@ -243,7 +269,7 @@ fn serve_owner(conn: &Connection, from: Identity, op: Share, buffers: &[Buffer])
                 match allocator
                     .as_ref()
                     .map_err(|e| e.to_string())
-                    .and_then(|a| a.export_shared(b.id).map_err(|e| e.to_string()))
+                    .and_then(|a| cached_export(a, b.id, e))
                 {
                     Ok(Some(m)) => {
                         e.importers.insert(from.pid, from);
@@ -296,6 +322,8 @@ impl Owner {
                 let Some(e) = ex.get_mut(id) else { continue };
                 if pausing {
                     e.paused = true;
+                    // The memory is about to be released: no fd may keep it.
+                    e.fd = None;
                 } else {
                     e.paused = false;
                     e.generation += 1;
@@ -387,6 +415,12 @@ impl memsaver_allocator::Sharing for Owner {
 
     fn after_resume(&self, ids: &[u64]) {
         self.tell_importers(ids, Share::Rebuild, false);
+    }
+
+    fn freed(&self, id: u64) {
+        // Forgotten with its fd: a handle of a freed allocation opens nothing, and the importers
+        // keep what they map.
+        EXPORTS.lock().remove(&id);
     }
 }
 
@@ -605,19 +639,7 @@ pub fn open(bytes: &[u8; HANDLE_BYTES]) -> Result<Option<u64>, String> {
             // SAFETY: reserved above, nothing mapped.
             let _ = unsafe { a.driver().address_free(base, handle_size) };
             drop(imports);
-            let _ = client::exchange(
-                h.group,
-                &h.owner,
-                Request::Shared {
-                    from: identity::me(),
-                    to: h.owner,
-                    group: h.group,
-                    op: Share::Close,
-                    buffers: vec![want],
-                },
-                1,
-                timeout(),
-            );
+            let _ = close_for_holder(h.group, &h.owner, want);
             return Err(format!("cannot map memory of process {pid}: {e}"));
         }
     };
@@ -674,6 +696,24 @@ fn unmap(a: &Allocator, i: &mut Import) {
     }
 }
 
+/// Tells `owner` that this process no longer maps allocation `b` (a close, or a [`Holder`]'s
+/// import went): the owner's next pause does not wait for it. An owner that exited needs no
+/// notice.
+pub fn close_for_holder(group: i64, owner: &Identity, b: Buffer) -> Result<(), String> {
+    let request = Request::Shared {
+        from: identity::me(),
+        to: *owner,
+        group,
+        op: Share::Close,
+        buffers: vec![b],
+    };
+    match client::exchange(group, owner, request, 1, timeout()) {
+        Ok(_) => Ok(()),
+        Err(_) if !identity::is_running(owner) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 /// `cudaIpcCloseMemHandle(ptr)`: `None` when `ptr` is not an import of memsaver memory.
 pub fn close(ptr: u64) -> Option<Result<(), String>> {
     let mut imports = IMPORTS.lock();
@@ -691,26 +731,16 @@ pub fn close(ptr: u64) -> Option<Result<(), String>> {
     unmap(a, &mut i);
     // SAFETY: reserved by `open`, nothing mapped in it any more.
     let _ = unsafe { a.driver().address_free(i.reserved.0, i.reserved.1) };
-    let request = Request::Shared {
-        from: identity::me(),
-        to: i.owner,
-        group: i.group,
-        op: Share::Close,
-        buffers: vec![Buffer {
-            id: i.id,
-            key: i.key,
-            generation: i.generation,
-        }],
+    let b = Buffer {
+        id: i.id,
+        key: i.key,
+        generation: i.generation,
     };
-    // The memory is released here either way; an owner that exited needs no notice.
-    match client::exchange(i.group, &i.owner, request, 1, timeout()) {
-        Ok(_) => Some(Ok(())),
-        Err(_) if !identity::is_running(&i.owner) => Some(Ok(())),
-        Err(e) => Some(Err(format!(
-            "closed, but process {} was not told: {e}",
-            i.owner.pid
-        ))),
-    }
+    // The memory is released here either way.
+    Some(
+        close_for_holder(i.group, &i.owner, b)
+            .map_err(|e| format!("closed, but process {} was not told: {e}", i.owner.pid)),
+    )
 }
 
 /// The importer's answers to its owners: release, rebuild.

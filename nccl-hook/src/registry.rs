@@ -475,12 +475,12 @@ impl Registry {
     }
 
     /// Forgets a physical object NCCL no longer references and no mapping uses, returning
-    /// its driver handle for the caller to release (outside the lock).
-    pub fn collect(&mut self, vh: u64) -> Option<CUmemGenericAllocationHandle> {
+    /// it for the caller to release its driver handle (outside the lock).
+    pub fn collect(&mut self, vh: u64) -> Option<Physical> {
         let unused = self.physicals.get(&vh).is_some_and(|p| p.refs == 0)
             && !self.mappings.values().any(|m| m.vh == vh);
         if unused {
-            self.physicals.remove(&vh).and_then(|p| p.real())
+            self.physicals.remove(&vh)
         } else {
             None
         }

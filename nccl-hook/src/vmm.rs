@@ -123,9 +123,37 @@ fn forget_backup(vh: u64) {
     }
 }
 
-/// Releases the driver handle of a physical object the registry just forgot.
-fn release_real(h: Option<CUmemGenericAllocationHandle>) {
-    if let (Some(h), Some(release)) = (h, real::RELEASE()) {
+/// Releases the driver handle of a physical object the registry just forgot; the import of a
+/// peer's registered buffer also tells its owner, which stops counting this process as an
+/// importer (in the background: NCCL's deregistration does not wait for the owner).
+fn release_real(gone: Option<Physical>) {
+    let Some(p) = gone else { return };
+    if let Some(Registration::Imported {
+        owner,
+        group,
+        id,
+        key,
+        ..
+    }) = p.registration
+    {
+        let generation = p
+            .mapped_generation()
+            .or(p.released_generation())
+            .unwrap_or(0);
+        let _ = std::thread::Builder::new()
+            .name("memsaver-close".into())
+            .spawn(move || {
+                let b = memsaver_ipc::protocol::Buffer {
+                    id,
+                    key,
+                    generation,
+                };
+                if let Err(e) = memsaver_ipc::shared::close_for_holder(group, &owner, b) {
+                    tracing::warn!("memsaver: process {} was not told that NCCL deregistered its buffer here: {e}", owner.pid);
+                }
+            });
+    }
+    if let (Some(h), Some(release)) = (p.real(), real::RELEASE()) {
         // SAFETY: a driver handle memsaver held on NCCL's behalf; released once, here.
         let r = unsafe { release(h) };
         if r != CUDA_SUCCESS {

@@ -16,7 +16,9 @@ the owner (this script, re-run under the preload) starts a receiver with
 1. fills a ``--size-mib`` (default 1024) uint8 tensor with a pattern and puts it on a
    ``torch.multiprocessing`` queue (``reduce_tensor``: ``cudaIpcGetMemHandle`` of the segment);
    the receiver reads it (``cudaIpcOpenMemHandle``) and checks the pattern, and its
-   ``memsaver.stats().shared_imports`` lists it, not paused;
+   ``memsaver.stats().shared_imports`` lists it, not paused; in region mode, a process
+   without the preload given the same handle gets an error from the real runtime, never a
+   pointer;
 2. the owner pauses ``weights``: ``torch.cuda.mem_get_info()`` measured in the owner shows at
    least 90% of the tensor's bytes back (the receiver's mapping was released too, else the
    memory would stay held); the receiver's stats show the import paused;
@@ -122,6 +124,36 @@ def receiver(mode: str, size: int, reps: int, inbox: Any, outbox: Any) -> None:
         outbox.put(("error", repr(e)))
 
 
+# A receiver without memsaver: the real runtime's cudaIpcOpenMemHandle of memsaver's handle.
+PLAIN_RECEIVER = """
+import pickle, sys
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+args = pickle.loads(sys.stdin.buffer.read())
+try:
+    t = rebuild_cuda_tensor(*args)
+    print("OPENED", hex(t.data_ptr()))
+except Exception as e:
+    print("REFUSED", type(e).__name__, str(e).splitlines()[0][:160])
+"""
+
+
+def open_without_memsaver(t: Any) -> tuple[bool, str]:
+    """Whether a process without the preload, given the tensor's handle as torch sends it,
+    gets an error (and what it said) rather than a pointer."""
+    import pickle
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(t)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LD_PRELOAD", "MEMSAVER_HOOK_MODE", "MEMSAVER_PROCESS_TAG")}
+    r = subprocess.run([sys.executable, "-c", PLAIN_RECEIVER], input=pickle.dumps(args),
+                       env=env, capture_output=True, timeout=300)
+    out = r.stdout.decode(errors="replace").strip() or r.stderr.decode(errors="replace")[-300:]
+    return out.startswith("REFUSED"), out
+
+
 def owner(mode: str, size_mib: int, reps: int) -> int:
     import memsaver
     import torch
@@ -160,6 +192,9 @@ def owner(mode: str, size_mib: int, reps: int) -> int:
         exports = memsaver.stats().shared_exports.get(TAG)
         c.check(exports is not None and exports.importers == 1 and exports.bytes >= size,
                 f"the owner's stats show the export ({exports})")
+        if mode == "region":
+            refused, detail = open_without_memsaver(t)
+            c.check(refused, f"a receiver without memsaver gets an error, not a pointer ({detail})")
 
         torch.cuda.synchronize()
         free0, _ = torch.cuda.mem_get_info()
@@ -239,7 +274,7 @@ def main() -> int:
 
     results = {}
     for mode in ["region", "process"] if args.mode == "all" else [args.mode]:
-        env = memsaver.subprocess_env()
+        env = {**os.environ, **memsaver.subprocess_env()}
         env.pop("MEMSAVER_PROCESS_TAG", None)
         if mode == "process":
             env["MEMSAVER_PROCESS_TAG"] = TAG

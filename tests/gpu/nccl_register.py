@@ -26,6 +26,9 @@ buffer's handle, the peer's proxy imports and maps it). Then, per cycle:
 3. both ranks resume, write new values and exchange again: correct, through the same
    registration (the peer's mapping was rebuilt at the same address).
 
+At the end (explicit registration only) the buffers are deregistered: the peers drop their
+imports and tell the owners, and a pause then frees the buffers without them.
+
 Exit status non-zero on any failure; one ``NCCL_REGISTER {json}`` line per rank.
 """
 import argparse
@@ -33,6 +36,7 @@ import ctypes
 import json
 import os
 import sys
+import time
 
 import memsaver
 import torch
@@ -75,7 +79,7 @@ def nccl_register(tensors):
         if rc != 0:
             raise RuntimeError(f"ncclCommRegister returned {rc}")
         handles.append(h)
-    return handles
+    return lambda: [lib.ncclCommDeregister(comm, h) for h in handles]
 
 
 def main():
@@ -94,8 +98,7 @@ def main():
         recv = torch.zeros(n, device="cuda")
     torch.cuda.synchronize()
     result = {"rank": rank, "cycles": [], "failures": []}
-    if not args.torch_hook:
-        nccl_register([send, recv])
+    deregister = (lambda: None) if args.torch_hook else nccl_register([send, recv])
 
     def fail(what):
         result["failures"].append(what)
@@ -145,8 +148,35 @@ def main():
     exchange(send, recv, rank, world)
     if not bool(torch.all(recv == -1.0).item()):
         fail("after the last resume: wrong values received")
+    if not args.torch_hook:
+        # Deregistration: the peers unmap their imports and tell the owners; a pause then
+        # frees the buffers without asking anyone (a peer's mapping still there would hold
+        # the memory).
+        deregister()
+        dist.barrier()
+        deadline = time.monotonic() + 10
+        while True:
+            s = memsaver.stats()
+            importers = s.shared_exports[TAG].importers if TAG in s.shared_exports else 0
+            imports = [i for i in s.shared_imports if i.via == "nccl"]
+            if (importers == 0 and not imports) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        if importers or imports:
+            fail(f"after deregistration: {importers} importer(s) of '{TAG}', imports {imports}")
+        dist.barrier()
+        free_before = torch.cuda.mem_get_info()[0]
+        memsaver.pause(TAG)
+        freed = torch.cuda.mem_get_info()[0] - free_before
+        result["freed_after_deregistration_mib"] = round(freed / MIB, 1)
+        if freed < 0.9 * 2 * args.mib * MIB:
+            fail(f"after deregistration a pause freed {freed / MIB:.1f} MiB")
+        memsaver.resume(TAG)
     print("NCCL_REGISTER " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    if not args.torch_hook:
+        # With torch's hook, torch deregisters the region's segments when their pool goes at
+        # exit, on a communicator destroy_process_group has aborted; leave it to the exit.
+        dist.destroy_process_group()
     if result["failures"]:
         sys.exit(1)
 

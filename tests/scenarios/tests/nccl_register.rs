@@ -90,9 +90,25 @@ fn a_registered_import_follows_its_owners_tag() {
     job.ok(&[1], "unimport");
     job.ok(&[0], "resume weights");
     job.ok(&[0], "unimport");
+    // The peers tell the owners (in the background): no importer is left.
+    for r in 0..2 {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while shared(&mut job, r)["exports"]["weights"]["importers"] != 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "rank {r} still counts an importer"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(shared(&mut job, r)["imports"], serde_json::json!([]));
+    }
     job.ok(&[0], "pause weights");
     assert_eq!(job.used(), 4 * MIB);
     job.ok(&[0], "resume weights");
+    // Freeing a registered tensor gives its memory back (nothing exported keeps it).
+    job.ok(&[0], "tfree 0");
+    job.ok(&[1], "tfree 0");
+    assert_eq!(job.used(), 0);
 }
 
 #[test]

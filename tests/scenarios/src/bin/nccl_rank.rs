@@ -20,6 +20,7 @@
 //!                  becomes the range NCCL exports, sent by the next `exchange`
 //! allreduce        ncclAllReduce on this rank's buffer, as the application calls it -> the rc
 //! unimport         NCCL's free path on the imports of peers' buffers (a deregistration)
+//! tfree I          memsaver_free of tensor I
 //! used             device memory in use (all processes, fake driver) in bytes
 //! free             free imports and the own buffer through NCCL's free path
 //! stats            memsaver_nccl_stats_json on one line
@@ -284,6 +285,18 @@ impl Rank {
                     return Err(format!("{rc} {}", self.last_error()));
                 }
                 self.tensors.push((p as u64, size));
+                Ok(String::new())
+            }
+            // `tfree I`: memsaver_free of tensor I.
+            Some("tfree") => {
+                let (ptr, _) = *self.tensors.get(num(1)? as usize).ok_or("no such tensor")?;
+                let free: unsafe extern "C" fn(*mut c_void) -> c_int =
+                    sym(libc::RTLD_DEFAULT, c"memsaver_free");
+                // SAFETY: a pointer memsaver_malloc returned, freed once.
+                let rc = unsafe { free(ptr as *mut c_void) };
+                if rc != 0 {
+                    return Err(format!("{rc} {}", self.last_error()));
+                }
                 Ok(String::new())
             }
             Some("register") => {
