@@ -559,10 +559,10 @@ impl Allocator {
 
     /// The base address and tag of the allocation holding `ptr` (any address inside it), if
     /// memsaver made it, and whether it is resident now.
-    pub fn allocation_at(&self, ptr: u64) -> Option<(u64, String, bool)> {
+    pub fn allocation_at(&self, ptr: u64) -> Option<(u64, Arc<str>, bool)> {
         let t = self.table.lock();
         let (base, a) = t.containing(ptr)?;
-        Some((base, a.tag.to_string(), a.phase.state() == State::Resident))
+        Some((base, a.tag.clone(), a.phase.state() == State::Resident))
     }
 
     /// Every tag used so far and every external tag, in name order.

@@ -43,7 +43,7 @@ fn refuse(name: &str) -> c_int {
 }
 
 /// The first of `buffers` that lies in memsaver memory not resident now, and its tag.
-fn paused_buffer(buffers: &[usize]) -> Option<(usize, String)> {
+fn paused_buffer(buffers: &[usize]) -> Option<(usize, std::sync::Arc<str>)> {
     let a = memsaver_allocator::global_if_started()?;
     buffers
         .iter()
@@ -54,7 +54,7 @@ fn paused_buffer(buffers: &[usize]) -> Option<(usize, String)> {
         })
 }
 
-fn refuse_buffer(name: &str, (ptr, tag): (usize, String)) -> c_int {
+fn refuse_buffer(name: &str, (ptr, tag): (usize, std::sync::Arc<str>)) -> c_int {
     tracing::error!(
         "{name} called with the buffer at {ptr:#x}, memory of the paused tag '{tag}': call \
          memsaver.resume('{tag}') first"

@@ -48,7 +48,8 @@ memsaver_allocator::declare_options! {
             => pub nccl_timeout: Duration = |ms| Duration::from_millis(ms as u64);
 
         /// 0: NCCL exports plain driver fds (for jobs with processes not preloaded); exported
-        /// buffers and imports then stay resident on pause
+        /// buffers and imports then stay resident on pause, and NCCL's registration of tensors
+        /// in memsaver memory fails (turn it off: NCCL_LOCAL_REGISTER=0, NCCL_GRAPH_REGISTER=0)
         NCCL_TOKENS = "MEMSAVER_NCCL_TOKENS", bool, default "1", Library
             => pub nccl_tokens: bool;
     }
