@@ -583,24 +583,32 @@ unsafe extern "C" fn mem_import(
             }
         },
     };
-    if r != CUDA_SUCCESS {
-        return r;
+    if r == CUDA_SUCCESS {
+        record_import(handle, |h, prop| Physical::imported(h, prop, source));
     }
+    r
+}
+
+/// Records the driver handle NCCL just imported (`*handle`) as `make(handle, properties)` and
+/// gives NCCL the virtual handle instead. Where the memory lives (a peer's device, or host
+/// memory for NCCL's shared-memory transport) is asked of the driver directly: NCCL may never
+/// have looked the query up.
+fn record_import(
+    handle: *mut CUmemGenericAllocationHandle,
+    make: impl FnOnce(CUmemGenericAllocationHandle, CUmemAllocationProp) -> Physical,
+) {
     quietly(|| {
         // SAFETY: written by the driver on success.
         let h = unsafe { *handle };
-        // Where the memory lives (a peer's device, or host memory for NCCL's shared-memory
-        // transport), asked of the driver directly: NCCL may never have looked the query up.
         // Before the registry lock: this may start the allocator.
         let prop = memsaver_allocator::global_driver()
             .ok()
             .and_then(|d| d.properties(Handle(h)).ok())
             .unwrap_or_default();
-        let vh = registry::lock().insert(Physical::imported(h, prop, source));
+        let vh = registry::lock().insert(make(h, prop));
         // SAFETY: the caller's out-pointer.
         unsafe { *handle = vh };
     });
-    r
 }
 
 /// NCCL imports a peer's memsaver memory it registered (token `t`): the fd comes from the
@@ -630,30 +638,21 @@ fn import_registered(
             handle_type,
         )
     };
-    if r != CUDA_SUCCESS {
-        return r;
+    if r == CUDA_SUCCESS {
+        record_import(handle, |h, prop| {
+            let registration = Registration::Imported {
+                owner: t.owner(),
+                group: t.group,
+                id: t.buffer,
+                key: t.key,
+                offset: opened.offset,
+                window: None,
+            };
+            let mut p = Physical::registered(h, prop, registration, opened.generation);
+            p.size = opened.handle_size as u64;
+            p
+        });
     }
-    quietly(|| {
-        // SAFETY: written by the driver on success.
-        let h = unsafe { *handle };
-        let prop = memsaver_allocator::global_driver()
-            .ok()
-            .and_then(|d| d.properties(Handle(h)).ok())
-            .unwrap_or_default();
-        let registration = Registration::Imported {
-            owner: t.owner(),
-            group: t.group,
-            id: t.buffer,
-            key: t.key,
-            offset: opened.offset,
-            window: None,
-        };
-        let mut p = Physical::registered(h, prop, registration, opened.generation);
-        p.size = opened.handle_size as u64;
-        let vh = registry::lock().insert(p);
-        // SAFETY: the caller's out-pointer.
-        unsafe { *handle = vh };
-    });
     r
 }
 

@@ -38,7 +38,13 @@ def test_stats_show_exports_and_imports(hooks, tag):
     assert got["rc"] == 0, got
     assert bytes.fromhex(got["data"]) == data
     assert got["imports"] == [
-        {"owner_pid": os.getpid(), "bytes": 2 * MiB, "paused": False, "opens": 1}
+        {
+            "owner_pid": os.getpid(),
+            "bytes": 2 * MiB,
+            "paused": False,
+            "opens": 1,
+            "via": "cuda_ipc",
+        }
     ]
     e = memsaver.stats().shared_exports[tag]
     assert (e.handles, e.bytes, e.importers) == (1, 2 * MiB, 1)

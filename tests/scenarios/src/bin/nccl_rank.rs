@@ -330,45 +330,40 @@ impl Rank {
                 Ok(rc.to_string())
             }
             Some("unimport") => {
-                let all: Vec<FakeNcclAlloc> = self
-                    .peers
-                    .drain(..)
-                    .flatten()
-                    .chain(self.extra_imports.drain(..))
-                    .collect();
-                for a in all {
-                    // SAFETY: imports made by the fake NCCL, freed once.
-                    let rc = unsafe { (self.free)(self.cuda.as_ptr(), &a) };
-                    if rc != 0 {
-                        return Err(format!("free {rc}"));
-                    }
-                }
-                Ok(String::new())
+                let imports = self.take_imports();
+                self.free_all(imports)
             }
             Some("pid") => Ok(std::process::id().to_string()),
             // The context pushed at start-up is current.
             Some("used") => used_bytes(self.mem_info),
             Some("free") => {
-                let all: Vec<FakeNcclAlloc> = self
-                    .peers
-                    .drain(..)
-                    .flatten()
-                    .chain(self.extra_imports.drain(..))
-                    .chain(self.own.take())
-                    .chain(self.shared.drain(..))
-                    .chain(self.private.drain(..))
-                    .collect();
-                for a in all {
-                    // SAFETY: allocations made by the fake NCCL, freed once.
-                    let rc = unsafe { (self.free)(self.cuda.as_ptr(), &a) };
-                    if rc != 0 {
-                        return Err(format!("free {rc}"));
-                    }
-                }
-                Ok(String::new())
+                let mut all = self.take_imports();
+                all.extend(self.own.take());
+                all.append(&mut self.shared);
+                all.append(&mut self.private);
+                self.free_all(all)
             }
             _ => Err(format!("unknown command {line:?}")),
         }
+    }
+
+    /// The imports of peers' buffers, taken out of this rank's records.
+    fn take_imports(&mut self) -> Vec<FakeNcclAlloc> {
+        let mut all: Vec<FakeNcclAlloc> = self.peers.drain(..).flatten().collect();
+        all.append(&mut self.extra_imports);
+        all
+    }
+
+    /// Frees `all` through NCCL's free path, in order.
+    fn free_all(&self, all: Vec<FakeNcclAlloc>) -> Result<String, String> {
+        for a in all {
+            // SAFETY: allocations made by the fake NCCL, freed once.
+            let rc = unsafe { (self.free)(self.cuda.as_ptr(), &a) };
+            if rc != 0 {
+                return Err(format!("free {rc}"));
+            }
+        }
+        Ok(String::new())
     }
 
     /// Every rank sends its exported fd to every other rank and imports theirs.
