@@ -377,7 +377,22 @@ impl Allocator {
         let d = &self.driver;
         let (ptr, handle) = d
             .with_context(dev.ctx, || {
-                let ptr = d.reserve(size, dev.granularity, hint)?;
+                let ptr = match d.reserve(size, dev.granularity, hint) {
+                    // The driver may refuse a range it cannot place at the hint (seen as
+                    // CUDA_ERROR_OUT_OF_MEMORY on a two-GPU H100 host) instead of placing it
+                    // elsewhere: adjacency is only a wish, so ask again without it.
+                    Err(e) if hint != 0 => {
+                        tracing::info!(
+                            tag,
+                            bytes = size,
+                            hint = format_args!("{hint:#x}"),
+                            error = %e,
+                            "reserving next to the tag's last allocation failed; reserving anywhere"
+                        );
+                        d.reserve(size, dev.granularity, 0)?
+                    }
+                    r => r?,
+                };
                 let handle = match d.create(dev.ordinal, size, true) {
                     Ok(h) => h,
                     Err(e) => {

@@ -283,3 +283,25 @@ fn a_failed_allocation_leaves_no_tag_behind() {
     assert!(a.stats().tag("never_allocated").is_some());
     a.free(p).unwrap();
 }
+
+/// The driver may refuse a reservation at the hint (next to the tag's last allocation) with
+/// CUDA_ERROR_OUT_OF_MEMORY instead of placing it elsewhere (seen on a two-GPU H100 host):
+/// malloc asks again without the hint. A refusal without a hint is the caller's error.
+#[test]
+fn a_reservation_refused_at_the_hint_is_made_elsewhere() {
+    let a = allocator();
+    let first = a.malloc(2 * MIB, 0, "weights", Policy::Cpu).unwrap();
+    inject("fakecuda_fail_reserve_at", 1); // the next one: at the hint after `first`
+    let second = a.malloc(4 * MIB, 0, "weights", Policy::Cpu);
+    inject("fakecuda_reset_faults", 0);
+    let second = second.expect("reserved again without the hint");
+    fill(second, 4 * MIB, 7);
+    assert_eq!(a.state(second), Some(State::Resident));
+
+    inject("fakecuda_fail_reserve_at", 1); // a tag with no allocation yet: no hint
+    let e = a.malloc(2 * MIB, 0, "kv_cache", Policy::Cpu).unwrap_err();
+    inject("fakecuda_reset_faults", 0);
+    assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
+    a.free(first).unwrap();
+    a.free(second).unwrap();
+}

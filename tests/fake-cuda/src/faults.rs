@@ -26,6 +26,10 @@ pub static CREATE: Fault = Fault::new();
 pub static MAP: Fault = Fault::new();
 /// Run-time control only (`fakecuda_fail_unmap_at`): makes a pause fail half-way.
 pub static UNMAP: Fault = Fault::new();
+/// Run-time control only (`fakecuda_fail_reserve_at`): a `cuMemAddressReserve` that fails with
+/// `CUDA_ERROR_OUT_OF_MEMORY` although address space is free, as the real driver once did for
+/// a 47.5 GiB reservation at a hint on a two-GPU H100 host.
+pub static RESERVE: Fault = Fault::new();
 
 impl Fault {
     const fn new() -> Self {

@@ -16,7 +16,8 @@
 //! | `FAKE_CUDA_PIN_MS_PER_GIB` | `100`                                   | how long a pinning call holds the driver lock, per GiB pinned |
 //!
 //! Run-time controls, exported as C functions: `fakecuda_fail_create_at(n)` and
-//! `fakecuda_fail_map_at(n)`, `fakecuda_fail_unmap_at(n)` (the nth call from now fails; 0
+//! `fakecuda_fail_map_at(n)`, `fakecuda_fail_unmap_at(n)`, `fakecuda_fail_reserve_at(n)` (the
+//! nth call from now fails; 0
 //! disarms; replaces the knob),
 //! `fakecuda_reset_faults()`, and `fakecuda_live_handles()` (handle values of this process not
 //! yet released). `fakecuda_launch_kernel_needing_stack(bytes)` stands for a kernel launch whose
@@ -1003,6 +1004,16 @@ pub extern "C" fn fakecuda_fail_create_at(n: u32) -> CUresult {
     })
 }
 
+/// Test control: the `n`th `cuMemAddressReserve` from now fails with
+/// `CUDA_ERROR_OUT_OF_MEMORY` (0 disarms).
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_fail_reserve_at(n: u32) -> CUresult {
+    guard("fakecuda test control", || {
+        faults::RESERVE.arm(n);
+        Ok(())
+    })
+}
+
 /// Test control: the `n`th `cuMemMap` from now fails with `CUDA_ERROR_UNKNOWN`
 /// (0 disarms). Replaces `FAKE_CUDA_FAIL_MAP_AT`.
 #[unsafe(no_mangle)]
@@ -1029,6 +1040,7 @@ pub extern "C" fn fakecuda_reset_faults() -> CUresult {
         faults::CREATE.reset();
         faults::MAP.reset();
         faults::UNMAP.reset();
+        faults::RESERVE.reset();
         Ok(())
     })
 }

@@ -293,6 +293,9 @@ pub fn reserve(
     {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    if faults::RESERVE.hit(None) {
+        return Err(CUDA_ERROR_OUT_OF_MEMORY);
+    }
     let align = alignment.max(GRANULARITY);
     let mut st = STATE.write();
     let ptr = match try_reserve_at(hint, size, align) {
