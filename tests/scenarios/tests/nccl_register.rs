@@ -184,3 +184,24 @@ fn registration_without_tokens_is_refused_rather_than_left_to_map_stale_memory()
     job.ok(&[0], "pause weights");
     job.ok(&[0], "resume weights");
 }
+
+#[test]
+fn a_registered_buffer_is_not_imported_across_groups() {
+    let dirs = Dirs::new();
+    // Two ranks of one job whose memsaver groups differ (a misconfigured job, or a process of
+    // another job handed the fd): the import is refused and nothing is mapped.
+    let mut job = Job::start_per_rank(2, 36, &dirs.fake, &dirs.rt, PATIENT_MS, |r| {
+        [("MEMSAVER_GROUP", if r == 0 { "36" } else { "37" })]
+    });
+    job.all_ok("tensor 4");
+    for r in 0..2 {
+        assert!(job.one(r, "register").starts_with("ok "));
+    }
+    for (r, a) in job.all("exchange").into_iter().enumerate() {
+        assert!(a.starts_with("err import from rank"), "rank {r}: {a}");
+    }
+    for r in 0..2 {
+        assert_eq!(shared(&mut job, r)["imports"], serde_json::json!([]));
+        assert_eq!(shared(&mut job, r)["exports"]["weights"]["importers"], 0);
+    }
+}
