@@ -133,8 +133,11 @@ struct Export {
     generation: u64,
     /// Between a pause's release and the resume's rebuild: opens are answered `NotReady`.
     paused: bool,
-    /// The processes that opened it (and have not closed it), by pid.
-    importers: BTreeMap<u32, Identity>,
+    /// The processes that import it, by pid, and how many imports each holds (a process may
+    /// open a handle and have NCCL register the buffer, or register it on several
+    /// communicators): each new import ([`Buffer::generation`] 0 in its `Open`) counts one,
+    /// each `Close` one less; a rebuild's `Open` counts none.
+    importers: BTreeMap<u32, (Identity, u32)>,
     /// The current generation's memory, exported once ([`cached_export`]): the driver takes
     /// about 1.5 ms to export a 1 GiB handle the first time and tens of microseconds after, so
     /// the fd is made when the handle is given and copies of it are handed out. An exported fd
@@ -213,14 +216,6 @@ pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>, String> {
     }))
 }
 
-/// Forgets the exports of allocations freed since: a handle of a freed allocation (its id is
-/// never reused) names nothing any more, and is refused like a forged one.
-fn forget_freed(ex: &mut HashMap<u64, Export>) {
-    if let Some(a) = memsaver_allocator::global_if_started() {
-        ex.retain(|id, _| a.shared_allocation(*id).is_some());
-    }
-}
-
 /// Whether `b` names export `e` (the key compared without branching on its bits).
 fn names(e: &Export, b: &Buffer) -> bool {
     std::hint::black_box(e.key ^ b.key) == 0
@@ -229,8 +224,8 @@ fn names(e: &Export, b: &Buffer) -> bool {
 /// The owner's answers: opens and closes of its exports.
 fn serve_owner(conn: &Connection, from: Identity, op: Share, buffers: &[Buffer]) {
     let known = {
-        let mut ex = EXPORTS.lock();
-        forget_freed(&mut ex);
+        // A freed allocation's export is forgotten (`Sharing::freed`): its handles open nothing.
+        let ex = EXPORTS.lock();
         buffers.iter().fold(true, |ok, b| {
             ok & ex.get(&b.id).is_some_and(|e| names(e, b))
         })
@@ -244,7 +239,8 @@ fn serve_owner(conn: &Connection, from: Identity, op: Share, buffers: &[Buffer])
         let mut ex = EXPORTS.lock();
         for b in buffers {
             if let Some(e) = ex.get_mut(&b.id) {
-                e.importers.remove(&from.pid);
+                forget_import(e, from.pid);
+                tracing::debug!(importer = from.pid, id = b.id, "served a close");
             }
         }
         drop(ex);
@@ -272,7 +268,17 @@ fn serve_owner(conn: &Connection, from: Identity, op: Share, buffers: &[Buffer])
                     .and_then(|a| cached_export(a, b.id, e))
                 {
                     Ok(Some(m)) => {
-                        e.importers.insert(from.pid, from);
+                        let count = &mut e.importers.entry(from.pid).or_insert((from, 0)).1;
+                        if b.generation == 0 || *count == 0 {
+                            *count += 1;
+                        }
+                        tracing::debug!(
+                            importer = from.pid,
+                            imports = *count,
+                            id = b.id,
+                            generation = b.generation,
+                            "served an open"
+                        );
                         let reply = Reply::Shared {
                             id: b.id,
                             generation: e.generation,
@@ -298,11 +304,22 @@ fn serve_owner(conn: &Connection, from: Identity, op: Share, buffers: &[Buffer])
         {
             // The importer is gone or gave up: it holds none of what was not delivered.
             if fd.is_some()
+                && b.generation == 0
                 && let Some(e) = EXPORTS.lock().get_mut(&b.id)
             {
-                e.importers.remove(&from.pid);
+                forget_import(e, from.pid);
             }
             return;
+        }
+    }
+}
+
+/// One import fewer of `e` by `pid`.
+fn forget_import(e: &mut Export, pid: u32) {
+    if let Some((_, count)) = e.importers.get_mut(&pid) {
+        *count = count.saturating_sub(1);
+        if *count == 0 {
+            e.importers.remove(&pid);
         }
     }
 }
@@ -328,7 +345,7 @@ impl Owner {
                     e.paused = false;
                     e.generation += 1;
                 }
-                for (pid, who) in &e.importers {
+                for (pid, (who, _)) in &e.importers {
                     per.entry(*pid)
                         .or_insert_with(|| (*who, Vec::new()))
                         .1
@@ -343,7 +360,11 @@ impl Owner {
         if per.is_empty() {
             return;
         }
-        let what = if pausing { "release" } else { "map again" };
+        let what = if pausing {
+            "release memsaver memory it maps"
+        } else {
+            "map memsaver memory again"
+        };
         let deadline = Instant::now() + timeout();
         let wait = timeout();
         let outcomes = PerPeer::start(
@@ -373,7 +394,14 @@ impl Owner {
         )
         .finish(
             deadline,
-            &format!("waiting for processes to {what} memsaver memory they opened"),
+            &format!(
+                "waiting for processes that map memsaver memory of this one to {}",
+                if pausing {
+                    "release it"
+                } else {
+                    "map it again"
+                }
+            ),
             group,
         );
         let mut gone = BTreeSet::new();
@@ -387,16 +415,16 @@ impl Owner {
                     // A dead importer holds nothing: its mappings went with it.
                     gone.insert(pid);
                 }
-                Outcome::Done(Err(e)) => tracing::warn!(
-                    "memsaver: process {pid} (group {group}) could not {what} memsaver memory it opened: {e}"
-                ),
+                Outcome::Done(Err(e)) => {
+                    tracing::warn!("memsaver: process {pid} (group {group}) could not {what}: {e}")
+                }
                 Outcome::NoAnswer => tracing::warn!(
-                    "memsaver: process {pid} (group {group}) did not {what} memsaver memory it opened within {} ms ({TIMEOUT_SETTING}); its mapping may keep the old memory alive",
+                    "memsaver: process {pid} (group {group}) did not {what} within {} ms ({TIMEOUT_SETTING}); its mapping may keep the old memory alive",
                     timeout().as_millis()
                 ),
-                Outcome::NotStarted(e) => tracing::warn!(
-                    "memsaver: cannot ask process {pid} to {what} memsaver memory it opened: {e}"
-                ),
+                Outcome::NotStarted(e) => {
+                    tracing::warn!("memsaver: cannot ask process {pid} to {what}: {e}")
+                }
             }
         }
         if !gone.is_empty() {
@@ -639,7 +667,7 @@ pub fn open(bytes: &[u8; HANDLE_BYTES]) -> Result<Option<u64>, String> {
             // SAFETY: reserved above, nothing mapped.
             let _ = unsafe { a.driver().address_free(base, handle_size) };
             drop(imports);
-            let _ = close_for_holder(h.group, &h.owner, want);
+            let _ = close_imports(h.group, &h.owner, &[want]);
             return Err(format!("cannot map memory of process {pid}: {e}"));
         }
     };
@@ -696,21 +724,69 @@ fn unmap(a: &Allocator, i: &mut Import) {
     }
 }
 
-/// Tells `owner` that this process no longer maps allocation `b` (a close, or a [`Holder`]'s
-/// import went): the owner's next pause does not wait for it. An owner that exited needs no
-/// notice.
-pub fn close_for_holder(group: i64, owner: &Identity, b: Buffer) -> Result<(), String> {
-    let request = Request::Shared {
-        from: identity::me(),
-        to: *owner,
-        group,
-        op: Share::Close,
-        buffers: vec![b],
-    };
-    match client::exchange(group, owner, request, 1, timeout()) {
-        Ok(_) => Ok(()),
-        Err(_) if !identity::is_running(owner) => Ok(()),
-        Err(e) => Err(e),
+/// Tells `owner` that this process holds one import fewer of each of `buffers` (a close, or a
+/// [`Holder`]'s import went): once none is left, the owner's next pause does not wait for this
+/// process. An owner that exited needs no notice.
+pub fn close_imports(group: i64, owner: &Identity, buffers: &[Buffer]) -> Result<(), String> {
+    for chunk in buffers.chunks(crate::protocol::MAX_BUFFERS) {
+        let request = Request::Shared {
+            from: identity::me(),
+            to: *owner,
+            group,
+            op: Share::Close,
+            buffers: chunk.to_vec(),
+        };
+        match client::exchange(group, owner, request, 1, timeout()) {
+            Ok(_) => {}
+            Err(_) if !identity::is_running(owner) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+type Closing = (i64, Identity, Buffer);
+
+/// The queue of [`close_later`], served by one thread.
+static CLOSER: Mutex<Option<std::sync::mpsc::Sender<Closing>>> = Mutex::new(None);
+
+/// [`close_imports`] from a thread of its own, for a caller that must not wait (NCCL's
+/// deregistration): the closes queued meanwhile go together, one request per owner, so that
+/// destroying a communicator with hundreds of registrations does not flood the owners.
+pub fn close_later(group: i64, owner: Identity, b: Buffer) {
+    let mut tx = CLOSER.lock();
+    if tx.is_none() {
+        let (send, receive) = std::sync::mpsc::channel::<Closing>();
+        let spawned = std::thread::Builder::new()
+            .name("memsaver-close".into())
+            .spawn(move || {
+                while let Ok(first) = receive.recv() {
+                    let mut per: BTreeMap<(i64, u32), (Identity, Vec<Buffer>)> = BTreeMap::new();
+                    for (group, owner, b) in std::iter::once(first).chain(receive.try_iter()) {
+                        per.entry((group, owner.pid))
+                            .or_insert_with(|| (owner, Vec::new()))
+                            .1
+                            .push(b);
+                    }
+                    for ((group, pid), (owner, buffers)) in per {
+                        // Not told, the owner asks this process to release what it no longer
+                        // holds at its next pause, which is answered at once.
+                        if let Err(e) = close_imports(group, &owner, &buffers) {
+                            tracing::debug!(
+                                "process {pid} was not told of {} closed import(s): {e}",
+                                buffers.len()
+                            );
+                        }
+                    }
+                }
+            });
+        match spawned {
+            Ok(_) => *tx = Some(send),
+            Err(e) => note(format!("cannot start the thread that closes imports: {e}")),
+        }
+    }
+    if let Some(tx) = tx.as_ref() {
+        let _ = tx.send((group, owner, b));
     }
 }
 
@@ -738,7 +814,7 @@ pub fn close(ptr: u64) -> Option<Result<(), String>> {
     };
     // The memory is released here either way.
     Some(
-        close_for_holder(i.group, &i.owner, b)
+        close_imports(i.group, &i.owner, &[b])
             .map_err(|e| format!("closed, but process {} was not told: {e}", i.owner.pid)),
     )
 }
@@ -762,14 +838,12 @@ fn serve_importer(conn: &Connection, from: Identity, group: i64, op: Share, buff
     };
     let mut imports = IMPORTS.lock();
     let mut failed = Vec::new();
-    let mut others = Vec::new();
     for b in buffers {
         let Some(i) = imports
             .values_mut()
             .find(|i| i.owner == from && i.id == b.id && i.key == b.key)
         else {
-            others.push(*b); // a holder's, or closed meanwhile
-            continue;
+            continue; // closed meanwhile, or only a holder's
         };
         match op {
             Share::Release => unmap(a, i),
@@ -802,7 +876,8 @@ fn serve_importer(conn: &Connection, from: Identity, group: i64, op: Share, buff
         }
     }
     drop(imports);
-    for b in &others {
+    // A process may also map the same memory through a holder (NCCL registered it).
+    for b in buffers {
         for h in HOLDERS {
             let r = match op {
                 Share::Release => h.release(&from, b),
@@ -848,7 +923,20 @@ impl Handler for Shared {
         };
         match op {
             Share::Open | Share::Close => serve_owner(&conn, from, op, &buffers),
-            Share::Release | Share::Rebuild => serve_importer(&conn, from, group, op, &buffers),
+            Share::Release | Share::Rebuild => {
+                // Off the server's workers: a release waits for this process's queued work,
+                // a rebuild asks the owner for its memory, and in a job where every process
+                // imports from every other, workers waiting on each other would stall them all.
+                let spawned = std::thread::Builder::new()
+                    .name("memsaver-import".into())
+                    .spawn(move || serve_importer(&conn, from, group, op, &buffers));
+                if let Err(e) = spawned {
+                    note(format!(
+                        "cannot start a thread to answer process {}: {e}",
+                        from.pid
+                    ));
+                }
+            }
         }
     }
 }
@@ -896,8 +984,7 @@ pub fn imports() -> Vec<ImportStats> {
 /// This process's exports, per tag (allocations freed since are forgotten here).
 pub fn exports() -> BTreeMap<String, ExportStats> {
     let mut out: BTreeMap<String, ExportStats> = BTreeMap::new();
-    let mut ex = EXPORTS.lock();
-    forget_freed(&mut ex);
+    let ex = EXPORTS.lock();
     for e in ex.values() {
         let s = out.entry(e.tag.clone()).or_default();
         s.handles += 1;

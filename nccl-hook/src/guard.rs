@@ -56,8 +56,8 @@ fn paused_buffer(buffers: &[usize]) -> Option<(usize, std::sync::Arc<str>)> {
 
 fn refuse_buffer(name: &str, (ptr, tag): (usize, std::sync::Arc<str>)) -> c_int {
     tracing::error!(
-        "{name} called with the buffer at {ptr:#x}, memory of the paused tag '{tag}': call \
-         memsaver.resume('{tag}') first"
+        "{name} called with the buffer at {ptr:#x}, memory of the tag '{tag}', which is paused \
+         (or being paused or resumed): call it after memsaver.resume('{tag}') returns"
     );
     NCCL_INVALID_USAGE
 }

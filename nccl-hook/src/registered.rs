@@ -18,7 +18,7 @@
 //! NCCL's mapping (its *window*), so the address NCCL uses never changes.
 
 use memsaver_allocator::driver::Handle;
-use memsaver_allocator::steps::{Op, Place};
+use memsaver_allocator::steps::{Op, Place, Steps};
 use memsaver_allocator::{Allocator, Device};
 use memsaver_ipc::identity::Identity;
 use memsaver_ipc::protocol::Buffer;
@@ -69,15 +69,24 @@ fn window(reg: &Registry, vh: u64) -> Option<(u64, u64)> {
     }
 }
 
-/// Unmaps the mapped import `vh` and releases its handle: `Mapped` → `Released`.
-fn release_one(a: &Allocator, reg: &mut Registry, vh: u64) -> Result<(), String> {
+/// Unmaps the mapped import `vh` and releases its handle: `Mapped` → `Released`. `synced`:
+/// the devices already synchronised by this release.
+fn release_one(
+    steps: &Steps<'_>,
+    a: &Allocator,
+    reg: &mut Registry,
+    vh: u64,
+    synced: &mut Vec<i32>,
+) -> Result<(), String> {
     let ranges = reg.ranges_by_handle();
     let rs = ranges.get(&vh).map_or(&[][..], Vec::as_slice);
     let dev = device(a, reg, &ranges, vh)?;
-    let steps = a.steps(Op::Pause);
     let pl = places(rs, window(reg, vh));
-    // No kernel of this process may still use the owner's memory.
-    steps.synchronize(&dev).map_err(|e| e.to_string())?;
+    if !synced.contains(&dev.ordinal) {
+        // No kernel of this process may still use the owner's memory.
+        steps.synchronize(&dev).map_err(|e| e.to_string())?;
+        synced.push(dev.ordinal);
+    }
     // SAFETY: NCCL's mappings of the import, mapped now; the device is idle.
     unsafe { steps.unmap(&dev, &pl) }.map_err(|e| e.to_string())?;
     let p = reg.physicals.get_mut(&vh).expect("matched under this lock");
@@ -100,12 +109,15 @@ impl Holder for Registered {
     fn release(&self, owner: &Identity, b: &Buffer) -> Result<bool, String> {
         // Before the registry lock: this may start the allocator.
         let a = memsaver_allocator::global().map_err(|e| e.to_string())?;
+        let _registering = registry::REGISTERING.lock();
         let mut reg = registry::lock();
         let vhs = matching(&reg, owner, b);
+        let steps = a.steps(Op::Pause);
+        let mut synced = Vec::new();
         let mut first_error = None;
         for &vh in &vhs {
             if reg.physicals[&vh].mapped_generation().is_some()
-                && let Err(e) = release_one(a, &mut reg, vh)
+                && let Err(e) = release_one(&steps, a, &mut reg, vh, &mut synced)
             {
                 first_error.get_or_insert(e);
             }
@@ -125,6 +137,7 @@ impl Holder for Registered {
                 })
                 .collect()
         };
+        let _registering = registry::REGISTERING.lock();
         let (any, todo) = {
             let reg = registry::lock();
             (!matching(&reg, owner, b).is_empty(), behind(&reg))
@@ -136,10 +149,13 @@ impl Holder for Registered {
         let (fd, generation, offset, len) = shared::fetch(group, owner, *b)?;
         let d = a.driver();
         let mut reg = registry::lock();
+        let release_steps = a.steps(Op::Pause);
+        let steps = a.steps(Op::Resume);
+        let mut synced = Vec::new();
         let mut first_error = None;
         for vh in behind(&reg) {
             if reg.physicals[&vh].mapped_generation().is_some()
-                && let Err(e) = release_one(a, &mut reg, vh)
+                && let Err(e) = release_one(&release_steps, a, &mut reg, vh, &mut synced)
             {
                 first_error.get_or_insert(e);
                 continue;
@@ -176,7 +192,6 @@ impl Holder for Registered {
                 let h = d
                     .with_context(dev.ctx, || d.import_fd(raw))
                     .map_err(|e| e.to_string())?;
-                let steps = a.steps(Op::Resume);
                 steps.map_handle(&dev, h, &places(rs, win)).map_err(|e| {
                     let _ = d.release(h);
                     e.to_string()

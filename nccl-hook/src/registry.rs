@@ -444,6 +444,12 @@ pub(crate) struct Registry {
 /// takes `external`, a lock before this one).
 static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
 
+/// Held while an import of a peer's registered buffer is being made (from the owner's answer
+/// until the import is recorded) and while an owner's release or rebuild of such imports runs,
+/// before the registry lock: a release that arrives while an import is under way waits until
+/// it is recorded, and then releases it.
+pub(crate) static REGISTERING: Mutex<()> = Mutex::new(());
+
 pub(crate) fn lock() -> parking_lot::MappedMutexGuard<'static, Registry> {
     MutexGuard::map(REGISTRY.lock(), |r| r.get_or_insert_with(Registry::default))
 }

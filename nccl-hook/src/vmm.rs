@@ -90,8 +90,20 @@ slots! {
 /// Returned when NCCL touches its memory while the `nccl` tag is paused.
 const PAUSED: CUresult = CUDA_ERROR_NOT_PERMITTED;
 
-fn paused_use(what: &str) -> CUresult {
-    tracing::error!("NCCL called {what} on memory of the paused tag 'nccl'; resume('nccl') first");
+/// NCCL used released memory: of its own (the `nccl` tag is paused) or, for `p` a peer's
+/// registered buffer, of a peer whose tag is paused.
+fn paused_use(what: &str, p: &Physical) -> CUresult {
+    match p.registration {
+        Some(Registration::Imported { owner, .. }) => tracing::error!(
+            "NCCL called {what} on a buffer that process {} registered and has paused (its tag); \
+             resume that tag in process {} first",
+            owner.pid,
+            owner.pid
+        ),
+        _ => tracing::error!(
+            "NCCL called {what} on memory of the paused tag 'nccl'; resume('nccl') first"
+        ),
+    }
     PAUSED
 }
 
@@ -140,18 +152,13 @@ fn release_real(gone: Option<Physical>) {
             .mapped_generation()
             .or(p.released_generation())
             .unwrap_or(0);
-        let _ = std::thread::Builder::new()
-            .name("memsaver-close".into())
-            .spawn(move || {
-                let b = memsaver_ipc::protocol::Buffer {
-                    id,
-                    key,
-                    generation,
-                };
-                if let Err(e) = memsaver_ipc::shared::close_for_holder(group, &owner, b) {
-                    tracing::warn!("memsaver: process {} was not told that NCCL deregistered its buffer here: {e}", owner.pid);
-                }
-            });
+        let b = memsaver_ipc::protocol::Buffer {
+            id,
+            key,
+            generation,
+        };
+        tracing::debug!(owner = owner.pid, id, "a registered import went");
+        memsaver_ipc::shared::close_later(group, owner, b);
     }
     if let (Some(h), Some(release)) = (p.real(), real::RELEASE()) {
         // SAFETY: a driver handle memsaver held on NCCL's behalf; released once, here.
@@ -291,7 +298,7 @@ unsafe extern "C" fn mem_map(
         return unsafe { f(ptr, size, offset, handle, flags) };
     };
     let Some(h) = p.real() else {
-        return paused_use("cuMemMap");
+        return paused_use("cuMemMap", p);
     };
     // SAFETY: the caller's arguments with the driver's handle behind the virtual one.
     let r = unsafe { f(ptr, size, offset, h, flags) };
@@ -441,7 +448,7 @@ unsafe extern "C" fn mem_export(
         return unsafe { f(shareable, handle, handle_type, flags) };
     };
     let Some(h) = p.real() else {
-        return paused_use("cuMemExportToShareableHandle");
+        return paused_use("cuMemExportToShareableHandle", p);
     };
     if let Some(Registration::Retained { at }) = p.registration {
         drop(reg);
@@ -620,6 +627,8 @@ fn import_registered(
     handle_type: c_uint,
     real_import: fns::cuMemImportFromShareableHandle,
 ) -> CUresult {
+    // Until the import is recorded: the owner's release of it waits (`registered`).
+    let _registering = registry::REGISTERING.lock();
     let opened = match memsaver_ipc::shared::open_for_holder(t) {
         Ok(o) => o,
         Err(e) => {
@@ -638,7 +647,15 @@ fn import_registered(
             handle_type,
         )
     };
-    if r == CUDA_SUCCESS {
+    if r != CUDA_SUCCESS {
+        // The owner counted this import: it never was.
+        let b = memsaver_ipc::protocol::Buffer {
+            id: t.buffer,
+            key: t.key,
+            generation: t.generation,
+        };
+        memsaver_ipc::shared::close_later(t.group, t.owner(), b);
+    } else {
         record_import(handle, |h, prop| {
             let registration = Registration::Imported {
                 owner: t.owner(),
@@ -683,9 +700,13 @@ unsafe extern "C" fn mem_range(
     {
         let reg = registry::lock();
         if let Some((b, m)) = reg.mapping_at(ptr)
-            && reg.physicals.get(&m.vh).is_some_and(|p| p.real().is_none())
+            && reg
+                .physicals
+                .get(&m.vh)
+                .is_some_and(|p| p.real().is_none() || p.kind == Kind::Registered)
         {
-            // Paused: the driver no longer knows the range; answer from the record.
+            // Paused, the driver no longer knows the range; a peer's registered buffer may be
+            // mapped in a window of NCCL's range: answer from the record.
             // SAFETY: the caller's out-pointers (either may be NULL).
             unsafe {
                 if !base.is_null() {
@@ -758,8 +779,17 @@ unsafe extern "C" fn mc_bind_mem(
     let real_mem = match reg.physicals.get_mut(&mem) {
         Some(p) => {
             let Some(h) = p.real() else {
-                return paused_use("cuMulticastBindMem");
+                return paused_use("cuMulticastBindMem", p);
             };
+            if p.kind == Kind::Tagged {
+                // Bound, the memory stays with the multicast object: its tag's pause cannot
+                // free it, and its resume would leave the object with the old memory.
+                tracing::warn!(
+                    "memsaver: NCCL binds memsaver memory (a tensor it registered) to a multicast \
+                     object: pausing its tag will not free it; turn NVLS registration off \
+                     (NCCL_NVLS_ENABLE=0) for tensors whose tag is paused"
+                );
+            }
             let _ = p.keep(Keep::Pinned("bound to a multicast object"));
             h
         }

@@ -48,6 +48,11 @@ fn a_registered_import_follows_its_owners_tag() {
     let s = shared(&mut job, 1);
     assert_eq!(s["imports"][0]["via"], "nccl", "{s}");
     assert_eq!(s["imports"][0]["paused"], false, "{s}");
+    // Rank 1's own `nccl` tag leaves the registered (mapped) import alone.
+    job.ok(&[1], "pause");
+    assert_eq!(shared(&mut job, 1)["imports"][0]["paused"], false);
+    assert_eq!(job.one(1, "check 0 0"), "ok");
+    job.ok(&[1], "resume");
 
     // Rank 0 pauses its tensor: rank 1's mapping goes first, so the memory is really freed.
     job.ok(&[0], "pause weights");
@@ -56,9 +61,6 @@ fn a_registered_import_follows_its_owners_tag() {
     // NCCL on the paused buffer is refused in the owner; the peer's own buffer is usable.
     assert_eq!(job.one(0, "allreduce"), "ok 5", "ncclInvalidUsage");
     assert_eq!(job.one(1, "allreduce"), "ok 0");
-    // Rank 1's own `nccl` tag leaves the registered import alone.
-    job.ok(&[1], "pause");
-    job.ok(&[1], "resume");
 
     // Resume: the owner's contents at the same address in the peer, then the owner's writes.
     job.ok(&[0], "resume weights");
@@ -92,14 +94,7 @@ fn a_registered_import_follows_its_owners_tag() {
     job.ok(&[0], "unimport");
     // The peers tell the owners (in the background): no importer is left.
     for r in 0..2 {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while shared(&mut job, r)["exports"]["weights"]["importers"] != 0 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "rank {r} still counts an importer"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
+        wait_for_no_importer(&mut job, r);
         assert_eq!(shared(&mut job, r)["imports"], serde_json::json!([]));
     }
     job.ok(&[0], "pause weights");
@@ -163,6 +158,82 @@ fn a_tensor_first_registered_inside_a_run_stays_at_its_place_across_cycles() {
         job.ok(&[0], "resume weights");
         // The tensor has memory of its own now, mapped at its place in the peer's mapping.
         assert_eq!(job.one(1, &window), "ok", "cycle {cycle}");
+    }
+    // NCCL's deregistration asks the range of its mapping, whose start holds nothing now:
+    // answered from the record, it unmaps the window and frees the range.
+    job.ok(&[1], "unimport");
+    wait_for_no_importer(&mut job, 0);
+    job.ok(&[0], "pause weights");
+    assert_eq!(job.used(), 4 * MIB);
+}
+
+/// Waits until rank `r` counts no importer of `weights` (closes are sent in the background).
+fn wait_for_no_importer(job: &mut Job, r: usize) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while shared(job, r)["exports"]["weights"]["importers"] != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "rank {r} still counts an importer"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn one_process_with_two_registrations_of_a_buffer_keeps_following_it_after_one_goes() {
+    let dirs = Dirs::new();
+    let mut job = registered_pair(38, &dirs);
+    // Rank 0 registers its tensor again (another communicator): rank 1 imports it twice.
+    assert!(job.one(0, "register").starts_with("ok "));
+    assert!(job.one(1, "register").starts_with("ok "));
+    job.all_ok("exchange");
+    assert_eq!(shared(&mut job, 1)["imports"].as_array().unwrap().len(), 2);
+    // One registration goes: rank 0 must still release the other before its pause.
+    job.ok(&[1], "unimport-extra");
+    job.ok(&[0], "pause weights");
+    assert_eq!(
+        job.used(),
+        4 * MIB,
+        "rank 0's tensor freed: rank 1's second import let go"
+    );
+    job.ok(&[0], "resume weights");
+    job.ok(&[0], "write 3");
+    assert_eq!(
+        job.one(1, "check 0 3"),
+        "ok",
+        "the remaining import maps the new memory"
+    );
+    job.ok(&[1], "unimport");
+    wait_for_no_importer(&mut job, 0);
+}
+
+#[test]
+fn eight_ranks_registering_with_each_other_pause_and_resume_together() {
+    let dirs = Dirs::new();
+    // Every process imports from seven owners and is asked to release and rebuild by seven at
+    // once: answered off the server's four workers, none waits for another (a stall would
+    // last this timeout, then fail the rebuilds).
+    let mut job = Job::start_with(
+        8,
+        39,
+        &dirs.fake,
+        &dirs.rt,
+        PATIENT_MS,
+        &[("MEMSAVER_IPC_TIMEOUT_MS", "20000")],
+    );
+    job.all_ok("tensor 2");
+    for r in 0..8 {
+        assert!(job.one(r, "register").starts_with("ok "));
+    }
+    job.all_ok("exchange");
+    job.write_all(0);
+    job.check_all();
+    for cycle in 0..2 {
+        job.all_ok("pause weights");
+        assert_eq!(job.used(), 0, "cycle {cycle}");
+        job.all_ok("resume weights");
+        assert_eq!(job.used(), 16 * MIB, "cycle {cycle}");
+        job.check_all();
     }
 }
 

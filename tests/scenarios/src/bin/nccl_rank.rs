@@ -20,6 +20,7 @@
 //!                  becomes the range NCCL exports, sent by the next `exchange`
 //! allreduce        ncclAllReduce on this rank's buffer, as the application calls it -> the rc
 //! unimport         NCCL's free path on the imports of peers' buffers (a deregistration)
+//! unimport-extra   the same for the imports other than each peer's latest
 //! tfree I          memsaver_free of tensor I
 //! used             device memory in use (all processes, fake driver) in bytes
 //! free             free imports and the own buffer through NCCL's free path
@@ -333,6 +334,11 @@ impl Rank {
                 let imports = self.take_imports();
                 self.free_all(imports)
             }
+            // `unimport-extra`: NCCL's free path on the imports other than each peer's latest.
+            Some("unimport-extra") => {
+                let extra = std::mem::take(&mut self.extra_imports);
+                self.free_all(extra)
+            }
             Some("pid") => Ok(std::process::id().to_string()),
             // The context pushed at start-up is current.
             Some("used") => used_bytes(self.mem_info),
@@ -370,6 +376,8 @@ impl Rank {
     fn exchange(&mut self) -> Result<String, String> {
         let own = self.own.ok_or("no buffer")?;
         let me = self.dir.join(format!("{}.sock", self.rank));
+        // An earlier exchange's socket: nobody listens on it any more.
+        let _ = std::fs::remove_file(&me);
         let listener = UnixListener::bind(&me).map_err(|e| e.to_string())?;
         let (rank, world, dir) = (self.rank, self.world, self.dir.clone());
         // The main buffer's fd first, then those of `shared` (one message: at most 253 fds).
@@ -404,7 +412,7 @@ impl Rank {
             }
             Ok(())
         });
-        self.peers = vec![None; self.world];
+        self.peers.resize(self.world, None);
         for _ in 1..self.world {
             let (s, _) = listener.accept().map_err(|e| e.to_string())?;
             let mut payload = [0u8; 4 + 8 * MAX_FDS];
@@ -440,7 +448,11 @@ impl Rank {
                     return Err(format!("import from rank {from}: {rc}"));
                 }
                 if i == 0 {
-                    self.peers[from] = Some(a);
+                    // A second exchange of one buffer (registered again): the earlier import
+                    // is kept as an extra one.
+                    if let Some(old) = self.peers[from].replace(a) {
+                        self.extra_imports.push(old);
+                    }
                 } else {
                     self.extra_imports.push(a);
                 }
