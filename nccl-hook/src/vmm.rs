@@ -744,7 +744,21 @@ unsafe extern "C" fn mem_nic_handle(
     // SAFETY: forwarded unchanged.
     let r = unsafe { f(handle, ptr, size, handle_type, flags) };
     if r == CUDA_SUCCESS {
-        quietly(|| pin(ptr, "given to a NIC (GPUDirect RDMA)"));
+        quietly(|| {
+            pin(ptr, "given to a NIC (GPUDirect RDMA)");
+            if let Some((_, tag, _)) =
+                memsaver_allocator::global_if_started().and_then(|a| a.allocation_at(ptr))
+            {
+                // The NIC keeps what it was given: the tag's pause cannot free it, and after a
+                // resume the NIC would use memory that is no longer the buffer.
+                tracing::warn!(
+                    "memsaver: NCCL gives memory of tag '{tag}' (a tensor it registered) to a NIC: \
+                     pausing '{tag}' will not free it and the NIC would keep using the old memory \
+                     after a resume; turn NCCL's registration off (NCCL_LOCAL_REGISTER=0, \
+                     NCCL_GRAPH_REGISTER=0) for tensors whose tag is paused"
+                );
+            }
+        });
     }
     r
 }

@@ -9,7 +9,9 @@ Run with torchrun, one process per GPU, under the preload:
 The buffers are registered with ``ncclCommRegister`` on torch's communicator (its
 ``_comm_ptr()``, through libnccl's handle); with ``--torch-hook`` instead by torch itself
 (``TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1`` must then be set: torch registers every
-caching-allocator segment).
+caching-allocator segment). ``--resume-first`` pauses and resumes the buffers before they are
+registered, so that NCCL registers them inside one physical allocation of both and the peers
+map each later generation at the buffer's place in it.
 
 Each rank allocates a ``--mib`` (default 256) send and receive buffer in
 ``memsaver.region("weights", backup="cpu")`` and exchanges them with send/recv, which NCCL runs
@@ -86,6 +88,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cycles", nargs="?", type=int, default=3)
     ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--resume-first", action="store_true",
+                    help="pause and resume the buffers before registering them: a resume backs "
+                         "adjacent allocations with one physical allocation, so NCCL registers "
+                         "each buffer inside it and the peers map it at a window afterwards")
     ap.add_argument("--torch-hook", action="store_true",
                     help="let torch register the segments (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1)")
     args = ap.parse_args()
@@ -98,6 +104,10 @@ def main():
         recv = torch.zeros(n, device="cuda")
     torch.cuda.synchronize()
     result = {"rank": rank, "cycles": [], "failures": []}
+    if args.resume_first:
+        memsaver.pause(TAG)
+        memsaver.resume(TAG)
+        send.fill_(0.0)
     deregister = (lambda: None) if args.torch_hook else nccl_register([send, recv])
 
     def fail(what):
