@@ -140,17 +140,39 @@ struct Export {
     importers: BTreeMap<u32, (Identity, u32)>,
     /// The current generation's memory, exported once ([`cached_export`]): the driver takes
     /// about 1.5 ms to export a 1 GiB handle the first time and tens of microseconds after, so
-    /// the fd is made when the handle is given and copies of it are handed out. An exported fd
-    /// keeps the memory alive: it is dropped before a pause releases the memory and when the
-    /// allocation is freed.
+    /// the fd is made when the handle is given and copies of it are handed out (for at most
+    /// [`MAX_KEPT_FDS`] exports at a time). An exported fd keeps the memory alive: it is dropped
+    /// before a pause releases the memory and when the allocation is freed.
     fd: Option<ExportedMemory>,
 }
 
-/// A copy of export `id`'s fd, exporting it first if it is not cached (`Ok(None)` while the
+/// At most this many exported fds are kept ([`Export::fd`]), so that a process sharing many
+/// allocations stays far from its open-file limit (1024 by default); the others are exported
+/// at each open, as they were before being kept.
+const MAX_KEPT_FDS: usize = 256;
+
+/// Exported fds kept now (changed under [`EXPORTS`]).
+static KEPT_FDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Drops the exported fd `e` keeps, if any.
+fn drop_kept_fd(e: &mut Export) {
+    if e.fd.take().is_some() {
+        KEPT_FDS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A copy of export `id`'s fd, exporting it first if it is not kept (`Ok(None)` while the
 /// allocation is not resident). Called under [`EXPORTS`].
 fn cached_export(a: &Allocator, id: u64, e: &mut Export) -> Result<Option<ExportedMemory>, String> {
     if e.fd.is_none() {
-        e.fd = a.export_shared(id).map_err(|e| e.to_string())?;
+        let Some(m) = a.export_shared(id).map_err(|e| e.to_string())? else {
+            return Ok(None);
+        };
+        if KEPT_FDS.load(std::sync::atomic::Ordering::Relaxed) >= MAX_KEPT_FDS {
+            return Ok(Some(m));
+        }
+        KEPT_FDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        e.fd = Some(m);
     }
     let Some(m) = &e.fd else { return Ok(None) };
     let fd =
@@ -340,7 +362,7 @@ impl Owner {
                 if pausing {
                     e.paused = true;
                     // The memory is about to be released: no fd may keep it.
-                    e.fd = None;
+                    drop_kept_fd(e);
                 } else {
                     e.paused = false;
                     e.generation += 1;
@@ -448,7 +470,9 @@ impl memsaver_allocator::Sharing for Owner {
     fn freed(&self, id: u64) {
         // Forgotten with its fd: a handle of a freed allocation opens nothing, and the importers
         // keep what they map.
-        EXPORTS.lock().remove(&id);
+        if let Some(mut e) = EXPORTS.lock().remove(&id) {
+            drop_kept_fd(&mut e);
+        }
     }
 }
 
