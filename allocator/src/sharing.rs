@@ -82,21 +82,6 @@ impl Allocator {
         })
     }
 
-    /// The shared allocation `id`, if it is still allocated.
-    pub fn shared_allocation(&self, id: u64) -> Option<SharedAllocation> {
-        let t = self.table.lock();
-        t.allocations
-            .iter()
-            .find(|(_, a)| a.id == id)
-            .map(|(&base, a)| SharedAllocation {
-                id,
-                base,
-                size: a.size,
-                tag: a.tag.to_string(),
-                device: a.device.ordinal,
-            })
-    }
-
     /// A new fd of allocation `id`'s physical memory; `Ok(None)` while it is not resident
     /// (paused, or being paused or resumed), `UnknownPointer` when it is no longer allocated.
     /// The caller serialises this with its own [`Sharing::before_release`] (a pause claims the

@@ -115,26 +115,3 @@ pub fn stats() -> NcclStats {
     s.fallback_reason = vmm::fallback_reason();
     s
 }
-
-#[cfg(test)]
-mod tests {
-    /// This crate's start hook and server route, and those of memsaver-ipc below it, are in
-    /// the lists the linker assembles.
-    #[test]
-    fn the_start_hooks_and_routes_are_linked_in() {
-        let hooks: Vec<&str> = memsaver_allocator::START_HOOKS
-            .iter()
-            .map(|h| h.name)
-            .collect();
-        assert!(
-            hooks.contains(&"nccl") && hooks.contains(&"control"),
-            "{hooks:?}"
-        );
-        use memsaver_ipc::server::{ROUTES, Service};
-        let services: Vec<Service> = ROUTES.iter().map(|r| r.service).collect();
-        assert!(
-            services.contains(&Service::Buffers) && services.contains(&Service::Control),
-            "{services:?}"
-        );
-    }
-}

@@ -52,21 +52,14 @@ fn matching(reg: &Registry, owner: &Identity, b: &Buffer) -> Vec<u64> {
 fn places(rs: &[Range], window: Option<(u64, u64)>) -> Vec<Place<'_>> {
     rs.iter()
         .map(|(ptr, size, access)| {
-            let (off, len) = window.unwrap_or((0, *size));
+            let (at, len) = registry::in_window(*ptr, *size, window);
             Place {
-                ptr: ptr + off,
+                ptr: at,
                 size: len as usize,
                 access: Some(access),
             }
         })
         .collect()
-}
-
-fn window(reg: &Registry, vh: u64) -> Option<(u64, u64)> {
-    match reg.physicals[&vh].registration {
-        Some(Registration::Imported { window, .. }) => window,
-        _ => None,
-    }
 }
 
 /// Unmaps the mapped import `vh` and releases its handle: `Mapped` → `Released`. `synced`:
@@ -81,7 +74,7 @@ fn release_one(
     let ranges = reg.ranges_by_handle();
     let rs = ranges.get(&vh).map_or(&[][..], Vec::as_slice);
     let dev = device(a, reg, &ranges, vh)?;
-    let pl = places(rs, window(reg, vh));
+    let pl = places(rs, reg.physicals[&vh].window());
     if !synced.contains(&dev.ordinal) {
         // No kernel of this process may still use the owner's memory.
         steps.synchronize(&dev).map_err(|e| e.to_string())?;

@@ -396,6 +396,15 @@ impl Physical {
         }
     }
 
+    /// Where a registered import's current generation is mapped inside each of NCCL's
+    /// mappings of it, when that is not the whole mapping ([`Registration::Imported`]).
+    pub fn window(&self) -> Option<(u64, u64)> {
+        match self.registration {
+            Some(Registration::Imported { window, .. }) => window,
+            _ => None,
+        }
+    }
+
     /// Given to a NIC or bound to multicast.
     pub fn is_pinned(&self) -> bool {
         matches!(self.state, State::Kept(_, Keep::Pinned(_)))
@@ -414,6 +423,12 @@ impl Physical {
                 | CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT
         )
     }
+}
+
+/// The range that holds memory in NCCL's mapping at `ptr` of `size` bytes: all of it, or the
+/// `window` (offset, length) of a registered import ([`Physical::window`]).
+pub(crate) fn in_window(ptr: u64, size: u64, window: Option<(u64, u64)>) -> (u64, u64) {
+    window.map_or((ptr, size), |(off, len)| (ptr + off, len))
 }
 
 pub(crate) struct Mapping {

@@ -112,6 +112,11 @@ fn quietly(f: impl FnOnce()) {
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
 }
 
+/// Runs a wrapper's own work, which must not unwind into NCCL: a panic is an unknown error.
+fn answered(f: impl FnOnce() -> CUresult) -> CUresult {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(CUDA_ERROR_UNKNOWN)
+}
+
 /// Asks for the pinned backup of NCCL's new buffer `vh` (`size` bytes on `device`) to be
 /// prepared in the background, as for any `cpu` allocation, so that the first pause of `nccl`
 /// only copies; with `MEMSAVER_NCCL_BACKUP=cpu` (or `all`) only (with `headers`, most buffers
@@ -358,15 +363,9 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     if !paused {
         // Where the memory is mapped: NCCL's range, or the window of a registered import
         // whose owner re-created it smaller.
-        let (at, len) = match p.and_then(|p| p.registration) {
-            Some(Registration::Imported {
-                window: Some((off, len)),
-                ..
-            }) => (ptr + off, len as usize),
-            _ => (ptr, size),
-        };
+        let (at, len) = registry::in_window(ptr, size as u64, p.and_then(Physical::window));
         // SAFETY: NCCL's own mapping, unmapped as it asks.
-        let r = unsafe { f(at, len) };
+        let r = unsafe { f(at, len as usize) };
         if r != CUDA_SUCCESS {
             return r;
         }
@@ -452,7 +451,7 @@ unsafe extern "C" fn mem_export(
     };
     if let Some(Registration::Retained { at }) = p.registration {
         drop(reg);
-        return export_tagged(shareable, h, at, handle_type, flags, f);
+        return answered(|| export_tagged(shareable, h, at, handle_type, flags, f));
     }
     if handle_type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         && tokens_enabled()
@@ -558,7 +557,7 @@ unsafe extern "C" fn mem_import(
         .then(|| token::read(os_handle as isize as RawFd))
         .flatten();
     if let Some(t) = token.filter(|t| t.names == Names::Allocation) {
-        return import_registered(handle, &t, handle_type, f);
+        return answered(|| import_registered(handle, &t, handle_type, f));
     }
     let (r, source) = match token {
         None => {

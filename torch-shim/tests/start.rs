@@ -11,15 +11,18 @@ fn every_layer_is_started_with_the_allocator() {
         .iter()
         .map(|h| h.name)
         .collect();
-    assert!(
-        hooks.contains(&"nccl") && hooks.contains(&"control"),
-        "{hooks:?}"
-    );
+    for hook in ["nccl", "control", "memsaver-ipc shared memory"] {
+        assert!(hooks.contains(&hook), "{hook} missing from {hooks:?}");
+    }
     let services: Vec<Service> = ROUTES.iter().map(|r| r.service).collect();
-    assert!(
-        services.contains(&Service::Buffers) && services.contains(&Service::Control),
-        "{services:?}"
-    );
+    for service in [Service::Buffers, Service::Control, Service::Shared] {
+        assert!(
+            services.contains(&service),
+            "{service:?} missing from {services:?}"
+        );
+    }
+    // nccl-hook's imports of peers' registered buffers, reached by owners' releases.
+    assert_eq!(memsaver_ipc::shared::HOLDERS.len(), 1);
     let a = memsaver::allocator().expect("the allocator starts on the fake driver");
     assert!(
         a.stats().tags.iter().any(|t| t.tag == "nccl"),
