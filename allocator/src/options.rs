@@ -248,9 +248,7 @@ mod tests {
 
     /// The one error of `vars`.
     fn error(vars: &[(&str, &str)]) -> String {
-        let o = opts(vars);
-        assert_eq!(o.errors.len(), 1, "{:?}", o.errors);
-        o.errors[0].clone()
+        Options::only_error(vars)
     }
 
     #[test]

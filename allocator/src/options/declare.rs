@@ -196,6 +196,14 @@ macro_rules! declare_options {
                 Self::from_lookup($crate::options::lookup_in(vars))
             }
 
+            /// The one error the options of `vars` have (tests; panics unless exactly one).
+            #[allow(dead_code)]
+            pub fn only_error(vars: &[(&str, &str)]) -> String {
+                let o = Self::from_vars(vars);
+                assert_eq!(o.errors.len(), 1, "{:?}", o.errors);
+                o.errors[0].clone()
+            }
+
             /// Reads every entry with a field, then runs `finish`; the messages stay in `env`.
             #[allow(unused_variables)]
             fn read(env: &mut $crate::options::Env<'_>) -> Self {
