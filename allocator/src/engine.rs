@@ -263,13 +263,15 @@ impl Allocator {
                 .map(|j| j.piece.key)
                 .collect()
         };
+        // What other processes did not do in time (non-fatal: reported after the work).
+        let mut peers_behind = None;
         if op == Op::Pause
             && let Some(s) = &sharing
         {
             // Other processes let go of their imports before this one's memory goes.
             let ids = shared_ids(&jobs);
             if !ids.is_empty() {
-                s.before_release(&ids);
+                peers_behind = s.before_release(&ids).err();
             }
         }
         match op {
@@ -300,13 +302,22 @@ impl Allocator {
             _ => Vec::new(),
         };
         let settled = self.settle(op, &tags, jobs, runs, &plan);
+        // Resident again, with the owner's contents: importers map the new memory.
         if let Some(s) = &sharing
             && !resumed.is_empty()
+            && let Err(e) = s.after_resume(&resumed)
         {
-            // Resident again, with the owner's contents: importers map the new memory.
-            s.after_resume(&resumed);
+            peers_behind.get_or_insert(e);
         }
-        settled.map(|()| report)
+        settled?;
+        match peers_behind {
+            // This process's part is done; the caller learns what other processes still hold.
+            Some(message) => Err(Error::Peer {
+                tag: tags.join(", "),
+                message,
+            }),
+            None => Ok(report),
+        }
     }
 
     /// Claims the allocations of `names` (see the module documentation). A pause of disk-backed

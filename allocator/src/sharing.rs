@@ -19,13 +19,15 @@ use crate::table::{Backing, Phase};
 /// [`Allocator::set_sharing`] by a start hook).
 pub trait Sharing: Send + Sync {
     /// A pause is about to release the memory of these shared allocations (ids): every other
-    /// process must unmap and release its imports of them first (within the layer's deadline;
-    /// a process that does not answer by then is reported and the pause goes on).
-    fn before_release(&self, ids: &[u64]);
+    /// process must unmap and release its imports of them first, within the layer's deadline.
+    /// The pause goes on either way; `Err` names each process that did not let go in time and
+    /// what it holds (the pause then reports [`crate::Error::Peer`]: its memory may not be free).
+    fn before_release(&self, ids: &[u64]) -> Result<(), String>;
     /// A resume mapped these shared allocations again and restored their contents (or a
-    /// pause released before failed for them, so they stayed resident): the importers may map
-    /// the memory again.
-    fn after_resume(&self, ids: &[u64]);
+    /// pause released before failed for them, so they stayed resident): the importers map
+    /// the memory again. `Err` names each process that did not within the deadline (the
+    /// resume then reports [`crate::Error::Peer`]; those processes follow once they can).
+    fn after_resume(&self, ids: &[u64]) -> Result<(), String>;
     /// The shared allocation `id` is being freed: whatever the layer holds of its memory
     /// (an exported fd keeps the memory alive) must go. The importers keep their mappings, as
     /// with CUDA IPC.

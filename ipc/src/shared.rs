@@ -459,12 +459,14 @@ impl Owner {
 }
 
 impl memsaver_allocator::Sharing for Owner {
-    fn before_release(&self, ids: &[u64]) {
+    fn before_release(&self, ids: &[u64]) -> Result<(), String> {
         self.tell_importers(ids, Share::Release, true);
+        Ok(())
     }
 
-    fn after_resume(&self, ids: &[u64]) {
+    fn after_resume(&self, ids: &[u64]) -> Result<(), String> {
         self.tell_importers(ids, Share::Rebuild, false);
+        Ok(())
     }
 
     fn freed(&self, id: u64) {
