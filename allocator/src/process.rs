@@ -25,7 +25,7 @@ use std::sync::OnceLock;
 use parking_lot::Mutex;
 
 /// A process, unique across pid namespaces and pid reuse (see the module documentation).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Identity {
     pub pid: u32,
     /// Clock ticks after boot (`/proc/<pid>/stat` field 22).

@@ -22,7 +22,7 @@ use crate::group;
 use crate::identity::{self, Identity, Namespace, same_pid_namespace};
 use crate::protocol::{self, Buffer, MAX_BUFFERS, Reply, Request};
 use crate::rundir;
-use crate::server::peer_cred;
+use crate::server::{self, peer_cred};
 use crate::token::Token;
 
 /// How long a client waits to hand over a request (and, on top of the owner's own wait, for
@@ -123,6 +123,8 @@ fn bind_owner(t: &Token, holds_imports_of: impl FnOnce(u32) -> bool) -> Result<(
 
 /// Sends `request` (at most [`MAX_BUFFERS`] buffers) to `owner` and reads `n` replies, all by
 /// one deadline: the owner's own `wait` for buffers still being restored, and [`IO_TIMEOUT`].
+/// An owner too busy to admit the request ([`server::BUSY`]) is asked again, with backoff,
+/// until that deadline.
 pub fn exchange(
     group: i64,
     owner: &Identity,
@@ -130,6 +132,44 @@ pub fn exchange(
     n: usize,
     wait: Duration,
 ) -> Result<Vec<(Reply, Option<OwnedFd>)>, String> {
+    let until = Instant::now() + wait + IO_TIMEOUT;
+    let mut pause = Duration::from_millis(1);
+    loop {
+        match exchange_once(group, owner, &request, n, wait) {
+            Ok(replies) => return Ok(replies),
+            Err(Failure::Busy) if Instant::now() + pause < until => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+            Err(Failure::Busy) => {
+                return Err(format!("process {} refused: {}", owner.pid, server::BUSY));
+            }
+            Err(Failure::Failed(e)) => return Err(e),
+        }
+    }
+}
+
+/// Why one exchange failed.
+enum Failure {
+    /// The owner refused it for load ([`server::BUSY`]): worth asking again.
+    Busy,
+    Failed(String),
+}
+
+impl From<String> for Failure {
+    fn from(e: String) -> Self {
+        Failure::Failed(e)
+    }
+}
+
+/// One try of [`exchange`].
+fn exchange_once(
+    group: i64,
+    owner: &Identity,
+    request: &Request,
+    n: usize,
+    wait: Duration,
+) -> Result<Vec<(Reply, Option<OwnedFd>)>, Failure> {
     let stream = connect(group, owner)?;
     let pid = owner.pid;
     let sent_by = Instant::now() + IO_TIMEOUT;
@@ -146,11 +186,14 @@ pub fn exchange(
                 _ => format!("process {pid}: {e}"),
             })?;
         match Reply::decode(&body) {
+            Ok(Reply::Refused { reason }) if reason == server::BUSY && out.is_empty() => {
+                return Err(Failure::Busy);
+            }
             Ok(Reply::Refused { reason }) => {
-                return Err(format!("process {pid} refused: {reason}"));
+                return Err(format!("process {pid} refused: {reason}").into());
             }
             Ok(r) => out.push((r, fd)),
-            Err(e) => return Err(format!("process {pid} sent {e}")),
+            Err(e) => return Err(format!("process {pid} sent {e}").into()),
         }
     }
     Ok(out)

@@ -19,16 +19,21 @@
 //! * [`client`]: connecting to another process's server, and the importer's side of exported
 //!   buffers;
 //! * [`control`]: pause, resume, stats and profile stages of one process run for another;
-//! * [`shared`]: memsaver memory opened by other processes through CUDA IPC handles, released
-//!   and rebuilt in them around the owner's pauses and resumes.
+//! * [`handle`]: the CUDA IPC handle of memsaver memory;
+//! * [`exported`] and [`imported`]: memory shared with other processes, the owner's ledger and
+//!   couriers and the importer's imports, which [`shared`] puts together: released and rebuilt
+//!   in the importers around the owner's pauses and resumes.
 //!
 //! Who may talk to whom, and what enforces it, is docs/security.md.
 
 pub mod client;
 pub mod control;
 pub mod deadline;
+pub mod exported;
 pub mod group;
+pub mod handle;
 pub mod identity;
+pub mod imported;
 pub mod log;
 pub mod options;
 pub mod protocol;

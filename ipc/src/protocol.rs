@@ -31,7 +31,7 @@
 //! | 0x85 | [`Reply::Done`] | | |
 //! | 0x86 | [`Reply::Refused`] | reason (UTF-8, at most [`MAX_TEXT`] bytes) | |
 //! | 0x87 | [`Reply::Json`] | `u32` length, UTF-8 JSON | |
-//! | 0x89 | [`Reply::Shared`] | id, generation, offset, handle size; the fd by `SCM_RIGHTS` | |
+//! | 0x89 | [`Reply::Shared`] | id, generation, size, offset, handle size; the fd by `SCM_RIGHTS` | |
 //! | 0x88 | [`Reply::Error`] | status `u16` (a code of the C ABI), `u32` length, message (UTF-8, at most [`MAX_MESSAGE`] bytes) | |
 //!
 //! Control requests (0x03 to 0x06) share the head of the others (from, to, group). Tags: a
@@ -180,10 +180,12 @@ pub enum Reply {
         reason: String,
     },
     /// The owner exports shared allocation `id` at `generation`: its fd comes with the frame,
-    /// the allocation lies at `offset` in a physical allocation of `handle_size` bytes.
+    /// the allocation (`size` bytes: the owner's word, not the handle's) lies at `offset` in a
+    /// physical allocation of `handle_size` bytes.
     Shared {
         id: u64,
         generation: u64,
+        size: u64,
         offset: u64,
         handle_size: u64,
     },
@@ -563,11 +565,12 @@ impl Reply {
             Self::Shared {
                 id,
                 generation,
+                size,
                 offset,
                 handle_size,
             } => {
                 out.push(R_SHARED);
-                for v in [id, generation, offset, handle_size] {
+                for v in [id, generation, size, offset, handle_size] {
                     out.extend_from_slice(&v.to_le_bytes());
                 }
             }
@@ -607,6 +610,7 @@ impl Reply {
             R_SHARED => Self::Shared {
                 id: c.u64()?,
                 generation: c.u64()?,
+                size: c.u64()?,
                 offset: c.u64()?,
                 handle_size: c.u64()?,
             },
@@ -984,14 +988,22 @@ mod tests {
             any::<u64>().prop_map(|id| Reply::NotReady { id }),
             any::<u64>().prop_map(|id| Reply::Failed { id }),
             Just(Reply::Done),
-            (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
-                |(id, generation, offset, handle_size)| Reply::Shared {
-                    id,
-                    generation,
-                    offset,
-                    handle_size,
-                }
-            ),
+            (
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>()
+            )
+                .prop_map(|(id, generation, size, offset, handle_size)| {
+                    Reply::Shared {
+                        id,
+                        generation,
+                        size,
+                        offset,
+                        handle_size,
+                    }
+                }),
             "\\PC{0,300}".prop_map(|reason| Reply::Refused { reason }),
             "\\PC{0,300}".prop_map(|text| Reply::Json { text }),
             (any::<u16>(), "\\PC{0,300}")

@@ -49,6 +49,9 @@ use crate::rundir::{self, Dir};
 pub const WORKERS: usize = 4;
 /// Whole requests waiting for a worker; more are refused at once.
 pub const QUEUED: usize = 64;
+/// The refusal of a request that arrived while [`QUEUED`] others wait: the client tries again
+/// ([`crate::client::exchange`] does, with backoff, within its deadline).
+pub const BUSY: &str = "too many requests are waiting for this process already: retry later";
 /// Connections whose request is being read; more wait in the listener's backlog.
 pub const READING: usize = 64;
 /// How long a connection has to send its whole request.
@@ -331,8 +334,7 @@ fn hand_over(tx: &SyncSender<Arrived>, c: Reading, body: Vec<u8>) {
     if let Err(TrySendError::Full(a) | TrySendError::Disconnected(a)) = tx.try_send(arrived) {
         // Never wait on this thread: the refusal fits in the socket's buffer or is dropped.
         let _ = a.stream.set_nonblocking(true);
-        let reason = format!("{QUEUED} requests are waiting for this process already: retry later");
-        refuse(&a.stream, a.cred_pid, &reason);
+        refuse(&a.stream, a.cred_pid, BUSY);
     }
 }
 

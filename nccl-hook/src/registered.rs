@@ -109,7 +109,10 @@ impl Holder for Registered {
         let mut synced = Vec::new();
         let mut first_error = None;
         for &vh in &vhs {
-            if reg.physicals[&vh].mapped_generation().is_some()
+            // A release older than the generation mapped is stale (a retried request).
+            if reg.physicals[&vh]
+                .mapped_generation()
+                .is_some_and(|g| g <= b.generation)
                 && let Err(e) = release_one(&steps, a, &mut reg, vh, &mut synced)
             {
                 first_error.get_or_insert(e);
@@ -139,7 +142,13 @@ impl Holder for Registered {
             return Ok(any);
         }
         // Not under the registry lock: the owner serves this while it waits for us.
-        let (fd, generation, offset, len) = shared::fetch(group, owner, *b)?;
+        let shared::Opened {
+            fd,
+            generation,
+            offset,
+            handle_size: len,
+            ..
+        } = shared::fetch(group, owner, *b)?;
         let d = a.driver();
         let mut reg = registry::lock();
         let release_steps = a.steps(Op::Pause);

@@ -18,6 +18,8 @@ pub const FDS: u8 = 0x01;
 pub const RELEASED: u8 = 0x02;
 pub const PAUSE: u8 = 0x03;
 pub const STATS: u8 = 0x05;
+/// An owner asks an importer to release its imports of shared allocations.
+pub const RELEASE: u8 = 0x09;
 /// `Reply::Export` (an fd attached).
 pub const R_FD: u8 = 0x81;
 pub const R_DONE: u8 = 0x85;

@@ -16,6 +16,9 @@ mod common;
 const MIB: u64 = 1 << 20;
 /// No working peer takes this long: the deadline of every wait here.
 const NEVER_MS: &str = "60000";
+/// The status code of a pause or resume that other processes did not follow in time
+/// (`MEMSAVER_ERR_PEER`), as `ipc-proc` answers it: `err 11 <message>`.
+const PEER: &str = "11 ";
 
 struct Dirs {
     fake: std::path::PathBuf,
@@ -87,8 +90,18 @@ impl Proc {
 
     /// Sends one command; the answer line, `Ok(rest)` for `ok rest`, `Err(rest)` for `err rest`.
     fn try_cmd(&mut self, line: &str) -> Result<String, String> {
+        self.send(line);
+        self.answer(line)
+    }
+
+    /// Sends one command without reading its answer ([`Proc::answer`]).
+    fn send(&mut self, line: &str) {
         writeln!(self.stdin, "{line}").expect("the process takes commands");
         self.stdin.flush().unwrap();
+    }
+
+    /// The answer to the command `line` sent before.
+    fn answer(&mut self, line: &str) -> Result<String, String> {
         let mut answer = String::new();
         self.stdout.read_line(&mut answer).unwrap();
         let answer = answer.trim_end();
@@ -187,7 +200,10 @@ fn the_owners_pause_frees_the_memory_only_once_the_importer_let_go() {
     r2.cmd(&format!("open {h2}"));
     let used2 = o2.used();
     r2.signal(nix::sys::signal::Signal::SIGSTOP);
-    o2.cmd("pause");
+    // The pause is done, and says which process still maps the memory.
+    let e = o2.try_cmd("pause").unwrap_err();
+    assert!(e.starts_with(PEER), "{e}");
+    assert!(e.contains(&format!("process {} ", r2.pid())), "{e}");
     assert_eq!(
         o2.used(),
         used2,
@@ -336,6 +352,196 @@ fn a_process_of_another_pid_namespace_is_refused() {
     let e = r.try_cmd(&format!("open {h}")).unwrap_err();
     assert!(e.contains("pid namespace"), "{e}");
     assert_eq!(shared_stats(&mut o)["exports"]["weights"]["importers"], 0);
+}
+
+/// Waits until `ready()` holds, failing the test after 60 s (no working process takes that long).
+fn wait_for(what: &str, mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ready() {
+        assert!(Instant::now() < deadline, "{what}: not within 60 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn an_importer_stopped_across_a_pause_and_a_resume_catches_up_once_it_runs() {
+    let dirs = Dirs::new();
+    let (mut o, h) = owner(&dirs, &[("MEMSAVER_IPC_TIMEOUT_MS", "300")]);
+    let mut r = Proc::start(&dirs, "1", &[]);
+    let ptr = r.cmd(&format!("open {h}"));
+    r.cmd("check imp 1");
+    let used = o.used();
+    r.signal(nix::sys::signal::Signal::SIGSTOP);
+    // Both calls do this process's part and say who did not follow.
+    let e = o.try_cmd("pause").unwrap_err();
+    assert!(e.starts_with(PEER) && e.contains("did not release"), "{e}");
+    assert!(
+        e.contains(&format!("process {} ", r.pid())) && e.contains("weights"),
+        "{e}"
+    );
+    assert!(e.contains("stopped"), "{e}");
+    let s = shared_stats(&mut o);
+    assert_eq!(s["exports"]["weights"]["held_while_paused"], 4 * MIB, "{s}");
+    let e = o.try_cmd("resume").unwrap_err();
+    assert!(
+        e.starts_with(PEER) && e.contains("did not map again"),
+        "{e}"
+    );
+    o.cmd("write own 5");
+    // Once it runs it converges to the owner's state now, without another cycle: the new
+    // memory at the same address.
+    r.signal(nix::sys::signal::Signal::SIGCONT);
+    wait_for("the importer maps the owner's new memory", || {
+        r.try_cmd("check imp 5").is_ok()
+    });
+    assert_eq!(shared_stats(&mut r)["imports"][0]["paused"], false);
+    assert_eq!(r.cmd(&format!("open {h}")), ptr);
+    r.cmd("close");
+    r.cmd("write imp 6");
+    o.cmd("check own 6");
+    // Only the owner's memory is in use, and the next cycle is a plain one.
+    assert_eq!(o.used(), used);
+    o.cmd("pause");
+    assert_eq!(o.used(), used - 4 * MIB);
+    o.cmd("resume");
+    r.cmd("check imp 6");
+}
+
+#[test]
+fn a_reopen_while_the_owner_is_paused_is_refused_as_a_fresh_open_is() {
+    let dirs = Dirs::new();
+    let (mut o, h) = owner(&dirs, &[]);
+    let mut r = Proc::start(&dirs, "1", &[]);
+    r.cmd(&format!("open {h}"));
+    o.cmd("pause");
+    let e = r.try_cmd(&format!("open {h}")).unwrap_err();
+    assert!(e.contains("paused"), "{e}");
+    let mut fresh = Proc::start(&dirs, "1", &[]);
+    let e = fresh.try_cmd(&format!("open {h}")).unwrap_err();
+    assert!(e.contains("paused"), "{e}");
+    o.cmd("resume");
+    r.cmd(&format!("open {h}"));
+    fresh.cmd(&format!("open {h}"));
+    r.cmd("check imp 1");
+}
+
+#[test]
+fn a_handle_is_an_address_not_a_proof() {
+    let dirs = Dirs::new();
+    let (_o, h) = owner(&dirs, &[]);
+    let mut r = Proc::start(&dirs, "1", &[]);
+    // A forged size opens the genuine memory, and is reported at its true size.
+    for size in [1u64 << 40, 0] {
+        let mut forged = hex_bytes(&h);
+        forged[52..60].copy_from_slice(&size.to_le_bytes());
+        r.cmd(&format!("open {}", hex(&forged)));
+        let s = shared_stats(&mut r);
+        assert_eq!(s["imports"][0]["bytes"], 4 * MIB, "{s}");
+        r.cmd("close");
+    }
+    // In a process that opened the handle, the same handle with a wrong key opens nothing and
+    // counts nothing.
+    let ptr = r.cmd(&format!("open {h}"));
+    let mut wrong = hex_bytes(&h);
+    wrong[44] ^= 1;
+    let e = r.try_cmd(&format!("open {}", hex(&wrong))).unwrap_err();
+    assert!(e.contains("refused"), "{e}");
+    assert_eq!(shared_stats(&mut r)["imports"][0]["opens"], 1);
+    assert_eq!(r.cmd(&format!("open {h}")), ptr);
+    assert_eq!(shared_stats(&mut r)["imports"][0]["opens"], 2);
+}
+
+#[test]
+fn many_importers_of_many_allocations_follow_every_cycle() {
+    const IMPORTERS: usize = 120;
+    const BUFFERS: usize = 3;
+    let dirs = Dirs::new();
+    let mut o = Proc::start(&dirs, "1", &[]);
+    let handles: Vec<String> = (0..BUFFERS)
+        .map(|n| {
+            o.cmd("alloc 2");
+            o.cmd(&format!("write own:{n} {n}"));
+            o.cmd(&format!("handle {n}"))
+        })
+        .collect();
+    let mut rs: Vec<Proc> = (0..IMPORTERS)
+        .map(|_| Proc::start(&dirs, "1", &[]))
+        .collect();
+    // Every first open at once: more than the owner admits at a time.
+    for h in &handles {
+        let line = format!("open {h}");
+        rs.iter_mut().for_each(|r| r.send(&line));
+        for r in rs.iter_mut() {
+            r.answer(&line).unwrap_or_else(|e| panic!("{line}: {e}"));
+        }
+    }
+    let used = o.used();
+    for cycle in 0..3u64 {
+        o.cmd("pause");
+        assert_eq!(o.used(), used - 2 * BUFFERS as u64 * MIB, "cycle {cycle}");
+        o.cmd("resume");
+        for n in 0..BUFFERS {
+            o.cmd(&format!("write own:{n} {}", 10 * cycle + n as u64));
+        }
+        for (k, r) in rs.iter_mut().enumerate() {
+            let s = shared_stats(r);
+            let imports = s["imports"].as_array().unwrap();
+            assert_eq!(imports.len(), BUFFERS, "importer {k}: {s}");
+            assert!(
+                imports.iter().all(|i| i["paused"] == false),
+                "importer {k}, cycle {cycle}: {s}"
+            );
+            for n in 0..BUFFERS {
+                r.cmd(&format!("check imp:{n} {}", 10 * cycle + n as u64));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_flood_of_releases_does_not_multiply_the_importers_threads() {
+    use memsaver_scenarios::wire;
+    let dirs = Dirs::new();
+    let (_o, h) = owner(&dirs, &[]);
+    let mut r = Proc::start(&dirs, "1", &[]);
+    r.cmd(&format!("open {h}"));
+    let before: usize = r.cmd("threads").parse().unwrap();
+    let pid: u32 = r.cmd("pid").parse().unwrap();
+    let sock = std::fs::read_dir(dirs.rt.join("g1"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with(&format!("{pid}-"))
+        })
+        .expect("the importer's socket");
+    let to = wire::Identity::of_socket(&sock);
+    let from = wire::Identity::this_process(7);
+    // Releases of buffers it does not hold, as fast as one process can send them, none waited
+    // for: each would have had a thread of its own.
+    let body = wire::items_request(wire::RELEASE, from, to, 1, &[(1, 2, 3)]);
+    let mut streams = Vec::new();
+    let mut most = before;
+    for n in 0..3000 {
+        if let Ok(s) = std::os::unix::net::UnixStream::connect(&sock) {
+            use std::io::Write;
+            let _ = (&s).write_all(&wire::frame(&body));
+            streams.push(s);
+        }
+        if n % 100 == 0 {
+            most = most.max(r.cmd("threads").parse().unwrap());
+            streams.clear();
+        }
+    }
+    drop(streams);
+    most = most.max(r.cmd("threads").parse().unwrap());
+    assert!(
+        most <= before + 8,
+        "{most} threads under the flood, {before} before"
+    );
+    r.cmd("check imp 1");
 }
 
 fn hex_bytes(h: &str) -> Vec<u8> {

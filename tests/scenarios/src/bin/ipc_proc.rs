@@ -6,18 +6,22 @@
 //! (`ok ...` or `err ...`):
 //!
 //! ```text
-//! alloc MIB          cudaMalloc: this process's buffer (the process tag)
-//! free               cudaFree of the buffer
-//! handle             cudaIpcGetMemHandle of the buffer: its 64 bytes in hex
-//! open HEX           cudaIpcOpenMemHandle: the import's pointer
-//! close              cudaIpcCloseMemHandle of the import
-//! write own|imp SEED fill the buffer or the import with a pattern
-//! check own|imp SEED compare the buffer or the import with a pattern
+//! alloc MIB          cudaMalloc: a buffer of this process (the process tag)
+//! free               cudaFree of the last buffer
+//! handle [N]         cudaIpcGetMemHandle of the last buffer (or buffer N): 64 bytes in hex
+//! open HEX           cudaIpcOpenMemHandle: a new import's pointer
+//! close              cudaIpcCloseMemHandle of the last import
+//! write WHICH SEED   fill a buffer or an import with a pattern
+//! check WHICH SEED   compare a buffer or an import with a pattern
 //! pause / resume     memsaver_pause/resume of the process tag -> ok | err CODE MESSAGE
 //! used               device memory in use (all processes, fake driver) in bytes
 //! stats              memsaver_stats_json on one line
 //! pid                this process's pid
+//! threads            this process's thread count
 //! ```
+//!
+//! WHICH is `own` or `imp` (the last buffer or import), or `own:N` / `imp:N` (the Nth, from
+//! 0). An import's size is the one its handle gives.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 
@@ -44,9 +48,9 @@ struct Proc {
     last_error: LastError,
     stats: StatsJson,
     mem_info: fns::cuMemGetInfo_v2,
-    own: Option<(u64, usize)>,
-    /// The import's pointer and size.
-    imported: Option<(u64, usize)>,
+    own: Vec<(u64, usize)>,
+    /// The imports' pointers and sizes.
+    imported: Vec<(u64, usize)>,
 }
 
 impl Proc {
@@ -58,11 +62,18 @@ impl Proc {
     }
 
     fn range(&self, which: &str) -> Result<(u64, usize), String> {
-        match which {
-            "own" => self.own.ok_or_else(|| "no buffer".into()),
-            "imp" => self.imported.ok_or_else(|| "nothing opened".into()),
-            w => Err(format!("own or imp, not {w}")),
-        }
+        let (list, n) = which.split_once(':').unwrap_or((which, ""));
+        let list = match list {
+            "own" => &self.own,
+            "imp" => &self.imported,
+            w => return Err(format!("own or imp, not {w}")),
+        };
+        let n = match n {
+            "" => list.len().checked_sub(1),
+            n => n.parse::<usize>().ok(),
+        };
+        n.and_then(|n| list.get(n).copied())
+            .ok_or_else(|| format!("no {which}"))
     }
 
     fn run(&mut self, line: &str) -> Result<String, String> {
@@ -81,11 +92,11 @@ impl Proc {
                 if rc != 0 {
                     return Err(format!("cudaMalloc {rc} {}", self.last_error()));
                 }
-                self.own = Some((p as u64, size));
+                self.own.push((p as u64, size));
                 Ok(format!("{:#x}", p as u64))
             }
             Some("free") => {
-                let (p, _) = self.own.take().ok_or("no buffer")?;
+                let (p, _) = self.own.pop().ok_or("no buffer")?;
                 // SAFETY: a pointer cudaMalloc returned.
                 let rc = unsafe { (self.free)(p as *mut c_void) };
                 if rc != 0 {
@@ -94,7 +105,10 @@ impl Proc {
                 Ok(String::new())
             }
             Some("handle") => {
-                let (p, _) = self.range("own")?;
+                let (p, _) = match f.get(1) {
+                    Some(n) => self.range(&format!("own:{n}"))?,
+                    None => self.range("own")?,
+                };
                 let mut h = [0u8; 64];
                 // SAFETY: valid out-pointer.
                 let rc = unsafe { (self.get)(&mut h, p as *mut c_void) };
@@ -120,11 +134,11 @@ impl Proc {
                     return Err(format!("cudaIpcOpenMemHandle {rc} {}", self.last_error()));
                 }
                 let size = u64::from_le_bytes(h[52..60].try_into().expect("8 bytes"));
-                self.imported = Some((p as u64, size as usize));
+                self.imported.push((p as u64, size as usize));
                 Ok(format!("{:#x}", p as u64))
             }
             Some("close") => {
-                let (p, _) = self.imported.take().ok_or("nothing opened")?;
+                let (p, _) = self.imported.pop().ok_or("nothing opened")?;
                 // SAFETY: a pointer cudaIpcOpenMemHandle returned.
                 let rc = unsafe { (self.close)(p as *mut c_void) };
                 if rc != 0 {
@@ -182,6 +196,9 @@ impl Proc {
                 Ok(text.to_string_lossy().replace('\n', " "))
             }
             Some("pid") => Ok(std::process::id().to_string()),
+            Some("threads") => std::fs::read_dir("/proc/self/task")
+                .map(|d| d.count().to_string())
+                .map_err(|e| e.to_string()),
             other => Err(format!("unknown command {other:?}")),
         }
     }
@@ -207,8 +224,8 @@ fn main() {
         last_error: sym(d, c"memsaver_last_error"),
         stats: sym(d, c"memsaver_stats_json"),
         mem_info: sym(hc, c"cuMemGetInfo_v2"),
-        own: None,
-        imported: None,
+        own: Vec::new(),
+        imported: Vec::new(),
     };
     serve(|line| p.run(line));
 }

@@ -1,0 +1,646 @@
+//! The owner's side of memory shared with other processes: the **ledger** of what this process
+//! exported and who imports it, the answers to importers' opens and closes, and the
+//! **couriers** that carry the owner's pauses and resumes to every importer.
+//!
+//! The ledger keeps, per export, the owner's state (generation, resident or paused) and per
+//! importer (keyed by its full identity: a reused pid is another process) how many imports it
+//! holds and what it was last known to hold: [`Has::Mapped`] or [`Has::Released`] of a
+//! generation. What an importer *should* hold follows from the export's state; a courier (one
+//! thread per importer, only while that importer is behind) sends the difference, one request
+//! per kind carrying every buffer, and records the importer's acknowledgement. Because the
+//! courier always sends what the ledger says *now*, the last word cannot be lost: an importer
+//! that missed a pause and its resume (stopped, slow) is sent the resume's state when it can take
+//! it, and importers ignore anything older than what they map. A pause or resume waits for its
+//! importers until the deadline (`MEMSAVER_IPC_TIMEOUT_MS`) and then returns what is still
+//! behind; the courier carries on until the importer converges or exits.
+//!
+//! Lock order: the core's `transition`, then [`LEDGER`], then the core's `table`. No lock here is
+//! held while waiting for another process.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
+
+use memsaver_allocator::{Allocator, Error, ExportedMemory, StartHook};
+use parking_lot::{Condvar, Mutex};
+
+use crate::client;
+use crate::deadline::{Progress, listed};
+use crate::group;
+use crate::handle::IpcHandle;
+use crate::identity::{self, Identity};
+use crate::log::note;
+use crate::options;
+use crate::protocol::{Buffer, MAX_BUFFERS, Reply, Request, Share};
+use crate::server::{self, Connection, NO_BUFFER, WRITE_TIMEOUT};
+
+/// The option that sets [`timeout`], named in messages.
+pub const TIMEOUT_SETTING: &str = "MEMSAVER_IPC_TIMEOUT_MS";
+
+/// How long an owner waits for its importers, and an importer for an owner.
+pub fn timeout() -> Duration {
+    options::get().ipc_timeout
+}
+
+/// The owner's memory of one export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Memory {
+    /// Mapped: opens are served.
+    Resident,
+    /// Released by a pause: opens are answered `NotReady` until the resume.
+    Paused,
+}
+
+/// What one importer holds of one export, as far as the owner knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Has {
+    /// It maps that generation of the memory.
+    Mapped(u64),
+    /// It released its mapping of that generation (the address stays reserved there).
+    Released(u64),
+}
+
+/// One importer of one export.
+#[derive(Clone, Copy, Debug)]
+struct Importer {
+    /// Its imports not closed yet: each new import (an open of [`Buffer::generation`] 0) counts
+    /// one, each `Close` one less; a rebuild's open counts none.
+    imports: u32,
+    has: Has,
+}
+
+/// One allocation this process exported.
+struct Export {
+    key: u64,
+    tag: String,
+    size: u64,
+    /// Times the owner re-created its memory (each resume after a pause).
+    generation: u64,
+    memory: Memory,
+    importers: BTreeMap<Identity, Importer>,
+    /// The current generation's memory, exported once ([`cached_export`]): the driver takes
+    /// about 1.5 ms to export a 1 GiB handle the first time and tens of microseconds after, so
+    /// the fd is made when the handle is given and copies of it are handed out (for at most
+    /// [`MAX_KEPT_FDS`] exports at a time). An exported fd keeps the memory alive: it is dropped
+    /// before a pause releases the memory and when the allocation is freed.
+    fd: Option<ExportedMemory>,
+}
+
+impl Export {
+    /// What every importer should hold now.
+    fn wanted(&self) -> Has {
+        match self.memory {
+            Memory::Resident => Has::Mapped(self.generation),
+            Memory::Paused => Has::Released(self.generation),
+        }
+    }
+
+    fn buffer(&self, id: u64) -> Buffer {
+        Buffer {
+            id,
+            key: self.key,
+            generation: self.generation,
+        }
+    }
+}
+
+/// Everything the owner side keeps, under one lock ([`LEDGER`]).
+#[derive(Default)]
+struct Ledger {
+    exports: HashMap<u64, Export>,
+    /// Importers whose courier thread runs.
+    couriers: BTreeSet<Identity>,
+    /// The last failure of each importer's courier, for the owner's report.
+    failures: BTreeMap<Identity, String>,
+}
+
+impl Ledger {
+    /// What `who` holds that differs from what it should: buffers to release and to map.
+    fn behind(&self, who: &Identity) -> (Vec<Buffer>, Vec<Buffer>) {
+        let (mut release, mut map) = (Vec::new(), Vec::new());
+        for (id, e) in &self.exports {
+            let Some(i) = e.importers.get(who) else {
+                continue;
+            };
+            match (i.has, e.wanted()) {
+                (has, want) if has == want => {}
+                (_, Has::Released(_)) => release.push(e.buffer(*id)),
+                (_, Has::Mapped(_)) => map.push(e.buffer(*id)),
+            }
+        }
+        release.sort_by_key(|b| b.id);
+        map.sort_by_key(|b| b.id);
+        (release, map)
+    }
+
+    /// Forgets `who` as an importer of everything: it exited, so its mappings went with it.
+    fn forget(&mut self, who: &Identity) {
+        for e in self.exports.values_mut() {
+            e.importers.remove(who);
+        }
+        self.failures.remove(who);
+    }
+}
+
+/// This process's exports; [`SETTLED`] is notified whenever an importer's state changes.
+static LEDGER: LazyLock<Mutex<Ledger>> = LazyLock::new(Default::default);
+static SETTLED: Condvar = Condvar::new();
+
+/// At most this many exported fds are kept ([`Export::fd`]), so that a process sharing many
+/// allocations stays far from its open-file limit (1024 by default); the others are exported
+/// at each open, as they were before being kept.
+const MAX_KEPT_FDS: usize = 256;
+
+/// Exported fds kept now (changed under [`LEDGER`]).
+static KEPT_FDS: AtomicUsize = AtomicUsize::new(0);
+
+/// Drops the exported fd `e` keeps, if any.
+fn drop_kept_fd(e: &mut Export) {
+    if e.fd.take().is_some() {
+        KEPT_FDS.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A copy of export `id`'s fd, exporting it first if it is not kept (`Ok(None)` while the
+/// allocation is not resident). Called under [`LEDGER`].
+fn cached_export(a: &Allocator, id: u64, e: &mut Export) -> Result<Option<ExportedMemory>, String> {
+    if e.fd.is_none() {
+        let Some(m) = a.export_shared(id).map_err(|e| e.to_string())? else {
+            return Ok(None);
+        };
+        if KEPT_FDS.load(Ordering::Relaxed) >= MAX_KEPT_FDS {
+            return Ok(Some(m));
+        }
+        KEPT_FDS.fetch_add(1, Ordering::Relaxed);
+        e.fd = Some(m);
+    }
+    let Some(m) = &e.fd else { return Ok(None) };
+    let fd =
+        m.fd.try_clone()
+            .map_err(|err| format!("cannot copy an exported fd: {err}"))?;
+    Ok(Some(ExportedMemory {
+        fd,
+        offset: m.offset,
+        handle_size: m.handle_size,
+    }))
+}
+
+/// The handle of the memsaver allocation holding `ptr`, or `Ok(None)` when memsaver did not
+/// allocate it (the caller forwards to the real runtime).
+pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>, String> {
+    let Some(a) = memsaver_allocator::global_if_started() else {
+        return Ok(None);
+    };
+    let shared = match a.share(ptr) {
+        Ok(s) => s,
+        Err(Error::UnknownPointer { .. }) => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
+    // Importers answer the owner's release and rebuild requests on this server, and open
+    // through it.
+    server::ensure_server().map_err(|e| {
+        format!("cannot share memsaver memory with other processes: this process cannot serve its socket: {e}")
+    })?;
+    let key = {
+        let mut l = LEDGER.lock();
+        let e = match l.exports.entry(shared.id) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let key = identity::new_key()
+                    .map_err(|e| format!("cannot draw a key for a CUDA IPC handle: {e}"))?;
+                v.insert(Export {
+                    key,
+                    tag: shared.tag.clone(),
+                    size: shared.size as u64,
+                    generation: 0,
+                    memory: Memory::Resident,
+                    importers: BTreeMap::new(),
+                    fd: None,
+                })
+            }
+        };
+        // Exported now, so that the receiver's open only copies the fd (a failure here is
+        // the open's to report).
+        if e.memory == Memory::Resident {
+            let _ = cached_export(a, shared.id, e);
+        }
+        e.key
+    };
+    Ok(Some(IpcHandle {
+        owner: identity::me(),
+        group: group::fix(),
+        id: shared.id,
+        key,
+        size: shared.size as u64,
+    }))
+}
+
+/// Whether `b` names export `e` (the key compared without branching on its bits).
+fn names(e: &Export, b: &Buffer) -> bool {
+    std::hint::black_box(e.key ^ b.key) == 0
+}
+
+/// The owner's answers to `from`: opens (the fd of each buffer, one reply per buffer, in
+/// order) and closes. Every buffer must name an export with its key, or the whole request is
+/// refused, saying nothing of which one was wrong.
+pub(crate) fn serve(conn: &Connection, from: Identity, op: Share, buffers: &[Buffer]) {
+    let known = {
+        // A freed allocation's export is forgotten (`Sharing::freed`): its handles open nothing.
+        let l = LEDGER.lock();
+        buffers.iter().fold(true, |ok, b| {
+            ok & l.exports.get(&b.id).is_some_and(|e| names(e, b))
+        })
+    };
+    if !known {
+        conn.refuse(NO_BUFFER);
+        return;
+    }
+    let write_by = Instant::now() + WRITE_TIMEOUT;
+    if op == Share::Close {
+        let mut l = LEDGER.lock();
+        for b in buffers {
+            if let Some(e) = l.exports.get_mut(&b.id) {
+                forget_import(e, &from);
+                tracing::debug!(importer = from.pid, id = b.id, "served a close");
+            }
+        }
+        drop(l);
+        SETTLED.notify_all();
+        let _ = conn.send(&Reply::Done, None, write_by);
+        return;
+    }
+    let allocator = memsaver_allocator::start_global();
+    for b in buffers {
+        // Under LEDGER: a pause marks the export paused under it before it releases anything,
+        // so the handle read here stays valid until the fd is made.
+        let (reply, fd) = {
+            let mut l = LEDGER.lock();
+            match l.exports.get_mut(&b.id) {
+                // Its allocation was freed (and the export forgotten) since the check above.
+                None => (Reply::Failed { id: b.id }, None),
+                Some(e) => open(&allocator, from, e, b),
+            }
+        };
+        if conn
+            .send(&reply, fd.as_ref().map(|f| f.as_fd()), write_by)
+            .is_err()
+        {
+            // The importer is gone or gave up: it holds none of what was not delivered.
+            if fd.is_some()
+                && b.generation == 0
+                && let Some(e) = LEDGER.lock().exports.get_mut(&b.id)
+            {
+                forget_import(e, &from);
+            }
+            return;
+        }
+    }
+}
+
+/// The answer to `from`'s open of `b` (export `e`, under [`LEDGER`]).
+fn open(
+    allocator: &Result<&'static Allocator, Error>,
+    from: Identity,
+    e: &mut Export,
+    b: &Buffer,
+) -> (Reply, Option<OwnedFd>) {
+    if e.memory == Memory::Paused || e.generation < b.generation {
+        return (Reply::NotReady { id: b.id }, None);
+    }
+    let exported = allocator
+        .as_ref()
+        .map_err(|e| e.to_string())
+        .and_then(|a| cached_export(a, b.id, e));
+    let m = match exported {
+        Ok(Some(m)) => m,
+        Ok(None) => return (Reply::NotReady { id: b.id }, None),
+        Err(err) => {
+            note(format!(
+                "cannot export memsaver memory to process {}: {err}",
+                from.pid
+            ));
+            return (Reply::Failed { id: b.id }, None);
+        }
+    };
+    let generation = e.generation;
+    let i = e.importers.entry(from).or_insert(Importer {
+        imports: 0,
+        has: Has::Mapped(generation),
+    });
+    if b.generation == 0 || i.imports == 0 {
+        i.imports += 1;
+    }
+    if b.generation == 0 {
+        // A new import maps what it is given; a rebuild's is acknowledged by its answer.
+        i.has = Has::Mapped(generation);
+    }
+    tracing::debug!(
+        importer = from.pid,
+        imports = i.imports,
+        id = b.id,
+        generation,
+        "served an open"
+    );
+    let reply = Reply::Shared {
+        id: b.id,
+        generation,
+        size: e.size,
+        offset: m.offset,
+        handle_size: m.handle_size as u64,
+    };
+    (reply, Some(m.fd))
+}
+
+/// One import fewer of `e` by `who`.
+fn forget_import(e: &mut Export, who: &Identity) {
+    if let Some(i) = e.importers.get_mut(who) {
+        i.imports = i.imports.saturating_sub(1);
+        if i.imports == 0 {
+            e.importers.remove(who);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Couriers.
+
+/// Starts `who`'s courier unless it runs (under [`LEDGER`]); `false` if it could not start.
+fn dispatch(l: &mut Ledger, who: Identity) {
+    if !l.couriers.insert(who) {
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("memsaver-courier".into())
+        .spawn(move || courier(who));
+    if let Err(e) = spawned {
+        l.couriers.remove(&who);
+        l.failures
+            .insert(who, format!("cannot start a thread to reach it: {e}"));
+    }
+}
+
+/// Carries the ledger's state to importer `who` until it holds what it should, or exits.
+fn courier(who: Identity) {
+    let group = group::id();
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let (release, map) = {
+            let mut l = LEDGER.lock();
+            let behind = l.behind(&who);
+            if behind.0.is_empty() && behind.1.is_empty() {
+                l.couriers.remove(&who);
+                l.failures.remove(&who);
+                drop(l);
+                SETTLED.notify_all();
+                return;
+            }
+            behind
+        };
+        let mut failed = None;
+        for (op, buffers) in [(Share::Release, release), (Share::Rebuild, map)] {
+            for chunk in buffers.chunks(MAX_BUFFERS) {
+                if let Err(e) = deliver(group, &who, op, chunk) {
+                    failed = Some(e);
+                }
+            }
+        }
+        let Some(e) = failed else {
+            backoff = Duration::from_millis(10);
+            continue;
+        };
+        if !identity::is_running(&who) {
+            // A dead importer holds nothing: its mappings went with it.
+            let mut l = LEDGER.lock();
+            l.forget(&who);
+            l.couriers.remove(&who);
+            drop(l);
+            SETTLED.notify_all();
+            return;
+        }
+        tracing::debug!(importer = who.pid, error = %e, "an importer is behind");
+        LEDGER.lock().failures.insert(who, e);
+        SETTLED.notify_all();
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// Sends `op` of `buffers` to `who` and records what it acknowledged.
+fn deliver(group: i64, who: &Identity, op: Share, buffers: &[Buffer]) -> Result<(), String> {
+    let request = Request::Shared {
+        from: identity::me(),
+        to: *who,
+        group,
+        op,
+        buffers: buffers.to_vec(),
+    };
+    let reply = client::exchange(group, who, request, 1, timeout())?;
+    match reply.into_iter().next() {
+        Some((Reply::Done, _)) => {}
+        Some((Reply::Error { message, .. }, _)) => return Err(message),
+        other => return Err(format!("answered {other:?}")),
+    }
+    let mut l = LEDGER.lock();
+    for b in buffers {
+        // Only what was sent is acknowledged: a newer state waits for the next round.
+        if let Some(i) = l
+            .exports
+            .get_mut(&b.id)
+            .and_then(|e| e.importers.get_mut(who))
+        {
+            i.has = match op {
+                Share::Release => Has::Released(b.generation),
+                _ => Has::Mapped(b.generation),
+            };
+        }
+    }
+    drop(l);
+    SETTLED.notify_all();
+    Ok(())
+}
+
+/// The allocator's [`memsaver_allocator::Sharing`]: releases and rebuilds of importers.
+pub struct Owner;
+
+impl Owner {
+    /// Moves the exports `ids` to `memory` (a resume: the next generation), starts the couriers
+    /// of their importers and waits until every importer holds what it should, or the deadline.
+    /// `Err` says which processes are behind, what they hold, and why.
+    fn transition(&self, ids: &[u64], memory: Memory) -> Result<(), String> {
+        let mut l = LEDGER.lock();
+        let mut importers = BTreeSet::new();
+        for id in ids {
+            let Some(e) = l.exports.get_mut(id) else {
+                continue;
+            };
+            match memory {
+                // The memory is about to be released: no fd may keep it.
+                Memory::Paused => drop_kept_fd(e),
+                Memory::Resident => e.generation += 1,
+            }
+            e.memory = memory;
+            importers.extend(e.importers.keys().copied());
+        }
+        for who in &importers {
+            dispatch(&mut l, *who);
+        }
+        let deadline = Instant::now() + timeout();
+        let mut progress = Progress::new(deadline, TIMEOUT_SETTING);
+        let group = group::id();
+        loop {
+            let behind: Vec<Identity> = importers
+                .iter()
+                .copied()
+                .filter(|who| {
+                    ids.iter().any(|id| {
+                        l.exports.get(id).is_some_and(|e| {
+                            e.importers.get(who).is_some_and(|i| i.has != e.wanted())
+                        })
+                    })
+                })
+                .collect();
+            if behind.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(report(&l, ids, &behind, memory, group));
+            }
+            SETTLED.wait_until(&mut l, progress.next());
+            progress.say(|| {
+                let who: Vec<String> = behind
+                    .iter()
+                    .map(|w| format!("process {} (group {group})", w.pid))
+                    .collect();
+                format!(
+                    "waiting for processes that map memsaver memory of this one to {}: {}",
+                    what(memory),
+                    listed(&who)
+                )
+            });
+        }
+    }
+}
+
+fn what(memory: Memory) -> &'static str {
+    match memory {
+        Memory::Paused => "release it",
+        Memory::Resident => "map it again",
+    }
+}
+
+/// The message of a transition that importers `behind` did not follow by the deadline.
+fn report(l: &Ledger, ids: &[u64], behind: &[Identity], memory: Memory, group: i64) -> String {
+    let lines: Vec<String> = behind
+        .iter()
+        .map(|who| {
+            let (mut n, mut bytes, mut tags) = (0, 0, BTreeSet::new());
+            for id in ids {
+                if let Some(e) = l.exports.get(id)
+                    && e.importers.get(who).is_some_and(|i| i.has != e.wanted())
+                {
+                    n += 1;
+                    bytes += e.size;
+                    tags.insert(e.tag.as_str());
+                }
+            }
+            let why = l.failures.get(who).cloned().unwrap_or_else(|| {
+                let state = memsaver_allocator::process::stat(&who.pid.to_string()).map(|(s, _)| s);
+                let stopped = if matches!(state, Some('T' | 't')) {
+                    " (it is stopped)"
+                } else {
+                    ""
+                };
+                format!("no answer within {} ms{stopped}", timeout().as_millis())
+            });
+            format!(
+                "process {} (group {group}) did not {} {n} buffer(s) of {} MiB of tag(s) {}: {why}",
+                who.pid,
+                match memory {
+                    Memory::Paused => "release",
+                    Memory::Resident => "map again",
+                },
+                bytes.div_ceil(1 << 20),
+                tags.into_iter().collect::<Vec<_>>().join(", ")
+            )
+        })
+        .collect();
+    let consequence = match memory {
+        Memory::Paused => {
+            "this process's pause is done, but their mappings keep that memory in use"
+        }
+        Memory::Resident => {
+            "this process's resume is done; they map the memory again once they can, and \
+             reading it there before that faults"
+        }
+    };
+    format!(
+        "{consequence} ({} process(es) behind after {} ms, {TIMEOUT_SETTING}): {}",
+        behind.len(),
+        timeout().as_millis(),
+        lines.join("; ")
+    )
+}
+
+impl memsaver_allocator::Sharing for Owner {
+    fn before_release(&self, ids: &[u64]) -> Result<(), String> {
+        self.transition(ids, Memory::Paused)
+    }
+
+    fn after_resume(&self, ids: &[u64]) -> Result<(), String> {
+        self.transition(ids, Memory::Resident)
+    }
+
+    fn freed(&self, id: u64) {
+        // Forgotten with its fd: a handle of a freed allocation opens nothing, and the importers
+        // keep what they map.
+        if let Some(mut e) = LEDGER.lock().exports.remove(&id) {
+            drop_kept_fd(&mut e);
+        }
+    }
+}
+
+#[linkme::distributed_slice(memsaver_allocator::START_HOOKS)]
+static START: StartHook = StartHook {
+    name: "memsaver-ipc shared memory",
+    order: 0,
+    run: register,
+};
+
+fn register(a: &'static Allocator) -> Result<(), String> {
+    a.set_sharing(Arc::new(Owner));
+    Ok(())
+}
+
+/// What [`exports`] reports of one tag's exports.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct ExportStats {
+    pub handles: u64,
+    pub bytes: u64,
+    /// Importers, counted once per export they import.
+    pub importers: u64,
+    /// Bytes of this tag's paused exports that some importer still maps (its pause did not
+    /// free them).
+    pub held_while_paused: u64,
+}
+
+/// This process's exports, per tag (allocations freed since are forgotten here).
+pub fn exports() -> BTreeMap<String, ExportStats> {
+    let mut out: BTreeMap<String, ExportStats> = BTreeMap::new();
+    let l = LEDGER.lock();
+    for e in l.exports.values() {
+        let s = out.entry(e.tag.clone()).or_default();
+        s.handles += 1;
+        s.bytes += e.size;
+        s.importers += e.importers.len() as u64;
+        if e.memory == Memory::Paused
+            && e.importers
+                .values()
+                .any(|i| matches!(i.has, Has::Mapped(_)))
+        {
+            s.held_while_paused += e.size;
+        }
+    }
+    out
+}
