@@ -9,6 +9,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use memsaver_allocator::driver::Handle;
+use memsaver_ipc::identity::Identity;
 use memsaver_ipc::log::note;
 use memsaver_ipc::protocol::{Buffer, Reply, Request};
 use memsaver_ipc::server::{self, Connection, Handler, NO_BUFFER, Route, Service, WRITE_TIMEOUT};
@@ -28,7 +29,7 @@ impl Handler for Exports {
     fn handle(&self, conn: Connection, request: Request) {
         match request {
             Request::Import { from, buffers, .. } => {
-                let _ = answer(&conn, from.pid, &buffers);
+                let _ = answer(&conn, from, &buffers);
             }
             Request::Released { from, buffers, .. } => {
                 let mut reg = registry::lock();
@@ -37,7 +38,7 @@ impl Handler for Exports {
                         && names(p, i)
                         && p.generation == i.generation
                     {
-                        p.importers.remove(&from.pid);
+                        p.importers.remove(&from);
                     }
                 }
                 drop(reg);
@@ -63,7 +64,8 @@ fn names(p: &registry::Physical, i: &Buffer) -> bool {
 /// request is refused, saying nothing of which item or which part of it was wrong. Every item
 /// already answerable is answered under one hold of the registry lock, so that a process busy
 /// resuming serves a peer's hundreds of buffers in one go.
-fn answer(conn: &Connection, pid: u32, items: &[Buffer]) -> std::io::Result<()> {
+fn answer(conn: &Connection, from: Identity, items: &[Buffer]) -> std::io::Result<()> {
+    let pid = from.pid;
     let deadline = Instant::now() + peer::timeout();
     let write_by = deadline + WRITE_TIMEOUT;
     let known = {
@@ -100,7 +102,7 @@ fn answer(conn: &Connection, pid: u32, items: &[Buffer]) -> std::io::Result<()> 
                 };
                 match driver.clone().and_then(|d| Ok(d.export_fd(Handle(h))?)) {
                     Ok(fd) => {
-                        p.importers.insert(pid);
+                        p.importers.insert(from);
                         let reply = Reply::Export {
                             id: r.id,
                             generation: p.generation,
@@ -122,7 +124,7 @@ fn answer(conn: &Connection, pid: u32, items: &[Buffer]) -> std::io::Result<()> 
                 // The importer is gone (or gave up waiting): it holds none of the fds not
                 // delivered, so it must not stay registered for them (its owner's next pause
                 // would wait for it).
-                unregister(pid, &replies[i..]);
+                unregister(&from, &replies[i..]);
                 return Err(e);
             }
         }
@@ -141,14 +143,14 @@ fn answer(conn: &Connection, pid: u32, items: &[Buffer]) -> std::io::Result<()> 
 }
 
 /// Forgets `pid` as an importer of the buffers of `replies` that carried an fd.
-fn unregister(pid: u32, replies: &[(Reply, Option<OwnedFd>)]) {
+fn unregister(from: &Identity, replies: &[(Reply, Option<OwnedFd>)]) {
     let mut reg = registry::lock();
     for (reply, _) in replies {
         if let Reply::Export { id, generation } = reply
             && let Some(p) = reg.physicals.get_mut(id)
             && p.generation == *generation
         {
-            p.importers.remove(&pid);
+            p.importers.remove(from);
         }
     }
 }

@@ -18,6 +18,7 @@ use memsaver_allocator::steps::Op;
 use memsaver_allocator::{Allocator, Error};
 use memsaver_ipc::client;
 use memsaver_ipc::deadline::{Outcome, PerPeer, Progress, listed};
+use memsaver_ipc::identity::{self, Identity};
 use memsaver_ipc::protocol::Buffer;
 
 use crate::local::{Holding, Notices, TAG, device_of, places};
@@ -159,19 +160,19 @@ pub(crate) fn wait_importers(group: i64, deadline: Instant) -> BTreeMap<u32, Hol
                 .values_mut()
                 .filter(|p| p.exported && p.is_paused_own())
                 .collect();
-            // Each importer asked once.
-            let mut pids: Vec<u32> = paused
+            // Each importer asked once; a dead one (its pid reused or not) has let go.
+            let mut live: Vec<Identity> = paused
                 .iter()
                 .flat_map(|p| p.importers.iter().copied())
                 .collect();
-            pids.sort_unstable();
-            pids.dedup();
-            pids.retain(|pid| alive(*pid));
+            live.sort_unstable();
+            live.dedup();
+            live.retain(identity::is_running);
             let mut holders = BTreeMap::<u32, Holding>::new();
             for p in &mut paused {
-                p.importers.retain(|pid| pids.binary_search(pid).is_ok());
-                for pid in &p.importers {
-                    holders.entry(*pid).or_default().add(p);
+                p.importers.retain(|who| live.binary_search(who).is_ok());
+                for who in &p.importers {
+                    holders.entry(who.pid).or_default().add(p);
                 }
             }
             holders

@@ -169,8 +169,9 @@ pub(crate) struct Physical {
     /// drawn when it is first exported through a token, which carries it (see
     /// `memsaver_ipc::token`). `None`: never exported so, and never handed out.
     pub key: Option<u64>,
-    /// Processes holding an import of the current generation (owner side).
-    pub importers: HashSet<u32>,
+    /// Processes holding an import of the current generation (owner side), by full identity:
+    /// a process that got a dead importer's pid is another process.
+    pub importers: HashSet<memsaver_ipc::identity::Identity>,
     /// Incremented each time the memory is re-created by a resume (owner side, exported
     /// buffers).
     pub generation: u64,
@@ -639,7 +640,11 @@ mod tests {
     fn an_own_handle_pauses_resumes_and_starts_a_new_generation_when_exported() {
         let mut p = own();
         p.exported = true;
-        p.importers.insert(5);
+        p.importers.insert(memsaver_ipc::identity::Identity {
+            pid: 5,
+            start: 1,
+            nonce: 2,
+        });
         assert_eq!(p.release(), Ok(7));
         assert_eq!(p.state(), State::Paused);
         assert_eq!(p.real(), None);

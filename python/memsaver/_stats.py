@@ -62,11 +62,14 @@ class TagStats:
 @dataclass(frozen=True)
 class SharedExport:
     """One tag's memory this process gave CUDA IPC handles of: ``handles`` allocations shared,
-    ``bytes`` their size, ``importers`` the processes that have them open now."""
+    ``bytes`` their size, ``importers`` the processes that have them open now, and
+    ``held_while_paused`` the bytes of them that are paused here but still mapped by some
+    importer that did not let go (so not free on the device)."""
 
     handles: int
     bytes: int
     importers: int
+    held_while_paused: int = 0
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,12 @@ def parse(text: str) -> Stats:
         freed_held_bytes=int(doc.get("freed_held_bytes", 0)),
         driver_calls={str(k): int(v) for k, v in doc.get("driver_calls", {}).items()},
         shared_exports={
-            str(k): SharedExport(int(v["handles"]), int(v["bytes"]), int(v["importers"]))
+            str(k): SharedExport(
+                int(v["handles"]),
+                int(v["bytes"]),
+                int(v["importers"]),
+                int(v.get("held_while_paused", 0)),
+            )
             for k, v in doc.get("shared", {}).get("exports", {}).items()
         },
         shared_imports=[

@@ -407,6 +407,111 @@ fn an_importer_stopped_across_a_pause_and_a_resume_catches_up_once_it_runs() {
     r.cmd("check imp 6");
 }
 
+/// A pid namespace whose pids a test can choose (`ns_last_pid`): its first process holds it,
+/// and [`PidSpace::launcher`] starts a process in it. Dropped, it ends with all of them.
+struct PidSpace {
+    holder: Child,
+    /// The holder's pid as this process sees it.
+    init: u32,
+}
+
+impl PidSpace {
+    fn new() -> PidSpace {
+        let holder = Command::new("unshare")
+            .args([
+                "--user",
+                "--map-root-user",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+            ])
+            .args(["sleep", "600"])
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("unshare");
+        let children = format!("/proc/{0}/task/{0}/children", holder.id());
+        let mut init = None;
+        wait_for("the namespace's first process", || {
+            init = std::fs::read_to_string(&children)
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse().ok());
+            init.is_some()
+        });
+        PidSpace {
+            holder,
+            init: init.unwrap(),
+        }
+    }
+
+    /// The command line that starts a program in the namespace; with `pid`, as that pid there.
+    fn launcher(&self, pid: Option<u32>) -> Vec<String> {
+        let choose = pid.map_or("exec ".into(), |p| {
+            format!("echo {} > /proc/sys/kernel/ns_last_pid && ", p - 1)
+        });
+        let target = self.init.to_string();
+        [
+            "nsenter",
+            "-t",
+            &target,
+            "-U",
+            "-p",
+            "-m",
+            "--preserve-credentials",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(["sh".into(), "-c".into(), format!("{choose}\"$0\" \"$@\"")])
+        .collect()
+    }
+}
+
+impl Drop for PidSpace {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.init as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = self.holder.wait();
+    }
+}
+
+#[test]
+fn an_importer_whose_pid_was_reused_is_another_importer() {
+    if let Some(why) = common::pid_namespaces_missing() {
+        return memsaver_test_support::skip(&why);
+    }
+    let dirs = Dirs::new();
+    let ns = PidSpace::new();
+    let start = |pid: Option<u32>| {
+        let l = ns.launcher(pid);
+        let l: Vec<&str> = l.iter().map(String::as_str).collect();
+        Proc::start_in(&dirs, "1", &[], &l)
+    };
+    let mut o = start(None);
+    o.cmd("alloc 4");
+    o.cmd("write own 1");
+    let h = o.cmd("handle");
+    let mut first = start(None);
+    first.cmd(&format!("open {h}"));
+    let pid: u32 = first.cmd("pid").parse().unwrap();
+    // Killed without a word to the owner; a new process gets its pid and opens the handle.
+    first.send("die");
+    first.child.wait().unwrap();
+    let mut second = start(Some(pid));
+    assert_eq!(second.cmd("pid"), pid.to_string(), "the pid was reused");
+    second.cmd(&format!("open {h}"));
+    second.cmd("check imp 1");
+    // The owner's pause reaches the new process: the memory is free when it returns.
+    let used = o.used();
+    o.cmd("pause");
+    assert_eq!(o.used(), used - 4 * MIB);
+    assert_eq!(shared_stats(&mut second)["imports"][0]["paused"], true);
+    o.cmd("resume");
+    o.cmd("write own 2");
+    second.cmd("check imp 2");
+    assert_eq!(shared_stats(&mut o)["exports"]["weights"]["importers"], 1);
+}
+
 #[test]
 fn a_reopen_while_the_owner_is_paused_is_refused_as_a_fresh_open_is() {
     let dirs = Dirs::new();

@@ -18,6 +18,7 @@
 //! stats              memsaver_stats_json on one line
 //! pid                this process's pid
 //! threads            this process's thread count
+//! die                SIGKILL itself (no answer): no exit handler runs
 //! ```
 //!
 //! WHICH is `own` or `imp` (the last buffer or import), or `own:N` / `imp:N` (the Nth, from
@@ -196,6 +197,11 @@ impl Proc {
                 Ok(text.to_string_lossy().replace('\n', " "))
             }
             Some("pid") => Ok(std::process::id().to_string()),
+            Some("die") => {
+                // SAFETY: signals this very process.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+                Err("still alive".into())
+            }
             Some("threads") => std::fs::read_dir("/proc/self/task")
                 .map(|d| d.count().to_string())
                 .map_err(|e| e.to_string()),
