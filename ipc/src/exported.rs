@@ -237,66 +237,138 @@ pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>, String> {
     }))
 }
 
-/// Whether `b` names export `e` (the key compared without branching on its bits).
-fn names(e: &Export, b: &Buffer) -> bool {
-    std::hint::black_box(e.key ^ b.key) == 0
+/// Whether `key` is the key `b` carries (compared without branching on its bits).
+pub fn same_key(key: u64, b: &Buffer) -> bool {
+    std::hint::black_box(key ^ b.key) == 0
 }
 
-/// The owner's answers to `from`: opens (the fd of each buffer, one reply per buffer, in
-/// order) and closes. Every buffer must name an export with its key, or the whole request is
-/// refused, saying nothing of which one was wrong.
-pub(crate) fn serve(conn: &Connection, from: Identity, op: Share, buffers: &[Buffer]) {
-    let known = {
-        // A freed allocation's export is forgotten (`Sharing::freed`): its handles open nothing.
-        let l = LEDGER.lock();
-        buffers.iter().fold(true, |ok, b| {
-            ok & l.exports.get(&b.id).is_some_and(|e| names(e, b))
-        })
-    };
-    if !known {
+/// One answer of an owner to an open: the reply, with the fd it carries.
+pub type Answer = (Reply, Option<OwnedFd>);
+
+/// A layer's exports, as the owner's one serve path ([`serve_opens`]) sees them: this module's
+/// ledger (allocations, through CUDA IPC handles and NCCL's registration) and nccl-hook's
+/// registry (NCCL's own buffers).
+pub trait Exports {
+    /// Whether every buffer of `items` is one of these exports, with its key. Look at every
+    /// item (the time taken must not say where the first wrong one is).
+    fn known(&self, items: &[Buffer]) -> bool;
+    /// Answers `items` in order under one hold of the layer's lock, as many as can be answered
+    /// now (each at least the generation asked; an answer that must wait for the owner's resume
+    /// ends the list), recording `from` as an importer of each one given.
+    fn answer_ready(&self, from: &Identity, items: &[Buffer]) -> Vec<Answer>;
+    /// `from` did not receive `answers` (to `items`, in order: it is gone, or gave up): it holds
+    /// none of them.
+    fn undelivered(&self, from: &Identity, items: &[Buffer], answers: &[Answer]);
+}
+
+/// The owner's one serve path for opens: every item must name one of `exports` with its key,
+/// or the whole request is refused (saying nothing of which item or which part was wrong);
+/// then one reply per item, in order, each as soon as it can be answered, until `wait` has
+/// passed (the rest are answered `NotReady`). A reply that cannot be delivered is undone.
+pub fn serve_opens(
+    conn: &Connection,
+    from: &Identity,
+    items: &[Buffer],
+    wait: Duration,
+    exports: &dyn Exports,
+) {
+    if !exports.known(items) {
         conn.refuse(NO_BUFFER);
         return;
     }
-    let write_by = Instant::now() + WRITE_TIMEOUT;
-    if op == Share::Close {
-        let mut l = LEDGER.lock();
-        for b in buffers {
-            if let Some(e) = l.exports.get_mut(&b.id) {
-                forget_import(e, &from);
-                tracing::debug!(importer = from.pid, id = b.id, "served a close");
+    let deadline = Instant::now() + wait;
+    let write_by = deadline + WRITE_TIMEOUT;
+    let mut next = 0;
+    while next < items.len() {
+        let answers = exports.answer_ready(from, &items[next..]);
+        for (i, (reply, fd)) in answers.iter().enumerate() {
+            if conn
+                .send(reply, fd.as_ref().map(|f| f.as_fd()), write_by)
+                .is_err()
+            {
+                exports.undelivered(from, &items[next + i..], &answers[i..]);
+                return;
             }
         }
-        drop(l);
-        SETTLED.notify_all();
-        let _ = conn.send(&Reply::Done, None, write_by);
-        return;
-    }
-    let allocator = memsaver_allocator::start_global();
-    for b in buffers {
-        // Under LEDGER: a pause marks the export paused under it before it releases anything,
-        // so the handle read here stays valid until the fd is made.
-        let (reply, fd) = {
-            let mut l = LEDGER.lock();
-            match l.exports.get_mut(&b.id) {
-                // Its allocation was freed (and the export forgotten) since the check above.
-                None => (Reply::Failed { id: b.id }, None),
-                Some(e) => open(&allocator, from, e, b),
+        next += answers.len();
+        if next < items.len() {
+            if Instant::now() >= deadline {
+                for r in &items[next..] {
+                    if conn
+                        .send(&Reply::NotReady { id: r.id }, None, write_by)
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                return;
             }
-        };
-        if conn
-            .send(&reply, fd.as_ref().map(|f| f.as_fd()), write_by)
-            .is_err()
-        {
-            // The importer is gone or gave up: it holds none of what was not delivered.
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+}
+
+/// The ledger's allocations as [`Exports`].
+struct Allocations;
+
+impl Exports for Allocations {
+    fn known(&self, items: &[Buffer]) -> bool {
+        // A freed allocation's export is forgotten (`Sharing::freed`): its handles open nothing.
+        let l = LEDGER.lock();
+        items.iter().fold(true, |ok, b| {
+            ok & l.exports.get(&b.id).is_some_and(|e| same_key(e.key, b))
+        })
+    }
+
+    fn answer_ready(&self, from: &Identity, items: &[Buffer]) -> Vec<Answer> {
+        let allocator = memsaver_allocator::start_global();
+        // Under LEDGER: a pause marks the export paused under it before it releases anything,
+        // so the handle read here stays valid until the fd is made. A paused export is
+        // answered `NotReady` at once: the importer's rebuild comes after the resume.
+        let mut l = LEDGER.lock();
+        items
+            .iter()
+            .map(|b| match l.exports.get_mut(&b.id) {
+                // Its allocation was freed (and the export forgotten) since it was checked.
+                None => (Reply::Failed { id: b.id }, None),
+                Some(e) => open(&allocator, *from, e, b),
+            })
+            .collect()
+    }
+
+    fn undelivered(&self, from: &Identity, items: &[Buffer], answers: &[Answer]) {
+        let mut l = LEDGER.lock();
+        for (b, (_, fd)) in items.iter().zip(answers) {
+            // A new import that was not delivered was not made (a rebuild's counted nothing).
             if fd.is_some()
                 && b.generation == 0
-                && let Some(e) = LEDGER.lock().exports.get_mut(&b.id)
+                && let Some(e) = l.exports.get_mut(&b.id)
             {
-                forget_import(e, &from);
+                forget_import(e, from);
             }
-            return;
         }
     }
+}
+
+/// The owner's answers to `from`: opens ([`serve_opens`]) and closes.
+pub(crate) fn serve(conn: &Connection, from: Identity, op: Share, buffers: &[Buffer]) {
+    if op != Share::Close {
+        return serve_opens(conn, &from, buffers, Duration::ZERO, &Allocations);
+    }
+    if !Allocations.known(buffers) {
+        conn.refuse(NO_BUFFER);
+        return;
+    }
+    let mut l = LEDGER.lock();
+    for b in buffers {
+        if let Some(e) = l.exports.get_mut(&b.id) {
+            forget_import(e, &from);
+            tracing::debug!(importer = from.pid, id = b.id, "served a close");
+        }
+    }
+    drop(l);
+    SETTLED.notify_all();
+    let _ = conn.send(&Reply::Done, None, Instant::now() + WRITE_TIMEOUT);
 }
 
 /// The answer to `from`'s open of `b` (export `e`, under [`LEDGER`]).
