@@ -5,11 +5,11 @@
 //! state directory): `used` is what every process holds together, and physical memory is freed
 //! only once no process maps, holds or exports it.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use memsaver_scenarios::{cuda_lib, preload_lib, tempdir};
+use memsaver_scenarios::{ANSWER_WAIT, cuda_lib, preload_lib, read_line_within, tempdir};
 
 mod common;
 
@@ -89,8 +89,14 @@ impl Proc {
     fn try_cmd(&mut self, line: &str) -> Result<String, String> {
         writeln!(self.stdin, "{line}").expect("the process takes commands");
         self.stdin.flush().unwrap();
-        let mut answer = String::new();
-        self.stdout.read_line(&mut answer).unwrap();
+        let answer = read_line_within(&mut self.stdout, Instant::now() + ANSWER_WAIT)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "`{line}`: process {} did not answer within {} s: {e}",
+                    self.child.id(),
+                    ANSWER_WAIT.as_secs()
+                )
+            });
         let answer = answer.trim_end();
         if let Some(rest) = answer.strip_prefix("ok") {
             Ok(rest.trim().to_owned())
