@@ -85,6 +85,23 @@ pub fn connect(group: i64, owner: &Identity) -> Result<UnixStream, String> {
     Ok(stream)
 }
 
+/// Whether process `who` of `group` is gone for good: its socket (named by its whole identity,
+/// nonce included) refuses connections or is not there. Only a process that serves can import
+/// or own shared memory, so this tells apart a dead process from a new one that got its pid
+/// (and, within the same clock tick, its start time).
+pub fn gone(group: i64, who: &Identity) -> bool {
+    let Ok(dir) = rundir::group_dir(&rundir::runtime_dir(), group) else {
+        return false;
+    };
+    match UnixStream::connect(dir.entry(&identity::socket_name(who))) {
+        Ok(_) => false,
+        Err(e) => matches!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+        ),
+    }
+}
+
 /// The owners this process imports from: pid -> identity, learnt from their tokens.
 static OWNERS: Mutex<Option<HashMap<u32, Identity>>> = Mutex::new(None);
 
@@ -258,7 +275,7 @@ pub fn import(
     wait: Duration,
     holds_imports_of: impl FnOnce(u32) -> bool,
 ) -> Result<(OwnedFd, u64), String> {
-    let mine = group::fix();
+    let mine = group::try_fix()?;
     if t.group != mine {
         return Err(format!(
             "the buffer belongs to process {} of group {}, this process is in group {mine}: \

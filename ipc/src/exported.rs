@@ -230,7 +230,7 @@ pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>, String> {
     };
     Ok(Some(IpcHandle {
         owner: identity::me(),
-        group: group::fix(),
+        group: group::try_fix()?,
         id: shared.id,
         key,
         size: shared.size as u64,
@@ -482,7 +482,7 @@ fn courier(who: Identity) {
             backoff = Duration::from_millis(10);
             continue;
         };
-        if !identity::is_running(&who) {
+        if !identity::is_running(&who) || client::gone(group, &who) {
             // A dead importer holds nothing: its mappings went with it.
             let mut l = LEDGER.lock();
             l.forget(&who);

@@ -199,12 +199,15 @@ pub struct Opened {
 /// and rebuild.
 fn check_owner(owner: &Identity, group: i64, how: &str) -> Result<(), String> {
     let pid = owner.pid;
+    // The options this process uses to import, checked now (an importer may never have
+    // allocated through memsaver, which checks them all).
+    crate::options::ipc_timeout()?;
+    let mine = group::try_fix()?;
     if *owner == identity::me() {
         return Err(format!(
             "{how}: this is memory of this very process (use the pointer itself)"
         ));
     }
-    let mine = group::fix();
     if group != mine {
         return Err(format!(
             "the memory belongs to process {pid} of group {group}, this process is in group \

@@ -10,7 +10,9 @@
 //!   process serves or imports;
 //! * [`identity`]: who a process is (pid, start time, nonce), whether it still runs, whether it
 //!   is in this pid namespace, and the socket name that spells its identity;
-//! * [`protocol`]: the wire (framed, typed, bounded, one deadline per frame);
+//! * [`frame`]: the frames on the wire (length prefix, fd passing, the size bound, one deadline
+//!   per frame);
+//! * [`protocol`]: the messages in the frames (typed, bounded, decoded strictly);
 //! * [`log`]: the rate-limited log of the threads that serve other processes;
 //! * [`deadline`]: talking to several peers at once under one deadline;
 //! * [`token`]: what an owner hands out instead of an exported buffer's fd;
@@ -30,6 +32,7 @@ pub mod client;
 pub mod control;
 pub mod deadline;
 pub mod exported;
+pub mod frame;
 pub mod group;
 pub mod handle;
 pub mod identity;

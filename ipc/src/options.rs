@@ -4,7 +4,9 @@
 //! An invalid value fails the first operation done for the application together with every
 //! other layer's (`memsaver_allocator::global`, through [`LAYER`] in
 //! `memsaver_allocator::OPTION_LAYERS`); what must answer a peer or a driver call uses the
-//! default meanwhile.
+//! default meanwhile. A process that only opens other processes' memory may never call
+//! `global`: its opens check the options they use here, at the first one ([`checked`],
+//! [`ipc_timeout`], [`crate::group::try_fix`]), and fail naming the variable.
 
 use std::path::PathBuf;
 
@@ -54,6 +56,19 @@ memsaver_allocator::declare_options! {
                pub ipc_timeout: std::time::Duration =
                    |ms| std::time::Duration::from_millis(ms as u64);
     }
+}
+
+/// The CUDA IPC deadline (`MEMSAVER_IPC_TIMEOUT_MS`), or the error naming the variable, its
+/// value and what it accepts when it is invalid: what waits on it for the application (an
+/// importer's open) calls this, never the default in its place.
+pub fn ipc_timeout() -> Result<std::time::Duration, String> {
+    timeout_of(get())
+}
+
+fn timeout_of(o: &Options) -> Result<std::time::Duration, String> {
+    o.check_one(&IPC_TIMEOUT_MS)
+        .map(|()| o.ipc_timeout)
+        .map_err(|e| e.to_string())
 }
 
 #[linkme::distributed_slice(memsaver_allocator::OPTION_LAYERS)]
@@ -142,11 +157,44 @@ mod tests {
         for (var, v, want) in cases {
             assert_eq!(&error(&[(var, v)]), want);
         }
+        for v in ["abc", "0", "-5", "86400001"] {
+            assert_eq!(
+                error(&[("MEMSAVER_IPC_TIMEOUT_MS", v)]),
+                format!(
+                    "MEMSAVER_IPC_TIMEOUT_MS='{v}': expected a whole number from 1 to 86400000 (ms)"
+                )
+            );
+        }
         let o = opts(&[("MEMSAVER_CONTROL", "x"), ("MEMSAVER_GROUP", "y")]);
         let e = o.check().unwrap_err().to_string();
         assert!(
             e.contains("MEMSAVER_CONTROL='x'") && e.contains("MEMSAVER_GROUP='y'"),
             "{e}"
+        );
+    }
+
+    /// The deadline an importer waits on is never an invalid variable's default in disguise:
+    /// the error names the variable, the value and what it accepts.
+    #[test]
+    fn an_invalid_ipc_timeout_is_an_error_not_the_default() {
+        for v in ["abc", "0", "-5"] {
+            let o = opts(&[("MEMSAVER_IPC_TIMEOUT_MS", v)]);
+            let e = timeout_of(&o).unwrap_err();
+            assert!(
+                e.contains(&format!(
+                    "MEMSAVER_IPC_TIMEOUT_MS='{v}': expected a whole number from 1 to 86400000 (ms)"
+                )),
+                "{e}"
+            );
+        }
+        let o = opts(&[
+            ("MEMSAVER_IPC_TIMEOUT_MS", "1500"),
+            ("MEMSAVER_GROUP", "7x"),
+        ]);
+        assert_eq!(timeout_of(&o), Ok(std::time::Duration::from_millis(1500)));
+        assert_eq!(
+            timeout_of(&opts(&[])),
+            Ok(std::time::Duration::from_secs(30))
         );
     }
 }

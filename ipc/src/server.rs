@@ -164,7 +164,7 @@ pub fn ensure_server() -> std::io::Result<()> {
     static STARTED: OnceLock<Result<(), String>> = OnceLock::new();
     STARTED
         .get_or_init(|| {
-            let group = group::fix();
+            let group = group::try_fix()?;
             let dir =
                 rundir::group_dir(&rundir::runtime_dir(), group).map_err(|e| e.to_string())?;
             let me = identity::me();

@@ -176,4 +176,65 @@ mod tests {
         let f = std::fs::File::open("/dev/null").unwrap();
         assert_eq!(read(f.as_raw_fd()), None);
     }
+
+    /// A memfd holding `text`, with `seals` added (none when 0).
+    fn memfd_with(text: &str, seals: libc::c_int) -> OwnedFd {
+        // SAFETY: NUL-terminated name; valid flags.
+        let fd = unsafe { libc::memfd_create(c"forged".as_ptr(), libc::MFD_ALLOW_SEALING) };
+        assert!(fd >= 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: a new fd we own.
+        let mut f = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        f.write_all(text.as_bytes()).unwrap();
+        let fd = OwnedFd::from(f);
+        if seals != 0 {
+            // SAFETY: a valid fd; F_ADD_SEALS takes an int.
+            let rc = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) };
+            assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+        }
+        fd
+    }
+
+    /// The text of a genuine token is not enough: an fd is a token only when it is sealed
+    /// exactly as `make` seals it (so its text can never change after the owner wrote it).
+    #[test]
+    fn the_text_of_a_token_without_its_seals_is_no_token() {
+        let t = Token::own(Names::Allocation, 2, 7, 0x1234_5678_9abc_def0, 1);
+        let genuine = make(t).unwrap();
+        let mut buf = [0u8; 256];
+        let n = std::os::unix::fs::FileExt::read_at(
+            &std::fs::File::from(genuine.try_clone().unwrap()),
+            &mut buf,
+            0,
+        )
+        .unwrap();
+        let text = String::from_utf8(buf[..n].to_vec()).unwrap();
+        assert!(
+            text.starts_with("memsaver-token-v4 allocation 2 "),
+            "{text}"
+        );
+        assert_eq!(read(genuine.as_raw_fd()), Some(t));
+        // The same bytes, sealed exactly as a token: taken.
+        assert_eq!(read(memfd_with(&text, SEALS).as_raw_fd()), Some(t));
+        // Unsealed: still writable by whoever holds it.
+        assert_eq!(read(memfd_with(&text, 0).as_raw_fd()), None);
+        // Each seal of the set missing (the sealing left open, or a write, shrink or grow
+        // still allowed), and one seal too many: all refused.
+        for seal in [
+            libc::F_SEAL_SEAL,
+            libc::F_SEAL_SHRINK,
+            libc::F_SEAL_GROW,
+            libc::F_SEAL_WRITE,
+        ] {
+            let fd = memfd_with(&text, SEALS & !seal);
+            assert_eq!(read(fd.as_raw_fd()), None, "without seal {seal:#x}");
+        }
+        let fd = memfd_with(&text, SEALS | libc::F_SEAL_FUTURE_WRITE);
+        assert_eq!(read(fd.as_raw_fd()), None, "with F_SEAL_FUTURE_WRITE");
+        // A file that is no memfd, holding the same text.
+        let dir = std::env::temp_dir().join(format!("memsaver-token-{}", std::process::id()));
+        std::fs::write(&dir, &text).unwrap();
+        let f = std::fs::File::open(&dir).unwrap();
+        let _ = std::fs::remove_file(&dir);
+        assert_eq!(read(f.as_raw_fd()), None, "a plain file");
+    }
 }

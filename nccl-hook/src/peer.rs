@@ -167,7 +167,7 @@ pub(crate) fn wait_importers(group: i64, deadline: Instant) -> BTreeMap<u32, Hol
                 .collect();
             live.sort_unstable();
             live.dedup();
-            live.retain(identity::is_running);
+            live.retain(|who| identity::is_running(who) && !client::gone(group, who));
             let mut holders = BTreeMap::<u32, Holding>::new();
             for p in &mut paused {
                 p.importers.retain(|who| live.binary_search(who).is_ok());

@@ -23,52 +23,62 @@ Errors are ``MemsaverError`` subclasses whose messages say what to do.
 from __future__ import annotations
 
 from importlib import metadata as _metadata
+from typing import TYPE_CHECKING
 
-# control first: importing it registers its stage runner with _core, to be installed once the
-# library is loaded, so it must be imported before anything can load the library.
-from . import control, timeline
-from ._api import (
-    allocations,
-    cuda_graph,
-    device_memory,
-    disable,
-    discard,
-    group,
-    hook_mode,
-    nccl_stats,
-    pause,
-    region,
-    register_tag,
-    resume,
-    retain_backups,
-    set_backup_prepare_limit,
-    set_disk_dir,
-    set_group,
-    set_memory_margin,
-    set_retain_backups,
-    stats,
-)
-from ._core import require_preload
-from ._launch import configure_subprocess, preload_path, ray_runtime_env, subprocess_env
-from ._memsaver import (
-    BackupError,
-    ControlError,
-    DriverError,
-    DriverNotLoadedError,
-    IncompleteError,
-    InvalidArgumentError,
-    MemsaverError,
-    OutOfMemoryError,
-    PeerError,
-    ProfileError,
-    ResumeOutOfMemoryError,
-    TagPausedError,
-    UnknownPointerError,
-    UnknownTagError,
-)
-from ._stats import Allocation, SharedExport, SharedImport, Stats, TagStats, Usage
-from .control import register_callback, serve_control
-from .profile import Profile, ProfileStepError, StageReport, StepReport, load_profile, parse_profile
+from . import _extension
+
+try:
+    # control first: importing it registers its stage runner with _core, to be installed once the
+    # library is loaded, so it must be imported before anything can load the library.
+    from . import control, timeline
+    from ._api import (
+        allocations,
+        cuda_graph,
+        device_memory,
+        disable,
+        discard,
+        group,
+        hook_mode,
+        nccl_stats,
+        pause,
+        region,
+        register_tag,
+        resume,
+        retain_backups,
+        set_backup_prepare_limit,
+        set_disk_dir,
+        set_group,
+        set_memory_margin,
+        set_retain_backups,
+        stats,
+    )
+    from ._core import require_preload
+    from ._launch import configure_subprocess, preload_path, ray_runtime_env, subprocess_env
+    from ._memsaver import (
+        BackupError,
+        ControlError,
+        DriverError,
+        DriverNotLoadedError,
+        IncompleteError,
+        InvalidArgumentError,
+        MemsaverError,
+        OutOfMemoryError,
+        PeerError,
+        ProfileError,
+        ResumeOutOfMemoryError,
+        TagPausedError,
+        UnknownPointerError,
+        UnknownTagError,
+    )
+    from ._stats import Allocation, SharedExport, SharedImport, Stats, TagStats, Usage
+    from .control import register_callback, serve_control
+    from .profile import Profile, ProfileStepError, StageReport, StepReport, load_profile, parse_profile
+except ImportError:
+    # The compiled extension is missing or does not load (see _extension): the package imports
+    # all the same, so that memsaver.vllm, which vLLM imports in each of its processes, can say so
+    # itself; every public name then raises the error that says what to install.
+    if _extension.ERROR is None:
+        raise
 
 __all__ = [
     # regions and pause/resume
@@ -133,7 +143,14 @@ __all__ = [
     "timeline",
 ]
 
-timeline._from_env()
+if _extension.ERROR is None:
+    timeline._from_env()
+elif not TYPE_CHECKING:  # (with the extension every public name is defined: none comes here)
+
+    def __getattr__(name: str) -> object:
+        if name.startswith("_"):
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        raise _extension.missing(f"memsaver.{name}") from _extension.ERROR
 
 
 def _version() -> str:

@@ -42,9 +42,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import _core, _memsaver, _torch
-from ._api import allocations, pause, register_tag, resume
-from ._memsaver import MemsaverError
+from . import _extension
+
+try:
+    from . import _core, _memsaver, _torch
+    from ._api import allocations, pause, register_tag, resume
+    from ._memsaver import MemsaverError
+except ImportError:
+    # Without the compiled extension this module still imports, so that register(), vLLM's entry
+    # point, says what is missing instead of vLLM's plugin loader logging an import error and
+    # running without memsaver; nothing else here works then.
+    if _extension.ERROR is None:
+        raise
 
 #: The environment variable that opts vLLM's processes in (``1``) or out (``0``, unset).
 ENV = "MEMSAVER_VLLM"
@@ -368,11 +377,20 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point, run by vLLM in each of its processes.
     Registers the sleep-mode backend name ``memsaver`` (lazily: nothing is imported or loaded
     for it), and, opted in (``MEMSAVER_VLLM=1``), installs memsaver's allocator. Without the
-    variable, a configuration that names the backend opts the engine's processes in."""
+    variable, a configuration that names the backend opts the engine's processes in.
+
+    Where memsaver's compiled extension does not import, opting in (``MEMSAVER_VLLM`` set to
+    anything but ``0``) raises the ``ImportError`` that says so and how to install memsaver, and
+    the backend's name, registered all the same, raises it when vLLM makes the backend."""
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
     if BACKEND not in SleepModeBackendFactory._registry:
         SleepModeBackendFactory.register_backend(BACKEND, __name__, "MemsaverBackend")
+    if _extension.ERROR is not None:
+        value = os.environ.get(ENV, "").strip()
+        if value.lower() not in ("", "0", "false"):
+            raise _no_extension(f"{ENV}={value}", f"unset {ENV}") from _extension.ERROR
+        return
     if opted_in():
         install()
         _let_nccl_use_cumem()
@@ -421,6 +439,15 @@ def _opt_in_by_backend_name() -> None:
     EngineArgs.create_engine_config = create_engine_config
 
 
+def _no_extension(asked_by: str, instead: str) -> ImportError:
+    """The error of a process asked (by ``asked_by``) to run vLLM's sleep mode on memsaver where
+    memsaver's extension does not import; ``instead`` is how to run without memsaver."""
+    return _extension.missing(
+        f"memsaver.vllm: vLLM's sleep mode was asked to run on memsaver ({asked_by}) in process "
+        f"{os.getpid()}, but memsaver cannot run here ({instead} to run vLLM without it)"
+    )
+
+
 _backend_class: Any = None
 
 
@@ -430,6 +457,10 @@ def __getattr__(name: str) -> Any:
     global _backend_class
     if name != "MemsaverBackend":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if _extension.ERROR is not None:
+        raise _no_extension(
+            f"--sleep-mode-backend {BACKEND}", "choose another --sleep-mode-backend"
+        ) from _extension.ERROR
     if _backend_class is None:
         _backend_class = _make_backend_class()
     return _backend_class

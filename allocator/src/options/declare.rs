@@ -75,8 +75,9 @@ pub type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 /// Declares one layer's options from one list. In the calling module it defines, for each
 /// entry, the [`OptionDoc`] constant `NAME`; the struct of the typed fields, with `errors` (one
 /// message per invalid variable), `Default` (no variable set), `from_env`, `from_lookup` and
-/// `check` (the error of the first operation while `errors` is not empty); `get` (the options
-/// of this process, read once);
+/// `check` (the error of the first operation while `errors` is not empty) and `check_one` (the
+/// same for one entry); `get` (the options of this process, read once) and `checked` (`get`
+/// once `check` passes);
 /// `OPTIONS` (the entries, in order); `validate`; and `LAYER`, the [`Layer`] for the registry.
 ///
 /// ```text
@@ -228,6 +229,26 @@ macro_rules! declare_options {
             pub fn check(&self) -> $crate::Result<()> {
                 $crate::options::check_messages(&self.errors)
             }
+
+            /// [`check`](Self::check) for `option` alone: the error names its variable (or
+            /// alias), the value and what it accepts when that one is invalid, whatever the
+            /// others are.
+            #[allow(dead_code)]
+            pub fn check_one(&self, option: &$crate::options::OptionDoc) -> $crate::Result<()> {
+                $crate::options::check_messages(
+                    self.errors.iter().filter(|e| option.is_named_by(e)),
+                )
+            }
+        }
+
+        /// The options of this process ([`get`]) once every variable of this list is valid,
+        /// else the error of `check`: what acts for the application without
+        /// `memsaver_allocator::global` (a process that only opens other processes' memory)
+        /// checks here, at the first call that uses the options.
+        #[allow(dead_code)]
+        pub fn checked() -> $crate::Result<&'static $Options> {
+            let o = get();
+            o.check().map(|()| o)
         }
 
         /// The options of this process, read from the environment once (on first use).
@@ -621,6 +642,16 @@ impl OptionDoc {
         format!("{var}='{value}': expected {}", self.kind.accepted())
     }
 
+    /// Whether `message` is the one [`invalid`](Self::invalid) makes for this option's
+    /// variable or one of its aliases.
+    pub fn is_named_by(&self, message: &str) -> bool {
+        std::iter::once(&self.env).chain(self.aliases).any(|var| {
+            message
+                .strip_prefix(var)
+                .is_some_and(|rest| rest.starts_with("='"))
+        })
+    }
+
     /// Checks `value` of `var` against the kind.
     pub fn check(&self, var: &str, value: &str) -> std::result::Result<(), String> {
         self.value(var, value).map(drop)
@@ -903,6 +934,32 @@ mod tests {
             assert_eq!(s.filter, "warn");
             let v = validate(&lookup(&[("SAMPLE_LOG", "a=b=c")]));
             assert!(v.len() == 1 && v[0].starts_with("SAMPLE_LOG='a=b=c': expected error"));
+        }
+
+        #[test]
+        fn one_entry_is_checked_alone_by_its_variable_or_alias() {
+            let s = sample(&[("OLDER_LEVEL", "7x"), ("SAMPLE_WAIT_MS", "0")]);
+            assert_eq!(s.errors.len(), 2);
+            let e = s.check_one(&LEVEL).unwrap_err().to_string();
+            assert!(
+                e.contains(
+                    "invalid memsaver option: OLDER_LEVEL='7x': expected a whole number from -5 to 5"
+                ) && !e.contains("SAMPLE_WAIT_MS"),
+                "{e}"
+            );
+            let e = s.check_one(&WAIT_MS).unwrap_err().to_string();
+            assert!(
+                e.contains("SAMPLE_WAIT_MS='0': expected a whole number from 1 to 10 (ms)")
+                    && !e.contains("LEVEL"),
+                "{e}"
+            );
+            assert!(s.check_one(&SWITCH).is_ok() && s.check_one(&COLOR).is_ok());
+            // A variable whose name begins with another's is not that one.
+            assert!(!SWITCH.is_named_by("SAMPLE_SWITCHES='x': expected 0 or 1"));
+            assert!(SWITCH.is_named_by("SAMPLE_SWITCH='x': expected 0 or 1"));
+            // A rule of `finish` names no single entry's value.
+            let s = sample(&[("SAMPLE_LEVEL", "5"), ("SAMPLE_SWITCH", "0")]);
+            assert!(s.check_one(&LEVEL).is_ok() && s.check().is_err());
         }
 
         #[test]

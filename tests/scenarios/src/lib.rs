@@ -1,8 +1,11 @@
 //! Pieces shared by the scenario programs (`src/bin/`) that drive the fake libnccl.so.2.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
+use std::io::{BufRead, BufReader, Read};
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
 pub mod wire;
 
@@ -208,4 +211,109 @@ pub fn open_fake_libs(nccl: &str, cuda: &str) -> (*mut c_void, *mut c_void) {
         "cannot open the fake libraries"
     );
     (hn, hc)
+}
+
+/// How long a test waits for a scenario program's answer to one command: generous, since the
+/// outcome, not the time, is what is checked; a program that is stuck fails the test then,
+/// instead of blocking it.
+pub const ANSWER_WAIT: Duration = Duration::from_secs(60);
+
+/// One line from `reader` (a scenario program's stdout) by `deadline`, with its newline:
+/// `Ok("")` at the end of the stream (the program exited), a `TimedOut` error when no whole
+/// line came by then (what did come stays with the caller's error, not in the reader).
+pub fn read_line_within<R: Read + AsFd>(
+    reader: &mut BufReader<R>,
+    deadline: Instant,
+) -> std::io::Result<String> {
+    use std::os::fd::AsRawFd;
+    let mut line = Vec::new();
+    loop {
+        let buffered = reader.buffer();
+        if let Some(i) = buffered.iter().position(|&b| b == b'\n') {
+            line.extend_from_slice(&buffered[..=i]);
+            reader.consume(i + 1);
+            return Ok(String::from_utf8_lossy(&line).into_owned());
+        }
+        line.extend_from_slice(buffered);
+        let n = buffered.len();
+        reader.consume(n);
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut pfd = libc::pollfd {
+            fd: reader.get_ref().as_fd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // Rounded up: a wait of 0 ms before the deadline would spin.
+        let ms = libc::c_int::try_from(left.as_millis() + 1).unwrap_or(libc::c_int::MAX);
+        // SAFETY: one valid pollfd; the fd stays open (borrowed from the reader) meanwhile.
+        let ready = match unsafe { libc::poll(&mut pfd, 1, ms) } {
+            n if n > 0 => true,
+            0 => false,
+            _ => match std::io::Error::last_os_error() {
+                e if e.kind() == std::io::ErrorKind::Interrupted => false,
+                e => return Err(e),
+            },
+        };
+        if !ready {
+            if Instant::now() >= deadline {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "no whole line within the time given (got {:?})",
+                        String::from_utf8_lossy(&line)
+                    ),
+                ));
+            }
+            continue;
+        }
+        // Readable (or closed): one read, which does not block.
+        if reader.fill_buf()?.is_empty() {
+            return Ok(String::from_utf8_lossy(&line).into_owned());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn a_line_comes_whole_in_pieces_and_a_silent_writer_times_out() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut r = BufReader::new(b);
+        let soon = || Instant::now() + Duration::from_secs(10);
+        (&a).write_all(b"ok 1\nok").unwrap();
+        assert_eq!(read_line_within(&mut r, soon()).unwrap(), "ok 1\n");
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            (&a).write_all(b" 2\npartial").unwrap();
+            a
+        });
+        assert_eq!(read_line_within(&mut r, soon()).unwrap(), "ok 2\n");
+        let a = writer.join().unwrap();
+        // A line that never ends: the deadline, not a blocked test (the read runs on a thread
+        // this test gives 10 s).
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            let t = Instant::now();
+            let e = read_line_within(&mut r, t + Duration::from_millis(200));
+            let _ = tx.send((e.map_err(|e| (e.kind(), e.to_string())), t.elapsed()));
+            r
+        });
+        let (e, took) = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a read past its deadline returns");
+        let (kind, text) = e.unwrap_err();
+        assert_eq!(kind, std::io::ErrorKind::TimedOut);
+        assert!(text.contains("\"partial\""), "{text}");
+        assert!(took >= Duration::from_millis(200), "{took:?}");
+        let mut r = reader.join().unwrap();
+        drop(a);
+        assert_eq!(
+            read_line_within(&mut r, soon()).unwrap(),
+            "",
+            "the end of the stream"
+        );
+    }
 }

@@ -5,11 +5,11 @@
 //! state directory): `used` is what every process holds together, and physical memory is freed
 //! only once no process maps, holds or exports it.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use memsaver_scenarios::{cuda_lib, preload_lib, tempdir};
+use memsaver_scenarios::{ANSWER_WAIT, cuda_lib, preload_lib, read_line_within, tempdir};
 
 mod common;
 
@@ -102,8 +102,14 @@ impl Proc {
 
     /// The answer to the command `line` sent before.
     fn answer(&mut self, line: &str) -> Result<String, String> {
-        let mut answer = String::new();
-        self.stdout.read_line(&mut answer).unwrap();
+        let answer = read_line_within(&mut self.stdout, Instant::now() + ANSWER_WAIT)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "`{line}`: process {} did not answer within {} s: {e}",
+                    self.child.id(),
+                    ANSWER_WAIT.as_secs()
+                )
+            });
         let answer = answer.trim_end();
         if let Some(rest) = answer.strip_prefix("ok") {
             Ok(rest.trim().to_owned())
@@ -510,6 +516,21 @@ fn an_importer_whose_pid_was_reused_is_another_importer() {
     o.cmd("write own 2");
     second.cmd("check imp 2");
     assert_eq!(shared_stats(&mut o)["exports"]["weights"]["importers"], 1);
+}
+
+#[test]
+fn an_importer_with_a_bad_option_is_told_which_one() {
+    let dirs = Dirs::new();
+    let (_o, h) = owner(&dirs, &[]);
+    let mut r = Proc::start(&dirs, "1", &[("MEMSAVER_IPC_TIMEOUT_MS", "abc")]);
+    let e = r.try_cmd(&format!("open {h}")).unwrap_err();
+    assert!(e.contains("MEMSAVER_IPC_TIMEOUT_MS='abc'"), "{e}");
+    let mut r = Proc::start(&dirs, "7x", &[]);
+    let e = r.try_cmd(&format!("open {h}")).unwrap_err();
+    assert!(
+        e.contains("MEMSAVER_GROUP='7x'") && !e.contains("group 0"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -5,12 +5,14 @@
 #![allow(dead_code)] // each test file uses part of it
 
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use memsaver_scenarios::{cuda_lib, fake_nccl, preload_lib, tempdir};
+use memsaver_scenarios::{
+    ANSWER_WAIT, cuda_lib, fake_nccl, preload_lib, read_line_within, tempdir,
+};
 
 pub const MIB: u64 = 1 << 20;
 
@@ -62,7 +64,8 @@ pub struct RankProc {
     /// The rank's process (`None` when it runs under a launcher: see [`Job::start_in_pid_namespace`]).
     pub child: Option<Child>,
     stdin: Box<dyn Write + Send>,
-    stdout: BufReader<Box<dyn Read + Send>>,
+    /// A pipe or a FIFO: read with a deadline ([`read_line_within`]).
+    stdout: BufReader<std::fs::File>,
     /// Killed (reaped or not): no more commands.
     gone: bool,
 }
@@ -74,6 +77,8 @@ pub struct Job {
     rendezvous: PathBuf,
     /// The launcher of ranks started in their own pid namespace.
     launcher: Option<Child>,
+    /// How long [`Job::on`] waits for the answers to one command ([`ANSWER_WAIT`]).
+    pub answer_wait: Duration,
 }
 
 /// A new rendezvous directory and the command line of each of the job's `world` ranks.
@@ -190,7 +195,9 @@ impl Job {
                     .spawn()
                     .unwrap();
                 let stdin = Box::new(child.stdin.take().unwrap());
-                let stdout = BufReader::new(Box::new(child.stdout.take().unwrap()) as Box<_>);
+                let stdout = child.stdout.take().unwrap();
+                let stdout =
+                    BufReader::new(std::fs::File::from(std::os::fd::OwnedFd::from(stdout)));
                 RankProc {
                     child: Some(child),
                     stdin,
@@ -203,6 +210,7 @@ impl Job {
             ranks,
             rendezvous,
             launcher: None,
+            answer_wait: ANSWER_WAIT,
         }
     }
 
@@ -245,6 +253,9 @@ impl Job {
                 "--map-root-user",
                 "--pid",
                 "--fork",
+                // The namespace's init dies with the launcher, and every rank with it: a test
+                // that fails kills the launcher (see the Drop of Job).
+                "--kill-child",
                 "--mount-proc",
                 "sh",
                 "-c",
@@ -269,7 +280,7 @@ impl Job {
                 RankProc {
                     child: None,
                     stdin: Box::new(stdin),
-                    stdout: BufReader::new(Box::new(stdout) as Box<_>),
+                    stdout: BufReader::new(stdout),
                     gone: false,
                 }
             })
@@ -278,6 +289,7 @@ impl Job {
             ranks,
             rendezvous,
             launcher: Some(launcher),
+            answer_wait: ANSWER_WAIT,
         }
     }
 
@@ -346,21 +358,41 @@ impl Job {
         }
     }
 
-    /// Sends `cmd` to the given ranks at once, then reads their answers.
+    /// Sends `cmd` to the given ranks at once, then reads their answers, all within
+    /// [`Job::answer_wait`]: a rank that exits or does not answer by then fails the test, naming
+    /// the command and the rank (the job's drop then kills every rank).
     pub fn on(&mut self, which: &[usize], cmd: &str) -> Vec<String> {
         for &r in which {
             writeln!(self.ranks[r].stdin, "{cmd}").unwrap();
             self.ranks[r].stdin.flush().unwrap();
         }
+        let deadline = Instant::now() + self.answer_wait;
         which
             .iter()
             .map(|&r| {
-                let mut line = String::new();
-                self.ranks[r].stdout.read_line(&mut line).unwrap();
-                assert!(!line.is_empty(), "rank {r} exited during {cmd:?}");
+                let line =
+                    read_line_within(&mut self.ranks[r].stdout, deadline).unwrap_or_else(|e| {
+                        panic!(
+                            "{} did not answer {cmd:?} within {:?}: {e}",
+                            self.who(r),
+                            self.answer_wait
+                        )
+                    });
+                assert!(!line.is_empty(), "{} exited during {cmd:?}", self.who(r));
                 line.trim().to_owned()
             })
             .collect()
+    }
+
+    /// Rank `r` and its process, for messages.
+    fn who(&self, r: usize) -> String {
+        match &self.ranks[r].child {
+            Some(c) => format!("rank {r} (pid {})", c.id()),
+            None => format!(
+                "rank {r} (in the pid namespace of launcher {:?})",
+                self.launcher.as_ref().map(Child::id)
+            ),
+        }
     }
 
     /// Sends `cmd` to rank `r` and returns its answer.
@@ -457,6 +489,11 @@ impl Drop for Job {
         }
         self.ranks.clear(); // closes the FIFOs: ranks under a launcher see EOF and exit
         if let Some(l) = self.launcher.as_mut() {
+            // A failed test may leave a rank stuck, which would never see its EOF: then the
+            // launcher is killed, and with it the namespace (`--kill-child`).
+            if std::thread::panicking() {
+                let _ = l.kill();
+            }
             let _ = l.wait();
         }
         let _ = std::fs::remove_dir_all(&self.rendezvous);
