@@ -695,6 +695,9 @@ pub struct ExportStats {
     /// Bytes of this tag's paused exports that some importer still maps (its pause did not
     /// free them).
     pub held_while_paused: u64,
+    /// Imports of this tag's exports that do not hold what the owner's state says (not yet
+    /// released, or not yet mapped again): their importers' couriers are still at work.
+    pub imports_behind: u64,
 }
 
 /// This process's exports, per tag (allocations freed since are forgotten here).
@@ -706,6 +709,7 @@ pub fn exports() -> BTreeMap<String, ExportStats> {
         s.handles += 1;
         s.bytes += e.size;
         s.importers += e.importers.len() as u64;
+        s.imports_behind += e.importers.values().filter(|i| i.has != e.wanted()).count() as u64;
         if e.memory == Memory::Paused
             && e.importers
                 .values()

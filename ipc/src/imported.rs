@@ -180,7 +180,7 @@ pub trait Holder: Sync {
     fn imports(&self) -> Vec<ImportStats>;
 }
 
-/// The registered [`Holder`]s (nccl-hook's).
+/// The registered [`Holder`]s (linked in by the layers above).
 #[linkme::distributed_slice]
 pub static HOLDERS: [&'static dyn Holder];
 
@@ -227,7 +227,7 @@ pub fn open_for_holder(t: &Token) -> Result<Opened, String> {
         return Err("not a token of a memsaver allocation".into());
     }
     let owner = t.owner();
-    check_owner(&owner, t.group, "an import of NCCL")?;
+    check_owner(&owner, t.group, "an import of a token")?;
     let want = Buffer {
         id: t.buffer,
         key: t.key,

@@ -1,8 +1,8 @@
 //! Tokens: what an owner hands out instead of an exported buffer's fd, so that the owner
 //! learns who imports what.
 //!
-//! An exported fd does not say which buffer it is. So when the layer that exports a buffer
-//! (nccl-hook, for NCCL's buffers) would hand out an fd, it hands out a **token** instead: a
+//! An exported fd does not say which buffer it is. So when a layer that exports a buffer
+//! (nccl-hook, for NCCL's buffers and the allocations NCCL registers) would hand out an fd, it hands out a **token** instead: a
 //! sealed memfd holding (group, owner identity, buffer id, key, generation). The importer's
 //! layer recognises the token ([`read`]: a memfd with exactly these seals and the magic) and
 //! trades it for the real fd with the owner's server ([`crate::client::import`]). So the owner
@@ -11,40 +11,41 @@
 //! ([`crate::identity::new_key`]): the owner hands out the buffer's fd only to a request that
 //! carries it, so only a process that was given the token can get the memory.
 //!
-//! A token names one of two things ([`Names`]): a buffer NCCL created (nccl-hook's, by virtual
-//! handle, served by [`crate::server::Service::Buffers`]), or an allocation of the memsaver
-//! allocator that NCCL registered (by allocation id, served by [`crate::shared`] like a CUDA IPC
-//! handle of it: its imports follow the owner's tag).
+//! A token names one of two things ([`Names`]): a buffer of a layer above, by that layer's id
+//! (served by [`crate::server::Service::Buffers`]), or an allocation of the memsaver allocator
+//! (by allocation id, served by the owner's ledger, [`crate::shared`], like a CUDA IPC handle of
+//! it: its imports follow the owner's tag).
 
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use crate::identity::{self, Identity};
 
-const MAGIC: &[u8] = b"memsaver-token-v4";
+const MAGIC: &[u8] = b"memsaver-token-v5";
 const SEALS: libc::c_int =
     libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
 
 /// What kind of memory a token names, and so which service of the owner serves it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Names {
-    /// A buffer NCCL created, by its virtual handle ([`crate::server::Service::Buffers`]).
-    NcclBuffer,
-    /// An allocation of the owner's allocator (a tagged tensor NCCL registered), by its id
-    /// ([`crate::shared`]).
+    /// A buffer a layer above exports by its own id (nccl-hook: a buffer NCCL created, by its
+    /// virtual handle), served by that layer ([`crate::server::Service::Buffers`]).
+    Buffer,
+    /// An allocation of the owner's allocator (a tagged tensor, registered by NCCL for example),
+    /// by its id, served by the owner's ledger ([`crate::shared`]).
     Allocation,
 }
 
 impl Names {
     fn word(self) -> &'static str {
         match self {
-            Names::NcclBuffer => "nccl",
+            Names::Buffer => "buffer",
             Names::Allocation => "allocation",
         }
     }
 
     fn parse(w: &str) -> Option<Self> {
-        [Names::NcclBuffer, Names::Allocation]
+        [Names::Buffer, Names::Allocation]
             .into_iter()
             .find(|n| n.word() == w)
     }
@@ -161,7 +162,7 @@ mod tests {
 
     #[test]
     fn tokens_round_trip_and_reject_extra_fields() {
-        for names in [Names::NcclBuffer, Names::Allocation] {
+        for names in [Names::Buffer, Names::Allocation] {
             let t = Token::own(
                 names,
                 -3,
@@ -209,7 +210,7 @@ mod tests {
         .unwrap();
         let text = String::from_utf8(buf[..n].to_vec()).unwrap();
         assert!(
-            text.starts_with("memsaver-token-v4 allocation 2 "),
+            text.starts_with("memsaver-token-v5 allocation 2 "),
             "{text}"
         );
         assert_eq!(read(genuine.as_raw_fd()), Some(t));

@@ -462,7 +462,7 @@ unsafe extern "C" fn mem_export(
         let made = server::ensure_server()
             .and_then(|()| p.key.map_or_else(identity::new_key, Ok))
             .and_then(|key| {
-                let token = Token::own(Names::NcclBuffer, group::id(), handle, key, p.generation);
+                let token = Token::own(Names::Buffer, group::id(), handle, key, p.generation);
                 Ok((key, token::make(token)?))
             });
         match made {

@@ -64,12 +64,14 @@ class SharedExport:
     """One tag's memory this process gave CUDA IPC handles of: ``handles`` allocations shared,
     ``bytes`` their size, ``importers`` the processes that have them open now, and
     ``held_while_paused`` the bytes of them that are paused here but still mapped by some
-    importer that did not let go (so not free on the device)."""
+    importer that did not let go (so not free on the device), ``imports_behind`` the imports
+    not yet released or mapped again as this process's last pause or resume asked."""
 
     handles: int
     bytes: int
     importers: int
     held_while_paused: int = 0
+    imports_behind: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,7 @@ def parse(text: str) -> Stats:
                 int(v["bytes"]),
                 int(v["importers"]),
                 int(v.get("held_while_paused", 0)),
+                int(v.get("imports_behind", 0)),
             )
             for k, v in doc.get("shared", {}).get("exports", {}).items()
         },
