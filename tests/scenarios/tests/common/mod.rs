@@ -362,10 +362,20 @@ impl Job {
     /// [`Job::answer_wait`]: a rank that exits or does not answer by then fails the test, naming
     /// the command and the rank (the job's drop then kills every rank).
     pub fn on(&mut self, which: &[usize], cmd: &str) -> Vec<String> {
+        self.send(which, cmd);
+        self.answers(which, cmd)
+    }
+
+    /// Sends `cmd` to the given ranks without reading their answers ([`Job::answers`]).
+    pub fn send(&mut self, which: &[usize], cmd: &str) {
         for &r in which {
             writeln!(self.ranks[r].stdin, "{cmd}").unwrap();
             self.ranks[r].stdin.flush().unwrap();
         }
+    }
+
+    /// The answers of the given ranks to `cmd`, sent before, as [`Job::on`] reads them.
+    pub fn answers(&mut self, which: &[usize], cmd: &str) -> Vec<String> {
         let deadline = Instant::now() + self.answer_wait;
         which
             .iter()
