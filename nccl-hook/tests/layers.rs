@@ -17,6 +17,10 @@ fn nccl_hook_has_no_import_cycle() {
         g.contains_key("vmm") && g["vmm"].contains("registry"),
         "{g:?}"
     );
+    assert!(
+        g["vmm"].contains("tokens") && !reach(&g, "tokens").contains("vmm"),
+        "the wrappers use the tokens, never the other way round: {g:#?}"
+    );
     assert_eq!(cycles(&g), Vec::<String>::new(), "{g:#?}");
 }
 
@@ -28,6 +32,7 @@ fn interposition_depends_on_nothing_above_it() {
         "interpose",
         "procaddr",
         "vmm",
+        "tokens",
         "graphs",
         "guard",
         "amem",
