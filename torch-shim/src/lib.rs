@@ -618,6 +618,24 @@ pub unsafe extern "C" fn memsaver_cli_main(argc: c_int, argv: *const *const c_ch
     })
 }
 
+/// Writes the core's commands of the `memsaver` command line and their flags, the ones
+/// `memsaver_cli_main` runs, as JSON into `buf`, with the protocol of [`memsaver_stats_json`]:
+/// {"commands": [{"name", "help", "flags": [{"name", "value", "default", "help"}]}]}, where
+/// `value` (the metavar) and `default` are null for a flag that takes no value. The Python
+/// command builds its parsers for these commands from it.
+///
+/// # Safety
+/// As [`memsaver_stats_json`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_cli_spec_json(
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe { write_json(buf, len, needed, || Ok(cli::spec_json())) }
+}
+
 /// Writes the path of the runtime directory (where processes coordinating the `nccl` tag put
 /// their sockets: `MEMSAVER_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/memsaver`, else
 /// `/tmp/memsaver-<uid>`) into `buf`, with the protocol of [`memsaver_stats_json`]. It
