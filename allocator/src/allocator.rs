@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 
-use crate::backup::{Backup, BackupKind, HostBuffer};
+use crate::backup::{Backup, BackupKind};
 use crate::device::Device;
 use crate::driver::{Driver, Handle};
 use crate::error::{Error, Result};
@@ -14,7 +14,9 @@ use crate::external::ExternalTag;
 use crate::options::Options;
 use crate::prepare::Preparer;
 use crate::private_dir::Dir;
+use crate::sharing::Sharing;
 use crate::stats::Stats;
+use crate::steps::{Op, Plan, Steps};
 use crate::table::{Allocation, Backing, Phase, Run, Table};
 use crate::types::{Policy, State};
 
@@ -70,7 +72,7 @@ pub struct Allocator {
     pub(crate) preparer: Arc<Preparer>,
     /// The layer that shares allocations with other processes, if one registered
     /// (`sharing.rs`).
-    pub(crate) sharing: std::sync::OnceLock<Arc<dyn crate::sharing::Sharing>>,
+    pub(crate) sharing: std::sync::OnceLock<Arc<dyn Sharing>>,
 }
 
 /// The settings a transition reads, started from the options and changed through the setters
@@ -371,7 +373,7 @@ impl Allocator {
             Error::InvalidArgument(format!(
                 "cannot allocate {size} bytes: the size rounded up to the {} granularity does \
                  not fit in the address space",
-                crate::types::human_bytes(dev.granularity as u64)
+                crate::units::human_bytes(dev.granularity as u64)
             ))
         })?;
         let d = &self.driver;
@@ -659,37 +661,41 @@ impl Allocator {
             .with_context(dev.ctx, || self.driver.mem_info())?)
     }
 
-    /// A host backup of `len` bytes for the `cpu` (pinned) or `mmap` piece `key`: the buffer
-    /// prepared for it if there is one and it is large enough, else a fresh one.
-    pub(crate) fn host_backup(
-        &self,
-        key: u64,
-        dev: &Device,
-        policy: Policy,
-        len: usize,
-    ) -> Result<Backup> {
-        if policy == Policy::Cpu
-            && let Some(buf) = self.preparer.take(key)
-            && buf.len() >= len
-        {
-            return Ok(Backup::Host(buf));
-        }
-        let buf = match policy {
-            Policy::Mmap => HostBuffer::mmap(len).map_err(|e| {
-                Error::Backup(format!(
-                    "cannot map {} of pageable host memory: {e}",
-                    crate::types::human_bytes(len as u64)
-                ))
-            })?,
-            _ => HostBuffer::new(&self.driver, dev.ctx, len)?,
-        };
-        Ok(Backup::Host(buf))
+    pub(crate) fn release_handle_logged(&self, h: Handle, ptr: u64) {
+        crate::steps::release_logged(&self.driver, h, ptr);
     }
 
-    pub(crate) fn release_handle_logged(&self, h: Handle, ptr: u64) {
-        if let Err(e) = self.driver.release(h) {
-            tracing::error!(ptr = format_args!("{ptr:#x}"), error = %e, "cuMemRelease failed; physical memory may leak");
-        }
+    /// The steps of one pause or resume (`steps.rs`), with the settings in force now.
+    pub fn steps(&self, op: Op) -> Steps<'_> {
+        let plan = match op {
+            Op::Pause => Plan {
+                retain: true,
+                margin: 0,
+                merge_limit: 0,
+                disk_dir: self.disk_dir_held(),
+                disk_chunk: self.disk_chunk(),
+            },
+            Op::Resume => Plan {
+                retain: self.resume_keeps_backups(),
+                margin: self.memory_margin(),
+                merge_limit: self.merge_limit(),
+                disk_dir: Err(Error::InvalidArgument(
+                    "resume writes no disk backup".into(),
+                )),
+                disk_chunk: self.disk_chunk(),
+            },
+        };
+        Steps::new(&self.driver, &self.preparer, plan)
+    }
+
+    /// Registers the sharing layer (once; a second call is ignored).
+    pub fn set_sharing(&self, s: Arc<dyn Sharing>) {
+        let _ = self.sharing.set(s);
+    }
+
+    /// The sharing layer, if one registered (`sharing.rs`).
+    pub(crate) fn sharing(&self) -> Option<&Arc<dyn Sharing>> {
+        self.sharing.get()
     }
 }
 

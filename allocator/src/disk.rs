@@ -45,7 +45,7 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::error::{Error, Result};
 use crate::private_dir::{Dir, Found, Ownership, euid, file_id, is_symlink_at, make_dir_at};
 use crate::process::{self, Identity};
-use crate::types::human_bytes;
+use crate::units::human_bytes;
 
 /// Permission bits a disk backup directory must not have: others could add, replace or
 /// remove files in it.

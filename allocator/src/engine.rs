@@ -19,34 +19,10 @@ use crate::allocator::Allocator;
 use crate::backup::{Backup, BackupKind};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::external::ExternalTag;
+use crate::external::{ExternalTag, Report};
 use crate::steps::{Memory, Op, Piece, Place, Plan, Steps, is_out_of_memory, oom_error};
 use crate::table::{Allocation, Backing, Phase, Run, Table};
 use crate::types::Policy;
-
-/// What one pause or resume did.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Report {
-    /// Tags the call applied to.
-    pub tags: Vec<String>,
-    /// Allocations that changed state.
-    pub allocations: usize,
-    /// Device bytes released (pause) or mapped again (resume).
-    pub bytes: u64,
-    /// Of those, bytes copied to or from backups (host memory or disk).
-    pub copied_bytes: u64,
-    pub elapsed: Duration,
-}
-
-impl Report {
-    /// Adds the figures of another part of the same call.
-    pub fn merge(&mut self, other: Report) {
-        self.tags.extend(other.tags);
-        self.allocations += other.allocations;
-        self.bytes += other.bytes;
-        self.copied_bytes += other.copied_bytes;
-    }
-}
 
 /// One claimed allocation: its piece of memory (key: the allocation's id; backed up whole)
 /// and what the transition did to it.

@@ -1,7 +1,7 @@
 //! The allocator's error type. Every message says what went wrong and what to do about it.
 
 use crate::driver::{DriverError, LoadError};
-use crate::types::human_bytes;
+use crate::units::human_bytes;
 
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum Error {

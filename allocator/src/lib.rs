@@ -20,8 +20,15 @@
 //!   the disk backups here and the sockets of `memsaver_ipc`.
 //! * `start`: the process-wide allocator ([`global`], [`start_global`], [`global_if_started`]),
 //!   the start hooks that the layers above add ([`START_HOOKS`]), and [`init_logging`];
-//!   `sharing`: allocations shared with other processes, and [`Sharing`], the interface through
-//!   which the layer that shares them hears of pauses and resumes.
+//!   `sharing`: [`Sharing`], the interface through which the layer that shares allocations
+//!   with other processes hears of pauses and resumes, and its value types; `export`: the
+//!   allocator's methods that mark an allocation shared and export its memory.
+//! * `units`: byte counts for people ([`human_bytes`]).
+//!
+//! No module imports one that imports it back (`tests/layers.rs` checks): `allocator` holds
+//! the [`Allocator`] and its everyday methods and imports what they need (`steps`, `sharing`,
+//! `external`, `table`, ...); `engine` and `export` add its other methods from above; nothing
+//! below names `Allocator`.
 
 pub mod driver;
 pub mod options;
@@ -36,20 +43,22 @@ mod device;
 mod disk;
 mod engine;
 mod error;
+mod export;
 mod external;
 mod prepare;
 mod sharing;
 mod start;
 pub mod steps;
 mod table;
+mod units;
 
 pub use allocator::{AllocationInfo, Allocator, validate_tag};
 pub use backup::{Backup, BackupKind};
 pub use device::Device;
 pub use disk::{BackupFile, DiskBackups, disk_backups};
-pub use engine::Report;
 pub use error::{Error, Result};
 pub use external::ExternalTag;
+pub use external::Report;
 pub use options::Options;
 pub use sharing::{ExportedMemory, SharedAllocation, Sharing};
 pub use start::{
@@ -57,4 +66,5 @@ pub use start::{
     init_logging, start_global,
 };
 pub use stats::{DeviceUsage, Stats, TagStats, Usage};
-pub use types::{Policy, State, human_bytes};
+pub use types::{Policy, State};
+pub use units::human_bytes;

@@ -16,18 +16,24 @@
 //! read once per transition ([`Plan`]); backups come from the same place for every tag (the
 //! buffer prepared in the background for the piece's key, else a new one of the piece's
 //! policy).
+//!
+//! The steps see of the allocator only what they need: the driver, the prepared backups and
+//! the [`Plan`] (`Steps::new`, called by `Allocator::steps`). They never name `Allocator`,
+//! so the modules that add its methods (`allocator.rs`, `engine.rs`) import this one and not
+//! the other way round.
 
 use std::sync::Arc;
 
-use crate::allocator::Allocator;
 use crate::backup::{Backup, BackupKind, HostBuffer};
 use crate::device::Device;
 use crate::disk::DiskFile;
 use crate::driver::sys::{CUmemAccessDesc, CUmemAllocationProp};
-use crate::driver::{DriverError, Event, Handle};
+use crate::driver::{Driver, DriverError, Event, Handle};
 use crate::error::{Error, Result};
+use crate::prepare::Preparer;
 use crate::private_dir::Dir;
 use crate::types::Policy;
+use crate::units::human_bytes;
 
 /// Which way a transition goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,40 +145,26 @@ pub struct Plan {
     pub disk_chunk: usize,
 }
 
-/// The steps of one transition (see the module documentation). Made by
-/// [`Allocator::steps`]; holds the disk staging buffer until dropped.
+/// The steps of one transition (see the module documentation). Made by `Allocator::steps`;
+/// holds the disk staging buffer until dropped.
 pub struct Steps<'a> {
-    a: &'a Allocator,
+    /// The only way to the CUDA driver (host backups keep a reference to it).
+    driver: &'a Arc<Driver>,
+    /// The pinned backups prepared ahead of first pauses, by piece key.
+    preparer: &'a Preparer,
     pub plan: Plan,
     staging: Staging,
 }
 
-impl Allocator {
-    /// The steps of one pause or resume, with the settings in force now.
-    pub fn steps(&self, op: Op) -> Steps<'_> {
-        let plan = match op {
-            Op::Pause => Plan {
-                retain: true,
-                margin: 0,
-                merge_limit: 0,
-                disk_dir: self.disk_dir_held(),
-                disk_chunk: self.disk_chunk(),
-            },
-            Op::Resume => Plan {
-                retain: self.resume_keeps_backups(),
-                margin: self.memory_margin(),
-                merge_limit: self.merge_limit(),
-                disk_dir: Err(Error::InvalidArgument(
-                    "resume writes no disk backup".into(),
-                )),
-                disk_chunk: self.disk_chunk(),
-            },
-        };
-        let staging = Staging { len: 0, buf: None };
-        Steps {
-            a: self,
+impl<'a> Steps<'a> {
+    /// The steps of one transition over `driver`, taking host backups prepared by `preparer`,
+    /// with the settings `plan`.
+    pub(crate) fn new(driver: &'a Arc<Driver>, preparer: &'a Preparer, plan: Plan) -> Self {
+        Self {
+            driver,
+            preparer,
             plan,
-            staging,
+            staging: Staging { len: 0, buf: None },
         }
     }
 }
@@ -187,7 +179,7 @@ impl Steps<'_> {
     /// Waits until nothing runs on `dev` (no kernel may still use memory about to be copied
     /// or unmapped).
     pub fn synchronize(&self, dev: &Device) -> Result<()> {
-        let d = &self.a.driver;
+        let d = self.driver;
         Ok(d.with_context(dev.ctx, || d.synchronize())?)
     }
 
@@ -214,9 +206,9 @@ impl Steps<'_> {
             .is_none_or(|b| b.len() < p.len || b.kind() != kind)
         {
             p.backup = None;
-            p.backup = Some(self.a.host_backup(p.key, &p.device, p.policy, p.len)?);
+            p.backup = Some(self.host_backup(p.key, &p.device, p.policy, p.len)?);
         }
-        let d = &self.a.driver;
+        let d = self.driver;
         let Some(Backup::Host(buf)) = p.backup.as_mut() else {
             unreachable!("cpu and mmap pieces hold a host backup")
         };
@@ -245,7 +237,7 @@ impl Steps<'_> {
     pub fn copied(&self, p: &mut Piece) -> Result<()> {
         match p.copy_done.take() {
             Some(e) => {
-                let d = &self.a.driver;
+                let d = self.driver;
                 Ok(d.with_context(p.device.ctx, || d.event_wait(e))?)
             }
             None => Ok(()),
@@ -257,7 +249,7 @@ impl Steps<'_> {
     /// # Safety
     /// Each place is mapped, the device was synchronised and every copy out of it completed.
     pub unsafe fn unmap(&self, dev: &Device, places: &[Place<'_>]) -> Result<()> {
-        let d = &self.a.driver;
+        let d = self.driver;
         Ok(d.with_context(dev.ctx, || {
             places.iter().try_for_each(|pl| {
                 // SAFETY: guaranteed by the caller.
@@ -269,14 +261,14 @@ impl Steps<'_> {
     /// Releases a physical handle whose mappings are gone (a failure is logged: the memory
     /// may leak, but nothing maps it any more).
     pub fn release(&self, h: Handle, ptr: u64) {
-        self.a.release_handle_logged(h, ptr);
+        release_logged(self.driver, h, ptr);
     }
 
     /// A piece that stays resident after its pause failed: a copy into its backup may still
     /// run, so wait for it, then drop the backup (a backup must hold the contents of a
     /// completed pause).
     pub fn keep(&self, p: &mut Piece) {
-        let d = &self.a.driver;
+        let d = self.driver;
         if let Some(done) = p.copy_done.take() {
             // Waiting also destroys the event.
             let _ = d.with_context(p.device.ctx, || d.event_wait(done));
@@ -298,7 +290,7 @@ impl Steps<'_> {
         places: &[Place<'_>],
         tag: &str,
     ) -> Result<Handle> {
-        let d = &self.a.driver;
+        let d = self.driver;
         let margin = self.plan.margin;
         Ok(d.with_context(dev.ctx, || {
             if margin > 0 {
@@ -330,7 +322,7 @@ impl Steps<'_> {
     /// Maps the existing handle `h` (an import of another process's memory) at `places` on
     /// `dev`. On a failure nothing stays mapped, and `h` is the caller's to release.
     pub fn map_handle(&self, dev: &Device, h: Handle, places: &[Place<'_>]) -> Result<()> {
-        let d = &self.a.driver;
+        let d = self.driver;
         Ok(d.with_context(dev.ctx, || map_places(d, dev, h, places))?)
     }
 
@@ -339,7 +331,7 @@ impl Steps<'_> {
     /// copy; a disk file that changed since the pause fails here (the caller unmaps and
     /// releases what it mapped, and the piece stays paused with its backup).
     pub fn copy_in(&mut self, p: &Piece) -> Result<()> {
-        let d = &self.a.driver;
+        let d = self.driver;
         let dev = &p.device;
         match &p.backup {
             None => Ok(()),
@@ -354,7 +346,7 @@ impl Steps<'_> {
             }
             Some(Backup::Disk(file)) => {
                 let mut r = file.reader(&p.tag, p.ptr)?;
-                let (buf, chunk) = self.staging.buffer(self.a, dev)?;
+                let (buf, chunk) = self.staging.buffer(self.driver, dev)?;
                 for off in (0..p.len).step_by(chunk) {
                     let n = chunk.min(p.len - off);
                     // The previous copy out of the staging buffer must be done before it is
@@ -376,13 +368,34 @@ impl Steps<'_> {
 
     /// Waits for every restore queued on `dev`: the memory is usable once this returns.
     pub fn finish(&self, dev: &Device) -> Result<()> {
-        let d = &self.a.driver;
+        let d = self.driver;
         Ok(d.with_context(dev.ctx, || d.stream_synchronize(dev.stream))?)
     }
 
     /// The settings, for the caller's settle phase (drops the staging buffer).
     pub fn into_plan(self) -> Plan {
         self.plan
+    }
+
+    /// A host backup of `len` bytes for the `cpu` (pinned) or `mmap` piece `key`: the buffer
+    /// prepared for it if there is one and it is large enough, else a fresh one.
+    fn host_backup(&self, key: u64, dev: &Device, policy: Policy, len: usize) -> Result<Backup> {
+        if policy == Policy::Cpu
+            && let Some(buf) = self.preparer.take(key)
+            && buf.len() >= len
+        {
+            return Ok(Backup::Host(buf));
+        }
+        let buf = match policy {
+            Policy::Mmap => HostBuffer::mmap(len).map_err(|e| {
+                Error::Backup(format!(
+                    "cannot map {} of pageable host memory: {e}",
+                    human_bytes(len as u64)
+                ))
+            })?,
+            _ => HostBuffer::new(self.driver, dev.ctx, len)?,
+        };
+        Ok(Backup::Host(buf))
     }
 
     /// Copies a resident disk-backed piece into its file, chunk by chunk through the staging
@@ -410,9 +423,9 @@ impl Steps<'_> {
                 p.tag
             ))
         };
-        let d = &self.a.driver;
+        let d = self.driver;
         let dev = p.device.clone();
-        let (buf, chunk) = self.staging.buffer(self.a, &dev)?;
+        let (buf, chunk) = self.staging.buffer(self.driver, &dev)?;
         let mut w = file.writer().map_err(failed)?;
         for off in (0..p.len).step_by(chunk) {
             let n = chunk.min(p.len - off);
@@ -443,17 +456,25 @@ struct Staging {
 
 impl Staging {
     /// The buffer and its length, allocating it on first use.
-    fn buffer(&mut self, a: &Allocator, dev: &Device) -> Result<(&mut HostBuffer, usize)> {
+    fn buffer(&mut self, d: &Arc<Driver>, dev: &Device) -> Result<(&mut HostBuffer, usize)> {
         if self.buf.is_none() {
-            self.buf = Some(HostBuffer::new(&a.driver, dev.ctx, self.len)?);
+            self.buf = Some(HostBuffer::new(d, dev.ctx, self.len)?);
         }
         Ok((self.buf.as_mut().expect("set above"), self.len))
     }
 }
 
+/// Releases a physical handle whose mappings are gone; a failure is logged (the memory may
+/// leak, but nothing maps it any more).
+pub(crate) fn release_logged(d: &Driver, h: Handle, ptr: u64) {
+    if let Err(e) = d.release(h) {
+        tracing::error!(ptr = format_args!("{ptr:#x}"), error = %e, "cuMemRelease failed; physical memory may leak");
+    }
+}
+
 /// Maps `h` at every place (the context of `dev` current); on a failure unmaps what it mapped.
 fn map_places(
-    d: &crate::driver::Driver,
+    d: &Driver,
     dev: &Device,
     h: Handle,
     places: &[Place<'_>],

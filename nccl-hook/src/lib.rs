@@ -8,7 +8,8 @@
 //!    with our wrapper, and forwards everything else untouched (tail jump).
 //! 2. [`procaddr`]: that wrapper asks the driver and swaps in our wrappers for NCCL's VMM calls.
 //! 3. `vmm`: the wrappers give NCCL virtual handles and record every handle and mapping in
-//!    `registry`, so the memory behind them can be released and re-created.
+//!    `registry`, so the memory behind them can be released and re-created; their exports and
+//!    imports between processes carry tokens instead of fds (`tokens`).
 //! 4. [`NcclTag`]: the `nccl` tag of the allocator. Pause backs up and releases NCCL's device
 //!    memory; resume restores it at the same addresses.
 //!
@@ -33,8 +34,8 @@
 //! * the NCCL memory model: `provider` (the tag's pause and resume), `exports` (the owner's
 //!   answers to peers, routed to it by `memsaver_ipc`'s server), `peer` (requests to owners),
 //!   `registered` (registered imports, reached through `memsaver_ipc::shared::HOLDERS`);
-//! * interposition: `interpose` -> `amem`, `procaddr` -> `vmm`, `graphs`, `guard`: it records
-//!   what NCCL does and never calls up into what a pause does;
+//! * interposition: `interpose` -> `amem`, `procaddr` -> `vmm` -> `tokens`, `graphs`, `guard`:
+//!   it records what NCCL does and never calls up into what a pause does;
 //! * the base: `registry` (the ledger of NCCL's handles and mappings, which both sides share)
 //!   and `dl` (the loader's real `dlsym`).
 //!
@@ -54,6 +55,7 @@ pub mod procaddr;
 mod provider;
 mod registered;
 mod registry;
+mod tokens;
 mod vmm;
 
 pub use provider::NcclTag;
@@ -93,7 +95,7 @@ pub struct Diagnosis {
 pub fn diagnose() -> Diagnosis {
     Diagnosis {
         peers: memsaver_ipc::diagnose(),
-        fallback_reason: vmm::fallback_reason(),
+        fallback_reason: tokens::fallback_reason(),
     }
 }
 
@@ -111,7 +113,7 @@ pub fn stats() -> NcclStats {
         }
     }
     s.stack_kept_reason = (!reasons.is_empty()).then(|| reasons.join("; "));
-    s.fallback_exports = vmm::fallback_exports();
-    s.fallback_reason = vmm::fallback_reason();
+    s.fallback_exports = tokens::fallback_exports();
+    s.fallback_reason = tokens::fallback_reason();
     s
 }

@@ -71,7 +71,7 @@ impl ExternalTag for NcclTag {
         memsaver_allocator::check_options()?;
         // Buffers exported as plain fds cannot be released: say so instead of reporting a
         // pause that freed nothing of them (nothing is changed).
-        if let Some(why) = crate::vmm::fallback_reason() {
+        if let Some(why) = crate::tokens::fallback_reason() {
             return Err(peer::peer_error(why));
         }
         let backup = crate::options::get().nccl_backup;

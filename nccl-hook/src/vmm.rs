@@ -2,25 +2,21 @@
 //!
 //! Each calls the driver's own function (the one NCCL asked for) and keeps
 //! [`crate::registry`] up to date. Handles are virtual (see the registry): the wrappers that
-//! take a handle translate it, and a paused range is answered from the registry.
+//! take a handle translate it, and a paused range is answered from the registry. Exports and
+//! imports between processes carry tokens instead of fds: [`crate::tokens`] makes, reads and
+//! trades them; the wrappers here make the driver calls.
 
-use std::ffi::{c_uint, c_ulonglong, c_void};
-use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-
-use parking_lot::Mutex;
+use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
+use std::os::fd::{AsRawFd, IntoRawFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::options::{self, NcclBackup};
+use crate::registry::{self, Keep, Kind, Mapping, Physical, Registration};
+use crate::tokens;
 use memsaver_allocator::driver::Handle;
 use memsaver_allocator::driver::sys::{fns, *};
 use memsaver_allocator::steps::external_key;
-use memsaver_ipc::token::{self, Names, Token};
-use memsaver_ipc::{client, group, identity, server};
-
-use std::ffi::c_int;
-use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
-
-use crate::registry::{self, Keep, Kind, Mapping, Physical, Registration, Source};
+use memsaver_ipc::token::Token;
 
 type GetHandleForAddressRange =
     unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, c_uint, c_ulonglong) -> CUresult;
@@ -141,30 +137,10 @@ fn forget_backup(vh: u64) {
 }
 
 /// Releases the driver handle of a physical object the registry just forgot; the import of a
-/// peer's registered buffer also tells its owner, which stops counting this process as an
-/// importer (in the background: NCCL's deregistration does not wait for the owner).
+/// peer's registered buffer also tells its owner ([`tokens::import_gone`]).
 fn release_real(gone: Option<Physical>) {
     let Some(p) = gone else { return };
-    if let Some(Registration::Imported {
-        owner,
-        group,
-        id,
-        key,
-        ..
-    }) = p.registration
-    {
-        let generation = p
-            .mapped_generation()
-            .or(p.released_generation())
-            .unwrap_or(0);
-        let b = memsaver_ipc::protocol::Buffer {
-            id,
-            key,
-            generation,
-        };
-        tracing::debug!(owner = owner.pid, id, "a registered import went");
-        memsaver_ipc::shared::close_later(group, owner, b);
-    }
+    tokens::import_gone(&p);
     if let (Some(h), Some(release)) = (p.real(), real::RELEASE()) {
         // SAFETY: a driver handle memsaver held on NCCL's behalf; released once, here.
         let r = unsafe { release(h) };
@@ -377,60 +353,6 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     release_real(gone);
     CUDA_SUCCESS
 }
-
-// ---------------------------------------------------------------------------------------------
-// Exports and imports between processes (`memsaver_ipc`): tokens instead of fds.
-// ---------------------------------------------------------------------------------------------
-
-/// Whether exports hand out tokens (every process of the job must then be preloaded).
-/// `MEMSAVER_NCCL_TOKENS=0` turns them off: NCCL gets driver fds, and exported buffers and
-/// imports stay resident on pause. An invalid value means the default here (an export cannot
-/// fail on our account) and fails every pause.
-fn tokens_enabled() -> bool {
-    options::get().nccl_tokens
-}
-
-/// The import of token `t`: the owner's real fd and its generation (the owner waits up to
-/// `MEMSAVER_NCCL_TIMEOUT_MS` for a buffer still resuming). Refused while this process holds
-/// imports of another process with the token's pid.
-fn import(t: &Token) -> Result<(OwnedFd, u64), String> {
-    client::import(t, options::get().nccl_timeout, |pid| {
-        registry::lock()
-            .physicals
-            .values()
-            .any(|p| p.source.is_some_and(|s| s.owner == pid))
-    })
-}
-
-/// Why NCCL exports of this process are plain fds instead of tokens, and how many: set by the
-/// first export that could not get a token (the server could not start: a runtime directory
-/// that is not private, a link in its path, ...).
-static FALLBACK: Mutex<Option<String>> = Mutex::new(None);
-static FALLBACK_EXPORTS: AtomicU64 = AtomicU64::new(0);
-
-/// Records that an export fell back to a plain fd because of `why`.
-fn record_fallback(why: &str) {
-    FALLBACK_EXPORTS.fetch_add(1, Ordering::Relaxed);
-    FALLBACK.lock().get_or_insert_with(|| why.to_owned());
-}
-
-/// Exports that fell back to plain fds (they and their imports stay resident on pause).
-pub(crate) fn fallback_exports() -> u64 {
-    FALLBACK_EXPORTS.load(Ordering::Relaxed)
-}
-
-/// Why NCCL's exports could not be shared through memsaver, and what to do, when at least
-/// one fell back: pause('nccl') cannot free those buffers and should fail with this.
-pub(crate) fn fallback_reason() -> Option<String> {
-    let why = FALLBACK.lock().clone()?;
-    Some(format!(
-        "{} NCCL buffer(s) of this process were exported as plain fds, which stay resident on \
-         pause (as do the peers' imports of them), because memsaver could not serve its \
-         peers: {why}. Fix that, then restart the job",
-        fallback_exports()
-    ))
-}
-
 unsafe extern "C" fn mem_export(
     shareable: *mut c_void,
     handle: CUmemGenericAllocationHandle,
@@ -454,31 +376,14 @@ unsafe extern "C" fn mem_export(
         return answered(|| export_tagged(shareable, h, at, handle_type, flags, f));
     }
     if handle_type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        && tokens_enabled()
+        && tokens::enabled()
         && !shareable.is_null()
+        && let Some(fd) = tokens::for_buffer(handle, p)
     {
-        // Hand NCCL a token naming this buffer; the importer's memsaver trades it for the
-        // real fd with us, so we learn who imports what (`memsaver_ipc::token`, `exports`).
-        let made = server::ensure_server()
-            .and_then(|()| p.key.map_or_else(identity::new_key, Ok))
-            .and_then(|key| {
-                let token = Token::own(Names::Buffer, group::id(), handle, key, p.generation);
-                Ok((key, token::make(token)?))
-            });
-        match made {
-            Ok((key, fd)) => {
-                p.key = Some(key);
-                p.exported = true;
-                // SAFETY: for POSIX fds the out-pointer holds one int; NCCL owns the fd now.
-                unsafe { *shareable.cast::<c_int>() = fd.into_raw_fd() };
-                return CUDA_SUCCESS;
-            }
-            Err(e) => {
-                // Recorded: stats show it, and pause says so (it cannot free this buffer).
-                record_fallback(&e.to_string());
-                tracing::warn!(error = %e, "memsaver: no token for an NCCL export; it will stay resident")
-            }
-        }
+        p.exported = true;
+        // SAFETY: for POSIX fds the out-pointer holds one int; NCCL owns the fd now.
+        unsafe { *shareable.cast::<c_int>() = fd.into_raw_fd() };
+        return CUDA_SUCCESS;
     }
     // SAFETY: the caller's arguments with the driver's handle.
     let r = unsafe { f(shareable, h, handle_type, flags) };
@@ -509,36 +414,13 @@ fn export_tagged(
         // POSIX fds only: the driver refuses other types itself).
         return unsafe { real_export(shareable, h, handle_type, flags) };
     }
-    let made = if tokens_enabled() {
-        memsaver_ipc::shared::handle_of(at).and_then(|handle| {
-            let handle = handle.ok_or("it is no longer allocated")?;
-            let token = Token::own(Names::Allocation, handle.group, handle.id, handle.key, 0);
-            token::make(token).map_err(|e| format!("cannot make a token: {e}"))
-        })
-    } else {
-        Err(
-            "MEMSAVER_NCCL_TOKENS=0 is set, and a plain fd would let peers keep and later \
-             read stale memory across a pause"
-                .into(),
-        )
-    };
-    match made {
-        Ok(fd) => {
+    match tokens::for_allocation(at) {
+        Some(fd) => {
             // SAFETY: for POSIX fds the out-pointer holds one int; NCCL owns the fd now.
             unsafe { *shareable.cast::<c_int>() = fd.into_raw_fd() };
             CUDA_SUCCESS
         }
-        Err(e) => {
-            let tag = memsaver_allocator::global_if_started()
-                .and_then(|a| a.allocation_at(at))
-                .map_or_else(String::new, |(_, tag, _)| format!(" of tag '{tag}'"));
-            tracing::error!(
-                "memsaver: NCCL cannot share the buffer at {at:#x}{tag} it registers with its peers: {e}. \
-                 Fix that, or turn NCCL's buffer registration off (NCCL_LOCAL_REGISTER=0, \
-                 NCCL_GRAPH_REGISTER=0)"
-            );
-            CUDA_ERROR_NOT_SUPPORTED
-        }
+        None => CUDA_ERROR_NOT_SUPPORTED,
     }
 }
 
@@ -553,10 +435,8 @@ unsafe extern "C" fn mem_import(
     if handle.is_null() {
         return CUDA_ERROR_INVALID_VALUE;
     }
-    let token = (handle_type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-        .then(|| token::read(os_handle as isize as RawFd))
-        .flatten();
-    if let Some(t) = token.filter(|t| t.names == Names::Allocation) {
+    let token = tokens::read(handle_type, os_handle);
+    if let Some(t) = token.filter(tokens::names_allocation) {
         return answered(|| import_registered(handle, &t, handle_type, f));
     }
     let (r, source) = match token {
@@ -564,29 +444,13 @@ unsafe extern "C" fn mem_import(
             // SAFETY: forwarded unchanged.
             (unsafe { f(handle, os_handle, handle_type) }, None)
         }
-        Some(t) => match import(&t) {
-            Ok((fd, generation)) => {
+        Some(t) => match tokens::import(&t) {
+            Some((fd, source)) => {
                 // SAFETY: the owner's real fd, imported the way NCCL asked; we close it after.
                 let r = unsafe { f(handle, fd.as_raw_fd() as isize as *mut c_void, handle_type) };
-                (
-                    r,
-                    Some((
-                        Source {
-                            owner: t.pid,
-                            vh: t.buffer,
-                            key: t.key,
-                        },
-                        generation,
-                    )),
-                )
+                (r, Some(source))
             }
-            Err(e) => {
-                tracing::error!(
-                    "memsaver: cannot import an NCCL buffer of process {}: {e}",
-                    t.pid
-                );
-                return CUDA_ERROR_INVALID_VALUE;
-            }
+            None => return CUDA_ERROR_INVALID_VALUE,
         },
     };
     if r == CUDA_SUCCESS {
@@ -618,7 +482,7 @@ fn record_import(
 }
 
 /// NCCL imports a peer's memsaver memory it registered (token `t`): the fd comes from the
-/// owner through `memsaver_ipc::shared`, which records this process as an importer, so the
+/// owner ([`tokens::open_registered`]), which records this process as an importer, so the
 /// owner's pause releases the import and its resume maps it again ([`crate::registered`]).
 fn import_registered(
     handle: *mut CUmemGenericAllocationHandle,
@@ -628,15 +492,8 @@ fn import_registered(
 ) -> CUresult {
     // Until the import is recorded: the owner's release of it waits (`registered`).
     let _registering = registry::REGISTERING.lock();
-    let opened = match memsaver_ipc::shared::open_for_holder(t) {
-        Ok(o) => o,
-        Err(e) => {
-            tracing::error!(
-                "memsaver: cannot import a buffer of process {} that NCCL registered: {e}",
-                t.pid
-            );
-            return CUDA_ERROR_INVALID_VALUE;
-        }
+    let Some(opened) = tokens::open_registered(t) else {
+        return CUDA_ERROR_INVALID_VALUE;
     };
     // SAFETY: the owner's real fd, imported the way NCCL asked; it is closed after.
     let r = unsafe {
@@ -647,27 +504,9 @@ fn import_registered(
         )
     };
     if r != CUDA_SUCCESS {
-        // The owner counted this import: it never was.
-        let b = memsaver_ipc::protocol::Buffer {
-            id: t.buffer,
-            key: t.key,
-            generation: t.generation,
-        };
-        memsaver_ipc::shared::close_later(t.group, t.owner(), b);
+        tokens::not_imported(t);
     } else {
-        record_import(handle, |h, prop| {
-            let registration = Registration::Imported {
-                owner: t.owner(),
-                group: t.group,
-                id: t.buffer,
-                key: t.key,
-                offset: opened.offset,
-                window: None,
-            };
-            let mut p = Physical::registered(h, prop, registration, opened.generation);
-            p.size = opened.handle_size as u64;
-            p
-        });
+        record_import(handle, |h, prop| tokens::registered(h, prop, t, &opened));
     }
     r
 }

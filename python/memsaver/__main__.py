@@ -2,7 +2,9 @@
 
 ``demo`` without a profile, ``bench`` and ``options`` run on the allocator core inside
 libmemsaver.so (``memsaver_cli_main``); the others are Python. ``memsaver --help`` lists them,
-``memsaver COMMAND --help`` describes one.
+``memsaver COMMAND --help`` describes one. The core's commands and their flags are declared
+once, in the core (``torch-shim/src/cli/mod.rs``, ``COMMANDS``): their parsers here are built
+from the table it gives (``memsaver_cli_spec_json``).
 """
 
 from __future__ import annotations
@@ -11,16 +13,56 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
-#: Commands the allocator core implements (their options are parsed there, once).
-_CORE_COMMANDS = ("bench", "options")
+#: The core's command that the Python package extends (with a profile); the core's other
+#: commands are run as given, their flags parsed by the core.
+_EXTENDED = "demo"
+
+
+def _core_spec() -> list[dict[str, Any]] | None:
+    """The core's commands and their flags (``memsaver_cli_spec_json``), or None when
+    libmemsaver.so cannot be loaded (running one of them then says why)."""
+    try:
+        from memsaver import _core as core
+        from memsaver import _memsaver
+
+        core.library()
+        return list(json.loads(_memsaver.cli_spec())["commands"])
+    except Exception:  # noqa: BLE001 - any failure to load means: no core commands to list
+        return None
+
+
+def _core_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, command: dict[str, Any]) -> None:
+    """Adds the core command's flags to ``p``, as the core declares them; each is stored under
+    ``core_<name>``, None (or False) when not given, so the core applies its own default."""
+    for f in command["flags"]:
+        dest = "core_" + f["name"].lstrip("-").replace("-", "_")
+        if f["value"] is None:
+            p.add_argument(f["name"], dest=dest, action="store_true", help=f["help"])
+        else:
+            p.add_argument(
+                f["name"], dest=dest, metavar=f["value"], help=f"{f['help']} (default {f['default']})"
+            )
+
+
+def _core_argv(args: argparse.Namespace, command: dict[str, Any]) -> list[str]:
+    """The core command's arguments back from the flags ``_core_flags`` parsed."""
+    argv = [command["name"]]
+    for f in command["flags"]:
+        v = getattr(args, "core_" + f["name"].lstrip("-").replace("-", "_"))
+        if v is True:
+            argv.append(f["name"])
+        elif v not in (None, False):
+            argv += [f["name"], v]
+    return argv
 
 
 def _prog() -> str:
     return "python -m memsaver" if sys.argv[0].endswith("__main__.py") else "memsaver"
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(spec: list[dict[str, Any]] | None) -> argparse.ArgumentParser:
     from memsaver import __version__
 
     p = argparse.ArgumentParser(
@@ -42,8 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("profile", nargs="?", metavar="PROFILE", help="a profile with sleep and wake stages")
     demo.add_argument("-o", "--output", default=".", metavar="DIR", help="where the profile demo writes its timeline")
-    demo.add_argument("--device", type=int, default=0, metavar="N", help="device of the core demo (default 0)")
-    demo.add_argument("--fake", action="store_true", help="core demo on the fake driver even if a GPU is present")
+    for command in spec or []:
+        if command["name"] == _EXTENDED:
+            _core_flags(demo.add_argument_group("the core demo (without PROFILE)"), command)
 
     check = sub.add_parser(
         "check",
@@ -110,13 +153,12 @@ def _parser() -> argparse.ArgumentParser:
         help="print the path of the libmemsaver.so to preload",
         description="Print the path of the libmemsaver.so to preload (LD_PRELOAD).",
     )
-    # The core parses these commands' options itself (memsaver_cli_main); listed here for --help.
-    sub.add_parser(
-        "bench",
-        add_help=False,
-        help="pause/resume throughput of the allocator core, checking freed memory and contents",
-    )
-    sub.add_parser("options", add_help=False, help="print the table of MEMSAVER_* options (Markdown)")
+    # The core's other commands, as it declares them; it parses their flags itself
+    # (memsaver_cli_main), these parsers list them for --help.
+    for command in spec or []:
+        if command["name"] != _EXTENDED:
+            c = sub.add_parser(command["name"], help=command["help"], description=command["help"])
+            _core_flags(c, command)
     sub.add_parser(
         "diagnostics",
         help="check the installation: library, driver, devices, variables, runtime directory",
@@ -125,6 +167,14 @@ def _parser() -> argparse.ArgumentParser:
         "if something is wrong, with a line saying what to do.",
     )
     return p
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> list[str]:
+    """The names of the parser's subcommands."""
+    for a in parser._actions:  # noqa: SLF001 - argparse has no public accessor for them
+        if isinstance(a, argparse._SubParsersAction):  # noqa: SLF001
+            return list(a.choices)
+    return []
 
 
 def _target_options(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -349,9 +399,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
-    if args_list and args_list[0] in _CORE_COMMANDS:
-        return _core(args_list)
-    parser = _parser()
+    spec = _core_spec()
+    parser = _parser(spec)
+    if args_list and not args_list[0].startswith("-"):
+        core_commands = {c["name"] for c in spec or []} - {_EXTENDED}
+        python_commands = set(_subcommands(parser)) - core_commands
+        # The core's commands run as given (their flags parsed by the core, `--help` too); one
+        # that is not Python's while the core cannot load says why.
+        if args_list[0] in core_commands or (spec is None and args_list[0] not in python_commands):
+            return _core(args_list)
+        if spec is None and args_list[0] == _EXTENDED:
+            known, _ = parser.parse_known_args(args_list)
+            if known.profile is None:
+                return _core(args_list)
     args = parser.parse_args(args_list)  # exits with status 2 on an unknown command
     if args.command is None:
         parser.print_help(sys.stderr)
@@ -361,7 +421,8 @@ def _main(argv: list[str] | None) -> int:
 
     if args.command == "demo":
         if args.profile is None:
-            return _core(["demo", "--device", str(args.device)] + (["--fake"] if args.fake else []))
+            command = next(c for c in spec or [] if c["name"] == _EXTENDED)  # loaded: checked above
+            return _core(_core_argv(args, command))
         return _demo(args.profile, args.output)
     if args.command == "timeline":
         return _timeline(args.events, args.output, args.png, args.trace, args.title)

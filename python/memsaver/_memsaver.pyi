@@ -47,6 +47,7 @@ __all__ = [
     "parse_profile",
     "load_profile",
     "cli_main",
+    "cli_spec",
     "runtime_dir",
     "device_memory",
     "control_serve",
@@ -158,6 +159,9 @@ def load_profile(path: str) -> str:
 
 def cli_main(args: list[str]) -> int:
     """Runs a core command of the memsaver command line (demo, bench, options); its exit status."""
+
+def cli_spec() -> str:
+    """The core's commands of the command line and their flags, as JSON (their one definition)."""
 
 def runtime_dir() -> str:
     """The runtime directory of the nccl tag's sockets (not created)."""

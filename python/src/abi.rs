@@ -100,6 +100,7 @@ macro_rules! with_functions {
             memsaver_region_current_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
             memsaver_profile_load: unsafe extern "C" fn(*const c_char, *mut c_char, usize, *mut usize) -> c_int,
             memsaver_cli_main: unsafe extern "C" fn(c_int, *const *const c_char) -> c_int,
+            memsaver_cli_spec_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
             memsaver_runtime_dir: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
             memsaver_control_serve: unsafe extern "C" fn() -> c_int,
             memsaver_control_set_runner: unsafe extern "C" fn(MemsaverStageRunner) -> c_int,

@@ -260,6 +260,16 @@ fn cli_main(py: Python<'_>, args: Vec<String>) -> PyResult<i32> {
     Ok(py.detach(|| unsafe { (l.memsaver_cli_main)(argc, ptrs.as_ptr().cast::<*const c_char>()) }))
 }
 
+/// The core's commands of the command line and their flags, as JSON (`memsaver_cli_spec_json`).
+#[pyfunction]
+fn cli_spec() -> PyResult<String> {
+    let l = lib()?;
+    // SAFETY: the buffer protocol of read_json.
+    read_json(l, |b, n, nd| unsafe {
+        (l.memsaver_cli_spec_json)(b, n, nd)
+    })
+}
+
 /// The runtime directory of the `nccl` tag's sockets (not created).
 #[pyfunction]
 fn runtime_dir() -> PyResult<String> {
@@ -535,6 +545,7 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_profile, m)?)?;
     m.add_function(wrap_pyfunction!(load_profile, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_spec, m)?)?;
     m.add_function(wrap_pyfunction!(runtime_dir, m)?)?;
     m.add_function(wrap_pyfunction!(device_memory, m)?)?;
     m.add_function(wrap_pyfunction!(register_tag, m)?)?;

@@ -124,6 +124,27 @@ def test_core_demo_and_bench_run_through_the_command(child_env):
     assert r.returncode == 0 and "`MEMSAVER_CUDA_LIB`" in r.stdout
 
 
+def test_the_core_commands_and_flags_come_from_its_table(child_env):
+    # One definition (torch-shim/src/cli/mod.rs, COMMANDS): `memsaver demo --help` shows the
+    # core demo's flags from it, `memsaver --help` its commands, and a flag value the core
+    # refuses is a usage error there as it was in argparse.
+    import json
+
+    from memsaver import _core, _memsaver
+
+    _core.library()
+    spec = json.loads(_memsaver.cli_spec())["commands"]
+    assert [c["name"] for c in spec] == ["demo", "bench", "options"]
+    demo_help = memsaver_cmd("demo", "--help").stdout
+    for f in spec[0]["flags"]:
+        assert f["name"] in demo_help and f["help"] in demo_help, demo_help
+    top_help = memsaver_cmd("--help").stdout
+    for c in spec[1:]:
+        assert any(line.split()[:1] == [c["name"]] for line in top_help.splitlines()), top_help
+    r = memsaver_cmd("demo", "--device", "x", env=child_env)
+    assert r.returncode == 2 and "bad value for --device: x" in r.stderr, r.stderr
+
+
 def test_profile_demo_writes_its_timeline(child_env, tmp_path):
     r = memsaver_cmd("demo", str(EXAMPLE), "-o", str(tmp_path), env=child_env)
     assert r.returncode == 0, r.stdout + r.stderr

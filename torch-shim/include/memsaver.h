@@ -399,6 +399,18 @@ int memsaver_profile_load(const char *path, char *buf, size_t len, size_t *neede
 int memsaver_cli_main(int argc, const char *const *argv);
 
 /**
+ * Writes the core's commands of the `memsaver` command line and their flags, the ones
+ * `memsaver_cli_main` runs, as JSON into `buf`, with the protocol of [`memsaver_stats_json`]:
+ * {"commands": [{"name", "help", "flags": [{"name", "value", "default", "help"}]}]}, where
+ * `value` (the metavar) and `default` are null for a flag that takes no value. The Python
+ * command builds its parsers for these commands from it.
+ *
+ * # Safety
+ * As [`memsaver_stats_json`].
+ */
+int memsaver_cli_spec_json(char *buf, size_t len, size_t *needed);
+
+/**
  * Writes the path of the runtime directory (where processes coordinating the `nccl` tag put
  * their sockets: `MEMSAVER_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/memsaver`, else
  * `/tmp/memsaver-<uid>`) into `buf`, with the protocol of [`memsaver_stats_json`]. It

@@ -18,7 +18,8 @@ use std::sync::OnceLock;
 
 use memsaver_allocator::{Allocator, Error, global_if_started};
 
-use crate::{region, set_last_error};
+use crate::ffi::set_last_error;
+use crate::region;
 
 /// `cudaError_t` values we return ourselves.
 const CUDA_SUCCESS: c_int = 0;

@@ -43,6 +43,7 @@
 
 pub mod cli;
 mod control;
+mod ffi;
 pub mod hooks;
 pub mod options;
 pub mod region;
@@ -50,11 +51,14 @@ mod status;
 
 pub use status::Status;
 
-use std::cell::RefCell;
-use std::ffi::{CStr, CString, c_char, c_int, c_void};
-use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::ffi::{c_char, c_int, c_void};
 
 use memsaver_allocator::{Error, Policy};
+
+use ffi::{
+    Failure, c_args, exit_code, ffi, ffi_with, malloc_c_string, opt_policy, opt_str, req_str,
+    split_tags, write_json, write_json_with,
+};
 
 /// The process-wide allocator for operations done for the application, started on first use
 /// with every layer's start hooks run (nccl-hook registers the `nccl` tag): the core's
@@ -62,123 +66,11 @@ use memsaver_allocator::{Error, Policy};
 /// `memsaver_allocator::global_if_started` instead, which never starts it.
 pub use memsaver_allocator::global as allocator;
 
-thread_local! {
-    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
-}
-
-/// Stores `msg` for [`memsaver_last_error`]. Never panics: during thread teardown (a free from
-/// a thread-local destructor) the message is dropped instead.
-pub(crate) fn set_last_error(msg: &str) {
-    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
-}
-
-/// What a failed C function reports: its status code and the message
-/// [`memsaver_last_error`] gives.
-struct Failure {
-    status: Status,
-    message: String,
-}
-
-impl From<Error> for Failure {
-    fn from(e: Error) -> Self {
-        Failure {
-            status: Status::of(&e),
-            message: e.to_string(),
-        }
-    }
-}
-
-impl From<memsaver_profile::ProfileError> for Failure {
-    fn from(e: memsaver_profile::ProfileError) -> Self {
-        Failure {
-            status: Status::Profile,
-            message: e.to_string(),
-        }
-    }
-}
-
-/// Runs `f`, turning errors and panics into a status code and a stored message.
-fn ffi(f: impl FnOnce() -> Result<(), Error>) -> c_int {
-    ffi_with(|| f().map_err(Failure::from))
-}
-
-/// [`ffi`] for functions whose errors are not all the core's.
-fn ffi_with(f: impl FnOnce() -> Result<(), Failure>) -> c_int {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(())) => Status::Ok as c_int,
-        Ok(Err(e)) => {
-            set_last_error(&e.message);
-            e.status as c_int
-        }
-        Err(_) => {
-            set_last_error(
-                "internal error in memsaver (a bug: please report it with MEMSAVER_LOG=debug output)",
-            );
-            Status::Internal as c_int
-        }
-    }
-}
-
-/// Reads a C string argument; NULL gives `None`.
-///
-/// # Safety
-/// `p` is NULL or points to a NUL-terminated string.
-unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>, Error> {
-    if p.is_null() {
-        return Ok(None);
-    }
-    // SAFETY: non-null and NUL-terminated per the caller's contract.
-    unsafe { CStr::from_ptr(p) }
-        .to_str()
-        .map(Some)
-        .map_err(|_| Error::InvalidArgument(format!("{what} is not valid UTF-8")))
-}
-
-/// Reads a backup policy argument (`"discard"`, `"cpu"`, `"mmap"` or `"disk"`); NULL means
-/// discard.
-///
-/// # Safety
-/// As [`opt_str`].
-unsafe fn opt_policy(p: *const c_char) -> Result<Policy, Error> {
-    // SAFETY: forwarded contract.
-    match unsafe { opt_str(p, "policy") }? {
-        Some(p) => p.parse(),
-        None => Ok(Policy::Discard),
-    }
-}
-
-/// # Safety
-/// As [`opt_str`].
-unsafe fn req_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error> {
-    // SAFETY: forwarded contract.
-    unsafe { opt_str(p, what) }?.ok_or_else(|| Error::InvalidArgument(format!("{what} is NULL")))
-}
-
-/// Splits a C tag list. NULL means every tag (an empty list for the core); a string must name
-/// at least one tag, and every item between commas must be a tag: `""`, `" "`, `","` and
-/// `"a,,b"` are refused rather than read as "every tag".
-fn split_tags(s: Option<&str>) -> Result<Vec<&str>, Error> {
-    let Some(s) = s else {
-        return Ok(Vec::new());
-    };
-    let tags: Vec<&str> = s.split(',').map(str::trim).collect();
-    if tags.iter().any(|t| t.is_empty()) {
-        return Err(Error::InvalidArgument(format!(
-            "tag list {s:?} has an empty tag: name tags separated by commas (\"weights,kv_cache\"), \
-             or pass NULL for every tag"
-        )));
-    }
-    Ok(tags)
-}
-
 /// The message of the last failed call on this thread (empty if none). The pointer stays
 /// valid until the next memsaver call on this thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn memsaver_last_error() -> *const c_char {
-    LAST_ERROR
-        .try_with(|e| e.borrow().as_ptr())
-        .unwrap_or(c"".as_ptr())
+    ffi::last_error()
 }
 
 /// Allocates `size` bytes on `device` with an explicit tag and policy (`"discard"`, `"cpu"`,
@@ -378,63 +270,6 @@ pub unsafe extern "C" fn memsaver_stats_json(
             }))
         })
     }
-}
-
-/// Encodes the value `make` returns as JSON into a caller's buffer, the protocol of the
-/// `*_json` functions: `*needed` gets the size including the NUL; a NULL or short buffer gives
-/// `MEMSAVER_ERR_BUFFER_TOO_SMALL`.
-///
-/// # Safety
-/// `buf` is valid for `len` bytes of writes (or NULL with `len == 0`); `needed` is NULL or a
-/// valid out-pointer.
-unsafe fn write_json(
-    buf: *mut c_char,
-    len: usize,
-    needed: *mut usize,
-    make: impl FnOnce() -> Result<serde_json::Result<String>, Error>,
-) -> c_int {
-    // SAFETY: forwarded contract.
-    unsafe { write_json_with(buf, len, needed, || make().map_err(Failure::from)) }
-}
-
-/// [`write_json`] for functions whose errors are not all the core's.
-///
-/// # Safety
-/// As [`write_json`].
-unsafe fn write_json_with(
-    buf: *mut c_char,
-    len: usize,
-    needed: *mut usize,
-    make: impl FnOnce() -> Result<serde_json::Result<String>, Failure>,
-) -> c_int {
-    let mut too_small = false;
-    let code = ffi_with(|| {
-        let json = make()?.map_err(|e| {
-            Failure::from(Error::InvalidArgument(format!(
-                "cannot encode the JSON: {e}"
-            )))
-        })?;
-        let n = json.len() + 1;
-        if !needed.is_null() {
-            // SAFETY: non-null out-pointer per the contract.
-            unsafe { *needed = n };
-        }
-        if buf.is_null() || len < n {
-            too_small = true;
-            return Ok(());
-        }
-        // SAFETY: `buf` has room for `n <= len` bytes per the contract.
-        unsafe {
-            std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), json.len());
-            *buf.add(json.len()) = 0;
-        }
-        Ok(())
-    });
-    if code == Status::Ok as c_int && too_small {
-        set_last_error("the buffer is too small; call again with the size written to *needed");
-        return Status::BufferTooSmall as c_int;
-    }
-    code
 }
 
 /// Writes NCCL's memory, as the hook sees it, as JSON like `memsaver_stats_json`; the fields
@@ -776,27 +611,29 @@ pub unsafe extern "C" fn memsaver_profile_load(
 /// `argv` holds `argc` NUL-terminated strings.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn memsaver_cli_main(argc: c_int, argv: *const *const c_char) -> c_int {
-    let run = || {
-        let mut args = Vec::new();
-        for i in 0..usize::try_from(argc).unwrap_or(0) {
-            // SAFETY: `argv` holds `argc` pointers per the contract.
-            let p = unsafe { *argv.add(i) };
-            // SAFETY: each is a NUL-terminated string per the contract.
-            args.push(unsafe { opt_str(p, "argument") }?.unwrap_or("").to_owned());
-        }
-        Ok::<_, Error>(cli::main(&args, &mut std::io::stdout().lock()))
-    };
-    match catch_unwind(AssertUnwindSafe(run)) {
-        Ok(Ok(code)) => code,
-        Ok(Err(e)) => {
-            eprintln!("memsaver: error: {e}");
-            2
-        }
-        Err(_) => {
-            eprintln!("memsaver: internal error (a bug: please report it with MEMSAVER_LOG=debug)");
-            1
-        }
-    }
+    exit_code(|| {
+        // SAFETY: per this function's contract.
+        let args = unsafe { c_args(argc, argv) }?;
+        Ok(cli::main(&args, &mut std::io::stdout().lock()))
+    })
+}
+
+/// Writes the core's commands of the `memsaver` command line and their flags, the ones
+/// `memsaver_cli_main` runs, as JSON into `buf`, with the protocol of [`memsaver_stats_json`]:
+/// {"commands": [{"name", "help", "flags": [{"name", "value", "default", "help"}]}]}, where
+/// `value` (the metavar) and `default` are null for a flag that takes no value. The Python
+/// command builds its parsers for these commands from it.
+///
+/// # Safety
+/// As [`memsaver_stats_json`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_cli_spec_json(
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe { write_json(buf, len, needed, || Ok(cli::spec_json())) }
 }
 
 /// Writes the path of the runtime directory (where processes coordinating the `nccl` tag put
@@ -836,10 +673,7 @@ pub type MemsaverStageRunner = Option<unsafe extern "C" fn(*const c_char) -> *mu
 #[unsafe(no_mangle)]
 pub extern "C" fn memsaver_control_serve() -> c_int {
     ffi_with(|| {
-        memsaver_ipc::control::serve().map_err(|message| Failure {
-            status: Status::Control,
-            message,
-        })
+        memsaver_ipc::control::serve().map_err(|message| Failure::new(Status::Control, message))
     })
 }
 
@@ -887,21 +721,11 @@ pub unsafe extern "C" fn memsaver_control_json(
         unsafe { *answer = std::ptr::null_mut() };
         // SAFETY: per this function's contract.
         let request = unsafe { req_str(request, "request") }?;
-        let text = control::client(request).map_err(|control::ClientError(message)| Failure {
-            status: Status::Control,
-            message,
-        })?;
-        let text = CString::new(text).unwrap_or_default();
-        let bytes = text.as_bytes_with_nul();
-        // SAFETY: a fresh allocation of the text's size, checked below.
-        let out = unsafe { libc::malloc(bytes.len()) }.cast::<u8>();
-        if out.is_null() {
-            return Err(Error::InvalidArgument("out of host memory for the answer".into()).into());
-        }
-        // SAFETY: `out` holds `bytes.len()` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out, bytes.len()) };
+        let text = control::client(request)
+            .map_err(|control::ClientError(message)| Failure::new(Status::Control, message))?;
+        let out = malloc_c_string(&text)?;
         // SAFETY: a valid out-pointer per the contract.
-        unsafe { *answer = out.cast() };
+        unsafe { *answer = out };
         Ok(())
     })
 }

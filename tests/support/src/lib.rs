@@ -1,4 +1,5 @@
-//! What the tests of every crate share: reporting a test that cannot run on this machine.
+//! What the tests of every crate share: reporting a test that cannot run on this machine, and
+//! reading a crate's module layering from its sources ([`layers`]).
 //!
 //! libtest has no skip decided at run time: a test that returns early is reported `ok`, like
 //! one that ran. A test whose precondition is missing (root, a C compiler, pid namespaces)
@@ -13,6 +14,8 @@
 //! failure when it is set).
 
 use std::io::Write;
+
+pub mod layers;
 
 /// The variable that turns every skip into a failure.
 pub const REQUIRE_ALL: &str = "MEMSAVER_REQUIRE_ALL_TESTS";

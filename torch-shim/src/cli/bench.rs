@@ -67,23 +67,12 @@ fn median(v: &[Duration]) -> Duration {
 }
 
 pub fn run(args: &[String], out: &mut dyn Write) -> Result<(), String> {
-    let flags = Flags::new(
-        args,
-        &[
-            "--cpu-gib",
-            "--discard-gib",
-            "--cycles",
-            "--chunk-mib",
-            "--device",
-            "--no-verify",
-            "--fake",
-        ],
-    )?;
-    let cpu_gib: f64 = flags.get("--cpu-gib", 8.0)?;
-    let discard_gib: f64 = flags.get("--discard-gib", 16.0)?;
-    let cycles: usize = flags.get("--cycles", 10)?;
-    let chunk = flags.get::<usize>("--chunk-mib", 1024)? * MIB;
-    let device: i32 = flags.get("--device", 0)?;
+    let flags = Flags::new("bench", args)?;
+    let cpu_gib: f64 = flags.get("--cpu-gib")?;
+    let discard_gib: f64 = flags.get("--discard-gib")?;
+    let cycles: usize = flags.get("--cycles")?;
+    let chunk = flags.get::<usize>("--chunk-mib")? * MIB;
+    let device: i32 = flags.get("--device")?;
     let verify = !flags.has("--no-verify");
     if cycles == 0 || chunk == 0 {
         return Err("--cycles and --chunk-mib must be positive".into());

@@ -24,8 +24,8 @@ struct TagSpec {
 }
 
 pub fn run(args: &[String], out: &mut dyn Write) -> Result<(), String> {
-    let flags = Flags::new(args, &["--device", "--fake"])?;
-    let device: i32 = flags.get("--device", 0)?;
+    let flags = Flags::new("demo", args)?;
+    let device: i32 = flags.get("--device")?;
     let driver = open_driver(flags.has("--fake"))?;
     let alloc = Allocator::new(driver.clone());
     let (free0, total) = alloc.device_memory(device).map_err(|e| e.to_string())?;

@@ -30,20 +30,147 @@ use memsaver_allocator::options::Options;
 
 use crate::options;
 
-/// The commands, with their options, as `memsaver <command> --help` shows them.
-pub const USAGE: &str = "\
-commands of the allocator core (run through `memsaver`):
-  demo      a staged pause/resume cycle with tagged memory, printing resident memory per tag
-            per stage and checking the kept contents (real GPU when one is present, else the
-            fake driver)
-            --device N   device to use (default 0)
-            --fake       use the fake driver even if a GPU is present
-  bench     pause/resume throughput of the core: cpu-policy and discard tags, checking freed
-            memory and contents every cycle
-            --cpu-gib X (8) --discard-gib Y (16) --cycles N (10) --chunk-mib M (1024)
-            --device N (0) --no-verify --fake
-  options   the table of MEMSAVER_* options (Markdown, as in docs/options.md)
-";
+/// One flag of a command: `--name VALUE` (with `value`, its metavar) or `--name` alone.
+pub struct Flag {
+    pub name: &'static str,
+    /// The metavar of its value (`N`, `X`), `None` for a flag without one.
+    pub value: Option<&'static str>,
+    /// The value when the flag is absent (flags with a value only).
+    pub default: Option<&'static str>,
+    pub help: &'static str,
+}
+
+/// One command of the core, with its flags.
+pub struct Command {
+    pub name: &'static str,
+    /// What it does, in one line (or a few, for the usage text).
+    pub help: &'static str,
+    pub flags: &'static [Flag],
+}
+
+const fn value(
+    name: &'static str,
+    metavar: &'static str,
+    default: &'static str,
+    help: &'static str,
+) -> Flag {
+    Flag {
+        name,
+        value: Some(metavar),
+        default: Some(default),
+        help,
+    }
+}
+
+const fn switch(name: &'static str, help: &'static str) -> Flag {
+    Flag {
+        name,
+        value: None,
+        default: None,
+        help,
+    }
+}
+
+/// The core's commands and their flags: the one definition. The usage text ([`usage`]), the
+/// flags each command accepts ([`Flags`]) and their defaults come from it, and so do the
+/// Python command's parsers for them (`memsaver_cli_spec_json`, read by
+/// `python/memsaver/__main__.py`).
+pub const COMMANDS: &[Command] = &[
+    Command {
+        name: "demo",
+        help: "a staged pause/resume cycle with tagged memory, printing resident memory per tag \
+               per stage and checking the kept contents (real GPU when one is present, else the \
+               fake driver)",
+        flags: &[
+            value("--device", "N", "0", "device to use"),
+            switch("--fake", "use the fake driver even if a GPU is present"),
+        ],
+    },
+    Command {
+        name: "bench",
+        help: "pause/resume throughput of the core: cpu-policy and discard tags, checking freed \
+               memory and contents every cycle",
+        flags: &[
+            value("--cpu-gib", "X", "8", "GiB of cpu-policy memory"),
+            value("--discard-gib", "Y", "16", "GiB of discard memory"),
+            value("--cycles", "N", "10", "pause/resume cycles"),
+            value("--chunk-mib", "M", "1024", "MiB per allocation"),
+            value("--device", "N", "0", "device to use"),
+            switch("--no-verify", "do not check the contents after each resume"),
+            switch("--fake", "use the fake driver even if a GPU is present"),
+        ],
+    },
+    Command {
+        name: "options",
+        help: "the table of MEMSAVER_* options (Markdown, as in docs/options.md)",
+        flags: &[],
+    },
+];
+
+/// The command `name` of [`COMMANDS`].
+pub fn command(name: &str) -> Option<&'static Command> {
+    COMMANDS.iter().find(|c| c.name == name)
+}
+
+/// The commands, with their flags, as `memsaver <command> --help` shows them.
+pub fn usage() -> String {
+    let mut u = String::from("commands of the allocator core (run through `memsaver`):\n");
+    for c in COMMANDS {
+        let mut line = format!("  {:<10}", c.name);
+        for word in c.help.split_whitespace() {
+            if line.len() + 1 + word.len() > 92 {
+                u.push_str(line.trim_end());
+                u.push('\n');
+                line = " ".repeat(12);
+            } else if !line.ends_with(' ') {
+                line.push(' ');
+            }
+            line.push_str(word);
+        }
+        u.push_str(&line);
+        u.push('\n');
+        for f in c.flags {
+            let flag = match f.value {
+                Some(v) => format!("{} {v}", f.name),
+                None => f.name.to_owned(),
+            };
+            let default = f
+                .default
+                .map_or_else(String::new, |d| format!(" (default {d})"));
+            u.push_str(&format!("            {flag:<16} {}{default}\n", f.help));
+        }
+    }
+    u
+}
+
+/// [`COMMANDS`] as JSON, for the Python command's parsers: `{"commands": [{"name", "help",
+/// "flags": [{"name", "value", "default", "help"}]}]}` (`value` and `default` null for a
+/// flag without a value).
+pub fn spec_json() -> serde_json::Result<String> {
+    let commands: Vec<serde_json::Value> = COMMANDS
+        .iter()
+        .map(|c| {
+            let flags: Vec<serde_json::Value> = c
+                .flags
+                .iter()
+                .map(|f| {
+                    serde_json::json!({
+                        "name": f.name,
+                        "value": f.value,
+                        "default": f.default,
+                        "help": f.help,
+                    })
+                })
+                .collect();
+            serde_json::json!({
+                "name": c.name,
+                "help": c.help.split_whitespace().collect::<Vec<_>>().join(" "),
+                "flags": flags,
+            })
+        })
+        .collect();
+    serde_json::to_string(&serde_json::json!({ "commands": commands }))
+}
 
 /// Runs `args` (`["bench", "--cycles", "3"]`); what it prints goes to `out`. Exit status:
 /// 0 done, 1 failed (the message is on stderr), 2 a usage error.
@@ -51,28 +178,32 @@ pub fn main(args: &[String], out: &mut dyn Write) -> i32 {
     let (cmd, rest) = match args.split_first() {
         Some((c, r)) => (c.as_str(), r),
         None => {
-            eprint!("{USAGE}");
+            eprint!("{}", usage());
             return 2;
         }
     };
     if rest.iter().any(|a| a == "-h" || a == "--help") {
-        let _ = write!(out, "{USAGE}");
+        let _ = write!(out, "{}", usage());
         return 0;
     }
     let result = match cmd {
         "demo" => demo::run(rest, out),
         "bench" => bench::run(rest, out),
         "options" => write!(out, "{}", options::markdown()).map_err(|e| e.to_string()),
-        "-h" | "--help" | "help" => write!(out, "{USAGE}").map_err(|e| e.to_string()),
+        "-h" | "--help" | "help" => write!(out, "{}", usage()).map_err(|e| e.to_string()),
         other => {
-            eprintln!("memsaver: error: unknown command '{other}'\n\n{USAGE}");
+            eprintln!("memsaver: error: unknown command '{other}'\n\n{}", usage());
             return 2;
         }
     };
     let _ = out.flush();
     match result {
         Ok(()) => 0,
-        Err(msg) if msg.starts_with("unknown option") || msg.contains("needs a value") => {
+        Err(msg)
+            if msg.starts_with("unknown option")
+                || msg.contains("needs a value")
+                || msg.starts_with("bad value for") =>
+        {
             eprintln!("memsaver {cmd}: error: {msg}");
             2
         }
@@ -150,30 +281,93 @@ fn zeroed_dl_info() -> libc::Dl_info {
     unsafe { std::mem::zeroed() }
 }
 
-/// Parses `--name value` flags of a subcommand.
-pub struct Flags<'a>(&'a [String]);
+/// The flags given to a command, checked against its entry in [`COMMANDS`].
+pub struct Flags<'a> {
+    args: &'a [String],
+    command: &'static Command,
+}
 
 impl<'a> Flags<'a> {
-    pub fn new(args: &'a [String], known: &[&str]) -> Result<Self, String> {
+    /// `args` of the command `name` (of [`COMMANDS`]); an unknown flag is refused.
+    pub fn new(name: &str, args: &'a [String]) -> Result<Self, String> {
+        let command = command(name).ok_or_else(|| format!("unknown command '{name}'"))?;
         for a in args.iter().filter(|a| a.starts_with("--")) {
-            if !known.contains(&a.as_str()) {
+            if !command.flags.iter().any(|f| f.name == a) {
+                let known: Vec<&str> = command.flags.iter().map(|f| f.name).collect();
                 return Err(format!("unknown option {a}; known: {}", known.join(" ")));
             }
         }
-        Ok(Self(args))
+        Ok(Self { args, command })
     }
 
+    fn flag(&self, name: &str) -> Result<&'static Flag, String> {
+        self.command
+            .flags
+            .iter()
+            .find(|f| f.name == name)
+            .ok_or_else(|| format!("{} has no flag {name}", self.command.name))
+    }
+
+    /// Whether the flag without a value `name` was given.
     pub fn has(&self, name: &str) -> bool {
-        self.0.iter().any(|a| a == name)
+        self.args.iter().any(|a| a == name)
     }
 
-    pub fn get<T: std::str::FromStr>(&self, name: &str, default: T) -> Result<T, String> {
-        match self.0.iter().position(|a| a == name) {
-            None => Ok(default),
-            Some(i) => {
-                let v = self.0.get(i + 1).ok_or(format!("{name} needs a value"))?;
-                v.parse().map_err(|_| format!("bad value for {name}: {v}"))
+    /// The value of flag `name`, or its default.
+    pub fn get<T: std::str::FromStr>(&self, name: &str) -> Result<T, String> {
+        let flag = self.flag(name)?;
+        let v = match self.args.iter().position(|a| a == name) {
+            None => flag.default.ok_or(format!("{name} has no default"))?,
+            Some(i) => self
+                .args
+                .get(i + 1)
+                .ok_or(format!("{name} needs a value"))?,
+        };
+        v.parse().map_err(|_| format!("bad value for {name}: {v}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_flag_is_declared_once_with_a_usable_default() {
+        for c in COMMANDS {
+            let mut names: Vec<&str> = c.flags.iter().map(|f| f.name).collect();
+            names.sort_unstable();
+            names.dedup();
+            assert_eq!(names.len(), c.flags.len(), "{}: a flag twice", c.name);
+            let flags = Flags::new(c.name, &[]).unwrap();
+            for f in c.flags {
+                assert!(f.name.starts_with("--") && !f.help.is_empty(), "{}", f.name);
+                assert_eq!(f.value.is_some(), f.default.is_some(), "{}", f.name);
+                if f.value.is_some() {
+                    flags.get::<f64>(f.name).unwrap();
+                }
+                assert!(
+                    usage().contains(f.name),
+                    "{} missing from the usage",
+                    f.name
+                );
             }
         }
+    }
+
+    #[test]
+    fn flags_are_checked_against_the_table() {
+        let args = ["--cycles".to_owned(), "3".to_owned(), "--fake".to_owned()];
+        let flags = Flags::new("bench", &args).unwrap();
+        assert_eq!(flags.get::<usize>("--cycles").unwrap(), 3);
+        assert_eq!(flags.get::<usize>("--chunk-mib").unwrap(), 1024);
+        assert!(flags.has("--fake") && !flags.has("--no-verify"));
+        let err = Flags::new("demo", &args).err().unwrap();
+        assert!(err.starts_with("unknown option --cycles"), "{err}");
+        let spec: serde_json::Value = serde_json::from_str(&spec_json().unwrap()).unwrap();
+        assert_eq!(spec["commands"][0]["flags"][0]["name"], "--device");
+        assert_eq!(
+            spec["commands"][0]["flags"][1]["value"],
+            serde_json::Value::Null
+        );
     }
 }
