@@ -24,7 +24,12 @@ the owner (this script, re-run under the preload) starts a receiver with
    memory would stay held); the receiver's stats show the import paused;
 3. the owner resumes: its contents are back (cpu backup), it writes a new value; the receiver
    sees the new value through the pointer it had (same ``data_ptr()``);
-4. region mode only: the time to open (``rebuild_cuda_tensor``, which calls
+4. the receiver is stopped (SIGSTOP) across a whole pause and resume of the owner: both calls do
+   the owner's part and raise ``memsaver.PeerError`` naming the receiver (the owner runs with
+   ``MEMSAVER_IPC_TIMEOUT_MS=2000``); the owner writes a new value; once the receiver runs
+   again (SIGCONT) it catches up without another cycle (the owner's ``imports_behind`` drops
+   to 0) and sees the new value at the same address;
+5. region mode only: the time to open (``rebuild_cuda_tensor``, which calls
    ``cudaIpcOpenMemHandle``) a handle of a 1 GiB memsaver tensor against a 1 GiB plain tensor
    shared the same way (allocated outside any region: real CUDA IPC), median of ``--reps``
    (default 5), in the same run. The figures are printed (target: within 2x); they do not
@@ -106,6 +111,11 @@ def receiver(mode: str, size: int, reps: int, inbox: Any, outbox: Any) -> None:
         imp = imports(memsaver)
         outbox.put(("resumed", pattern_ok(torch, x, 7, 9), x.data_ptr() == ptr,
                     bool(imp and not imp[0].paused)))
+        # Stopped meanwhile, across the owner's pause and resume.
+        assert inbox.get() == "caught-up"
+        imp = imports(memsaver)
+        outbox.put(("caught-up", pattern_ok(torch, x, 11, 13), x.data_ptr() == ptr,
+                    bool(imp and not imp[0].paused)))
         del x
         gc.collect()
         if mode == "region":
@@ -152,6 +162,37 @@ def open_without_memsaver(t: Any) -> tuple[bool, str]:
                        env=env, capture_output=True, timeout=300)
     out = r.stdout.decode(errors="replace").strip() or r.stderr.decode(errors="replace")[-300:]
     return out.startswith("REFUSED"), out
+
+
+def stopped_receiver(c: Checks, mode: str, memsaver: Any, torch: Any, t: Any, pid: int) -> None:
+    """Step 4: the receiver stopped across a whole pause and resume of the owner."""
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for op in (memsaver.pause, memsaver.resume):
+            try:
+                op(TAG)
+                c.check(False, f"{op.__name__} with the receiver stopped reports it")
+            except memsaver.PeerError as e:
+                c.check(f"process {pid} " in str(e),
+                        f"{op.__name__} with the receiver stopped raises PeerError naming it "
+                        f"({str(e)[:160]}...)")
+        fill(t, 11, 13)
+        torch.cuda.synchronize()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 60:
+        e = memsaver.stats().shared_exports.get(TAG)
+        if e is not None and e.imports_behind == 0:
+            break
+        time.sleep(0.01)
+    log(f"[{mode}] the stopped receiver caught up {(time.perf_counter() - t0) * 1e3:.0f} ms "
+        "after SIGCONT")
+    e = memsaver.stats().shared_exports.get(TAG)
+    c.check(e is not None and e.imports_behind == 0,
+            f"the owner's stats show the receiver caught up ({e})")
 
 
 def owner(mode: str, size_mib: int, reps: int) -> int:
@@ -225,6 +266,13 @@ def owner(mode: str, size_mib: int, reps: int) -> int:
         c.check(same_ptr, "at the same address")
         c.check(mapped, "the receiver's stats show the import mapped again")
 
+        stopped_receiver(c, mode, memsaver, torch, t, proc.pid)
+        inbox.put("caught-up")
+        _, sees, same_ptr, mapped = answer("caught-up")
+        c.check(sees and same_ptr and mapped,
+                "the receiver, stopped across a pause and a resume, sees the owner's new "
+                "memory at the same address once it runs")
+
         if mode == "region":
             times: dict[str, list[float]] = {"memsaver": [], "plain": []}
             # One untimed open first; then plain and memsaver alternate.
@@ -276,6 +324,8 @@ def main() -> int:
     for mode in ["region", "process"] if args.mode == "all" else [args.mode]:
         env = {**os.environ, **memsaver.subprocess_env()}
         env.pop("MEMSAVER_PROCESS_TAG", None)
+        # Step 4 waits this long for the stopped receiver, twice.
+        env["MEMSAVER_IPC_TIMEOUT_MS"] = "2000"
         if mode == "process":
             env["MEMSAVER_PROCESS_TAG"] = TAG
             env["MEMSAVER_PROCESS_BACKUP"] = "cpu"
