@@ -17,10 +17,13 @@
 //! * **export / import**: turning a handle into a POSIX fd another process can import as its own
 //!   handle to the same physical memory. The exporter of an allocation is its **owner**, a
 //!   process that imported it is an **importer**.
+//! * **shared allocation**: an allocation the sharing layer has exported (a CUDA IPC handle, or
+//!   NCCL's registration of it): from then on a resume gives it physical memory of its own, and
+//!   the sharing layer hears of its pauses and resumes (`sharing.rs`).
 //! * **generation**: how many times an exported buffer's physical memory has been re-created by
-//!   a resume; it names which incarnation a cross-process reference points at. Only NCCL's
-//!   buffers are exported, so only the `nccl` tag's registry keeps one (per handle, in
-//!   nccl-hook); the core's allocations are never exported and have none.
+//!   a resume; it names which incarnation a cross-process reference points at. The core does
+//!   not count it: the owner's ledger does for shared allocations (memsaver-ipc's `exported`),
+//!   and the `nccl` tag's registry for NCCL's buffers (per handle, in nccl-hook).
 //! * **pause**: unmap and release an allocation's physical memory, keeping its virtual range
 //!   reserved (after backing up its contents if its policy says so).
 //! * **resume**: create fresh physical memory, map it at the same address, and restore the

@@ -107,6 +107,48 @@ fn a_registered_import_follows_its_owners_tag() {
 }
 
 #[test]
+fn a_registered_import_stopped_across_its_owners_pause_and_resume_catches_up() {
+    let dirs = Dirs::new();
+    let mut job = Job::start_per_rank(2, 34, &dirs.fake, &dirs.rt, PATIENT_MS, |r| {
+        (r == 0).then_some(("MEMSAVER_IPC_TIMEOUT_MS", "300"))
+    });
+    job.all_ok("tensor 4");
+    for r in 0..2 {
+        job.one(r, "register");
+    }
+    job.all_ok("exchange");
+    job.write_all(0);
+    job.check_all();
+    job.signal(1, libc::SIGSTOP);
+    // Both calls do rank 0's part and name rank 1, which did not follow.
+    let pid = job.pid(1);
+    for op in ["pause weights", "resume weights"] {
+        let a = job.one(0, op);
+        assert!(
+            a.starts_with("err 11 ") && a.contains(&format!("process {pid} ")),
+            "{op}: {a}"
+        );
+    }
+    job.ok(&[0], "write 30");
+    job.signal(1, libc::SIGCONT);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while shared(&mut job, 0)["exports"]["weights"]["imports_behind"] != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "rank 1 never caught up"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(shared(&mut job, 1)["imports"][0]["paused"], false);
+    assert_eq!(
+        job.one(1, "check 0 30"),
+        "ok",
+        "the owner's new memory, same address"
+    );
+    assert_eq!(job.used(), 8 * MIB, "no old memory left behind");
+}
+
+#[test]
 fn a_dead_importer_releases_and_a_dead_owners_memory_stays_with_its_importer() {
     let dirs = Dirs::new();
     let mut job = registered_pair(32, &dirs);
