@@ -625,6 +625,58 @@ fn many_importers_of_many_allocations_follow_every_cycle() {
     }
 }
 
+/// The socket process `p` serves (group 1).
+fn socket_of(dirs: &Dirs, p: &mut Proc) -> std::path::PathBuf {
+    let pid: u32 = p.cmd("pid").parse().unwrap();
+    std::fs::read_dir(dirs.rt.join("g1"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|s| {
+            s.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with(&format!("{pid}-"))
+        })
+        .expect("the process's socket")
+}
+
+#[test]
+fn a_sender_is_who_its_pid_and_start_time_say() {
+    use memsaver_scenarios::wire;
+    let dirs = Dirs::new();
+    let (_o, h) = owner(&dirs, &[]);
+    let mut r = Proc::start(&dirs, "1", &[]);
+    r.cmd(&format!("open {h}"));
+    let sock = socket_of(&dirs, &mut r);
+    let to = wire::Identity::of_socket(&sock);
+    let me = wire::Identity::this_process(7);
+    let release = |from| wire::items_request(wire::RELEASE, from, to, 1, &[(1, 2, 3)]);
+    let wait = Duration::from_secs(60);
+    // This test's own pid with another start time: a process that had this pid before.
+    for from in [
+        wire::Identity {
+            start: me.start + 1,
+            ..me
+        },
+        wire::Identity {
+            pid: me.pid + 1,
+            ..me
+        },
+    ] {
+        let r = wire::ask(&sock, &release(from), wait).unwrap();
+        assert_eq!(r.frames.len(), 1, "{r:?}");
+        assert_eq!(r.frames[0].kind, wire::R_REFUSED, "{r:?}");
+        assert!(r.frames[0].text.contains("naming itself as it is"), "{r:?}");
+    }
+    // As it is: admitted (a release of nothing it holds is done at once).
+    let r = wire::ask(&sock, &release(me), wait).unwrap();
+    assert_eq!(
+        r.frames.first().map(|f| f.kind),
+        Some(wire::R_DONE),
+        "{r:?}"
+    );
+}
+
 #[test]
 fn a_flood_of_releases_does_not_multiply_the_importers_threads() {
     use memsaver_scenarios::wire;
@@ -633,17 +685,7 @@ fn a_flood_of_releases_does_not_multiply_the_importers_threads() {
     let mut r = Proc::start(&dirs, "1", &[]);
     r.cmd(&format!("open {h}"));
     let before: usize = r.cmd("threads").parse().unwrap();
-    let pid: u32 = r.cmd("pid").parse().unwrap();
-    let sock = std::fs::read_dir(dirs.rt.join("g1"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with(&format!("{pid}-"))
-        })
-        .expect("the importer's socket");
+    let sock = socket_of(&dirs, &mut r);
     let to = wire::Identity::of_socket(&sock);
     let from = wire::Identity::this_process(7);
     // Releases of buffers it does not hold, as fast as one process can send them, none waited
