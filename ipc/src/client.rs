@@ -12,12 +12,13 @@
 //! answers `NotReady` after that).
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::error::{Error, Result};
 use crate::group;
 use crate::identity::{self, Identity, Namespace, same_pid_namespace};
 use crate::protocol::{self, Buffer, MAX_BUFFERS, Reply, Request};
@@ -31,31 +32,31 @@ pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Connects to the server of `owner` in `group`'s directory and checks who answers: a process
 /// of this user, in this pid namespace, whose pid and start time are the owner's.
-pub fn connect(group: i64, owner: &Identity) -> Result<UnixStream, String> {
-    let dir = rundir::group_dir(&rundir::runtime_dir(), group).map_err(|e| e.to_string())?;
+pub fn connect(group: i64, owner: &Identity) -> Result<UnixStream> {
+    let dir = rundir::group_dir(&rundir::runtime_dir(), group)
+        .map_err(|e| Error::Other(e.to_string()))?;
     let name = identity::socket_name(owner);
     let shown = || format!("{}/{name}", dir.path().display());
     let stream = loop {
         match UnixStream::connect(dir.entry(&name)) {
             Ok(s) => break s,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                return Err(format!(
-                    "process {} does not serve {} ({e}): it exited, or runs with another \
-                     MEMSAVER_RUNTIME_DIR or group",
-                    owner.pid,
-                    shown()
-                ));
+            Err(source) => {
+                return Err(Error::NotServed {
+                    pid: owner.pid,
+                    path: shown(),
+                    source,
+                });
             }
         }
     };
-    let (uid, pid) = peer_cred(&stream).map_err(|e| format!("{}: {e}", shown()))?;
+    let (uid, pid) = peer_cred(&stream).map_err(|e| Error::Other(format!("{}: {e}", shown())))?;
     if uid != rundir::euid() {
-        return Err(format!(
+        return Err(Error::NotThatProcess(format!(
             "{} is served by uid {uid}, not this user ({}): refused",
             shown(),
             rundir::euid()
-        ));
+        )));
     }
     let namespace = match same_pid_namespace(pid) {
         Ok(()) if pid != 0 => None,
@@ -67,20 +68,20 @@ pub fn connect(group: i64, owner: &Identity) -> Result<UnixStream, String> {
         Err(Namespace::Unknown(why)) => Some(why),
     };
     if let Some(why) = namespace {
-        return Err(format!(
+        return Err(Error::NotThatProcess(format!(
             "{} is not served by process {} of this pid namespace: {why}",
             shown(),
             owner.pid
-        ));
+        )));
     }
     if pid != owner.pid || identity::start_of(pid) != Some(owner.start) {
-        return Err(format!(
+        return Err(Error::NotThatProcess(format!(
             "{} is served by another process than process {} (started at {}) that the token \
              or socket names: refused",
             shown(),
             owner.pid,
             owner.start
-        ));
+        )));
     }
     Ok(stream)
 }
@@ -88,47 +89,54 @@ pub fn connect(group: i64, owner: &Identity) -> Result<UnixStream, String> {
 /// Whether process `who` of `group` is gone for good: its socket (named by its whole identity,
 /// nonce included) refuses connections or is not there. Only a process that serves can import
 /// or own shared memory, so this tells apart a dead process from a new one that got its pid
-/// (and, within the same clock tick, its start time).
+/// (and, within the same clock tick, its start time). The connect never blocks (a stopped
+/// process's full backlog answers at once: alive) and is closed unused, so ask it rarely, not
+/// in a polling loop.
 pub fn gone(group: i64, who: &Identity) -> bool {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
     let Ok(dir) = rundir::group_dir(&rundir::runtime_dir(), group) else {
         return false;
     };
-    match UnixStream::connect(dir.entry(&identity::socket_name(who))) {
-        Ok(_) => false,
-        Err(e) => matches!(
-            e.kind(),
-            std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
-        ),
-    }
+    let Ok(addr) = UnixAddr::new(&dir.entry(&identity::socket_name(who))) else {
+        return false;
+    };
+    let flags = SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC;
+    let Ok(s) = socket(AddressFamily::Unix, SockType::Stream, flags, None) else {
+        return false;
+    };
+    matches!(
+        connect(s.as_raw_fd(), &addr),
+        Err(nix::errno::Errno::ECONNREFUSED | nix::errno::Errno::ENOENT)
+    )
 }
 
 /// The owners this process imports from: pid -> identity, learnt from their tokens.
 static OWNERS: Mutex<Option<HashMap<u32, Identity>>> = Mutex::new(None);
 
-fn owner_identity(pid: u32) -> Result<Identity, String> {
+fn owner_identity(pid: u32) -> Result<Identity> {
     OWNERS
         .lock()
         .as_ref()
         .and_then(|m| m.get(&pid).copied())
-        .ok_or_else(|| format!("process {pid}: this process has no token of it"))
+        .ok_or_else(|| Error::Other(format!("process {pid}: this process has no token of it")))
 }
 
 /// Records `t`'s owner as the process behind its pid. Refused while this process still holds
 /// imports of another process with that pid (`holds_imports_of(pid)`: a reused pid, or a
 /// process of another pid namespace; either way not the owner those imports came from).
-fn bind_owner(t: &Token, holds_imports_of: impl FnOnce(u32) -> bool) -> Result<(), String> {
+fn bind_owner(t: &Token, holds_imports_of: impl FnOnce(u32) -> bool) -> Result<()> {
     let id = t.owner();
     let known = OWNERS.lock().as_ref().and_then(|m| m.get(&t.pid).copied());
     if let Some(old) = known.filter(|old| *old != id)
         && holds_imports_of(t.pid)
     {
-        return Err(format!(
+        return Err(Error::NotThatProcess(format!(
             "the token names process {} started at {} (nonce {:016x}), but this process \
              holds imports of another process {} (started at {}, nonce {:016x}): the pid \
              was reused or belongs to another pid namespace (container); memsaver shares \
              memory only between processes of one pid namespace",
             t.pid, t.start, t.nonce, old.pid, old.start, old.nonce
-        ));
+        )));
     }
     OWNERS
         .lock()
@@ -148,34 +156,19 @@ pub fn exchange(
     request: Request,
     n: usize,
     wait: Duration,
-) -> Result<Vec<(Reply, Option<OwnedFd>)>, String> {
+) -> Result<Vec<(Reply, Option<OwnedFd>)>> {
     let until = Instant::now() + wait + IO_TIMEOUT;
     let mut pause = Duration::from_millis(1);
     loop {
         match exchange_once(group, owner, &request, n, wait) {
             Ok(replies) => return Ok(replies),
-            Err(Failure::Busy) if Instant::now() + pause < until => {
+            Err(Error::Busy { .. }) if Instant::now() + pause < until => {
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(100));
             }
-            Err(Failure::Busy) => {
-                return Err(format!("process {} refused: {}", owner.pid, server::BUSY));
-            }
-            Err(Failure::Failed(e)) => return Err(e),
+            Err(Error::Busy { .. }) => return Err(Error::Busy { pid: owner.pid }),
+            Err(e) => return Err(e),
         }
-    }
-}
-
-/// Why one exchange failed.
-enum Failure {
-    /// The owner refused it for load ([`server::BUSY`]): worth asking again.
-    Busy,
-    Failed(String),
-}
-
-impl From<String> for Failure {
-    fn from(e: String) -> Self {
-        Failure::Failed(e)
     }
 }
 
@@ -186,31 +179,30 @@ fn exchange_once(
     request: &Request,
     n: usize,
     wait: Duration,
-) -> Result<Vec<(Reply, Option<OwnedFd>)>, Failure> {
+) -> Result<Vec<(Reply, Option<OwnedFd>)>> {
     let stream = connect(group, owner)?;
     let pid = owner.pid;
+    let wire = |what: String| Error::Wire { pid, what };
     let sent_by = Instant::now() + IO_TIMEOUT;
     protocol::write_frame(stream.as_fd(), &request.encode(), None, sent_by)
-        .map_err(|e| format!("process {pid}: {e}"))?;
+        .map_err(|e| wire(e.to_string()))?;
     let answered_by = Instant::now() + wait + IO_TIMEOUT;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let (body, fd) =
             protocol::read_frame(stream.as_fd(), answered_by).map_err(|e| match e.kind() {
                 std::io::ErrorKind::UnexpectedEof => {
-                    format!("process {pid} closed the connection (did it exit?)")
+                    wire("closed the connection (did it exit?)".into())
                 }
-                _ => format!("process {pid}: {e}"),
+                _ => wire(e.to_string()),
             })?;
         match Reply::decode(&body) {
             Ok(Reply::Refused { reason }) if reason == server::BUSY && out.is_empty() => {
-                return Err(Failure::Busy);
+                return Err(Error::Busy { pid });
             }
-            Ok(Reply::Refused { reason }) => {
-                return Err(format!("process {pid} refused: {reason}").into());
-            }
+            Ok(Reply::Refused { reason }) => return Err(Error::Refused { pid, reason }),
             Ok(r) => out.push((r, fd)),
-            Err(e) => return Err(format!("process {pid} sent {e}").into()),
+            Err(e) => return Err(wire(format!("sent {e}"))),
         }
     }
     Ok(out)
@@ -222,7 +214,7 @@ fn fetch(
     owner: &Identity,
     wants: &[Buffer],
     wait: Duration,
-) -> Result<Vec<(OwnedFd, u64)>, String> {
+) -> Result<Vec<(OwnedFd, u64)>> {
     let pid = owner.pid;
     let mut out = Vec::with_capacity(wants.len());
     for chunk in wants.chunks(MAX_BUFFERS) {
@@ -246,21 +238,24 @@ fn fetch(
                     Some(fd),
                 ) if got == id => (fd, generation),
                 (Reply::NotReady { .. }, _) => {
-                    return Err(format!(
+                    return Err(Error::Other(format!(
                         "process {pid} did not restore buffer {id:#x} (generation {}) within {} \
                          ms; every process of the group must resume that memory too",
                         want.generation,
                         wait.as_millis()
-                    ));
+                    )));
                 }
                 (Reply::Failed { .. }, _) => {
-                    return Err(format!(
+                    return Err(Error::Other(format!(
                         "process {pid} could not export buffer {id:#x} (its driver failed, or \
                          the buffer was freed there)"
-                    ));
+                    )));
                 }
                 (r, _) => {
-                    return Err(format!("process {pid} answered {r:?} for buffer {id:#x}"));
+                    return Err(Error::Wire {
+                        pid,
+                        what: format!("answered {r:?} for buffer {id:#x}"),
+                    });
                 }
             });
         }
@@ -274,15 +269,14 @@ pub fn import(
     t: &Token,
     wait: Duration,
     holds_imports_of: impl FnOnce(u32) -> bool,
-) -> Result<(OwnedFd, u64), String> {
-    let mine = group::try_fix()?;
+) -> Result<(OwnedFd, u64)> {
+    let mine = group::try_fix().map_err(Error::Option)?;
     if t.group != mine {
-        return Err(format!(
-            "the buffer belongs to process {} of group {}, this process is in group {mine}: \
-             groups do not share memory; give every process of one job the same group \
-             (MEMSAVER_GROUP, memsaver.set_group or ncclSetGroupID)",
-            t.pid, t.group
-        ));
+        return Err(Error::OtherGroup {
+            pid: t.pid,
+            theirs: t.group,
+            mine,
+        });
     }
     bind_owner(t, holds_imports_of)?;
     let want = Buffer {
@@ -292,7 +286,10 @@ pub fn import(
     };
     fetch(t.group, &t.owner(), &[want], wait)?
         .pop()
-        .ok_or_else(|| format!("process {}: no answer", t.pid))
+        .ok_or_else(|| Error::Wire {
+            pid: t.pid,
+            what: "no answer".into(),
+        })
 }
 
 /// The fds of buffers `wants` of `owner` (each at least the generation given), with the
@@ -302,17 +299,12 @@ pub fn request_fds(
     owner: u32,
     wants: &[Buffer],
     wait: Duration,
-) -> Result<Vec<(OwnedFd, u64)>, String> {
+) -> Result<Vec<(OwnedFd, u64)>> {
     fetch(group, &owner_identity(owner)?, wants, wait)
 }
 
 /// Tells `owner` that this process released its imports of `buffers`.
-pub fn notify_released(
-    group: i64,
-    owner: u32,
-    buffers: &[Buffer],
-    wait: Duration,
-) -> Result<(), String> {
+pub fn notify_released(group: i64, owner: u32, buffers: &[Buffer], wait: Duration) -> Result<()> {
     let owner = owner_identity(owner)?;
     for chunk in buffers.chunks(MAX_BUFFERS) {
         let request = Request::Released {

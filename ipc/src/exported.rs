@@ -23,11 +23,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
-use memsaver_allocator::{Allocator, Error, ExportedMemory, StartHook};
+use memsaver_allocator::{Allocator, ExportedMemory, StartHook};
 use parking_lot::{Condvar, Mutex};
 
 use crate::client;
 use crate::deadline::{Progress, listed};
+use crate::error::{Error, Result};
 use crate::group;
 use crate::handle::IpcHandle;
 use crate::identity::{self, Identity};
@@ -189,27 +190,30 @@ fn cached_export(a: &Allocator, id: u64, e: &mut Export) -> Result<Option<Export
 
 /// The handle of the memsaver allocation holding `ptr`, or `Ok(None)` when memsaver did not
 /// allocate it (the caller forwards to the real runtime).
-pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>, String> {
+pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>> {
     let Some(a) = memsaver_allocator::global_if_started() else {
         return Ok(None);
     };
     let shared = match a.share(ptr) {
         Ok(s) => s,
-        Err(Error::UnknownPointer { .. }) => return Ok(None),
-        Err(e) => return Err(e.to_string()),
+        Err(memsaver_allocator::Error::UnknownPointer { .. }) => return Ok(None),
+        Err(e) => return Err(Error::Other(e.to_string())),
     };
     // Importers answer the owner's release and rebuild requests on this server, and open
     // through it.
     server::ensure_server().map_err(|e| {
-        format!("cannot share memsaver memory with other processes: this process cannot serve its socket: {e}")
+        Error::Other(format!(
+            "cannot share memsaver memory with other processes: this process cannot serve its socket: {e}"
+        ))
     })?;
     let key = {
         let mut l = LEDGER.lock();
         let e = match l.exports.entry(shared.id) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
-                let key = identity::new_key()
-                    .map_err(|e| format!("cannot draw a key for a CUDA IPC handle: {e}"))?;
+                let key = identity::new_key().map_err(|e| {
+                    Error::Other(format!("cannot draw a key for a CUDA IPC handle: {e}"))
+                })?;
                 v.insert(Export {
                     key,
                     tag: shared.tag.clone(),
@@ -230,7 +234,7 @@ pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>, String> {
     };
     Ok(Some(IpcHandle {
         owner: identity::me(),
-        group: group::try_fix()?,
+        group: group::try_fix().map_err(Error::Option)?,
         id: shared.id,
         key,
         size: shared.size as u64,
@@ -373,7 +377,7 @@ pub(crate) fn serve(conn: &Connection, from: Identity, op: Share, buffers: &[Buf
 
 /// The answer to `from`'s open of `b` (export `e`, under [`LEDGER`]).
 fn open(
-    allocator: &Result<&'static Allocator, Error>,
+    allocator: &memsaver_allocator::Result<&'static Allocator>,
     from: Identity,
     e: &mut Export,
     b: &Buffer,
@@ -482,7 +486,7 @@ fn courier(who: Identity) {
             backoff = Duration::from_millis(10);
             continue;
         };
-        if !identity::is_running(&who) || client::gone(group, &who) {
+        if e.gone() || !identity::is_running(&who) || client::gone(group, &who) {
             // A dead importer holds nothing: its mappings went with it.
             let mut l = LEDGER.lock();
             l.forget(&who);
@@ -492,7 +496,7 @@ fn courier(who: Identity) {
             return;
         }
         tracing::debug!(importer = who.pid, error = %e, "an importer is behind");
-        LEDGER.lock().failures.insert(who, e);
+        LEDGER.lock().failures.insert(who, e.to_string());
         SETTLED.notify_all();
         std::thread::sleep(backoff);
         backoff = (backoff * 2).min(Duration::from_secs(1));
@@ -500,7 +504,7 @@ fn courier(who: Identity) {
 }
 
 /// Sends `op` of `buffers` to `who` and records what it acknowledged.
-fn deliver(group: i64, who: &Identity, op: Share, buffers: &[Buffer]) -> Result<(), String> {
+fn deliver(group: i64, who: &Identity, op: Share, buffers: &[Buffer]) -> Result<()> {
     let request = Request::Shared {
         from: identity::me(),
         to: *who,
@@ -511,8 +515,13 @@ fn deliver(group: i64, who: &Identity, op: Share, buffers: &[Buffer]) -> Result<
     let reply = client::exchange(group, who, request, 1, timeout())?;
     match reply.into_iter().next() {
         Some((Reply::Done, _)) => {}
-        Some((Reply::Error { message, .. }, _)) => return Err(message),
-        other => return Err(format!("answered {other:?}")),
+        Some((Reply::Error { message, .. }, _)) => return Err(Error::Other(message)),
+        other => {
+            return Err(Error::Wire {
+                pid: who.pid,
+                what: format!("answered {other:?}"),
+            });
+        }
     }
     let mut l = LEDGER.lock();
     for b in buffers {

@@ -29,6 +29,7 @@ use memsaver_allocator::driver::Handle;
 use parking_lot::Mutex;
 
 use crate::client;
+use crate::error::{Error, Result};
 use crate::exported::timeout;
 use crate::group;
 use crate::handle::{HANDLE_BYTES, IpcHandle};
@@ -126,7 +127,7 @@ impl Import {
 
     /// To `Mapped(n)` with the owner's memory of generation `n >= want`, unless a generation at
     /// least `want` is mapped already.
-    fn rebuild(&mut self, a: &Allocator, want: u64) -> Result<(), String> {
+    fn rebuild(&mut self, a: &Allocator, want: u64) -> Result<()> {
         if matches!(self.state, State::Mapped { generation, .. } if generation >= want) {
             return Ok(());
         }
@@ -144,12 +145,12 @@ impl Import {
             .checked_sub(o.offset)
             .filter(|at| *at >= base && at + o.handle_size as u64 <= base + reserved as u64);
         let Some(at) = at else {
-            return Err(format!(
+            return Err(Error::Other(format!(
                 "process {} re-created the memory in a layout that does not fit the reserved range",
                 self.owner.pid
-            ));
+            )));
         };
-        let handle = map_fd(a, &o.fd, at, o.handle_size, self.device)?;
+        let handle = map_fd(a, &o.fd, at, o.handle_size, self.device).map_err(Error::Other)?;
         self.state = State::Mapped {
             generation: o.generation,
             handle,
@@ -197,34 +198,36 @@ pub struct Opened {
 /// The checks of every open: not this very process's memory, and the same group (which this
 /// fixes for the process), with this process's server running to answer the owner's release
 /// and rebuild.
-fn check_owner(owner: &Identity, group: i64, how: &str) -> Result<(), String> {
+fn check_owner(owner: &Identity, group: i64, how: &str) -> Result<()> {
     let pid = owner.pid;
     // The options this process uses to import, checked now (an importer may never have
     // allocated through memsaver, which checks them all).
-    crate::options::ipc_timeout()?;
-    let mine = group::try_fix()?;
+    crate::options::ipc_timeout().map_err(Error::Option)?;
+    let mine = group::try_fix().map_err(Error::Option)?;
     if *owner == identity::me() {
-        return Err(format!(
+        return Err(Error::Other(format!(
             "{how}: this is memory of this very process (use the pointer itself)"
-        ));
+        )));
     }
     if group != mine {
-        return Err(format!(
-            "the memory belongs to process {pid} of group {group}, this process is in group \
-             {mine}: groups do not share memory; give every process of one job the same group \
-             (MEMSAVER_GROUP, memsaver.set_group or ncclSetGroupID)"
-        ));
+        return Err(Error::OtherGroup {
+            pid,
+            theirs: group,
+            mine,
+        });
     }
     server::ensure_server().map_err(|e| {
-        format!("cannot import memsaver memory of process {pid}: this process cannot serve its socket: {e}")
+        Error::Other(format!(
+            "cannot import memsaver memory of process {pid}: this process cannot serve its socket: {e}"
+        ))
     })
 }
 
 /// Opens the allocation a token names for a [`Holder`] that maps it itself: the same checks
 /// as [`open`], then [`fetch`].
-pub fn open_for_holder(t: &Token) -> Result<Opened, String> {
+pub fn open_for_holder(t: &Token) -> Result<Opened> {
     if t.names != Names::Allocation {
-        return Err("not a token of a memsaver allocation".into());
+        return Err(Error::Other("not a token of a memsaver allocation".into()));
     }
     let owner = t.owner();
     check_owner(&owner, t.group, "an import of a token")?;
@@ -238,7 +241,7 @@ pub fn open_for_holder(t: &Token) -> Result<Opened, String> {
 
 /// Asks `owner` for the fd of allocation `b` (at least generation `b.generation`; 0 for a new
 /// import, which the owner counts).
-pub fn fetch(group: i64, owner: &Identity, b: Buffer) -> Result<Opened, String> {
+pub fn fetch(group: i64, owner: &Identity, b: Buffer) -> Result<Opened> {
     let request = Request::Shared {
         from: identity::me(),
         to: *owner,
@@ -248,10 +251,13 @@ pub fn fetch(group: i64, owner: &Identity, b: Buffer) -> Result<Opened, String> 
     };
     let pid = owner.pid;
     let replies = client::exchange(group, owner, request, 1, timeout()).map_err(|e| {
-        if identity::is_running(owner) {
+        if identity::is_running(owner) && !e.gone() {
             e
         } else {
-            format!("the owner of this memory, process {pid}, exited: {e}")
+            Error::OwnerExited {
+                pid,
+                cause: Box::new(e),
+            }
         }
     })?;
     match replies.into_iter().next() {
@@ -277,16 +283,15 @@ pub fn fetch(group: i64, owner: &Identity, b: Buffer) -> Result<Opened, String> 
                 handle_size: handle_size as usize,
             })
         }
-        Some((Reply::NotReady { .. }, _)) => Err(paused(pid)),
-        Some((Reply::Failed { .. }, _)) => Err(format!(
+        Some((Reply::NotReady { .. }, _)) => Err(Error::Paused { pid }),
+        Some((Reply::Failed { .. }, _)) => Err(Error::Other(format!(
             "process {pid} could not export this memory (its driver failed)"
-        )),
-        other => Err(format!("process {pid} answered {other:?}")),
+        ))),
+        other => Err(Error::Wire {
+            pid,
+            what: format!("answered {other:?}"),
+        }),
     }
-}
-
-fn paused(pid: u32) -> String {
-    format!("process {pid} has this memory paused: resume its tag in process {pid} first")
 }
 
 /// Imports `fd` and maps it at `at` for `device`; the handle on success.
@@ -305,13 +310,13 @@ fn map_fd(a: &Allocator, fd: &OwnedFd, at: u64, len: usize, device: i32) -> Resu
 
 /// `cudaIpcOpenMemHandle` of memsaver's handle `bytes`: `Ok(None)` when `bytes` is not one
 /// (the caller forwards to the real runtime), else the pointer or why not.
-pub fn open(bytes: &[u8; HANDLE_BYTES]) -> Result<Option<u64>, String> {
+pub fn open(bytes: &[u8; HANDLE_BYTES]) -> Result<Option<u64>> {
     let Some(h) = IpcHandle::decode(bytes) else {
         return Ok(None);
     };
     let pid = h.owner.pid;
     check_owner(&h.owner, h.group, "cudaIpcOpenMemHandle")?;
-    let a = memsaver_allocator::start_global().map_err(|e| e.to_string())?;
+    let a = memsaver_allocator::start_global().map_err(|e| Error::Other(e.to_string()))?;
     // Held across the exchange: the owner's release of this import waits until it is recorded.
     let mut imports = IMPORTS.lock();
     // Opened already with this very handle: the same pointer, unless the owner paused it (a
@@ -322,7 +327,7 @@ pub fn open(bytes: &[u8; HANDLE_BYTES]) -> Result<Option<u64>, String> {
         .find(|(_, i)| i.owner == h.owner && i.id == h.id && i.key == h.key)
     {
         if matches!(i.state, State::Released { .. }) {
-            return Err(paused(pid));
+            return Err(Error::Paused { pid });
         }
         i.opens += 1;
         return Ok(Some(ptr));
@@ -357,7 +362,9 @@ pub fn open(bytes: &[u8; HANDLE_BYTES]) -> Result<Option<u64>, String> {
         Err(e) => {
             drop(imports);
             let _ = close_imports(h.group, &h.owner, &[want]);
-            return Err(format!("cannot map memory of process {pid}: {e}"));
+            return Err(Error::Other(format!(
+                "cannot map memory of process {pid}: {e}"
+            )));
         }
     };
     tracing::debug!(
@@ -394,7 +401,7 @@ pub fn open(bytes: &[u8; HANDLE_BYTES]) -> Result<Option<u64>, String> {
 /// Tells `owner` that this process holds one import fewer of each of `buffers` (a close, or a
 /// [`Holder`]'s import went): once none is left, the owner's next pause does not wait for this
 /// process. An owner that exited needs no notice.
-pub fn close_imports(group: i64, owner: &Identity, buffers: &[Buffer]) -> Result<(), String> {
+pub fn close_imports(group: i64, owner: &Identity, buffers: &[Buffer]) -> Result<()> {
     for chunk in buffers.chunks(crate::protocol::MAX_BUFFERS) {
         let request = Request::Shared {
             from: identity::me(),
@@ -405,7 +412,7 @@ pub fn close_imports(group: i64, owner: &Identity, buffers: &[Buffer]) -> Result
         };
         match client::exchange(group, owner, request, 1, timeout()) {
             Ok(_) => {}
-            Err(_) if !identity::is_running(owner) => return Ok(()),
+            Err(e) if e.gone() || !identity::is_running(owner) => return Ok(()),
             Err(e) => return Err(e),
         }
     }
@@ -456,7 +463,7 @@ pub fn close_later(group: i64, owner: Identity, b: Buffer) {
 }
 
 /// `cudaIpcCloseMemHandle(ptr)`: `None` when `ptr` is not an import of memsaver memory.
-pub fn close(ptr: u64) -> Option<Result<(), String>> {
+pub fn close(ptr: u64) -> Option<Result<()>> {
     let mut imports = IMPORTS.lock();
     let i = imports.get_mut(&ptr)?;
     i.opens -= 1;
@@ -467,15 +474,19 @@ pub fn close(ptr: u64) -> Option<Result<(), String>> {
     drop(imports);
     let a = match memsaver_allocator::start_global() {
         Ok(a) => a,
-        Err(e) => return Some(Err(e.to_string())),
+        Err(e) => return Some(Err(Error::Other(e.to_string()))),
     };
     i.release(a, u64::MAX);
     // SAFETY: reserved by `open`, nothing mapped in it any more.
     let _ = unsafe { a.driver().address_free(i.reserved.0, i.reserved.1) };
     // The memory is released here either way.
     Some(
-        close_imports(i.group, &i.owner, &[i.buffer()])
-            .map_err(|e| format!("closed, but process {} was not told: {e}", i.owner.pid)),
+        close_imports(i.group, &i.owner, &[i.buffer()]).map_err(|e| {
+            Error::Other(format!(
+                "closed, but process {} was not told: {e}",
+                i.owner.pid
+            ))
+        }),
     )
 }
 
@@ -556,7 +567,7 @@ fn answer(conn: &Connection, from: Identity, group: i64, op: Share, buffers: &[B
                 Share::Release => i.release(a, b.generation),
                 _ => {
                     if let Err(e) = i.rebuild(a, b.generation) {
-                        failed.push(e);
+                        failed.push(e.to_string());
                     }
                 }
             }

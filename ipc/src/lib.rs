@@ -4,6 +4,7 @@
 //! processes can use it the same way.
 //!
 //! Modules, from the bottom up (each uses only those before it):
+//! * [`error`]: what went wrong with another process, as values;
 //! * [`rundir`]: the runtime directory and its group directories (`<runtime dir>/g<group>/`),
 //!   opened without following links and checked on the open descriptor;
 //! * [`group`]: the process group in force (`MEMSAVER_GROUP`, [`group::set`]), fixed once the
@@ -31,6 +32,7 @@
 pub mod client;
 pub mod control;
 pub mod deadline;
+pub mod error;
 pub mod exported;
 pub mod frame;
 pub mod group;

@@ -49,9 +49,8 @@ use crate::rundir::{self, Dir};
 pub const WORKERS: usize = 4;
 /// Whole requests waiting for a worker; more are refused at once.
 pub const QUEUED: usize = 64;
-/// The refusal of a request that arrived while [`QUEUED`] others wait: the client tries again
-/// ([`crate::client::exchange`] does, with backoff, within its deadline).
-pub const BUSY: &str = "too many requests are waiting for this process already: retry later";
+/// The refusal of a request that arrived while [`QUEUED`] others wait.
+pub use crate::error::BUSY;
 /// Connections whose request is being read; more wait in the listener's backlog.
 pub const READING: usize = 64;
 /// How long a connection has to send its whole request.

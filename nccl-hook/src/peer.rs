@@ -44,12 +44,12 @@ pub(crate) fn request_fds(
     owner: u32,
     wants: &[Buffer],
 ) -> Result<Vec<(OwnedFd, u64)>, String> {
-    client::request_fds(group, owner, wants, timeout())
+    Ok(client::request_fds(group, owner, wants, timeout())?)
 }
 
 /// Tells `owner` that this process released its imports `items`.
 pub(crate) fn notify_released(group: i64, owner: u32, items: &[Buffer]) -> Result<(), String> {
-    client::notify_released(group, owner, items, timeout())
+    Ok(client::notify_released(group, owner, items, timeout())?)
 }
 
 /// Why a peer did not do its part, as a user can act on it.
@@ -160,14 +160,15 @@ pub(crate) fn wait_importers(group: i64, deadline: Instant) -> BTreeMap<u32, Hol
                 .values_mut()
                 .filter(|p| p.exported && p.is_paused_own())
                 .collect();
-            // Each importer asked once; a dead one (its pid reused or not) has let go.
+            // Each importer asked once; a dead one (its pid reused or not) has let go. (Its socket
+            // is not probed here: this loop polls, and a stopped peer's backlog would fill.)
             let mut live: Vec<Identity> = paused
                 .iter()
                 .flat_map(|p| p.importers.iter().copied())
                 .collect();
             live.sort_unstable();
             live.dedup();
-            live.retain(|who| identity::is_running(who) && !client::gone(group, who));
+            live.retain(identity::is_running);
             let mut holders = BTreeMap::<u32, Holding>::new();
             for p in &mut paused {
                 p.importers.retain(|who| live.binary_search(who).is_ok());

@@ -67,11 +67,13 @@ pub(crate) fn for_buffer(vh: CUmemGenericAllocationHandle, p: &mut Physical) -> 
 /// memory after the resume, so the caller fails the export.
 pub(crate) fn for_allocation(at: u64) -> Option<OwnedFd> {
     let made = if enabled() {
-        memsaver_ipc::shared::handle_of(at).and_then(|handle| {
-            let handle = handle.ok_or("it is no longer allocated")?;
-            let token = Token::own(Names::Allocation, handle.group, handle.id, handle.key, 0);
-            token::make(token).map_err(|e| format!("cannot make a token: {e}"))
-        })
+        memsaver_ipc::shared::handle_of(at)
+            .map_err(String::from)
+            .and_then(|handle| {
+                let handle = handle.ok_or("it is no longer allocated")?;
+                let token = Token::own(Names::Allocation, handle.group, handle.id, handle.key, 0);
+                token::make(token).map_err(|e| format!("cannot make a token: {e}"))
+            })
     } else {
         Err(
             "MEMSAVER_NCCL_TOKENS=0 is set, and a plain fd would let peers keep and later \

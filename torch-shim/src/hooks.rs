@@ -266,7 +266,7 @@ pub unsafe extern "C" fn cudaIpcGetMemHandle(
             }
             Err(e) => {
                 tracing::warn!("cudaIpcGetMemHandle of memsaver memory failed: {e}");
-                set_last_error(&e);
+                set_last_error(&e.to_string());
                 CUDA_ERROR_INVALID_VALUE
             }
         }
@@ -305,7 +305,7 @@ pub unsafe extern "C" fn cudaIpcOpenMemHandle(
             }
             Err(e) => {
                 tracing::warn!("cudaIpcOpenMemHandle of memsaver memory failed: {e}");
-                set_last_error(&e);
+                set_last_error(&e.to_string());
                 CUDA_ERROR_MAP_BUFFER_OBJECT_FAILED
             }
         }
@@ -326,7 +326,7 @@ pub unsafe extern "C" fn cudaIpcCloseMemHandle(dev_ptr: *mut c_void) -> c_int {
             Some(Err(e)) => {
                 // Released here; only the owner's notice failed.
                 tracing::warn!("cudaIpcCloseMemHandle: {e}");
-                set_last_error(&e);
+                set_last_error(&e.to_string());
                 CUDA_SUCCESS
             }
             None => {
