@@ -46,10 +46,11 @@ memsaver_allocator::declare_options! {
             => /// Serve control requests (`MEMSAVER_CONTROL`).
                pub control: bool;
 
-        /// how long the owner of memory opened by other processes through CUDA IPC handles
-        /// waits, in one pause or resume, for them to release or map it again (a process that
-        /// does not answer by then is named in a warning and the pause goes on; its mapping
-        /// keeps the memory until it lets go); also how long an open waits for the owner
+        /// how long the owner of memory opened by other processes (CUDA IPC handles, NCCL's
+        /// registration) waits, in one pause or resume, for them to release or map it again (a
+        /// process that has not by then is named in the call's PeerError, after the call did
+        /// its own part; it is brought to the owner's state once it can, and its mapping keeps
+        /// the memory until it lets go); also how long an open waits for the owner
         IPC_TIMEOUT_MS = "MEMSAVER_IPC_TIMEOUT_MS", int(1, 86_400_000, "ms"), default "30000",
             Library
             => /// The CUDA IPC deadline (`MEMSAVER_IPC_TIMEOUT_MS`).
