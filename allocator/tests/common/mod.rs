@@ -195,3 +195,36 @@ pub fn check(ptr: u64, len: usize, seed: u8) -> bool {
 pub fn free_bytes(a: &Allocator, device: i32) -> usize {
     a.device_memory(device).unwrap().0
 }
+
+/// The fake driver's `cuMemMap` calls held at their entry (`fakecuda_hold_map`) for at most
+/// [`PIN_HOLD_MS`], until dropped. The hold is process-wide: a test that takes it runs alone in
+/// its test binary.
+pub struct HeldMaps(());
+
+impl HeldMaps {
+    pub fn new() -> Self {
+        hold_map(PIN_HOLD_MS);
+        Self(())
+    }
+
+    /// Waits until at least `n` maps are held (or [`PIN_HOLD_MS`] pass); returns how many are.
+    pub fn wait_held(&self, n: u64) -> u64 {
+        // SAFETY: the function's C signature.
+        let f: extern "C" fn(u64, u64) -> u64 =
+            unsafe { std::mem::transmute(fake_fn("fakecuda_wait_map_held")) };
+        f(n, PIN_HOLD_MS)
+    }
+}
+
+impl Drop for HeldMaps {
+    fn drop(&mut self) {
+        hold_map(0);
+    }
+}
+
+fn hold_map(ms: u64) {
+    // SAFETY: the function's C signature.
+    let f: extern "C" fn(u64) -> libc::c_int =
+        unsafe { std::mem::transmute(fake_fn("fakecuda_hold_map")) };
+    assert_eq!(f(ms), 0);
+}

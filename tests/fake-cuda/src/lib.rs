@@ -58,7 +58,9 @@
 //! `fakecuda_wait_pinning_held(n, ms)`), or holding the lock until another thread's call waits
 //! behind them (mode 2); 0 lets them go, and so does the deadline `ms`, counted in
 //! `fakecuda_pin_hold_stats(out, n)` (calls held at their entry now, calls the deadline let
-//! go).
+//! go). `fakecuda_hold_map(ms)` holds every `cuMemMap` at its entry (holding nothing) for at
+//! most `ms` (0 lets them go), and `fakecuda_wait_map_held(n, ms)` waits until `n` are held, so
+//! a test can run a pause while another thread's allocation is being mapped.
 //!
 //! # Faithful
 //!
@@ -129,6 +131,7 @@ mod context;
 mod counts;
 mod errors;
 mod faults;
+mod gate;
 mod graphs;
 mod physical;
 mod pinning;
@@ -453,6 +456,7 @@ cuda_exports! {
         flags: c_ulonglong,
     ) {
         counts::count(Call::Map);
+        gate::MAP.enter();
         let cfg = context::initialised()?;
         context::current_alive()?;
         state::map(cfg, ptr, size, offset, handle, flags)
@@ -1138,6 +1142,21 @@ pub extern "C" fn fakecuda_hold_pinning(mode: u32, ms: u64) -> c_int {
     };
     pinning::hold(hold, ms);
     0
+}
+
+/// Test control: holds every `cuMemMap` at its entry for at most `ms` from now (0: lets them
+/// go).
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_hold_map(ms: u64) -> c_int {
+    gate::MAP.hold(ms);
+    0
+}
+
+/// Test probe: waits until at least `n` `cuMemMap` calls are held at their entry, or `ms`
+/// pass; returns how many are.
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_wait_map_held(n: u64, ms: u64) -> u64 {
+    gate::MAP.wait_held(n, ms)
 }
 
 /// Test probe: waits until at least `n` pinning calls wait at their entry (hold mode 1), or
