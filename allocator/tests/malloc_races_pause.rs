@@ -34,7 +34,7 @@ fn a_malloc_mapping_while_its_tag_is_paused_is_undone() {
     );
     assert_eq!(
         free_bytes(&a, 0),
-        free_before + 4 * MIB as usize,
+        free_before + 4 * MIB,
         "the pause freed the first allocation and the racing one left nothing behind"
     );
     a.resume(&["weights"]).unwrap();
