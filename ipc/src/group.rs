@@ -156,7 +156,7 @@ mod tests {
     /// fixed.
     #[test]
     fn try_fix_in_a_process_with_an_invalid_group_variable() {
-        if std::env::var_os("MEMSAVER_TEST_GROUP_CHILD").is_some() {
+        if std::env::var_os("IPC_GROUP_TEST_CHILD").is_some() {
             let e = try_fix().unwrap_err();
             assert!(e.contains("MEMSAVER_GROUP='7x'"), "{e}");
             assert_eq!(try_id(), Err(e));
@@ -173,7 +173,7 @@ mod tests {
                 "group::tests::try_fix_in_a_process_with_an_invalid_group_variable",
                 "--test-threads=1",
             ])
-            .env("MEMSAVER_TEST_GROUP_CHILD", "1")
+            .env("IPC_GROUP_TEST_CHILD", "1")
             .env("MEMSAVER_GROUP", "7x")
             .env_remove("AMEM_GROUPID")
             .output()
