@@ -250,15 +250,15 @@ pub fn fetch(group: i64, owner: &Identity, b: Buffer) -> Result<Opened> {
         buffers: vec![b],
     };
     let pid = owner.pid;
-    let replies = client::exchange(group, owner, request, 1, timeout()).map_err(|e| {
-        if identity::is_running(owner) && !e.gone() {
-            e
-        } else {
-            Error::OwnerExited {
-                pid,
-                cause: Box::new(e),
-            }
-        }
+    let replies = client::exchange(group, owner, request, 1, timeout()).map_err(|e| match e {
+        // Alive elsewhere (another pid namespace, user, or a later process with the pid), or
+        // it answered: not an exit, whatever this namespace's /proc says.
+        Error::NotThatProcess(_) | Error::Refused { .. } | Error::Busy { .. } => e,
+        e if e.gone() || !identity::is_running(owner) => Error::OwnerExited {
+            pid,
+            cause: Box::new(e),
+        },
+        e => e,
     })?;
     match replies.into_iter().next() {
         Some((

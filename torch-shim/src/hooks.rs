@@ -260,7 +260,7 @@ pub unsafe extern "C" fn cudaIpcGetMemHandle(
                 // SAFETY: the C signature of cudaIpcGetMemHandle.
                 match unsafe { real::<CudaIpcGetMemHandle>(c"cudaIpcGetMemHandle") } {
                     // SAFETY: forwarding the caller's arguments.
-                    Some(f) => unsafe { f(handle, dev_ptr) },
+                    Some(f) => forwarded("cudaIpcGetMemHandle", unsafe { f(handle, dev_ptr) }),
                     None => CUDA_ERROR_INITIALIZATION,
                 }
             }
@@ -272,6 +272,17 @@ pub unsafe extern "C" fn cudaIpcGetMemHandle(
         }
     }))
     .unwrap_or(CUDA_ERROR_INVALID_VALUE)
+}
+
+/// The status of a call forwarded to libcudart; a failure is also this thread's last error, so
+/// that `memsaver_last_error` never shows an older message of memsaver's for it.
+fn forwarded(name: &str, rc: c_int) -> c_int {
+    if rc != CUDA_SUCCESS {
+        set_last_error(&format!(
+            "{name}: not memsaver memory, forwarded to libcudart, which returned {rc}"
+        ));
+    }
+    rc
 }
 
 /// `cudaIpcOpenMemHandle`, interposed: memsaver's handles are opened through their owner (the
@@ -299,7 +310,7 @@ pub unsafe extern "C" fn cudaIpcOpenMemHandle(
                 // SAFETY: the C signature of cudaIpcOpenMemHandle.
                 match unsafe { real::<CudaIpcOpenMemHandle>(c"cudaIpcOpenMemHandle") } {
                     // SAFETY: forwarding the caller's arguments.
-                    Some(f) => unsafe { f(dev_ptr, handle, flags) },
+                    Some(f) => forwarded("cudaIpcOpenMemHandle", unsafe { f(dev_ptr, handle, flags) }),
                     None => CUDA_ERROR_INITIALIZATION,
                 }
             }
@@ -333,7 +344,7 @@ pub unsafe extern "C" fn cudaIpcCloseMemHandle(dev_ptr: *mut c_void) -> c_int {
                 // SAFETY: the C signature of cudaIpcCloseMemHandle.
                 match unsafe { real::<CudaIpcCloseMemHandle>(c"cudaIpcCloseMemHandle") } {
                     // SAFETY: forwarding the caller's argument.
-                    Some(f) => unsafe { f(dev_ptr) },
+                    Some(f) => forwarded("cudaIpcCloseMemHandle", unsafe { f(dev_ptr) }),
                     None => CUDA_ERROR_INITIALIZATION,
                 }
             }
