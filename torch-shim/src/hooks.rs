@@ -310,7 +310,9 @@ pub unsafe extern "C" fn cudaIpcOpenMemHandle(
                 // SAFETY: the C signature of cudaIpcOpenMemHandle.
                 match unsafe { real::<CudaIpcOpenMemHandle>(c"cudaIpcOpenMemHandle") } {
                     // SAFETY: forwarding the caller's arguments.
-                    Some(f) => forwarded("cudaIpcOpenMemHandle", unsafe { f(dev_ptr, handle, flags) }),
+                    Some(f) => {
+                        forwarded("cudaIpcOpenMemHandle", unsafe { f(dev_ptr, handle, flags) })
+                    }
                     None => CUDA_ERROR_INITIALIZATION,
                 }
             }

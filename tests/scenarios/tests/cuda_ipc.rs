@@ -357,7 +357,10 @@ fn a_process_of_another_pid_namespace_is_refused() {
     let mut r = Proc::start_in(&dirs, "1", &[], &ns);
     let e = r.try_cmd(&format!("open {h}")).unwrap_err();
     assert!(e.contains("pid namespace"), "{e}");
-    assert!(!e.contains("exited"), "the owner runs, in another namespace: {e}");
+    assert!(
+        !e.contains("exited"),
+        "the owner runs, in another namespace: {e}"
+    );
     assert_eq!(shared_stats(&mut o)["exports"]["weights"]["importers"], 0);
 }
 
