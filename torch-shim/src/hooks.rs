@@ -309,9 +309,10 @@ pub unsafe extern "C" fn cudaIpcOpenMemHandle(
             Ok(None) => {
                 // SAFETY: the C signature of cudaIpcOpenMemHandle.
                 match unsafe { real::<CudaIpcOpenMemHandle>(c"cudaIpcOpenMemHandle") } {
-                    // SAFETY: forwarding the caller's arguments.
                     Some(f) => {
-                        forwarded("cudaIpcOpenMemHandle", unsafe { f(dev_ptr, handle, flags) })
+                        // SAFETY: forwarding the caller's arguments.
+                        let rc = unsafe { f(dev_ptr, handle, flags) };
+                        forwarded("cudaIpcOpenMemHandle", rc)
                     }
                     None => CUDA_ERROR_INITIALIZATION,
                 }
