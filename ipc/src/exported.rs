@@ -14,8 +14,8 @@
 //! importers until the deadline (`MEMSAVER_IPC_TIMEOUT_MS`) and then returns what is still
 //! behind; the courier carries on until the importer converges or exits.
 //!
-//! Lock order: the core's `transition`, then [`LEDGER`], then the core's `table`. No lock here is
-//! held while waiting for another process.
+//! [`LEDGER`]'s place in the lock order is in docs/architecture.md ("Locks"); it is never held
+//! while waiting for another process.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::{AsFd, OwnedFd};
@@ -442,7 +442,8 @@ fn forget_import(e: &mut Export, who: &Identity) {
 // ---------------------------------------------------------------------------------------------
 // Couriers.
 
-/// Starts `who`'s courier unless it runs (under [`LEDGER`]); `false` if it could not start.
+/// Starts `who`'s courier unless it runs (under [`LEDGER`]); a thread that cannot start is
+/// recorded as the importer's failure.
 fn dispatch(l: &mut Ledger, who: Identity) {
     if !l.couriers.insert(who) {
         return;
