@@ -501,7 +501,18 @@ fn courier(who: Identity) {
         SETTLED.notify_all();
         std::thread::sleep(backoff);
         backoff = (backoff * 2).min(Duration::from_secs(1));
+        // A stopped importer takes no request: wait until it runs (or exits) rather than queue
+        // connections in its socket's backlog.
+        while stopped(&who) && identity::is_running(&who) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
+}
+
+/// Whether process `who` is stopped (SIGSTOP, a debugger).
+fn stopped(who: &Identity) -> bool {
+    let state = memsaver_allocator::process::stat(&who.pid.to_string()).map(|(s, _)| s);
+    matches!(state, Some('T' | 't'))
 }
 
 /// Sends `op` of `buffers` to `who` and records what it acknowledged.
@@ -628,12 +639,7 @@ fn report(l: &Ledger, ids: &[u64], behind: &[Identity], memory: Memory, group: i
                 }
             }
             let why = l.failures.get(who).cloned().unwrap_or_else(|| {
-                let state = memsaver_allocator::process::stat(&who.pid.to_string()).map(|(s, _)| s);
-                let stopped = if matches!(state, Some('T' | 't')) {
-                    " (it is stopped)"
-                } else {
-                    ""
-                };
+                let stopped = if stopped(who) { " (it is stopped)" } else { "" };
                 format!("no answer within {} ms{stopped}", timeout().as_millis())
             });
             format!(
