@@ -12,7 +12,7 @@
 //! answers `NotReady` after that).
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
@@ -86,30 +86,6 @@ pub fn connect(group: i64, owner: &Identity) -> Result<UnixStream> {
     Ok(stream)
 }
 
-/// Whether process `who` of `group` is gone for good: its socket (named by its whole identity,
-/// nonce included) refuses connections or is not there. Only a process that serves can import
-/// or own shared memory, so this tells apart a dead process from a new one that got its pid
-/// (and, within the same clock tick, its start time). The connect never blocks (a stopped
-/// process's full backlog answers at once: alive) and is closed unused, so ask it rarely, not
-/// in a polling loop.
-pub fn gone(group: i64, who: &Identity) -> bool {
-    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
-    let Ok(dir) = rundir::group_dir(&rundir::runtime_dir(), group) else {
-        return false;
-    };
-    let Ok(addr) = UnixAddr::new(&dir.entry(&identity::socket_name(who))) else {
-        return false;
-    };
-    let flags = SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC;
-    let Ok(s) = socket(AddressFamily::Unix, SockType::Stream, flags, None) else {
-        return false;
-    };
-    matches!(
-        connect(s.as_raw_fd(), &addr),
-        Err(nix::errno::Errno::ECONNREFUSED | nix::errno::Errno::ENOENT)
-    )
-}
-
 /// The owners this process imports from: pid -> identity, learnt from their tokens.
 static OWNERS: Mutex<Option<HashMap<u32, Identity>>> = Mutex::new(None);
 
@@ -166,7 +142,6 @@ pub fn exchange(
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(100));
             }
-            Err(Error::Busy { .. }) => return Err(Error::Busy { pid: owner.pid }),
             Err(e) => return Err(e),
         }
     }

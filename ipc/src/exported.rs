@@ -487,7 +487,10 @@ fn courier(who: Identity) {
             backoff = Duration::from_millis(10);
             continue;
         };
-        if e.gone() || !identity::is_running(&who) || client::gone(group, &who) {
+        // Gone: its socket, named by its whole identity, refuses connections or is not there
+        // (this also tells a dead importer from a new process that got its pid within the same
+        // clock tick); or its pid now belongs to a later process.
+        if e.gone() || !identity::is_running(&who) {
             // A dead importer holds nothing: its mappings went with it.
             let mut l = LEDGER.lock();
             l.forget(&who);
