@@ -160,8 +160,7 @@ pub(crate) fn wait_importers(group: i64, deadline: Instant) -> BTreeMap<u32, Hol
                 .values_mut()
                 .filter(|p| p.exported && p.is_paused_own())
                 .collect();
-            // Each importer asked once; a dead one (its pid reused or not) has let go. (Its socket
-            // is not probed here: this loop polls, and a stopped peer's backlog would fill.)
+            // Each importer asked once; a dead one (its pid reused or not) has let go.
             let mut live: Vec<Identity> = paused
                 .iter()
                 .flat_map(|p| p.importers.iter().copied())
