@@ -11,6 +11,7 @@ use crate::device::Device;
 use crate::driver::{Driver, Handle};
 use crate::error::{Error, Result};
 use crate::external::ExternalTag;
+use crate::guard::PauseGuard;
 use crate::options::Options;
 use crate::prepare::Preparer;
 use crate::private_dir::Dir;
@@ -73,6 +74,9 @@ pub struct Allocator {
     /// The layer that shares allocations with other processes, if one registered
     /// (`sharing.rs`).
     pub(crate) sharing: std::sync::OnceLock<Arc<dyn Sharing>>,
+    /// The pause guard, if one is installed (`guard.rs`). A leaf: the transition clones it out
+    /// and calls it with this lock released.
+    guard: RwLock<Option<Arc<dyn PauseGuard>>>,
 }
 
 /// The settings a transition reads, started from the options and changed through the setters
@@ -106,6 +110,7 @@ impl Allocator {
             transition: Mutex::new(()),
             external: RwLock::new(BTreeMap::new()),
             sharing: std::sync::OnceLock::new(),
+            guard: RwLock::new(None),
             settings: Mutex::new(Settings {
                 retain_backups: opts.retain_backups,
                 transition_keep_backups: None,
@@ -686,6 +691,16 @@ impl Allocator {
             },
         };
         Steps::new(&self.driver, &self.preparer, plan)
+    }
+
+    /// Installs the pause guard (`None` removes it); it replaces the one installed before.
+    pub fn set_pause_guard(&self, g: Option<Arc<dyn PauseGuard>>) {
+        *self.guard.write() = g;
+    }
+
+    /// The pause guard, if one is installed.
+    pub(crate) fn pause_guard(&self) -> Option<Arc<dyn PauseGuard>> {
+        self.guard.read().clone()
     }
 
     /// Registers the sharing layer (once; a second call is ignored).

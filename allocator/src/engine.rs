@@ -20,6 +20,7 @@ use crate::backup::{Backup, BackupKind};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::external::{ExternalTag, Report};
+use crate::guard::PauseGuard;
 use crate::steps::{Memory, Op, Piece, Place, Plan, Steps, is_out_of_memory, oom_error};
 use crate::table::{Allocation, Backing, Phase, Run, Table};
 use crate::types::Policy;
@@ -143,11 +144,27 @@ impl Allocator {
                 externals.clear();
             }
         }
+        let pauses_table = names.is_empty() || !table_names.is_empty();
+        // The guard hears of every transition, so it can let go of what a resume, or a pause
+        // that changed nothing, made resident again.
+        let guard = self.pause_guard();
+        let _after = guard.as_ref().map(|g| AfterTransition(g.as_ref()));
+        if op == Op::Pause
+            && pauses_table
+            && let Some(g) = &guard
+        {
+            let tags = if names.is_empty() {
+                self.table.lock().known_tags()
+            } else {
+                table_names.iter().map(|t| (*t).to_owned()).collect()
+            };
+            g.before_pause(&tags).map_err(Error::PauseRefused)?;
+        }
         // Steps made during this call (the external tags' too) read it, through the settings.
         let _keep = KeepBackups::choose(self, choice.keep_backups);
         let mut report = Report::default();
         let mut first_error = None;
-        if names.is_empty() || !table_names.is_empty() {
+        if pauses_table {
             match self.table_transition(op, &table_names, choice) {
                 Ok(r) => report.merge(r),
                 Err(e) => first_error = Some(e),
@@ -771,6 +788,16 @@ type Runs<T = Run> = std::collections::BTreeMap<u64, T>;
 /// The jobs of a resume, sorted by device, policy kind and address, cut into runs of adjacent
 /// allocations of one tag that one physical allocation of at most `limit` bytes can back
 /// (a run of one when `limit` is smaller than the allocation).
+/// Tells the pause guard that the transition has ended, when the transition returns (also
+/// early, and also when the guard refused it), with the transition lock still held.
+struct AfterTransition<'a>(&'a dyn PauseGuard);
+
+impl Drop for AfterTransition<'_> {
+    fn drop(&mut self) {
+        self.0.after_transition();
+    }
+}
+
 fn units(jobs: &[Job], limit: usize) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let mut start = 0;

@@ -69,6 +69,11 @@ pub enum Error {
 
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+
+    /// The pause guard (`guard.rs`) refused a pause before anything changed: its memory could
+    /// be handed out again while paused.
+    #[error("pause refused: {0}")]
+    PauseRefused(String),
 }
 
 fn margin_note(margin: u64) -> String {

@@ -22,7 +22,9 @@
 //!   the start hooks that the layers above add ([`START_HOOKS`]), and [`init_logging`];
 //!   `sharing`: [`Sharing`], the interface through which the layer that shares allocations
 //!   with other processes hears of pauses and resumes, and its value types; `export`: the
-//!   allocator's methods that mark an allocation shared and export its memory.
+//!   allocator's methods that mark an allocation shared and export its memory; `guard`:
+//!   [`PauseGuard`], through which the layer that caches freed memory (torch's pools) keeps
+//!   paused memory from being handed out.
 //! * `units`: byte counts for people ([`human_bytes`]).
 //!
 //! No module imports one that imports it back (`tests/layers.rs` checks): `allocator` holds
@@ -45,6 +47,7 @@ mod engine;
 mod error;
 mod export;
 mod external;
+mod guard;
 mod prepare;
 mod sharing;
 mod start;
@@ -59,6 +62,7 @@ pub use disk::{BackupFile, DiskBackups, disk_backups};
 pub use error::{Error, Result};
 pub use external::ExternalTag;
 pub use external::Report;
+pub use guard::PauseGuard;
 pub use options::Options;
 pub use sharing::{ExportedMemory, SharedAllocation, Sharing};
 pub use start::{

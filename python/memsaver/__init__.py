@@ -30,7 +30,7 @@ from . import _extension
 try:
     # control first: importing it registers its stage runner with _core, to be installed once the
     # library is loaded, so it must be imported before anything can load the library.
-    from . import control, timeline
+    from . import _core, control, timeline
     from ._api import (
         allocations,
         cuda_graph,
@@ -63,6 +63,7 @@ try:
         InvalidArgumentError,
         MemsaverError,
         OutOfMemoryError,
+        PauseRefusedError,
         PeerError,
         ProfileError,
         ResumeOutOfMemoryError,
@@ -132,6 +133,7 @@ __all__ = [
     "ProfileError",
     "BackupError",
     "ControlError",
+    "PauseRefusedError",
     "ProfileStepError",
     # profiles
     "load_profile",
@@ -145,6 +147,9 @@ __all__ = [
 
 if _extension.ERROR is None:
     timeline._from_env()
+    # Under the preload, what the package installs in libmemsaver.so (the stage runner, the
+    # pause guard) is installed now, for a process that only other processes drive.
+    _core.bind_if_preloaded()
 elif not TYPE_CHECKING:  # (with the extension every public name is defined: none comes here)
 
     def __getattr__(name: str) -> object:

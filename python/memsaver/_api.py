@@ -18,6 +18,10 @@ from ._stats import Allocation, Stats
 
 Policy = Literal["discard", "cpu", "mmap", "disk"]
 
+# libmemsaver.so calls the pause guard around every pause and resume, those other processes ask
+# for included, so that torch never hands out paused memory (_torch.py).
+_core.on_load(lambda: _memsaver.set_pause_guard(_torch.pause_guard))
+
 
 def hook_mode() -> str:
     """How torch reaches memsaver in this process.
@@ -62,7 +66,7 @@ def region(tag: str, backup: Policy = "discard") -> Iterator[None]:
             yield
         else:
             device = torch.cuda.current_device()
-            with _torch.scope(torch, _torch.tag_pool(torch, tag, backup, device), device):
+            with _torch.scope(torch, _torch.tag_pool(torch, tag, backup, device), device, tag):
                 yield
     finally:
         _memsaver.region_exit()
@@ -116,7 +120,7 @@ def cuda_graph(
     user_pool = kwargs.pop("pool", None)
     # The capture allocates from the graph's pool: suspend any enclosing region's pool, which
     # torch would otherwise prefer.
-    with _torch.scope(torch, None, -1):
+    with _torch.scope(torch, None, -1, tag):
         _memsaver.region_enter(tag, backup)
         try:
             pool = _torch.graph_pool(torch, user_pool, tag, backup, graph)

@@ -51,6 +51,15 @@ def library() -> tuple[str, str]:
     return loaded
 
 
+def bind_if_preloaded() -> None:
+    """Binds the preloaded libmemsaver.so now, if the process has one, so that what
+    :func:`on_load` registered (the stage runner, the pause guard) is installed at import: a
+    process driven only by other processes (control requests) may never call memsaver itself.
+    Finding the preloaded library touches no driver."""
+    if _memsaver.loaded() is None and _memsaver.is_preloaded():
+        library()
+
+
 def on_load(fn: Callable[[], None]) -> None:
     """Has ``fn`` run once libmemsaver.so is loaded: right after :func:`library` loads it, or now
     if it already is. ``fn`` may run more than once (two threads loading at once): make it

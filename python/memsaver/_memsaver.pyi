@@ -5,6 +5,7 @@ from collections.abc import Callable
 __all__ = [
     "load",
     "loaded",
+    "is_preloaded",
     "pause",
     "resume",
     "discard",
@@ -44,6 +45,7 @@ __all__ = [
     "ProfileError",
     "BackupError",
     "ControlError",
+    "PauseRefusedError",
     "parse_profile",
     "load_profile",
     "cli_main",
@@ -52,8 +54,12 @@ __all__ = [
     "device_memory",
     "control_serve",
     "control_set_runner",
+    "set_pause_guard",
     "control_json",
 ]
+
+def is_preloaded() -> bool:
+    """Whether this process has libmemsaver.so preloaded (loads and starts nothing)."""
 
 def load(bundled: str) -> tuple[str, str]:
     """Uses the preloaded libmemsaver.so if the process has one ("preload"), else loads
@@ -135,6 +141,10 @@ def control_serve() -> None:
 def control_set_runner(runner: Callable[[str], str] | None) -> None:
     """Installs the runner of profile stages for control requests (JSON in, JSON out)."""
 
+def set_pause_guard(guard: Callable[[int, list[str] | None], str | None] | None) -> None:
+    """Installs the pause guard: ``guard(0, tags)`` before a pause of ``tags`` returns None or
+    a refusal message; ``guard(1, None)`` after every pause or resume. None removes it."""
+
 def control_json(request: str) -> str:
     """Sends a control request (JSON) to other processes; their answers as JSON. Releases the GIL."""
 
@@ -152,6 +162,7 @@ class PeerError(MemsaverError): ...
 class ProfileError(MemsaverError): ...
 class BackupError(MemsaverError): ...
 class ControlError(MemsaverError): ...
+class PauseRefusedError(MemsaverError): ...
 
 def parse_profile(text: str, file: str) -> str: ...
 def load_profile(path: str) -> str:

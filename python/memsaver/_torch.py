@@ -19,6 +19,27 @@ outer pool wins, and entering the same pool twice is an error. This module there
 per-thread stack of memsaver's scopes and keeps only the innermost one's pool active, ending
 the outer one's while an inner scope is open and starting it again after.
 
+**No allocation lands on paused memory.** torch hands a freed block to the next tensor of a
+fitting size without calling ``cudaMalloc``, so a block cached inside a paused allocation would
+be handed out and the kernel that uses it would fault (and lose the CUDA context). The pause
+guard (``pause_guard``, installed in libmemsaver.so, which calls it under its transition lock
+before every pause and after every pause or resume, those other processes ask for included)
+makes sure no pool holding paused memory serves an allocation:
+
+* whole-process mode: torch's default pool holds the process tag's memory. While that tag is
+  paused, every allocation on its devices is routed to a fresh pool (``_side_pools``); its
+  segments come from ``cudaMalloc`` and are resident (the process tag accepts allocations while
+  paused). Blocks freed meanwhile go back to the default pool, which serves nothing until the
+  resume. The fresh pool is released at the resume; its tensors stay valid, and torch frees its
+  segments once they are all free. torch gives a thread's own pool (``use_mem_pool``: regions,
+  ``disable()``) and graph captures precedence over this routing, so they keep their pools.
+* torch's cuBLAS workspaces (one per stream, kept from the stream's first matmul, from the pool
+  in use then) are dropped before every pause, and made again by the next matmul.
+* regions: a region's pool holds its tag's memory only and serves only allocations inside a
+  region of that tag. Entering a region of a paused tag is refused (``TagPausedError``), and a
+  pause of a tag whose region is open (on any thread) is refused (``PauseRefusedError``) before
+  anything changes: the region would allocate from paused blocks.
+
 Nothing here imports torch: it is used only when the application has imported it.
 """
 
@@ -26,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import sys
 import threading
@@ -200,13 +222,16 @@ def tag_pool(torch: Any, tag: str, policy: str, device: int) -> Any:
 
 class _Scope:
     """One open memsaver scope of a thread: the pool it allocates from (None: torch's default
-    pool) and, while it is the innermost scope, the active ``use_mem_pool`` context."""
+    pool), the tag its memory has (None: untagged), the thread, and, while it is the innermost
+    scope, the active ``use_mem_pool`` context."""
 
-    __slots__ = ("pool", "device", "active")
+    __slots__ = ("pool", "device", "tag", "thread", "active")
 
-    def __init__(self, pool: Any, device: int) -> None:
+    def __init__(self, pool: Any, device: int, tag: str | None) -> None:
         self.pool = pool
         self.device = device
+        self.tag = tag
+        self.thread = threading.current_thread().name
         self.active: Any = None
 
     def start(self, torch: Any) -> None:
@@ -227,26 +252,110 @@ class _Stack(threading.local):
 
 
 _stack = _Stack()
+# Every open scope with a tag, of every thread (the pause guard reads them), by id.
+_tagged_scopes: dict[int, _Scope] = {}
+_tagged_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def scope(torch: Any, pool: Any, device: int) -> Iterator[None]:
+def scope(torch: Any, pool: Any, device: int, tag: str | None = None) -> Iterator[None]:
     """Allocates from ``pool`` (None: torch's default pool, i.e. untagged) on this thread until
-    the block ends, suspending the enclosing memsaver scope's pool meanwhile."""
+    the block ends, suspending the enclosing memsaver scope's pool meanwhile. ``tag``: the tag
+    of what is allocated in the block (a pause of it is refused until the block ends)."""
     scopes = _stack.scopes
     outer = scopes[-1] if scopes else None
     if outer is not None:
         outer.stop()
-    s = _Scope(pool, device)
+    s = _Scope(pool, device, tag)
     scopes.append(s)
+    if tag is not None:
+        with _tagged_lock:
+            _tagged_scopes[id(s)] = s
     try:
         s.start(torch)
         yield
     finally:
+        if tag is not None:
+            with _tagged_lock:
+                del _tagged_scopes[id(s)]
         scopes.pop()
         s.stop()
         if outer is not None:
             outer.start(torch)
+
+
+# Device -> the pool every allocation on it is routed to while the process tag is paused.
+# Written by the pause guard only, which libmemsaver.so calls under its transition lock.
+_side_pools: dict[int, Any] = {}
+
+
+def pause_guard(event: int, tags: list[str] | None) -> str | None:
+    """libmemsaver.so's pause guard (``memsaver_set_pause_guard``): ``event`` 0 before a pause
+    of ``tags`` (None, or a refusal message), 1 after every pause or resume. See the module
+    documentation."""
+    if event == 0:
+        return _before_pause(tags or [])
+    _after_transition()
+    return None
+
+
+def _before_pause(tags: list[str]) -> str | None:
+    with _tagged_lock:
+        open_scopes = [s for s in _tagged_scopes.values() if s.tag in tags]
+    if open_scopes:
+        s = open_scopes[0]
+        return (
+            f"a memsaver region of tag '{s.tag}' is open on thread '{s.thread}' "
+            f"({len(open_scopes)} open region(s) of the tags this pause names): torch would give "
+            "the tensors allocated inside it blocks of the paused memory. Pause the tag after "
+            "the region's block has ended"
+        )
+    torch = cuda_initialized()
+    if torch is None:
+        return None
+    # torch keeps a cuBLAS workspace per (handle, stream), allocated from whatever pool was in use
+    # at the stream's first matmul: possibly memory this pause releases. Dropped, they are made
+    # again at the next matmul, from memory that is resident then.
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
+    process_tag = _memsaver_process_tag()
+    if process_tag not in tags:
+        return None
+    devices = {a.device for a in _stats.parse_allocations(_memsaver.allocations_json([process_tag]))}
+    begin = getattr(torch._C, "_cuda_beginAllocateToPool", None)
+    if begin is None:
+        return (
+            f"this PyTorch ({torch.__version__}) cannot route allocations to another pool "
+            f"(torch._C._cuda_beginAllocateToPool), so its cached blocks of the process tag "
+            f"'{process_tag}' would be handed out while paused: use PyTorch 2.5 or later"
+        )
+    for device in sorted(devices - _side_pools.keys()):
+        with torch.cuda.device(device):
+            pool = torch.cuda.MemPool()
+        begin(device, pool.id)
+        _side_pools[device] = pool
+    return None
+
+
+def _after_transition() -> None:
+    process_tag = _memsaver_process_tag()
+    if not _side_pools or process_tag is None:
+        return
+    allocations = _stats.parse_allocations(_memsaver.allocations_json([process_tag]))
+    still_paused = {a.device for a in allocations if a.state != "resident"}
+    torch = sys.modules["torch"]
+    for device in sorted(_side_pools.keys() - still_paused):
+        pool = _side_pools.pop(device)
+        torch._C._cuda_endAllocateToPool(device, pool.id)
+        # Dropping the pool releases it: torch frees its segments once their blocks are free.
+        del pool
+
+
+def _memsaver_process_tag() -> str | None:
+    """The whole-process tag (``MEMSAVER_PROCESS_TAG``, ``TMS_INIT_ENABLE``), or None."""
+    tag: str | None = json.loads(_memsaver.region_current_json())["process_tag"]
+    return tag
 
 
 def graph_pool(torch: Any, user_pool: Any, tag: str, policy: str, graph: Any) -> Any:

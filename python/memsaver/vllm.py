@@ -153,7 +153,7 @@ class Allocator:
         # The capture allocates from the graph's pool: suspend any enclosing block's pool,
         # which torch would prefer.
         try:
-            with _torch.scope(torch, None, -1):
+            with _torch.scope(torch, None, -1, GRAPH_TAG):
                 _memsaver.region_enter(GRAPH_TAG, "discard")
                 try:
                     yield pool.id
@@ -258,7 +258,7 @@ class Allocator:
                 pool = _torch.new_pool(torch, device)
                 with self._lock:
                     self.allocator_and_pools.setdefault(tag, []).append((pool, device))
-                with _torch.scope(torch, pool, device):
+                with _torch.scope(torch, pool, device, tag):
                     yield
         finally:
             _memsaver.region_exit()

@@ -36,6 +36,9 @@ pub enum Status {
     /// A control request to another process could not be delivered, was refused or got no
     /// answer (not its operation's own error, which keeps its status).
     Control = 14,
+    /// A pause refused before anything changed: memory of a tag it names could be handed out
+    /// again while paused (a region of the tag is open); the message says what to do.
+    PauseRefused = 15,
     /// A bug in memsaver (a caught panic): please report it with MEMSAVER_LOG=debug output.
     Internal = 99,
 }
@@ -59,6 +62,7 @@ impl Status {
             12 => Some(Self::Profile),
             13 => Some(Self::Backup),
             14 => Some(Self::Control),
+            15 => Some(Self::PauseRefused),
             99 => Some(Self::Internal),
             _ => None,
         }
@@ -102,6 +106,7 @@ macro_rules! with_functions {
             memsaver_cli_main: unsafe extern "C" fn(c_int, *const *const c_char) -> c_int,
             memsaver_cli_spec_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
             memsaver_runtime_dir: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
+            memsaver_set_pause_guard: unsafe extern "C" fn(MemsaverPauseGuard) -> c_int,
             memsaver_control_serve: unsafe extern "C" fn() -> c_int,
             memsaver_control_set_runner: unsafe extern "C" fn(MemsaverStageRunner) -> c_int,
             memsaver_control_json: unsafe extern "C" fn(*const c_char, *mut *mut c_char) -> c_int,

@@ -101,6 +101,13 @@ create_exception!(
     "A control request to another process could not be delivered, was refused or got no answer."
 );
 
+create_exception!(
+    memsaver,
+    PauseRefusedError,
+    MemsaverError,
+    "A pause refused before anything changed: memory of a tag it names could be handed out again while paused."
+);
+
 /// The exception for a failed call's status code, carrying `message`.
 pub fn from_status(code: i32, message: String) -> PyErr {
     let Some(status) = Status::from_code(code) else {
@@ -123,6 +130,7 @@ pub fn from_status(code: i32, message: String) -> PyErr {
         Status::Profile => ProfileError::new_err(message),
         Status::Backup => BackupError::new_err(message),
         Status::Control => ControlError::new_err(message),
+        Status::PauseRefused => PauseRefusedError::new_err(message),
         // Not errors a caller can act on by type: the binding retries a short buffer itself,
         // an internal error is a bug whose message says so, and success is never raised.
         Status::BufferTooSmall | Status::Internal | Status::Ok => {
@@ -178,5 +186,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ProfileError", py.get_type::<ProfileError>())?;
     m.add("BackupError", py.get_type::<BackupError>())?;
     m.add("ControlError", py.get_type::<ControlError>())?;
+    m.add("PauseRefusedError", py.get_type::<PauseRefusedError>())?;
     Ok(())
 }

@@ -46,6 +46,12 @@ fn load(bundled: &str) -> PyResult<(&'static str, String)> {
     Ok((l.mode, l.path.clone()))
 }
 
+/// Whether this process has libmemsaver.so preloaded (finding it loads and starts nothing).
+#[pyfunction]
+fn is_preloaded() -> bool {
+    library::preloaded().is_some()
+}
+
 /// (mode, path) of the loaded library, or None before `load`.
 #[pyfunction]
 fn loaded() -> Option<(&'static str, String)> {
@@ -455,7 +461,13 @@ unsafe extern "C" fn run_stage(request: *const c_char) -> *mut c_char {
         })
     })
     .unwrap_or_else(|_| "{\"ok\": false, \"status\": 99, \"error\": \"a panic\"}".into());
-    let bytes = answer.replace('\0', " ");
+    malloc_text(&answer)
+}
+
+/// `text` (NULs replaced) in a fresh NUL-terminated allocation from `malloc`, which
+/// libmemsaver.so frees; NULL when there is no memory.
+fn malloc_text(text: &str) -> *mut c_char {
+    let bytes = text.replace('\0', " ");
     // SAFETY: a fresh allocation of len + 1 bytes, filled and NUL-terminated below.
     let out = unsafe { libc::malloc(bytes.len() + 1) }.cast::<u8>();
     if out.is_null() {
@@ -467,6 +479,57 @@ unsafe extern "C" fn run_stage(request: *const c_char) -> *mut c_char {
         *out.add(bytes.len()) = 0;
     }
     out.cast()
+}
+
+/// The Python pause guard: `guard(event, tags)` (0 before a pause with its tags, 1 after a
+/// transition with None) returning None or a refusal message.
+static GUARD: std::sync::Mutex<Option<Py<PyAny>>> = std::sync::Mutex::new(None);
+
+/// The C pause guard (`MemsaverPauseGuard`): calls the Python guard with the GIL taken, on the
+/// thread of the pause or resume. An exception it raises refuses the pause, named.
+unsafe extern "C" fn pause_guard(event: c_int, tags: *const c_char) -> *mut c_char {
+    let answer = std::panic::catch_unwind(|| {
+        let tags: Option<Vec<String>> = (!tags.is_null()).then(|| {
+            // SAFETY: libmemsaver.so passes NULL or a NUL-terminated list.
+            let list = unsafe { CStr::from_ptr(tags) }.to_string_lossy();
+            list.split(',')
+                .filter(|t| !t.is_empty())
+                .map(str::to_owned)
+                .collect()
+        });
+        Python::attach(|py| -> Option<String> {
+            let guard = GUARD
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .map(|g| g.clone_ref(py))?;
+            match guard
+                .call1(py, (event, tags))
+                .and_then(|v| v.extract::<Option<String>>(py))
+            {
+                Ok(refusal) => refusal,
+                Err(e) => Some(format!(
+                    "the pause guard of the memsaver package raised {e}"
+                )),
+            }
+        })
+    })
+    .unwrap_or_else(|_| Some("the pause guard of the memsaver package panicked".into()));
+    answer.map_or(std::ptr::null_mut(), |m| malloc_text(&m))
+}
+
+/// Installs `guard` (event: int, tags: list[str] | None) -> str | None as the process's pause
+/// guard; None removes it.
+#[pyfunction]
+#[pyo3(signature = (guard))]
+fn set_pause_guard(guard: Option<Py<PyAny>>) -> PyResult<()> {
+    let l = lib()?;
+    let installed: library::MemsaverPauseGuard = guard
+        .as_ref()
+        .map(|_| pause_guard as unsafe extern "C" fn(c_int, *const c_char) -> *mut c_char);
+    *GUARD.lock().unwrap_or_else(|p| p.into_inner()) = guard;
+    // SAFETY: `pause_guard` is callable from any thread for the life of the process.
+    check(l, unsafe { (l.memsaver_set_pause_guard)(installed) })
 }
 
 /// A JSON string literal of `s`.
@@ -530,6 +593,7 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     error::register(m)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(loaded, m)?)?;
+    m.add_function(wrap_pyfunction!(is_preloaded, m)?)?;
     m.add_function(wrap_pyfunction!(pause, m)?)?;
     m.add_function(wrap_pyfunction!(resume, m)?)?;
     m.add_function(wrap_pyfunction!(discard, m)?)?;
@@ -563,6 +627,7 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(free, m)?)?;
     m.add_function(wrap_pyfunction!(control_serve, m)?)?;
     m.add_function(wrap_pyfunction!(control_set_runner, m)?)?;
+    m.add_function(wrap_pyfunction!(set_pause_guard, m)?)?;
     m.add_function(wrap_pyfunction!(control_json, m)?)?;
     Ok(())
 }

@@ -7,6 +7,8 @@ use std::sync::OnceLock;
 
 /// The stage runner's type in the C ABI (`MemsaverStageRunner` in memsaver.h).
 pub type MemsaverStageRunner = Option<unsafe extern "C" fn(*const c_char) -> *mut c_char>;
+/// The pause guard's type in the C ABI (`MemsaverPauseGuard` in memsaver.h).
+pub type MemsaverPauseGuard = Option<unsafe extern "C" fn(c_int, *const c_char) -> *mut c_char>;
 
 macro_rules! c_abi {
     ($($name:ident: $ty:ty,)*) => {
@@ -62,7 +64,7 @@ fn dlerror() -> String {
 }
 
 /// The copy already in the process (preloaded), found by one of its symbols.
-fn preloaded() -> Option<(*mut c_void, String)> {
+pub fn preloaded() -> Option<(*mut c_void, String)> {
     // SAFETY: RTLD_DEFAULT searches the global scope, where LD_PRELOAD puts the library.
     let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"memsaver_last_error".as_ptr()) };
     if sym.is_null() {

@@ -7,14 +7,15 @@
 #
 # graph_stack.py (CUDA graphs while nccl is paused), real_model.py (FSDP2 + transformers RL
 # loop, both hook modes), torch_hooks.py (tensors, graphs, compat in both hook modes),
-# ipc_share.py (torch's CUDA tensor sharing of memsaver memory across a pause/resume), tms_suite.sh and tms_public.py (torch_memory_saver's own tests). PARTS names the parts to run
+# ipc_share.py (torch's CUDA tensor sharing of memsaver memory across a pause/resume),
+# paused_alloc.py (a process keeps working while paused: no allocation on paused memory), tms_suite.sh and tms_public.py (torch_memory_saver's own tests). PARTS names the parts to run
 # (default: all); a part left out is reported "NOT ASKED". A part that was asked for and cannot
 # run (tms_* without TMS) fails, as does one that fails. Each log goes to $OUT or /tmp/one_gpu;
 # exits non-zero if any part failed or did not run.
 set -uo pipefail
 DIST=${1:-.dist}
 LOGS=${OUT:-/tmp/one_gpu}
-ALL="graph_stack real_model torch_hooks ipc_share tms_suite tms_public"
+ALL="graph_stack real_model torch_hooks ipc_share paused_alloc tms_suite tms_public"
 PARTS=${PARTS:-$ALL}
 for p in $PARTS; do
   [[ " $ALL " == *" $p "* ]] || { echo "FAIL one_gpu: unknown part '$p' in PARTS (parts: $ALL)"; exit 2; }
@@ -50,6 +51,7 @@ run graph_stack env LD_PRELOAD="$preload" MASTER_PORT=29611 python3 tests/gpu/gr
 run real_model python3 tests/gpu/real_model.py --out "$LOGS/real_model"
 run torch_hooks python3 tests/gpu/torch_hooks.py
 run ipc_share python3 tests/gpu/ipc_share.py
+run paused_alloc python3 tests/gpu/paused_alloc.py
 if [ -n "${TMS:-}" ]; then
   run tms_suite tests/gpu/tms_suite.sh "$DIST"
   run tms_public env MEMSAVER_TORCH_MEMORY_SAVER=1 python3 tests/gpu/tms_public.py

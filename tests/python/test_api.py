@@ -461,7 +461,7 @@ def test_exceptions_and_all():
     errors = [getattr(memsaver, n) for n in memsaver.__all__ if n.endswith("Error")]
     # One per status a caller can act on (python/src/error.rs), plus MemsaverError and
     # ProfileStepError.
-    assert len(errors) == 15
+    assert len(errors) == 16
     for cls in errors:
         assert issubclass(cls, memsaver.MemsaverError)
         # Raised by the extension, except ProfileStepError (raised by the profile runner).
@@ -470,6 +470,7 @@ def test_exceptions_and_all():
     assert issubclass(memsaver.ResumeOutOfMemoryError, memsaver.OutOfMemoryError)
     assert memsaver.BackupError in errors  # MEMSAVER_ERR_BACKUP
     assert memsaver.ControlError in errors  # MEMSAVER_ERR_CONTROL
+    assert memsaver.PauseRefusedError in errors  # MEMSAVER_ERR_PAUSE_REFUSED
 
 
 def test_cuda_graph_needs_torch():

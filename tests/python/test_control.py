@@ -319,7 +319,8 @@ def test_status_codes_round_trip_through_the_binding():
     from memsaver import _memsaver
 
     for name in ("InvalidArgumentError", "UnknownTagError", "ResumeOutOfMemoryError", "OutOfMemoryError",
-                 "PeerError", "ProfileError", "BackupError", "ControlError", "DriverNotLoadedError"):
+                 "PeerError", "ProfileError", "BackupError", "ControlError", "PauseRefusedError",
+                 "DriverNotLoadedError"):
         cls = getattr(memsaver, name)
         code = _memsaver.status_of(cls("x"))
         err = _memsaver.error_from_status(code, "msg")

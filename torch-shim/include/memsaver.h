@@ -84,9 +84,42 @@ typedef enum memsaver_status {
      * answer (not its operation's own error, which keeps its status).
      */
     MEMSAVER_ERR_CONTROL = 14,
+    /*
+     * A pause refused before anything changed: memory of a tag it names could be handed out
+     * again while paused (a region of the tag is open); the message says what to do.
+     */
+    MEMSAVER_ERR_PAUSE_REFUSED = 15,
     /* A bug in memsaver (a caught panic): please report it with MEMSAVER_LOG=debug output. */
     MEMSAVER_ERR_INTERNAL = 99,
 } memsaver_status;
+
+/**
+ * `event` of a pause guard's call before a pause (see `MemsaverPauseGuard`).
+ */
+#define MEMSAVER_GUARD_BEFORE_PAUSE 0
+
+/**
+ * `event` of a pause guard's call once a pause or resume has ended.
+ */
+#define MEMSAVER_GUARD_AFTER_TRANSITION 1
+
+/**
+ * A pause guard: a function of the layer that caches freed device memory above memsaver (the
+ * Python package installs one for PyTorch's caching allocator), which memsaver calls under its
+ * transition lock, on the thread of the pause or resume (memsaver's control thread for
+ * requests from other processes):
+ * - `event` `MEMSAVER_GUARD_BEFORE_PAUSE`, before a pause changes anything, with `tags` the
+ *   tags of allocations it will pause, separated by commas: the guard makes sure nothing
+ *   hands out their memory until they resume, and returns NULL, or refuses the pause by
+ *   returning a message (the pause then fails with `MEMSAVER_ERR_PAUSE_REFUSED` and that
+ *   message, nothing paused);
+ * - `event` `MEMSAVER_GUARD_AFTER_TRANSITION`, `tags` NULL, once a pause or resume has
+ *   ended (whatever its outcome, a refused pause included): tags that are no longer paused may
+ *   hand out memory again. What it returns is logged.
+ *
+ * A message is a `malloc`ed NUL-terminated text, which memsaver frees.
+ */
+typedef char *(*MemsaverPauseGuard)(int, const char*);
 
 /**
  * A function that runs a profile stage for a control request, on memsaver's control thread:
@@ -420,6 +453,16 @@ int memsaver_cli_spec_json(char *buf, size_t len, size_t *needed);
  * As [`memsaver_stats_json`].
  */
 int memsaver_runtime_dir(char *buf, size_t len, size_t *needed);
+
+/**
+ * Installs the pause guard (NULL removes it); it replaces the one installed before and
+ * applies from the next pause or resume. Never starts the allocator.
+ *
+ * # Safety
+ * `guard` is NULL or a function with the contract of `MemsaverPauseGuard`, callable from any
+ * thread for as long as it is installed.
+ */
+int memsaver_set_pause_guard(MemsaverPauseGuard guard);
 
 /**
  * Opts this process in to control requests from other processes of its user and group

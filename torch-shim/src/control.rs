@@ -7,7 +7,7 @@
 //! callbacks that process registered (`memsaver.register_callback`). A process without one
 //! refuses to run stages, saying why.
 
-use std::ffi::{CStr, CString, c_char};
+use std::ffi::{CString, c_char};
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::time::Duration;
 
@@ -15,6 +15,7 @@ use memsaver_ipc::control::{self, Control, Outcome};
 use serde_json::{Value, json};
 
 use crate::Status;
+use crate::ffi::take_malloc_c_string;
 
 /// The stage runner: given a request (JSON: `{"source", "stage", "profile", "from"}`) it runs
 /// the stage and returns a `malloc`ed NUL-terminated JSON text, `{"ok": true, "report": ...}`
@@ -97,18 +98,13 @@ fn run_stage(source: &str, stage: &str, profile: &str, from: u32) -> Result<Outc
         .map_err(|_| error(Status::InvalidArgument, "a profile with a NUL character"))?;
     // SAFETY: a NUL-terminated request that outlives the call, per the runner's contract.
     let answer = unsafe { run(request.as_ptr()) };
-    if answer.is_null() {
+    // SAFETY: the runner returns NULL or a malloc'ed NUL-terminated text, ours to free.
+    let Some(text) = (unsafe { take_malloc_c_string(answer) }) else {
         return Err(error(
             Status::Internal,
             format!("process {me}: the stage runner gave no answer"),
         ));
-    }
-    // SAFETY: the runner returns a malloc'ed NUL-terminated text, ours to free.
-    let text = unsafe { CStr::from_ptr(answer) }
-        .to_string_lossy()
-        .into_owned();
-    // SAFETY: allocated with malloc by the runner and not used after this.
-    unsafe { libc::free(answer.cast()) };
+    };
     let v: Value = serde_json::from_str(&text).map_err(|e| {
         error(
             Status::Internal,

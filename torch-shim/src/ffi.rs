@@ -158,6 +158,21 @@ pub(crate) unsafe fn c_args(argc: c_int, argv: *const *const c_char) -> Result<V
     Ok(args)
 }
 
+/// The text of a NUL-terminated string from `malloc` (NULL: `None`), which is freed.
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string allocated with `malloc`, used by nobody after this.
+pub(crate) unsafe fn take_malloc_c_string(p: *mut c_char) -> Option<String> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: NUL-terminated, per the contract.
+    let text = unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
+    // SAFETY: allocated with malloc and not used after this, per the contract.
+    unsafe { libc::free(p.cast()) };
+    Some(text)
+}
+
 /// A copy of `text` in memory from `malloc`, NUL-terminated (empty if `text` holds a NUL), for
 /// the caller to `free`.
 pub(crate) fn malloc_c_string(text: &str) -> Result<*mut c_char, Error> {

@@ -44,6 +44,7 @@
 pub mod cli;
 mod control;
 mod ffi;
+mod guard;
 pub mod hooks;
 pub mod options;
 pub mod region;
@@ -665,6 +666,41 @@ pub unsafe extern "C" fn memsaver_runtime_dir(
 /// NUL-terminated JSON text, `{"ok": true, "report": ...}` or `{"ok": false, "status": code,
 /// "error": message}`, which memsaver frees. The Python package installs one.
 pub type MemsaverStageRunner = Option<unsafe extern "C" fn(*const c_char) -> *mut c_char>;
+
+/// A pause guard: a function of the layer that caches freed device memory above memsaver (the
+/// Python package installs one for PyTorch's caching allocator), which memsaver calls under its
+/// transition lock, on the thread of the pause or resume (memsaver's control thread for
+/// requests from other processes):
+/// - `event` `MEMSAVER_GUARD_BEFORE_PAUSE`, before a pause changes anything, with `tags` the
+///   tags of allocations it will pause, separated by commas: the guard makes sure nothing
+///   hands out their memory until they resume, and returns NULL, or refuses the pause by
+///   returning a message (the pause then fails with `MEMSAVER_ERR_PAUSE_REFUSED` and that
+///   message, nothing paused);
+/// - `event` `MEMSAVER_GUARD_AFTER_TRANSITION`, `tags` NULL, once a pause or resume has
+///   ended (whatever its outcome, a refused pause included): tags that are no longer paused may
+///   hand out memory again. What it returns is logged.
+///
+/// A message is a `malloc`ed NUL-terminated text, which memsaver frees.
+pub type MemsaverPauseGuard = Option<unsafe extern "C" fn(c_int, *const c_char) -> *mut c_char>;
+
+/// `event` of a pause guard's call before a pause (see `MemsaverPauseGuard`).
+pub const MEMSAVER_GUARD_BEFORE_PAUSE: c_int = 0;
+/// `event` of a pause guard's call once a pause or resume has ended.
+pub const MEMSAVER_GUARD_AFTER_TRANSITION: c_int = 1;
+
+/// Installs the pause guard (NULL removes it); it replaces the one installed before and
+/// applies from the next pause or resume. Never starts the allocator.
+///
+/// # Safety
+/// `guard` is NULL or a function with the contract of `MemsaverPauseGuard`, callable from any
+/// thread for as long as it is installed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memsaver_set_pause_guard(guard: MemsaverPauseGuard) -> c_int {
+    ffi_with(|| {
+        guard::set(guard);
+        Ok(())
+    })
+}
 
 /// Opts this process in to control requests from other processes of its user and group
 /// (as `MEMSAVER_CONTROL=1` does when the allocator starts), starting its memsaver socket

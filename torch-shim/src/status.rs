@@ -76,6 +76,9 @@ statuses! {
     /// A control request to another process could not be delivered, was refused or got no
     /// answer (not its operation's own error, which keeps its status).
     Control = 14 => "MEMSAVER_ERR_CONTROL",
+    /// A pause refused before anything changed: memory of a tag it names could be handed out
+    /// again while paused (a region of the tag is open); the message says what to do.
+    PauseRefused = 15 => "MEMSAVER_ERR_PAUSE_REFUSED",
     /// A bug in memsaver (a caught panic): please report it with MEMSAVER_LOG=debug output.
     Internal = 99 => "MEMSAVER_ERR_INTERNAL",
 }
@@ -95,6 +98,7 @@ impl Status {
             Error::InvalidArgument(_) => Status::InvalidArgument,
             Error::Peer { .. } => Status::Peer,
             Error::Backup(_) => Status::Backup,
+            Error::PauseRefused(_) => Status::PauseRefused,
         }
     }
 }
