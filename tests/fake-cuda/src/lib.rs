@@ -70,8 +70,13 @@
 //! * Export/import of real file descriptors (a new fd per export, passable with `SCM_RIGHTS`;
 //!   import `dup`s, so the caller closes its fd), and shared contents between processes.
 //! * VMM rules: 2 MiB granularity (misaligned sizes and addresses are `CUDA_ERROR_INVALID_VALUE`),
-//!   mapping only inside a reservation and never over a mapping (`CUDA_ERROR_ALREADY_MAPPED`),
-//!   `cuMemMap` offset must be 0, unmapping whole mappings only, the virtual range stays reserved
+//!   mapping only inside reservations (anywhere in one, or across ones that follow each other
+//!   without a gap; a hint right after a reservation is honoured) and never over a mapping
+//!   (`CUDA_ERROR_ALREADY_MAPPED`), whole allocations only (a nonzero offset or a smaller size is
+//!   `CUDA_ERROR_NOT_SUPPORTED`, as measured on an H100 whatever the documentation says), one
+//!   `cuMemUnmap` or `cuMemSetAccess` over several adjacent mappings but never part of one
+//!   (`CUDA_ERROR_INVALID_VALUE`); `tests/vmm_rules.rs` checks these here and
+//!   `tests/gpu/vmm_rules.py` on a GPU. The virtual range stays reserved
 //!   after `cuMemUnmap`, access only after `cuMemSetAccess`, release while mapped keeps memory
 //!   alive until unmapped, `cuMemRetainAllocationHandle` returns the mapping's handle value with
 //!   one more reference (NCCL then releases it twice), and fails with `CUDA_ERROR_INVALID_VALUE`

@@ -59,7 +59,8 @@ struct State {
     handles: BTreeMap<CUmemGenericAllocationHandle, HandleEntry>,
     /// Reservation start -> size.
     reservations: BTreeMap<u64, u64>,
-    /// Mapping start -> mapping. Mappings never overlap and each lies in one reservation.
+    /// Mapping start -> mapping. Mappings never overlap and each lies in reservations that follow
+    /// each other without a gap (usually one).
     mappings: BTreeMap<u64, Mapping>,
 }
 
@@ -96,6 +97,8 @@ impl Prop {
     }
 }
 
+/// A whole allocation mapped at one range (`cuMemMap` maps nothing less), so `size` is the
+/// allocation's size.
 struct Mapping {
     size: u64,
     /// Keeps this process's fd on the allocation for as long as the mapping exists (the `mmap`
@@ -427,14 +430,19 @@ pub fn map(
     }
     let size = size as u64;
     valid_range(ptr, size)?;
-    // The driver documents that the offset must currently be zero.
-    if flags != 0 || offset != 0 {
+    if flags != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let mut st = STATE.write();
     let alloc = Arc::clone(st.handle(handle)?);
     if size > alloc.phys.size() || !st.reserved_without_gaps(ptr, size) {
         return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // Only whole allocations map: part of one (a nonzero offset, or less than its size) is
+    // CUDA_ERROR_NOT_SUPPORTED on the real driver (H100, driver 580), whatever its documentation
+    // says (`tests/gpu/vmm_rules.py`).
+    if offset != 0 || size < alloc.phys.size() {
+        return Err(CUDA_ERROR_NOT_SUPPORTED);
     }
     if st.overlaps_mapping(ptr, size) {
         return Err(CUDA_ERROR_ALREADY_MAPPED);
@@ -642,7 +650,11 @@ pub fn access(addr: CUdeviceptr, len: usize, write: bool) -> Result<Access, CUre
     let guard = STATE.read();
     let len = len as u64;
     let end = addr.checked_add(len).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    if guard.reservation_containing(addr, len).is_some() {
+    // Device memory: in reservations, which may follow each other without a gap (one mapping
+    // may span them).
+    if guard.reservation_containing(addr, len).is_some()
+        || (len > 0 && guard.reserved_without_gaps(addr, len))
+    {
         let need = if write {
             CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         } else {
