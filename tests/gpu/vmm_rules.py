@@ -10,14 +10,13 @@ Facts (as measured on an H100, driver 580.159):
 4. mappings may sit anywhere inside a larger reservation;
 5. part of an allocation does not map: cuMemMap with a size below the allocation's, or with a
    nonzero offset, is CUDA_ERROR_NOT_SUPPORTED (801);
-6. part of a mapping does not unmap (the fake driver answers CUDA_ERROR_INVALID_VALUE);
-7. cuMemAddressReserve with a hint at the end of an existing reservation does not give that
-   address. memsaver's runs rely on the opposite (docs/architecture.md, "Runs"), and
-   bench/vmm_runs.py got the hint on an H100 with driver 580.159
-   (docs/logs/2026-11-23-h100-issue14/vmm_runs.log): this line says which is true here.
+6. part of a mapping does not unmap: CUDA_ERROR_INVALID_VALUE (1), as the fake driver answers;
+7. cuMemAddressReserve with a hint at the end of an existing reservation, the space there
+   being free, gives that address (memsaver's runs rely on it: docs/architecture.md, "Runs");
+   measured again on an H100, driver 580.159.04, 2026-11-27.
 
 Also printed, not checked: whether one mapping may span two adjacent reservations (the fake
-allows it; bench/vmm_runs.py measured CUDA_SUCCESS).
+allows it; measured CUDA_SUCCESS, and a memset across it too).
 
 Usage: python3 tests/gpu/vmm_rules.py
 Talks to libcuda.so.1 with ctypes (no torch; MEMSAVER_CUDA_LIB names another library, such as
@@ -199,7 +198,7 @@ def fact_7_and_spanning(g):
     a = reserve(2 * g)
     b = reserve(2 * g, hint=a + 2 * g)
     given = b == a + 2 * g
-    report(7, not given, f"cuMemAddressReserve with a hint at the end of a reservation ({a + 2 * g:#x})"
+    report(7, given, f"cuMemAddressReserve with a hint at the end of a reservation ({a + 2 * g:#x})"
            f" gave {b:#x}: {'the hint' if given else 'another address'} (memsaver's runs rely on the hint)")
     if given:
         h = create(4 * g)

@@ -312,12 +312,10 @@ fn part_of_a_mapping_does_not_unmap() {
     free(base, 2 * G);
 }
 
-/// Not modelled: a report says the real driver does not honour a hint at the end of an existing
-/// reservation, but `bench/vmm_runs.py` got exactly that on an H100 with driver 580.159 (and
-/// then mapped one handle across both: `docs/logs/2026-11-23-h100-issue14/vmm_runs.log`), and
-/// memsaver's runs rely on it (`docs/architecture.md`, "Runs"; 256 allocations of 64 MiB resumed
-/// as 16 runs on that GPU, `docs/benchmarks.md`). `tests/gpu/vmm_rules.py` prints what a GPU
-/// does.
+/// The real driver honours a hint at the end of an existing reservation when the space there is
+/// free, and one handle maps across both reservations (`tests/gpu/vmm_rules.py` on an H100,
+/// driver 580.159.04, 2026-11-27; `bench/vmm_runs.py` before it); memsaver's runs rely on it
+/// (`docs/architecture.md`, "Runs").
 #[test]
 fn a_hint_at_the_end_of_a_reservation_is_honoured_and_one_mapping_spans_both() {
     let _serial = serial();
