@@ -316,14 +316,15 @@ def _before_pause(tags: list[str]) -> str | None:
     # torch keeps a cuBLAS workspace per (handle, stream), allocated from whatever pool was in use
     # at the stream's first matmul: possibly memory this pause releases. Dropped, they are made
     # again at the next matmul, from memory that is resident then.
-    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    torch_c = getattr(torch, "_C", None)
+    clear_workspaces = getattr(torch_c, "_cuda_clearCublasWorkspaces", None)
     if clear_workspaces is not None:
         clear_workspaces()
     process_tag = _memsaver_process_tag()
     if process_tag not in tags:
         return None
     devices = {a.device for a in _stats.parse_allocations(_memsaver.allocations_json([process_tag]))}
-    begin = getattr(torch._C, "_cuda_beginAllocateToPool", None)
+    begin = getattr(torch_c, "_cuda_beginAllocateToPool", None)
     if begin is None:
         return (
             f"this PyTorch ({torch.__version__}) cannot route allocations to another pool "

@@ -1,7 +1,9 @@
 """A stand-in for the parts of torch that memsaver's pool scopes use (``torch.cuda``'s
-``MemPool``, ``use_mem_pool``, ``device``, ``graph``, ``CUDAPluggableAllocator``) and the storages
-that CUDA IPC shares (``UntypedStorage``, ``TypedStorage``), recording every call, so that what
-memsaver does under torch is checked without torch. The real torch: tests/gpu/torch_hooks.py."""
+``MemPool``, ``use_mem_pool``, ``device``, ``graph``, ``CUDAPluggableAllocator``), the storages
+that CUDA IPC shares (``UntypedStorage``, ``TypedStorage``) and the allocator calls of the pause
+guard (``torch._C``'s routing to a pool and its cuBLAS workspaces), recording every call, so that
+what memsaver does under torch is checked without torch. The real torch:
+tests/gpu/torch_hooks.py, tests/gpu/paused_alloc.py."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ class FakeTorch(types.ModuleType):
     """Put it in ``sys.modules["torch"]``; ``calls`` lists ("pool", name, allocator),
     ("enter", name, device), ("exit", name), ("freed", name), and ("capture", pool id,
     options) / ("captured",) around a graph capture, ("synchronize",), and ("share_cuda",
-    data pointer) when a storage reaches torch's own ``_share_cuda_``, in order."""
+    data pointer) when a storage reaches torch's own ``_share_cuda_``, ("route", pool id,
+    device) / ("unroute", pool id, device) when every allocation of a device is routed to a pool
+    and back, and ("clear_workspaces",), in order."""
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -80,6 +84,11 @@ class FakeTorch(types.ModuleType):
             def _share_cuda_(self, *args: Any, **kwargs: Any) -> Any:
                 return self._untyped_storage._share_cuda_(*args, **kwargs)
 
+        self._C = types.SimpleNamespace(
+            _cuda_beginAllocateToPool=lambda device, pool: calls.append(("route", pool, device)),
+            _cuda_endAllocateToPool=lambda device, pool: calls.append(("unroute", pool, device)),
+            _cuda_clearCublasWorkspaces=lambda: calls.append(("clear_workspaces",)),
+        )
         self.UntypedStorage = UntypedStorage
         self.TypedStorage = TypedStorage
         self.cuda = types.SimpleNamespace(

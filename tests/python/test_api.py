@@ -375,6 +375,45 @@ def test_disable_under_torch_suspends_the_region_pool(hooks, tag, monkeypatch):
     assert memsaver.stats().tags[tag].allocations == 0
 
 
+def test_a_pause_of_a_tag_whose_region_is_open_is_refused_under_torch(tag, tag2, monkeypatch):
+    """Under torch (a stand-in; the real one: tests/gpu/paused_alloc.py) a region's pool would
+    hand its cached blocks of paused memory to the tensors of a region still open, so a pause of
+    its tag is refused, naming the thread, until the block ends; other tags pause meanwhile."""
+    import sys
+    import threading
+
+    from fake_torch import FakeTorch
+    from memsaver import _torch
+
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch())
+    monkeypatch.setattr(_torch, "_pools", {})
+    monkeypatch.setattr(_torch, "_allocator", None)
+    memsaver.register_tag(tag)
+    memsaver.register_tag(tag2)
+    entered, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with memsaver.region(tag):
+            entered.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=hold, name="rollout-worker")
+    t.start()
+    try:
+        assert entered.wait(30)
+        refusal = f"region of tag '{tag}' is open on thread 'rollout-worker'"
+        with pytest.raises(memsaver.PauseRefusedError, match=refusal):
+            memsaver.pause(tag2, tag)
+        assert not memsaver.stats().tags[tag2].paused, "a refused pause changes nothing"
+        memsaver.pause(tag2)
+        memsaver.resume(tag2)
+    finally:
+        leave.set()
+        t.join()
+    memsaver.pause(tag)
+    memsaver.resume(tag)
+
+
 def test_cuda_graph_tags_the_capture_under_torch(hooks, tag, tag2, monkeypatch):
     """Under torch (a stand-in recording its calls; the real one: tests/gpu/torch_hooks.py),
     cuda_graph captures into a pool of its own over memsaver's allocator, kept alive with the

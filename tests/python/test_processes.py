@@ -356,6 +356,58 @@ def test_backup_prepare_limit_bounds_what_is_prepared(child_env):
     assert "takes a byte count >= 0, got -1" in out["-1"] and "got True" in out["True"]
 
 
+WHOLE_PROCESS_PAUSE = r"""
+import ctypes, json, sys
+from fake_torch import FakeTorch
+torch = sys.modules["torch"] = FakeTorch()
+import memsaver
+from memsaver import _memsaver
+
+lib = ctypes.CDLL(None)   # the preloaded cudaMalloc, as libc10_cuda reaches it
+lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+def malloc():
+    p = ctypes.c_void_p()
+    assert lib.cudaMalloc(ctypes.byref(p), 2 << 20) == 0
+    return p.value
+
+malloc()
+_memsaver.malloc(2 << 20, 0, "other", "discard")
+def calls():  # pause() synchronises torch's streams first: not the guard's doing
+    return [c for c in torch.calls if c != ("synchronize",)]
+
+out = {}
+memsaver.pause("other")
+out["other"] = calls()
+memsaver.resume("other")
+del torch.calls[:]
+memsaver.pause("proc")
+out["paused"] = calls()
+p = malloc()  # while paused: a resident allocation of the process tag
+out["new"] = [a.state for a in memsaver.allocations("proc") if a.ptr == p]
+del torch.calls[:]
+memsaver.resume("proc")
+out["resumed"] = calls()
+print(json.dumps(out))
+"""
+
+
+def test_whole_process_pause_routes_torch_to_a_fresh_pool_until_resume(child_env):
+    """Whole-process mode (preloaded, MEMSAVER_PROCESS_TAG): torch's default pool holds the
+    process tag's memory, cached free blocks included. The pause guard routes every allocation
+    to a fresh pool before the tag is paused and ends it once the tag is resumed; every pause
+    drops torch's cuBLAS workspaces. Under a torch stand-in that records its calls (the real
+    one: tests/gpu/paused_alloc.py)."""
+    env = dict(child_env, LD_PRELOAD=memsaver.preload_path(), MEMSAVER_HOOK_MODE="preload",
+               MEMSAVER_PROCESS_TAG="proc", PYTHONPATH=os.path.dirname(__file__))
+    r = run_python(WHOLE_PROCESS_PAUSE, env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["other"] == [["clear_workspaces"]], "another tag: torch's default pool stays"
+    assert out["paused"] == [["clear_workspaces"], ["pool", "pool1", None], ["route", [1, 0], 0]]
+    assert out["new"] == ["resident"]
+    assert out["resumed"] == [["unroute", [1, 0], 0], ["freed", "pool1"]]
+
+
 WHOLE_PROCESS_DISABLE = r"""
 import ctypes, json, sys
 from fake_torch import FakeTorch
