@@ -356,21 +356,24 @@ def test_backup_prepare_limit_bounds_what_is_prepared(child_env):
     assert "takes a byte count >= 0, got -1" in out["-1"] and "got True" in out["True"]
 
 
-WHOLE_PROCESS_PAUSE = r"""
+# A preloaded child under the torch stand-in: `malloc()` is the preloaded cudaMalloc of 2 MiB,
+# as libc10_cuda reaches it, giving (status, pointer).
+UNDER_FAKE_TORCH = r"""
 import ctypes, json, sys
 from fake_torch import FakeTorch
 torch = sys.modules["torch"] = FakeTorch()
 import memsaver
 from memsaver import _memsaver
 
-lib = ctypes.CDLL(None)   # the preloaded cudaMalloc, as libc10_cuda reaches it
+lib = ctypes.CDLL(None)
 lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
 def malloc():
     p = ctypes.c_void_p()
-    assert lib.cudaMalloc(ctypes.byref(p), 2 << 20) == 0
-    return p.value
+    return lib.cudaMalloc(ctypes.byref(p), 2 << 20), p.value
+"""
 
-malloc()
+WHOLE_PROCESS_PAUSE = UNDER_FAKE_TORCH + r"""
+assert malloc()[0] == 0
 _memsaver.malloc(2 << 20, 0, "other", "discard")
 def calls():  # pause() synchronises torch's streams first: not the guard's doing
     return [c for c in torch.calls if c != ("synchronize",)]
@@ -382,7 +385,8 @@ memsaver.resume("other")
 del torch.calls[:]
 memsaver.pause("proc")
 out["paused"] = calls()
-p = malloc()  # while paused: a resident allocation of the process tag
+rc, p = malloc()  # while paused: a resident allocation of the process tag
+assert rc == 0
 out["new"] = [a.state for a in memsaver.allocations("proc") if a.ptr == p]
 del torch.calls[:]
 memsaver.resume("proc")
@@ -408,21 +412,10 @@ def test_whole_process_pause_routes_torch_to_a_fresh_pool_until_resume(child_env
     assert out["resumed"] == [["unroute", [1, 0], 0], ["freed", "pool1"]]
 
 
-WHOLE_PROCESS_DISABLE = r"""
-import ctypes, json, sys
-from fake_torch import FakeTorch
-torch = sys.modules["torch"] = FakeTorch()
-import memsaver
-
-lib = ctypes.CDLL(None)   # the preloaded cudaMalloc, as libc10_cuda reaches it
-lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
-def malloc():
-    p = ctypes.c_void_p()
-    return lib.cudaMalloc(ctypes.byref(p), 2 << 20)
-
-out = {"outside": malloc()}
+WHOLE_PROCESS_DISABLE = UNDER_FAKE_TORCH + r"""
+out = {"outside": malloc()[0]}
 with memsaver.disable():
-    out["inside"] = malloc()
+    out["inside"] = malloc()[0]
     out["calls_inside"] = list(torch.calls)
 out["calls"] = torch.calls
 out["proc"] = memsaver.stats().tags["proc"].allocations
