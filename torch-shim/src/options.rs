@@ -244,8 +244,11 @@ mod tests {
                         .chars()
                         .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
                         .collect();
-                    // Not variables: the C ABI's status codes (MEMSAVER_OK, MEMSAVER_ERR_*).
-                    let status = name == "MEMSAVER_OK" || name.starts_with("MEMSAVER_ERR_");
+                    // Not variables: the C ABI's status codes (MEMSAVER_OK, MEMSAVER_ERR_*)
+                    // and the pause guard's event codes (MEMSAVER_GUARD_*).
+                    let status = name == "MEMSAVER_OK"
+                        || name.starts_with("MEMSAVER_ERR_")
+                        || name.starts_with("MEMSAVER_GUARD_");
                     if !name.ends_with('_') && !status {
                         out.push((name, p.clone()));
                     }
