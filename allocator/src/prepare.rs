@@ -7,13 +7,23 @@
 //! [`Preparer`] for its backup buffer: a background thread allocates it, and the first pause
 //! takes it ready-made. Later pauses reuse the retained backup, so only the first one needed it.
 //!
+//! A pause never waits for that pinning: it takes a buffer being pinned as it stands (the
+//! thread looks between steps whether its buffer was taken, and stops), and a request still
+//! queued as an empty reservation. The steps not pinned yet are copied as pageable memory
+//! (`backup.rs`), and once the transition's copies are done it hands the buffer back as a
+//! finish job ([`Preparer::finish`]): the thread pins the rest in place, step by step, after
+//! any queued request, so later pauses and resumes copy at pinned speed. Freeing the allocation
+//! or releasing the backup cancels it.
+//!
 //! The preparer keeps no contents: a prepared buffer becomes the allocation's backup only when
-//! a pause copies into it. What it holds is bounded by a byte limit (`MEMSAVER_BACKUP_PREPARE_MB`)
-//! and reported in the stats (`prepared_backup_bytes`, `backups_preparing`).
+//! a pause copies into it. What it holds is bounded by a byte limit (`MEMSAVER_BACKUP_PREPARE_MB`;
+//! finish jobs are backups already and do not count) and reported in the stats
+//! (`prepared_backup_bytes`; `backups_preparing` counts requests and finish jobs).
 //!
 //! Keys are the allocator's allocation ids, never addresses, so a freed and reused address
 //! never receives the buffer of its previous owner. The preparer's lock is a leaf: no other
-//! lock is taken under it, and no driver call is made under it.
+//! lock is taken under it, and no driver call is made under it (the thread reserves a
+//! request's address space under it, one `mmap` with no memory behind it).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
