@@ -13,6 +13,10 @@ next's:
   allocation until preparation is over, against the same thread with nothing in the background;
 * how long preparation took (until ``stats().backups_preparing`` is 0) and at what GiB/s;
 * the first pause and resume of the ``cpu`` tag against steady ones, in ms and GB/s;
+* the first pause issued immediately after allocating (no wait for preparation: the case
+  ``cpu-immediate``) against the steady pause, in ms and as a ratio, with the first resume
+  after it, and the steady pause once the rest of the backups has been pinned in the
+  background;
 * a training step whose activations grow torch's cache, in whole-process mode with cpu backup
   (the preloaded library, ``MEMSAVER_PROCESS_TAG``/``MEMSAVER_PROCESS_BACKUP=cpu``) against the
   same step with no memsaver at all: first step (the cache grows) and a later step.
@@ -109,7 +113,11 @@ def case_alloc(kind, n, size, cycles):
         torch.cuda.synchronize()
         out["alloc_ms"] = (time.perf_counter() - t) * 1e3
         out["alloc_max_ms"] = max(each)
-        if kind.startswith("cpu"):
+        if kind == "cpu-immediate":
+            # The first pause comes at once: measured below, before preparation is over.
+            out["prepare_ms"] = float("nan")
+            out["preparing_at_pause"] = memsaver.stats().backups_preparing
+        elif kind.startswith("cpu"):
             import memsaver
 
             while memsaver.stats().backups_preparing:
@@ -118,6 +126,15 @@ def case_alloc(kind, n, size, cycles):
             out["prepared_backup_bytes"] = memsaver.stats().total.prepared_backup_bytes
         else:
             time.sleep(0.2)
+        if kind == "cpu-immediate":
+            # Still inside the launcher: the pause, and the pinning that follows it, run while
+            # another thread launches kernels.
+            first_pause_ms, first_resume_ms = first_cycle_now(memsaver, torch, ts, size)
+            out["first_pause_ms"], out["first_resume_ms"] = first_pause_ms, first_resume_ms
+            t = time.perf_counter()
+            while memsaver.stats().backups_preparing:
+                time.sleep(0.001)
+            out["finish_ms"] = (time.perf_counter() - t) * 1e3
     out["kernel_max_ms"] = max(launcher.samples)
     out["kernel_p99_ms"] = pct(launcher.samples, 0.99)
     out["kernels"] = len(launcher.samples)
@@ -128,6 +145,9 @@ def case_alloc(kind, n, size, cycles):
             x.fill_(i % 251)
         gb = n * size / 1e9
         pauses, resumes = [], []
+        if kind == "cpu-immediate":
+            pauses.append(out["first_pause_ms"])
+            resumes.append(out["first_resume_ms"])
         for _ in range(cycles):
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -141,12 +161,33 @@ def case_alloc(kind, n, size, cycles):
             if int(x[size // 2]) != i % 251 or int(x[0]) != i % 251:
                 raise SystemExit(f"tensor {i} wrong after resume")
         out["first_pause_ms"], out["first_resume_ms"] = pauses[0], resumes[0]
+        out["first_over_steady"] = pauses[0] / min(pauses[1:])
         out["steady_pause_ms"] = min(pauses[1:])
         out["steady_resume_ms"] = min(resumes[1:])
         out["first_pause_gbs"] = gb / pauses[0] * 1e3
         out["steady_pause_gbs"] = gb / out["steady_pause_ms"] * 1e3
         out["steady_resume_gbs"] = gb / out["steady_resume_ms"] * 1e3
     print(json.dumps(out), flush=True)
+
+
+def first_cycle_now(memsaver, torch, ts, size):
+    """The first pause of tag ``w`` right after its allocations (backups still being prepared),
+    and the resume after it: (pause ms, resume ms). The tensors are filled first and checked
+    after the resume."""
+    for i, x in enumerate(ts):
+        x.fill_(i % 251)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    memsaver.pause("w")
+    pause_ms = (time.perf_counter() - t) * 1e3
+    t = time.perf_counter()
+    memsaver.resume("w")
+    torch.cuda.synchronize()
+    resume_ms = (time.perf_counter() - t) * 1e3
+    for i, x in enumerate(ts):
+        if int(x[size // 2]) != i % 251 or int(x[0]) != i % 251 or int(x[-1]) != i % 251:
+            raise SystemExit(f"tensor {i} wrong after the first resume")
+    return pause_ms, resume_ms
 
 
 def case_step(kind, steps):
@@ -209,6 +250,7 @@ def main():
         child(args, "discard"),
         child(args, "cpu"),
         child(args, "cpu-unprepared", {"MEMSAVER_BACKUP_PREPARE_MB": "0"}),
+        child(args, "cpu-immediate"),
     ]
     print(f"{args.n} x {args.size_mib} MiB; kernel times are launch to completion of a "
           "256x256 matmul on another thread (ms)")
@@ -226,6 +268,13 @@ def main():
               f"{r['first_pause_ms'] / r['steady_pause_ms']:>7.2f} {r['first_resume_ms']:>9.1f} "
               f"{r['steady_resume_ms']:>9.1f} {r['steady_pause_gbs']:>10.1f} "
               f"{r['steady_resume_gbs']:>9.1f}")
+    im = rows[4]
+    print(f"\nfirst pause issued immediately after allocating ({im['preparing_at_pause']} backups "
+          f"still being prepared): {im['first_pause_ms']:.1f} ms against a steady "
+          f"{im['steady_pause_ms']:.1f} ms = {im['first_over_steady']:.2f}x (goal <= 1.5x); "
+          f"first resume {im['first_resume_ms']:.1f} ms; the rest pinned in the background "
+          f"{im['finish_ms']:.0f} ms later; kernel on another thread meanwhile: max "
+          f"{im['kernel_max_ms']:.2f} ms, p99 {im['kernel_p99_ms']:.2f} ms")
     steps = [
         child(args, "plain-step"),
         child(args, "process-step", {**preload, "MEMSAVER_PROCESS_TAG": "train",

@@ -17,7 +17,9 @@
 //! completed pause (a pause whose copy fails drops the backup).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 
 use crate::disk::DiskFile;
@@ -51,14 +53,14 @@ impl HostBuffer {
 
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         match self {
-            HostBuffer::Pinned(b) => b.ptr,
+            HostBuffer::Pinned(b) => b.0.ptr,
             HostBuffer::Mmap(b) => b.ptr,
         }
     }
 
     pub fn as_ptr(&self) -> *const u8 {
         match self {
-            HostBuffer::Pinned(b) => b.ptr,
+            HostBuffer::Pinned(b) => b.0.ptr,
             HostBuffer::Mmap(b) => b.ptr,
         }
     }
@@ -66,7 +68,7 @@ impl HostBuffer {
     #[allow(clippy::len_without_is_empty)]
     pub fn len(&self) -> usize {
         match self {
-            HostBuffer::Pinned(b) => b.len,
+            HostBuffer::Pinned(b) => b.0.len,
             HostBuffer::Mmap(b) => b.len,
         }
     }
@@ -78,72 +80,74 @@ impl HostBuffer {
         }
     }
 
-    /// `[off, off + n)` of this buffer in the pieces one copy may cover: the registered chunks
-    /// of pinned memory, all of it for pageable memory. (piece offset, piece length) each.
-    fn pieces(&self, off: usize, n: usize) -> Vec<(usize, usize)> {
-        assert!(off + n <= self.len(), "a copy outside its host buffer");
-        let step = match self {
-            HostBuffer::Pinned(_) => PIN_CHUNK,
-            HostBuffer::Mmap(_) => usize::MAX,
-        };
-        let mut out = Vec::new();
-        let mut at = off;
-        while at < off + n {
-            let end = (off + n).min((at / step).saturating_add(1).saturating_mul(step));
-            out.push((at, end - at));
-            at = end;
+    /// The handle through which the rest of a partly pinned buffer is pinned in the background
+    /// (`prepare.rs`); `None` for pageable memory and for a buffer pinned throughout.
+    pub(crate) fn pin_job(&self) -> Option<PinJob> {
+        match self {
+            HostBuffer::Pinned(b) if !b.fully_pinned() => Some(PinJob(b.0.clone())),
+            _ => None,
         }
-        out
     }
 
-    /// Queues copies of `n` bytes of device memory at `src` into this buffer at `off`, on `s`,
-    /// split where the host side crosses from one pinned chunk into the next.
+    /// Copies `n` bytes of device memory at `src` into this buffer at `off`, on `s`: pinned
+    /// memory split where the host side crosses from one step into the next (see
+    /// [`PinnedBuffer`] for steps not pinned yet), pageable memory in one copy. Copies into
+    /// registered memory are queued; those into pageable memory are complete on return.
     ///
     /// # Safety
-    /// `src..src+n` is mapped device memory, and this buffer is not dropped or touched by the
-    /// host until the copies complete on `s`. The caller has made the right context current.
+    /// `src..src+n` is mapped device memory of the context `ctx`, which the caller has made
+    /// current, and this buffer is not dropped or touched by the host until the copies
+    /// complete on `s`.
     pub unsafe fn copy_from_device(
         &mut self,
         d: &Driver,
+        ctx: Context,
         off: usize,
         src: CUdeviceptr,
         n: usize,
         s: Stream,
     ) -> Result<(), DriverError> {
-        let base = self.as_mut_ptr();
-        for (at, len) in self.pieces(off, n) {
-            // SAFETY: `at..at+len` lies in this buffer (checked by `pieces`) and in one
-            // registration; the rest is guaranteed by the caller.
-            unsafe {
-                d.copy_dtoh_async(base.add(at), src + (at - off) as u64, len, s)?;
-            }
+        assert!(off + n <= self.len(), "a copy outside its host buffer");
+        match self {
+            // SAFETY: guaranteed by the caller.
+            HostBuffer::Pinned(b) => unsafe { b.copy(d, ctx, off, src, n, s, Way::ToHost) },
+            // SAFETY: `off..off+n` lies in this buffer (asserted above); the rest is
+            // guaranteed by the caller.
+            HostBuffer::Mmap(b) => unsafe { d.copy_dtoh_async(b.ptr.add(off), src, n, s) },
         }
-        Ok(())
     }
 
-    /// Queues copies of `n` bytes of this buffer at `off` to device memory at `dst`, on `s`,
-    /// split as [`HostBuffer::copy_from_device`] splits them.
+    /// Copies `n` bytes of this buffer at `off` to device memory at `dst`, on `s`, split as
+    /// [`HostBuffer::copy_from_device`] splits them. Copies out of pageable memory have read
+    /// it on return.
     ///
     /// # Safety
-    /// `dst..dst+n` is mapped device memory, and this buffer is not dropped or changed until
-    /// the copies complete on `s`. The caller has made the right context current.
+    /// `dst..dst+n` is mapped device memory of the context `ctx`, which the caller has made
+    /// current, and this buffer is not dropped or changed until the copies complete on `s`.
     pub unsafe fn copy_to_device(
         &self,
         d: &Driver,
+        ctx: Context,
         off: usize,
         dst: CUdeviceptr,
         n: usize,
         s: Stream,
     ) -> Result<(), DriverError> {
-        let base = self.as_ptr();
-        for (at, len) in self.pieces(off, n) {
+        assert!(off + n <= self.len(), "a copy outside its host buffer");
+        match self {
+            // SAFETY: guaranteed by the caller.
+            HostBuffer::Pinned(b) => unsafe { b.copy(d, ctx, off, dst, n, s, Way::ToDevice) },
             // SAFETY: as in `copy_from_device`.
-            unsafe {
-                d.copy_htod_async(dst + (at - off) as u64, base.add(at), len, s)?;
-            }
+            HostBuffer::Mmap(b) => unsafe { d.copy_htod_async(dst, b.ptr.add(off), n, s) },
         }
-        Ok(())
     }
+}
+
+/// Which way a copy goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Way {
+    ToHost,
+    ToDevice,
 }
 
 /// The backup of one allocation.
@@ -183,48 +187,114 @@ impl Backup {
 /// already faulted in, for at most 1.2 ms), so a buffer is pinned in steps of this size.
 pub const PIN_CHUNK: usize = 16 << 20;
 
+/// How many threads (the caller's included) copy the steps of one buffer that are not pinned
+/// yet. Such a copy costs mostly the page faults of fresh host memory, which threads take in
+/// parallel (each fault takes only its own area's lock).
+const PAGEABLE_COPY_THREADS: usize = 4;
+
 /// Pinned host memory: one contiguous range of address space, filled with separate mappings
-/// of at most [`PIN_CHUNK`] bytes, each faulted in (by touching its pages) and then pinned by
-/// the driver (`cuMemHostRegister`), one after the other. Faulting the pages in takes no
-/// driver lock and no process-wide lock; registering pages already present is quick, so
-/// another thread's driver calls wait at most for one chunk's registration. Unpinned and unmapped on drop,
-/// chunk by chunk (one large `munmap` stalls other threads too).
+/// of at most [`PIN_CHUNK`] bytes (steps), each faulted in (by touching its pages) and then
+/// pinned by the driver (`cuMemHostRegister`), one after the other. Faulting the pages in takes
+/// no driver lock and no process-wide lock; registering pages already present is quick, so
+/// another thread's driver calls wait at most for one step's registration. Unpinned and
+/// unmapped on drop, step by step (one large `munmap` stalls other threads too).
 ///
 /// The driver refuses a copy whose host range spans two registrations
 /// (`CUDA_ERROR_INVALID_VALUE`, measured on an H100), so copies go through
 /// [`HostBuffer::copy_from_device`] and [`HostBuffer::copy_to_device`], which split them at
-/// chunk boundaries; the chunks run at the same bandwidth as one buffer (54.6 / 52.8 GB/s D2H /
-/// H2D in 16 MiB chunks against 54.7 / 54.6 GB/s for one cuMemHostAlloc buffer).
-pub struct PinnedBuffer {
+/// step boundaries; the steps run at the same bandwidth as one buffer (54.6 / 52.8 GB/s D2H /
+/// H2D in 16 MiB steps against 54.7 / 54.6 GB/s for one cuMemHostAlloc buffer).
+///
+/// A buffer may be partly pinned: steps `[0, pinned)` registered, the rest pageable (mapped
+/// read-write, or still only reserved). The buffer prepared in the background for a pause
+/// that came too soon is handed over so (`prepare.rs`), and the rest is pinned in place later
+/// by a [`PinJob`] (the preparer's thread), one step at a time; registration keeps the pages'
+/// contents. A copy never waits for that pinning, beyond the one step being registered when it
+/// starts: registered steps are copied as pinned memory, the others as pageable memory (the
+/// driver accepts it, and a copy into or out of pageable memory is complete for the host when
+/// the call returns), several at once. A copy and the registration of the same step exclude
+/// each other: a step is registered only while no copy runs (the copy holds the buffer's
+/// lock), and a copy leaves the step being registered for last and waits for it.
+pub struct PinnedBuffer(Arc<Shared>);
+
+/// What the owner of a [`PinnedBuffer`] and its [`PinJob`] share.
+struct Shared {
     ptr: *mut u8,
     len: usize,
-    /// Bytes of the range that are mapped and registered, from its start (a buffer whose
-    /// pinning failed part way releases exactly these).
-    pinned: usize,
     driver: Arc<Driver>,
-    /// The context the chunks were registered in (`PORTABLE`: usable from every context).
+    /// The context the steps are registered in (`PORTABLE`: usable from every context).
     ctx: Context,
+    /// Held by a copy for its whole length, and by the pinner to start and end a step (never
+    /// across a driver call of its own).
+    state: Mutex<Progress>,
+    /// Signalled when a step's registration ends.
+    step_done: Condvar,
+    /// Set (under `state`) when the owner is dropped: readable without the lock, so the
+    /// preparer never takes `state` under its own lock.
+    released: AtomicBool,
 }
 
-// SAFETY: the buffer is plain pinned host memory owned by this value; no thread-affine state.
+// SAFETY: the memory is plain host memory owned by the `PinnedBuffer`; every change of its
+// mappings and registrations goes through `state`, and no state is thread-affine.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+/// Which steps of a buffer are pinned and mapped.
+struct Progress {
+    /// Bytes registered, from the start (whole steps, or `len`).
+    pinned: usize,
+    /// Bytes mapped read-write, from the start (`>= pinned`; whole steps, or `len`).
+    mapped: usize,
+    /// The step at `pinned` is being registered now (outside the lock).
+    busy: bool,
+    /// The owner was dropped: its steps are released, except a busy one, which its pinner
+    /// releases.
+    released: bool,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value; no thread-affine state.
 unsafe impl Send for PinnedBuffer {}
 
+/// What one [`PinJob::step`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Pinned one more step; more remain.
+    More,
+    /// The whole buffer is pinned.
+    Done,
+    /// The owner dropped the buffer: nothing more to do.
+    Released,
+}
+
+/// A handle on a [`PinnedBuffer`] that pins its remaining steps, one per call, while the
+/// owner may copy into it or drop it.
+pub(crate) struct PinJob(Arc<Shared>);
+
 impl PinnedBuffer {
-    /// A host mapping that fails is the driver's out-of-memory error, as `cuMemHostAlloc`
-    /// reports it where the host has no memory left.
+    /// A buffer of `len` bytes, every step pinned. A host mapping that fails is the driver's
+    /// out-of-memory error, as `cuMemHostAlloc` reports it where the host has no memory left.
     fn new(driver: &Arc<Driver>, ctx: Context, len: usize) -> Result<Self, DriverError> {
-        let map_err = || DriverError {
-            call: "mmap (pinned host memory)",
-            code: if len == 0 {
-                CUDA_ERROR_INVALID_VALUE
-            } else {
-                CUDA_ERROR_OUT_OF_MEMORY
-            },
-        };
+        let buf = Self::reserve(driver, ctx, len)?;
+        let job = PinJob(buf.0.clone());
+        while job.step()? == Step::More {}
+        Ok(buf)
+    }
+
+    /// A buffer of `len` bytes of address space, nothing mapped or pinned yet: copies use it
+    /// as pageable memory (mapping it as they go) until a [`PinJob`] pins it.
+    pub(crate) fn reserve(
+        driver: &Arc<Driver>,
+        ctx: Context,
+        len: usize,
+    ) -> Result<Self, DriverError> {
         if len == 0 {
-            return Err(map_err());
+            return Err(DriverError {
+                call: "mmap (pinned host memory)",
+                code: CUDA_ERROR_INVALID_VALUE,
+            });
         }
-        // The whole range is reserved first (no access, no memory), so the chunks are adjacent.
+        // The whole range is reserved first (no access, no memory), so the steps are adjacent.
         // SAFETY: a fresh anonymous mapping at an address of the kernel's choosing.
         let p = unsafe {
             libc::mmap(
@@ -237,85 +307,316 @@ impl PinnedBuffer {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(map_err());
+            return Err(host_oom());
         }
-        let mut buf = Self {
+        Ok(Self(Arc::new(Shared {
             ptr: p.cast(),
             len,
-            pinned: 0,
             driver: driver.clone(),
             ctx,
-        };
-        while buf.pinned < len {
-            let n = PIN_CHUNK.min(len - buf.pinned);
-            // SAFETY: `pinned..pinned+n` lies in the reservation made above, which this value
-            // owns; MAP_FIXED replaces that part of it only.
-            let at = unsafe { buf.ptr.add(buf.pinned) };
-            // SAFETY: as above.
-            let q = unsafe {
-                libc::mmap(
-                    at.cast(),
-                    n,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-                    -1,
-                    0,
-                )
-            };
-            if q == libc::MAP_FAILED {
-                return Err(map_err());
+            state: Mutex::new(Progress {
+                pinned: 0,
+                mapped: 0,
+                busy: false,
+                released: false,
+            }),
+            step_done: Condvar::new(),
+            released: AtomicBool::new(false),
+        })))
+    }
+
+    fn fully_pinned(&self) -> bool {
+        self.0.state.lock().pinned == self.0.len
+    }
+
+    /// Copies `[off, off + n)` of this buffer from or to device memory at `dev` (see
+    /// [`HostBuffer::copy_from_device`]): registered steps as pinned memory (queued on `s`),
+    /// the others as pageable memory (mapped first, faulted in and copied by up to
+    /// [`PAGEABLE_COPY_THREADS`] threads), and the step being registered, if any, once its
+    /// registration ends.
+    ///
+    /// # Safety
+    /// As for [`HostBuffer::copy_from_device`] and [`HostBuffer::copy_to_device`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn copy(
+        &self,
+        d: &Driver,
+        ctx: Context,
+        off: usize,
+        dev: CUdeviceptr,
+        n: usize,
+        s: Stream,
+        way: Way,
+    ) -> Result<(), DriverError> {
+        let sh = &*self.0;
+        let mut g = sh.state.lock();
+        // A step not mapped yet holds nothing, but a copy to the host needs it mapped, and the
+        // buffer must stay one range for `memsaver_backup_pointer` and the disk path.
+        if g.mapped < sh.len {
+            sh.map(g.mapped, sh.len - g.mapped)?;
+            g.mapped = sh.len;
+        }
+        let busy = g.busy.then_some(g.pinned);
+        let (mut pinned, mut pageable, mut deferred) = (Vec::new(), Vec::new(), Vec::new());
+        for (at, len) in steps_of(off, n) {
+            if Some(at - at % PIN_CHUNK) == busy {
+                deferred.push((at, len));
+            } else if at < g.pinned {
+                pinned.push((at, len));
+            } else {
+                pageable.push((at, len));
             }
+        }
+        let one = |at: usize, len: usize| {
+            let dev_at = dev + (at - off) as u64;
+            // SAFETY: `at..at+len` lies in this buffer's mapped range and in one step (one
+            // registration or none), which no registration changes meanwhile (the lock is
+            // held, and the step being registered is copied only once it is done); the rest
+            // is guaranteed by the caller.
+            unsafe {
+                match way {
+                    Way::ToHost => d.copy_dtoh_async(sh.ptr.add(at), dev_at, len, s),
+                    Way::ToDevice => d.copy_htod_async(dev_at, sh.ptr.add(at), len, s),
+                }
+            }
+        };
+        for &(at, len) in &pinned {
+            one(at, len)?;
+        }
+        copy_pageable(d, ctx, sh, &pageable, way == Way::ToHost, &one)?;
+        if let Some(step) = busy
+            && !deferred.is_empty()
+        {
+            // Only for that step: the pinner may start the next one before this thread wakes.
+            while g.busy && g.pinned == step {
+                sh.step_done.wait(&mut g);
+            }
+            // Registered now, or still pageable if its registration failed.
+            for &(at, len) in &deferred {
+                one(at, len)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Shared {
+    /// Maps `[off, off + n)` of the reservation read-write (pages not faulted in yet).
+    fn map(&self, off: usize, n: usize) -> Result<(), DriverError> {
+        // SAFETY: `off..off+n` lies in the reservation this value owns; MAP_FIXED replaces that
+        // part of it only, which holds no data (not mapped before).
+        let q = unsafe {
+            libc::mmap(
+                self.ptr.add(off).cast(),
+                n,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if q == libc::MAP_FAILED {
+            return Err(host_oom());
+        }
+        Ok(())
+    }
+
+    /// Unregisters (if `registered`) and unmaps the step at `off` of `n` bytes.
+    fn release_step(&self, off: usize, n: usize, registered: bool) {
+        // SAFETY: a step of the reservation this value owns, which nothing uses any more.
+        let at = unsafe { self.ptr.add(off) };
+        if registered {
+            let d = &self.driver;
+            // SAFETY: `at` is the start of a step registered by `PinJob::step`; the engine
+            // waits for every copy touching a backup before the backup can be dropped.
+            let r = d.with_context(self.ctx, || unsafe { d.host_unregister(at) });
+            // At process exit the driver may be torn down before the backups: it drops their
+            // registrations itself, so that is not worth a line per step.
+            if let Err(e) = r
+                && e.code != DRIVER_DEINITIALIZED
+            {
+                tracing::warn!(bytes = n, error = %e, "could not unpin a pinned backup step");
+            }
+        }
+        // SAFETY: as above; no longer registered.
+        unsafe { libc::munmap(at.cast(), n) };
+    }
+}
+
+impl PinJob {
+    /// Pins the next step of the buffer: maps it and faults it in by touching its pages if no
+    /// copy has mapped it yet (a mapped step may hold contents, which registration keeps), then
+    /// registers it. Holds the buffer's lock only to start and to end the step, so a copy
+    /// waits for at most this one step.
+    pub(crate) fn step(&self) -> Result<Step, DriverError> {
+        let sh = &*self.0;
+        let (off, n, fresh) = {
+            let mut g = sh.state.lock();
+            if g.released {
+                return Ok(Step::Released);
+            }
+            if g.pinned == sh.len {
+                return Ok(Step::Done);
+            }
+            let off = g.pinned;
+            let n = PIN_CHUNK.min(sh.len - off);
+            let fresh = g.mapped < off + n;
+            if fresh {
+                sh.map(off, n)?;
+                g.mapped = off + n;
+            }
+            g.busy = true;
+            (off, n, fresh)
+        };
+        // SAFETY: `off..off+n` lies in the buffer's reservation, mapped above or by a copy.
+        let at = unsafe { sh.ptr.add(off) };
+        if fresh {
             // Fault the pages in by touching them, not with MAP_POPULATE or
             // MADV_POPULATE_WRITE: those hold the process's mmap lock for the whole step, and
             // every other thread's mmap or munmap (the driver makes them for device memory)
             // waits (measured on an H100 host: up to 35.16 ms behind 16 MiB MAP_POPULATE
             // steps), where a fault takes only its area's lock (0.43 ms at most when the pages
-            // are touched; docs/logs/2026-11-25-h100-issue21/mmap_lock.log).
-            for page in (0..n).step_by(4096) {
-                // SAFETY: `at..at+n` was just mapped read-write and is owned by this value.
-                unsafe { at.add(page).write_volatile(0) };
-            }
-            // SAFETY: `at..at+n` was just mapped and stays mapped until drop unregisters it.
-            driver.with_context(ctx, || unsafe { driver.host_register(at, n) })?;
-            buf.pinned += n;
+            // are touched; docs/logs/2026-11-25-h100-issue21/mmap_lock.log). The step is new:
+            // nothing else reads or writes it while it is busy.
+            touch(at, n);
         }
-        Ok(buf)
+        let d = &sh.driver;
+        // SAFETY: `at..at+n` is mapped and stays mapped until it is unregistered (by the owner's
+        // drop, or below once released); no copy uses the step while it is busy.
+        let r = d.with_context(sh.ctx, || unsafe { d.host_register(at, n) });
+        let mut g = sh.state.lock();
+        g.busy = false;
+        let released = g.released;
+        if !released && r.is_ok() {
+            g.pinned += n;
+        }
+        let done = g.pinned == sh.len;
+        drop(g);
+        sh.step_done.notify_all();
+        if released {
+            // The owner released every other step and left this one to us.
+            sh.release_step(off, n, r.is_ok());
+            return Ok(Step::Released);
+        }
+        r?;
+        Ok(if done { Step::Done } else { Step::More })
     }
 
-    /// The registered pieces: (offset, length), in order.
-    fn chunks(&self) -> impl Iterator<Item = (usize, usize)> + use<> {
-        let len = self.len;
-        (0..len)
-            .step_by(PIN_CHUNK)
-            .map(move |off| (off, PIN_CHUNK.min(len - off)))
+    /// Whether the owner dropped the buffer (no lock taken).
+    pub(crate) fn released(&self) -> bool {
+        self.0.released.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.0.len
     }
 }
 
 /// `CUDA_ERROR_DEINITIALIZED`: the driver is shutting down (process exit).
 const DRIVER_DEINITIALIZED: crate::driver::sys::CUresult = 4;
 
-impl Drop for PinnedBuffer {
-    fn drop(&mut self) {
-        let d = &self.driver;
-        for (off, n) in self.chunks().take_while(|&(off, _)| off < self.pinned) {
-            // SAFETY: `off` is the start of a chunk registered in `new`; the engine waits for
-            // every copy touching a backup before the backup can be dropped.
-            let at = unsafe { self.ptr.add(off) };
-            // SAFETY: as above; this value is the registration's only owner.
-            let r = d.with_context(self.ctx, || unsafe { d.host_unregister(at) });
-            // At process exit the driver may be torn down before the backups: it drops their
-            // registrations itself, so that is not worth a line per chunk.
-            if let Err(e) = r
-                && e.code != DRIVER_DEINITIALIZED
-            {
-                tracing::warn!(bytes = n, error = %e, "could not unpin a pinned backup chunk");
+/// A host mapping that fails is the driver's out-of-memory error, as `cuMemHostAlloc`
+/// reports it where the host has no memory left.
+fn host_oom() -> DriverError {
+    DriverError {
+        call: "mmap (pinned host memory)",
+        code: CUDA_ERROR_OUT_OF_MEMORY,
+    }
+}
+
+/// `[off, off + n)` in pieces that each lie in one step: (offset, length) each.
+fn steps_of(off: usize, n: usize) -> impl Iterator<Item = (usize, usize)> {
+    let end = off + n;
+    let mut at = off;
+    std::iter::from_fn(move || {
+        (at < end).then(|| {
+            let piece = (at, (end - at).min(PIN_CHUNK - at % PIN_CHUNK));
+            at += piece.1;
+            piece
+        })
+    })
+}
+
+/// Writes a zero to every page of `at..at+n`, faulting it in.
+fn touch(at: *mut u8, n: usize) {
+    for page in (0..n).step_by(4096) {
+        // SAFETY: callers pass a range mapped read-write that holds no contents yet.
+        unsafe { at.add(page).write_volatile(0) };
+    }
+}
+
+/// Copies the `pieces` of `sh` that are pageable memory with `one`, from up to
+/// [`PAGEABLE_COPY_THREADS`] threads (this one included; each makes `ctx` current), each
+/// taking the next piece: faulting it in first for a copy to the host, so that the faults are
+/// taken in parallel whatever the driver does inside the copy. Returns the first failure.
+fn copy_pageable(
+    d: &Driver,
+    ctx: Context,
+    sh: &Shared,
+    pieces: &[(usize, usize)],
+    to_host: bool,
+    one: &(dyn Fn(usize, usize) -> Result<(), DriverError> + Sync),
+) -> Result<(), DriverError> {
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let work = || {
+        d.with_context(ctx, || {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= pieces.len() || failed.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                let (at, len) = pieces[i];
+                if to_host {
+                    // SAFETY: `at..at+len` is mapped (the caller holds the lock that keeps it
+                    // so) and is about to be overwritten by the copy.
+                    touch(unsafe { sh.ptr.add(at) }, len);
+                }
+                if let Err(e) = one(at, len) {
+                    failed.store(true, Ordering::Relaxed);
+                    return Err(e);
+                }
             }
-            // SAFETY: the chunk's mapping, owned by this value and no longer registered.
-            unsafe { libc::munmap(at.cast(), n) };
-        }
-        if self.pinned < self.len {
-            // SAFETY: the rest of the reservation made in `new` (mapped or not), owned here.
-            unsafe { libc::munmap(self.ptr.add(self.pinned).cast(), self.len - self.pinned) };
+        })
+    };
+    let helpers = PAGEABLE_COPY_THREADS.min(pieces.len()).saturating_sub(1);
+    if helpers == 0 {
+        return if pieces.is_empty() { Ok(()) } else { work() };
+    }
+    std::thread::scope(|scope| {
+        // A thread that cannot be started leaves its share to the others.
+        let spawned: Vec<_> = (0..helpers)
+            .filter_map(|_| {
+                std::thread::Builder::new()
+                    .name("memsaver-copy".into())
+                    .spawn_scoped(scope, work)
+                    .ok()
+            })
+            .collect();
+        let mine = work();
+        spawned
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .fold(mine, Result::and)
+    })
+}
+
+impl Drop for PinnedBuffer {
+    /// Releases every step but one being registered now, which its pinner releases when the
+    /// registration ends: dropping never waits for pinning.
+    fn drop(&mut self) {
+        let sh = &*self.0;
+        let (pinned, busy) = {
+            let mut g = sh.state.lock();
+            g.released = true;
+            sh.released.store(true, Ordering::Release);
+            (g.pinned, g.busy)
+        };
+        for off in (0..sh.len).step_by(PIN_CHUNK) {
+            if busy && off == pinned {
+                continue;
+            }
+            sh.release_step(off, PIN_CHUNK.min(sh.len - off), off < pinned);
         }
     }
 }

@@ -7,13 +7,23 @@
 //! [`Preparer`] for its backup buffer: a background thread allocates it, and the first pause
 //! takes it ready-made. Later pauses reuse the retained backup, so only the first one needed it.
 //!
+//! A pause never waits for that pinning: it takes a buffer being pinned as it stands (the
+//! thread looks between steps whether its buffer was taken, and stops), and a request still
+//! queued as an empty reservation. The steps not pinned yet are copied as pageable memory
+//! (`backup.rs`), and once the transition's copies are done it hands the buffer back as a
+//! finish job ([`Preparer::finish`]): the thread pins the rest in place, step by step, after
+//! any queued request, so later pauses and resumes copy at pinned speed. Freeing the allocation
+//! or releasing the backup cancels it.
+//!
 //! The preparer keeps no contents: a prepared buffer becomes the allocation's backup only when
-//! a pause copies into it. What it holds is bounded by a byte limit (`MEMSAVER_BACKUP_PREPARE_MB`)
-//! and reported in the stats (`prepared_backup_bytes`, `backups_preparing`).
+//! a pause copies into it. What it holds is bounded by a byte limit (`MEMSAVER_BACKUP_PREPARE_MB`;
+//! finish jobs are backups already and do not count) and reported in the stats
+//! (`prepared_backup_bytes`; `backups_preparing` counts requests and finish jobs).
 //!
 //! Keys are the allocator's allocation ids, never addresses, so a freed and reused address
 //! never receives the buffer of its previous owner. The preparer's lock is a leaf: no other
-//! lock is taken under it, and no driver call is made under it.
+//! lock is taken under it, and no driver call is made under it (the thread reserves a
+//! request's address space under it, one `mmap` with no memory behind it).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -21,8 +31,8 @@ use std::thread::JoinHandle;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::backup::HostBuffer;
-use crate::driver::{Context, Driver};
+use crate::backup::{HostBuffer, PinJob, PinnedBuffer, Step};
+use crate::driver::{Context, Driver, DriverError};
 
 /// One buffer to prepare.
 struct Request {
@@ -31,13 +41,35 @@ struct Request {
     len: usize,
 }
 
+/// The rest of a backup to pin: a partly pinned buffer that a pause took (see
+/// [`Preparer::finish`]).
+struct Finish {
+    key: u64,
+    job: PinJob,
+}
+
+/// What the thread works on now.
+struct InFlight {
+    key: u64,
+    len: usize,
+    /// A buffer being prepared (`None` once taken or forgotten: the thread stops after the
+    /// step it is in); `None` from the start for the rest of a backup.
+    buf: Option<HostBuffer>,
+    /// Pinning the rest of a backup, not preparing a buffer.
+    finish: bool,
+    /// A finish job whose allocation was freed.
+    cancelled: bool,
+}
+
 #[derive(Default)]
 struct State {
     queue: VecDeque<Request>,
-    /// The request the thread is allocating now, and whether it was cancelled meanwhile.
-    in_flight: Option<(u64, bool)>,
+    /// Backups to pin the rest of, after the requests.
+    finishing: VecDeque<Finish>,
+    in_flight: Option<InFlight>,
     ready: HashMap<u64, HostBuffer>,
-    /// Bytes queued, in flight and ready: what the limit bounds.
+    /// Bytes queued, in flight and ready: what the limit bounds (not finish jobs: their
+    /// buffers are backups already).
     committed: u64,
     limit: u64,
     /// Set once the thread has been started.
@@ -52,6 +84,13 @@ pub(crate) struct Preparer {
     /// Signalled when a request is queued, when one completes, and on stop.
     changed: Condvar,
     thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// How a job ended.
+enum Outcome {
+    Done,
+    Stopped,
+    Failed(DriverError),
 }
 
 impl Preparer {
@@ -80,19 +119,39 @@ impl Preparer {
     /// the limit (the first pause then allocates it, as without a preparer). Starts the thread on
     /// first use.
     pub(crate) fn request(self: &Arc<Self>, key: u64, ctx: Context, len: usize) {
-        {
-            let mut s = self.state.lock();
-            if s.stopping || s.committed + len as u64 > s.limit {
-                return;
-            }
-            s.committed += len as u64;
-            s.queue.push_back(Request { key, ctx, len });
-            if s.started {
-                self.changed.notify_all();
-                return;
-            }
-            s.started = true;
+        let mut s = self.state.lock();
+        if s.stopping || s.committed + len as u64 > s.limit {
+            return;
         }
+        s.committed += len as u64;
+        s.queue.push_back(Request { key, ctx, len });
+        self.wake(s);
+    }
+
+    /// Queues the pinning of the rest of `key`'s backup, which a pause took partly pinned
+    /// (the transition's steps call this once their copies are done). Nothing if it is queued
+    /// or pinned already.
+    pub(crate) fn finish(self: &Arc<Self>, key: u64, job: PinJob) {
+        let mut s = self.state.lock();
+        let known = s.finishing.iter().any(|f| f.key == key)
+            || s.in_flight
+                .as_ref()
+                .is_some_and(|f| f.key == key && f.finish && !f.cancelled);
+        if s.stopping || known || job.released() {
+            return;
+        }
+        s.finishing.push_back(Finish { key, job });
+        self.wake(s);
+    }
+
+    /// Wakes the thread for new work, starting it on first use.
+    fn wake(self: &Arc<Self>, mut s: parking_lot::MutexGuard<'_, State>) {
+        if s.started {
+            self.changed.notify_all();
+            return;
+        }
+        s.started = true;
+        drop(s);
         let me = self.clone();
         let spawned = std::thread::Builder::new()
             .name("memsaver-prepare".into())
@@ -103,48 +162,73 @@ impl Preparer {
                 tracing::warn!(error = %e, "cannot start the backup preparation thread; first pauses allocate their backups");
                 let mut s = self.state.lock();
                 s.queue.clear();
+                s.finishing.clear();
                 s.committed = 0;
                 s.stopping = true;
             }
         }
     }
 
-    /// The prepared buffer of `key`, waiting for it if the thread is allocating it now. `None`
-    /// when there is none (never requested, over the limit, failed, or still queued: a queued
-    /// request is dropped, since the caller is about to allocate it anyway).
+    /// The buffer prepared for `key`, never waiting for pinning: ready, or as it stands if the
+    /// thread is pinning it now (the thread stops after the step it is in), or an empty
+    /// reservation if its request is still queued. Steps not pinned yet are copied as pageable
+    /// memory, and the caller has [`Preparer::finish`] pin them afterwards. `None` when there
+    /// is none (never requested, over the limit, or failed).
     pub(crate) fn take(&self, key: u64) -> Option<HostBuffer> {
         let mut s = self.state.lock();
-        while s.in_flight.is_some_and(|(k, _)| k == key) {
-            self.changed.wait(&mut s);
+        if let Some(f) = s.in_flight.as_mut()
+            && f.key == key
+            && let Some(buf) = f.buf.take()
+        {
+            let len = f.len as u64;
+            s.committed -= len;
+            return Some(buf);
         }
         if let Some(buf) = s.ready.remove(&key) {
             s.committed -= buf.len() as u64;
             return Some(buf);
         }
-        Self::unqueue(&mut s, key);
-        None
+        let r = Self::unqueue(&mut s, key)?;
+        drop(s);
+        match PinnedBuffer::reserve(&self.driver, r.ctx, r.len) {
+            Ok(b) => Some(HostBuffer::Pinned(b)),
+            Err(e) => {
+                tracing::info!(bytes = r.len, error = %e, "cannot reserve a backup buffer; the pause allocates it");
+                None
+            }
+        }
     }
 
-    /// Forgets `key` (its allocation was freed): the buffer, if ready, is returned for the caller
-    /// to drop outside its locks; a request still queued or in flight is cancelled.
+    /// Forgets `key` (its allocation was freed): the buffer, if ready or being prepared, is
+    /// returned for the caller to drop outside its locks (dropping never waits for pinning); a
+    /// request or finish job still queued is dropped, one in flight cancelled.
     pub(crate) fn forget(&self, key: u64) -> Option<HostBuffer> {
         let mut s = self.state.lock();
-        if let Some((k, cancelled)) = s.in_flight.as_mut()
-            && *k == key
+        let mut gone = None;
+        if let Some(f) = s.in_flight.as_mut()
+            && f.key == key
         {
-            *cancelled = true;
+            f.cancelled = true;
+            gone = f.buf.take();
+            if gone.is_some() {
+                let len = f.len as u64;
+                s.committed -= len;
+            }
         }
         Self::unqueue(&mut s, key);
-        let buf = s.ready.remove(&key)?;
-        s.committed -= buf.len() as u64;
-        Some(buf)
+        s.finishing.retain(|f| f.key != key);
+        if let Some(buf) = s.ready.remove(&key) {
+            s.committed -= buf.len() as u64;
+            gone = Some(buf);
+        }
+        gone
     }
 
-    fn unqueue(s: &mut State, key: u64) {
-        if let Some(i) = s.queue.iter().position(|r| r.key == key) {
-            let r = s.queue.remove(i).expect("found above");
-            s.committed -= r.len as u64;
-        }
+    fn unqueue(s: &mut State, key: u64) -> Option<Request> {
+        let i = s.queue.iter().position(|r| r.key == key)?;
+        let r = s.queue.remove(i).expect("found above");
+        s.committed -= r.len as u64;
+        Some(r)
     }
 
     /// The bytes prepared for `key`, ready to be taken.
@@ -152,68 +236,128 @@ impl Preparer {
         self.state.lock().ready.get(&key).map(HostBuffer::len)
     }
 
-    /// Requests queued or in flight.
+    /// Buffers queued or in flight, and backups whose rest is still to pin.
     pub(crate) fn pending(&self) -> u64 {
         let s = self.state.lock();
-        s.queue.len() as u64 + u64::from(s.in_flight.is_some())
+        let finishing = s.finishing.iter().filter(|f| !f.job.released()).count();
+        (s.queue.len() + finishing) as u64 + u64::from(s.in_flight.is_some())
     }
 
     /// Waits until nothing is queued or in flight.
     pub(crate) fn wait_idle(&self) {
         let mut s = self.state.lock();
-        while !s.stopping && (!s.queue.is_empty() || s.in_flight.is_some()) {
+        while !s.stopping
+            && (!s.queue.is_empty() || !s.finishing.is_empty() || s.in_flight.is_some())
+        {
             self.changed.wait(&mut s);
         }
     }
 
     /// Stops the thread and frees every prepared buffer; for the owner's drop.
     pub(crate) fn stop(&self) {
-        let ready = {
+        let (ready, finishing) = {
             let mut s = self.state.lock();
             s.stopping = true;
             s.queue.clear();
             self.changed.notify_all();
-            std::mem::take(&mut s.ready)
+            (
+                std::mem::take(&mut s.ready),
+                std::mem::take(&mut s.finishing),
+            )
         };
         if let Some(h) = self.thread.lock().take() {
             let _ = h.join();
         }
         drop(ready);
+        drop(finishing);
     }
 
+    /// The thread: prepares the requests in order, then pins the rest of the backups pauses
+    /// took partly pinned, one step per call, looking between steps whether its work was
+    /// taken, forgotten or stopped. Its lock is never held across a driver call.
     fn run(self: Arc<Self>) {
         loop {
-            let r = {
+            let (key, finish, job) = {
                 let mut s = self.state.lock();
                 loop {
                     if s.stopping {
                         return;
                     }
                     if let Some(r) = s.queue.pop_front() {
-                        s.in_flight = Some((r.key, false));
-                        break r;
+                        // Reserving is one mmap, no driver call: under the lock, so the
+                        // request is never out of sight of `take` (which would then pin it).
+                        match PinnedBuffer::reserve(&self.driver, r.ctx, r.len) {
+                            Ok(b) => {
+                                let buf = HostBuffer::Pinned(b);
+                                let job = buf.pin_job().expect("nothing pinned yet");
+                                s.in_flight = Some(InFlight {
+                                    key: r.key,
+                                    len: r.len,
+                                    buf: Some(buf),
+                                    finish: false,
+                                    cancelled: false,
+                                });
+                                break (r.key, false, job);
+                            }
+                            Err(e) => {
+                                s.committed -= r.len as u64;
+                                tracing::info!(bytes = r.len, error = %e, "could not prepare a pinned backup; the first pause will allocate it");
+                                continue;
+                            }
+                        }
+                    }
+                    if let Some(f) = s.finishing.pop_front() {
+                        if f.job.released() {
+                            continue;
+                        }
+                        s.in_flight = Some(InFlight {
+                            key: f.key,
+                            len: f.job.len(),
+                            buf: None,
+                            finish: true,
+                            cancelled: false,
+                        });
+                        break (f.key, true, f.job);
                     }
                     self.changed.wait(&mut s);
                 }
             };
-            let buf = HostBuffer::new(&self.driver, r.ctx, r.len);
-            let mut s = self.state.lock();
-            let cancelled = s.in_flight.take().is_some_and(|(_, c)| c);
-            let unused = match buf {
-                Ok(b) if !cancelled && !s.stopping => {
-                    s.ready.insert(r.key, b);
-                    None
+            let outcome = loop {
+                {
+                    let s = self.state.lock();
+                    let f = s.in_flight.as_ref().expect("ours");
+                    if s.stopping || f.cancelled || (!finish && f.buf.is_none()) {
+                        break Outcome::Stopped;
+                    }
                 }
-                Ok(b) => {
-                    s.committed -= r.len as u64;
-                    Some(b)
-                }
-                Err(e) => {
-                    s.committed -= r.len as u64;
-                    tracing::info!(bytes = r.len, error = %e, "could not prepare a pinned backup; the first pause will allocate it");
-                    None
+                match job.step() {
+                    Ok(Step::More) => {}
+                    Ok(Step::Done) => break Outcome::Done,
+                    Ok(Step::Released) => break Outcome::Stopped,
+                    Err(e) => break Outcome::Failed(e),
                 }
             };
+            drop(job);
+            let mut s = self.state.lock();
+            let f = s.in_flight.take().expect("ours");
+            let unused = match (outcome, f.buf) {
+                (Outcome::Done, Some(buf)) if !s.stopping => {
+                    s.ready.insert(key, buf);
+                    None
+                }
+                (Outcome::Failed(e), buf) => {
+                    if finish {
+                        tracing::info!(bytes = f.len, error = %e, "could not pin the rest of a backup; its other steps stay pageable");
+                    } else {
+                        tracing::info!(bytes = f.len, error = %e, "could not prepare a pinned backup; the first pause will allocate it");
+                    }
+                    buf
+                }
+                (_, buf) => buf,
+            };
+            if unused.is_some() {
+                s.committed -= f.len as u64;
+            }
             self.changed.notify_all();
             drop(s);
             drop(unused);

@@ -93,7 +93,8 @@ pub struct Stats {
     /// Every tag ever used, in name order, with or without allocations.
     pub tags: Vec<TagStats>,
     pub total: Usage,
-    /// `cpu` allocations whose backup the background thread has still to prepare.
+    /// `cpu` allocations whose backup the background thread has still to prepare, or to pin
+    /// the rest of (a pause that came before it was prepared took it partly pinned).
     pub backups_preparing: u64,
     /// Device memory of freed allocations that is still held: a resume backs adjacent
     /// allocations of a tag with one physical allocation, which is released only as a whole

@@ -24,7 +24,7 @@
 
 use std::sync::Arc;
 
-use crate::backup::{Backup, BackupKind, HostBuffer};
+use crate::backup::{Backup, BackupKind, HostBuffer, PinJob};
 use crate::device::Device;
 use crate::disk::DiskFile;
 use crate::driver::sys::{CUmemAccessDesc, CUmemAllocationProp};
@@ -151,20 +151,54 @@ pub struct Steps<'a> {
     /// The only way to the CUDA driver (host backups keep a reference to it).
     driver: &'a Arc<Driver>,
     /// The pinned backups prepared ahead of first pauses, by piece key.
-    preparer: &'a Preparer,
+    preparer: &'a Arc<Preparer>,
     pub plan: Plan,
     staging: Staging,
+    unpinned: Unpinned<'a>,
+}
+
+/// The backups this transition copied that are only partly pinned (a pause took them before
+/// their preparation ended): when the steps are dropped, after every copy of the transition,
+/// the preparer is asked to pin the rest of each in the background, so later copies run at
+/// pinned speed. Not sooner: each step pinned holds up the process's driver calls, the
+/// transition's copies among them.
+struct Unpinned<'a> {
+    preparer: &'a Arc<Preparer>,
+    jobs: Vec<(u64, PinJob)>,
+}
+
+impl Unpinned<'_> {
+    /// Notes `buf`, the backup of piece `key`, if part of it is not pinned.
+    fn note(&mut self, key: u64, buf: &HostBuffer) {
+        if let Some(job) = buf.pin_job()
+            && !self.jobs.iter().any(|(k, _)| *k == key)
+        {
+            self.jobs.push((key, job));
+        }
+    }
+}
+
+impl Drop for Unpinned<'_> {
+    fn drop(&mut self) {
+        for (key, job) in self.jobs.drain(..) {
+            self.preparer.finish(key, job);
+        }
+    }
 }
 
 impl<'a> Steps<'a> {
     /// The steps of one transition over `driver`, taking host backups prepared by `preparer`,
     /// with the settings `plan`.
-    pub(crate) fn new(driver: &'a Arc<Driver>, preparer: &'a Preparer, plan: Plan) -> Self {
+    pub(crate) fn new(driver: &'a Arc<Driver>, preparer: &'a Arc<Preparer>, plan: Plan) -> Self {
         Self {
             driver,
             preparer,
             plan,
             staging: Staging { len: 0, buf: None },
+            unpinned: Unpinned {
+                preparer,
+                jobs: Vec::new(),
+            },
         }
     }
 }
@@ -217,12 +251,13 @@ impl Steps<'_> {
             // SAFETY: the piece is mapped (its owner holds the handle) and the backup has at
             // least `len` bytes of host memory that lives in the piece until the copy is
             // waited on (for pageable memory the driver completes the copy before returning).
-            unsafe { buf.copy_from_device(d, 0, p.ptr, p.len, dev.stream) }?;
+            unsafe { buf.copy_from_device(d, dev.ctx, 0, p.ptr, p.len, dev.stream) }?;
             d.event_record(dev.stream)
         });
         match r {
             Ok(e) => {
                 p.copy_done = Some(e);
+                self.unpinned.note(p.key, buf);
                 Ok(())
             }
             Err(e) => {
@@ -340,8 +375,9 @@ impl Steps<'_> {
                 d.with_context(dev.ctx, || {
                     // SAFETY: just mapped; the backup stays in the piece until the stream is
                     // synchronised by `finish`.
-                    unsafe { buf.copy_to_device(d, 0, p.ptr, n, dev.stream) }
+                    unsafe { buf.copy_to_device(d, dev.ctx, 0, p.ptr, n, dev.stream) }
                 })?;
+                self.unpinned.note(p.key, buf);
                 Ok(())
             }
             Some(Backup::Disk(file)) => {
@@ -358,7 +394,9 @@ impl Steps<'_> {
                     d.with_context(dev.ctx, || {
                         // SAFETY: just mapped; the staging buffer is not touched again before
                         // the stream is synchronised (next chunk, next piece, or `finish`).
-                        unsafe { buf.copy_to_device(d, 0, p.ptr + off as u64, n, dev.stream) }
+                        unsafe {
+                            buf.copy_to_device(d, dev.ctx, 0, p.ptr + off as u64, n, dev.stream)
+                        }
                     })?;
                 }
                 r.finish()
@@ -372,7 +410,8 @@ impl Steps<'_> {
         Ok(d.with_context(dev.ctx, || d.stream_synchronize(dev.stream))?)
     }
 
-    /// The settings, for the caller's settle phase (drops the staging buffer).
+    /// The settings, for the caller's settle phase (drops the staging buffer, and has the
+    /// preparer pin the rest of partly pinned backups).
     pub fn into_plan(self) -> Plan {
         self.plan
     }
@@ -432,7 +471,7 @@ impl Steps<'_> {
             d.with_context(dev.ctx, || {
                 // SAFETY: the piece is mapped (its owner holds the handle) and the staging
                 // buffer has `chunk >= n` bytes; the stream is synchronised before it is read.
-                unsafe { buf.copy_from_device(d, 0, p.ptr + off as u64, n, dev.stream) }?;
+                unsafe { buf.copy_from_device(d, dev.ctx, 0, p.ptr + off as u64, n, dev.stream) }?;
                 d.stream_synchronize(dev.stream)
             })?;
             // SAFETY: the copy into `buf[..n]` has completed and nothing else uses the buffer.

@@ -112,6 +112,14 @@ impl HeldPinning {
     pub fn switch(&self, how: PinHold) {
         hold_pinning(how as u32, PIN_HOLD_MS);
     }
+    /// While held at the entry: lets `n` pinning calls go on, those waiting now first (they
+    /// stop counting as held at once), then the next to arrive; the others stay held.
+    pub fn pass(&self, n: u64) {
+        // SAFETY: the function's C signature.
+        let f: extern "C" fn(u64) -> libc::c_int =
+            unsafe { std::mem::transmute(fake_fn("fakecuda_pass_pinning")) };
+        assert_eq!(f(n), 0);
+    }
 }
 
 impl Drop for HeldPinning {
@@ -146,6 +154,25 @@ pub fn fake_pin_hold() -> [u64; 2] {
 /// [`memsaver_allocator::driver::CALL_KINDS`], which is the fake's order too.
 pub fn fake_calls() -> [u64; memsaver_allocator::driver::CALL_KINDS.len()] {
     fake_figures("fakecuda_call_counts")
+}
+
+/// The fake driver's figures of copies by their host side (`fakecuda_host_copy_stats`): copies
+/// through registered memory, copies through pageable memory, host ranges registered now.
+pub fn fake_host_copies() -> [u64; 3] {
+    fake_figures("fakecuda_host_copy_stats")
+}
+
+/// Waits until `f()` holds, polling (or [`PIN_HOLD_MS`] pass: then a regression fails instead
+/// of hanging); returns whether it held.
+pub fn wait_until(f: impl Fn() -> bool) -> bool {
+    let until = std::time::Instant::now() + std::time::Duration::from_millis(PIN_HOLD_MS);
+    while !f() {
+        if std::time::Instant::now() >= until {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    true
 }
 
 /// The fake driver's pinning figures (`fakecuda_pin_stats`): pinning calls, the largest one

@@ -58,7 +58,9 @@
 //! `fakecuda_wait_pinning_held(n, ms)`), or holding the lock until another thread's call waits
 //! behind them (mode 2); 0 lets them go, and so does the deadline `ms`, counted in
 //! `fakecuda_pin_hold_stats(out, n)` (calls held at their entry now, calls the deadline let
-//! go). `fakecuda_hold_map(ms)` holds every `cuMemMap` at its entry (holding nothing) for at
+//! go); `fakecuda_pass_pinning(n)` lets `n` held calls go while the hold stays. Copies are
+//! counted by their host side, registered or pageable, with the registrations live now
+//! (`fakecuda_host_copy_stats(out, n)`). `fakecuda_hold_map(ms)` holds every `cuMemMap` at its entry (holding nothing) for at
 //! most `ms` (0 lets them go), and `fakecuda_wait_map_held(n, ms)` waits until `n` are held, so
 //! a test can run a pause while another thread's allocation is being mapped.
 //!
@@ -1147,6 +1149,32 @@ pub extern "C" fn fakecuda_hold_pinning(mode: u32, ms: u64) -> c_int {
     };
     pinning::hold(hold, ms);
     0
+}
+
+/// Test control: while pinning is held at the entry (mode 1 of `fakecuda_hold_pinning`), lets
+/// `n` pinning calls go on: those waiting there now first (they stop counting as waiting at
+/// once), then the next ones to arrive; the others stay held. Returns 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_pass_pinning(n: u64) -> c_int {
+    pinning::pass(n);
+    0
+}
+
+/// Writes the first `min(n, 3)` figures of this process's copies to `out`: copies whose host
+/// side lay in one registration (`cuMemHostRegister`), copies whose host side touched none
+/// (pageable memory), and host ranges registered now. Returns 3.
+///
+/// # Safety
+///
+/// `out` must be valid for `n` writes of `u64`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fakecuda_host_copy_stats(out: *mut u64, n: usize) -> usize {
+    let n = n.min(pinning::COPY_STATS);
+    if n > 0 && !out.is_null() {
+        // SAFETY: per this function's contract.
+        pinning::read_copies(unsafe { std::slice::from_raw_parts_mut(out, n) });
+    }
+    pinning::COPY_STATS
 }
 
 /// Test control: holds every `cuMemMap` at its entry for at most `ms` from now (0: lets them

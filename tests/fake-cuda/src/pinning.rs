@@ -22,7 +22,13 @@
 //! Registrations (`cuMemHostRegister`) are a table of host ranges. As on the real driver, a
 //! copy whose host side crosses from one registration into another (or out of one) fails with
 //! `CUDA_ERROR_INVALID_VALUE` (a 1 GiB `cuMemcpyDtoHAsync` into one mapping registered in 4 MiB
-//! pieces did, on an H100); pageable memory that no registration touches is accepted.
+//! pieces did, on an H100); pageable memory that no registration touches is accepted (the real
+//! driver stages such a copy and returns once the host side is done with). Copies are counted
+//! by what their host side was, registered or pageable, with the registrations live now
+//! (`fakecuda_host_copy_stats`).
+//!
+//! A test may also let exactly `n` held pinning calls go while the hold stays
+//! (`fakecuda_pass_pinning`), to step a background pinner one call at a time.
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -69,10 +75,15 @@ struct Holding {
     hold: Hold,
     /// When the hold ends by itself.
     deadline: Instant,
-    /// Pinning calls waiting at their entry now.
+    /// Pinning calls waiting at their entry now (not counting those let go by [`pass`] that
+    /// have not woken yet).
     at_entry: u64,
     /// Pinning calls that went on because the deadline passed, not because the hold ended.
     let_go_by_deadline: u64,
+    /// Calls waiting at their entry that [`pass`] let go and that have not woken yet.
+    tickets: u64,
+    /// Calls still to arrive that [`pass`] lets go (`AtEntry` only).
+    passes: u64,
 }
 
 static HOLDING: Mutex<Option<Holding>> = Mutex::new(None);
@@ -89,6 +100,8 @@ fn holding<R>(f: impl FnOnce(&mut Holding) -> R) -> R {
         deadline: Instant::now(),
         at_entry: 0,
         let_go_by_deadline: 0,
+        tickets: 0,
+        passes: 0,
     }))
 }
 
@@ -98,6 +111,20 @@ pub fn hold(hold: Hold, ms: u64) {
     holding(|h| {
         h.hold = hold;
         h.deadline = Instant::now() + Duration::from_millis(ms);
+        h.passes = 0;
+    });
+    HOLD_CHANGED.notify_all();
+}
+
+/// While pinning is held at the entry, lets `n` pinning calls go on: those waiting there now
+/// first (they stop counting as waiting at once), then the next ones to arrive; the hold stays
+/// for the others.
+pub fn pass(n: u64) {
+    holding(|h| {
+        let now = n.min(h.at_entry);
+        h.at_entry -= now;
+        h.tickets += now;
+        h.passes += n - now;
     });
     HOLD_CHANGED.notify_all();
 }
@@ -142,23 +169,57 @@ fn wait_while(held: impl Fn(&Holding) -> bool) {
     }
 }
 
-/// A pinning call's entry: waits while pinning is held there.
+/// A pinning call's entry: waits while pinning is held there, unless [`pass`] lets it go.
 fn enter() {
     let arrived = holding(|h| {
-        let held = h.hold == Hold::AtEntry;
-        h.at_entry += u64::from(held);
-        held
+        if h.hold != Hold::AtEntry {
+            return false;
+        }
+        if h.passes > 0 {
+            h.passes -= 1;
+            return false;
+        }
+        h.at_entry += 1;
+        true
     });
     if !arrived {
         return;
     }
     HOLD_CHANGED.notify_all();
-    wait_while(|h| h.hold == Hold::AtEntry);
-    holding(|h| h.at_entry -= 1);
+    wait_while(|h| h.hold == Hold::AtEntry && h.tickets == 0);
+    holding(|h| {
+        if h.tickets > 0 {
+            // Let go by `pass`, which stopped counting it already.
+            h.tickets -= 1;
+        } else {
+            h.at_entry -= 1;
+        }
+    });
 }
 
 /// Registered host ranges: start -> length.
 static REGISTERED: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+
+/// `fakecuda_host_copy_stats`, in its order (the third, registrations now, is read from
+/// [`REGISTERED`]).
+static COPIES_REGISTERED: AtomicU64 = AtomicU64::new(0);
+static COPIES_PAGEABLE: AtomicU64 = AtomicU64::new(0);
+/// How many figures `fakecuda_host_copy_stats` gives.
+pub const COPY_STATS: usize = 3;
+
+/// `fakecuda_host_copy_stats`: copies whose host side lay in one registration, copies whose
+/// host side touched none (pageable memory, which the real driver accepts: it stages the copy
+/// and returns once the host side is done with), and host ranges registered now.
+pub fn read_copies(out: &mut [u64]) {
+    let all = [
+        COPIES_REGISTERED.load(Ordering::Relaxed),
+        COPIES_PAGEABLE.load(Ordering::Relaxed),
+        REGISTERED.lock().len() as u64,
+    ];
+    for (o, c) in out.iter_mut().zip(all) {
+        *o = c;
+    }
+}
 
 /// Held by every entry point but the pinning ones for the length of the call.
 pub struct Shared(#[allow(dead_code)] RwLockReadGuard<'static, ()>);
@@ -252,17 +313,20 @@ pub fn unregister(p: *mut c_void) -> Result<(), CUresult> {
         .ok_or(NOT_REGISTERED)
 }
 
-/// The host side of a copy: `[p, p + bytes)` lies in one registration or touches none.
+/// The host side of a copy: `[p, p + bytes)` lies in one registration or touches none
+/// (counted as such, for `fakecuda_host_copy_stats`).
 pub fn check_host_side(p: *const c_void, bytes: usize) -> Result<(), CUresult> {
     let start = p as usize;
     let end = start.checked_add(bytes).ok_or(CUDA_ERROR_INVALID_VALUE)?;
     let r = REGISTERED.lock();
     let mut touching = r.range(..end).rev().take_while(|&(&s, &n)| s + n > start);
-    match (touching.next(), touching.next()) {
-        (None, _) => Ok(()),
-        (Some((&s, &n)), None) if s <= start && end <= s + n => Ok(()),
-        _ => Err(CUDA_ERROR_INVALID_VALUE),
-    }
+    let counter = match (touching.next(), touching.next()) {
+        (None, _) => &COPIES_PAGEABLE,
+        (Some((&s, &n)), None) if s <= start && end <= s + n => &COPIES_REGISTERED,
+        _ => return Err(CUDA_ERROR_INVALID_VALUE),
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+    Ok(())
 }
 
 #[cfg(test)]
