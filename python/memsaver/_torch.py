@@ -34,7 +34,8 @@ makes sure no pool holding paused memory serves an allocation:
   segments once they are all free. torch gives a thread's own pool (``use_mem_pool``: regions,
   ``disable()``) and graph captures precedence over this routing, so they keep their pools.
 * torch's cuBLAS workspaces (one per stream, kept from the stream's first matmul, from the pool
-  in use then) are dropped before every pause, and made again by the next matmul.
+  in use then: in whole-process mode, the process tag's memory) are dropped before a pause of
+  the process tag, and made again by the next matmul.
 * regions: a region's pool holds its tag's memory only and serves only allocations inside a
   region of that tag. Entering a region of a paused tag is refused (``TagPausedError``), and a
   pause of a tag whose region is open (on any thread) is refused (``PauseRefusedError``) before
@@ -311,18 +312,18 @@ def _before_pause(tags: list[str]) -> str | None:
             "the region's block has ended"
         )
     torch = cuda_initialized()
-    if torch is None:
+    process_tag = _memsaver_process_tag()
+    if torch is None or process_tag not in tags:
         return None
-    # torch keeps a cuBLAS workspace per (handle, stream), allocated from whatever pool was in use
-    # at the stream's first matmul: possibly memory this pause releases. Dropped, they are made
-    # again at the next matmul, from memory that is resident then.
+    # torch keeps a cuBLAS workspace per (handle, stream), allocated at the stream's first matmul
+    # from torch's default pool: the process tag's memory. Dropped, they are made again by the
+    # next matmul, from the pool allocations are routed to. Only here: a CUDA graph captured with
+    # a matmul keeps using the workspace of its capture, which dropping it would free, so a pause
+    # of region tags (whose graphs replay while others are paused) leaves them alone.
     torch_c = getattr(torch, "_C", None)
     clear_workspaces = getattr(torch_c, "_cuda_clearCublasWorkspaces", None)
     if clear_workspaces is not None:
         clear_workspaces()
-    process_tag = _memsaver_process_tag()
-    if process_tag not in tags:
-        return None
     devices = {a.device for a in _stats.parse_allocations(_memsaver.allocations_json([process_tag]))}
     begin = getattr(torch_c, "_cuda_beginAllocateToPool", None)
     if begin is None:
