@@ -94,7 +94,7 @@ class Stats:
     """Every tag of the process (``tags``, by name) and the process total.
 
     ``backups_preparing`` counts ``cpu`` allocations whose pinned backup a background thread is
-    still preparing. ``driver_calls`` counts the CUDA driver calls memsaver has made in this
+    still preparing, or still pinning the rest of after a pause that came first. ``driver_calls`` counts the CUDA driver calls memsaver has made in this
     process by kind (``create``, ``map``, ``set_access``, ``unmap``, ``release``, ``export``,
     ``import``, ``copy``, ``reserve``, ``address_free``, ``host_alloc``, ``host_free``): the
     difference across a pause or resume is what it asked of the driver. ``freed_held_bytes`` is
