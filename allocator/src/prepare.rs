@@ -276,6 +276,12 @@ impl Preparer {
     /// took partly pinned, one step per call, looking between steps whether its work was
     /// taken, forgotten or stopped. Its lock is never held across a driver call.
     fn run(self: Arc<Self>) {
+        // Pinning is a call a thread may not make while another captures a stream in global
+        // mode (torch's default): it would invalidate the capture (a `torch.cuda.graph`
+        // capture failed so on an H100 while this thread pinned). This thread never captures.
+        if let Err(e) = self.driver.relax_capture_mode() {
+            tracing::info!(error = %e, "cannot relax the preparation thread's capture mode; a CUDA graph captured while backups are prepared may fail");
+        }
         loop {
             let (key, finish, job) = {
                 let mut s = self.state.lock();

@@ -175,6 +175,7 @@ entry_points!(
     cuMemFreeHost,
     cuMemHostRegister_v2,
     cuMemHostUnregister,
+    cuThreadExchangeStreamCaptureMode,
 );
 
 /// The kinds of driver call [`Driver::calls`] counts: the VMM calls whose number decides what a
@@ -656,6 +657,18 @@ impl Driver {
         // SAFETY: `s` was created by `stream_create`; it is consumed here.
         check("cuStreamDestroy", unsafe {
             (self.f.cuStreamDestroy_v2)(s.0)
+        })
+    }
+
+    /// Lets the calling thread make calls that are unsafe during a stream capture (pinning
+    /// host memory) while another thread captures in global mode, which such a call would
+    /// otherwise invalidate (`CU_STREAM_CAPTURE_MODE_RELAXED`, for this thread only). For
+    /// memsaver's own threads, which never capture.
+    pub fn relax_capture_mode(&self) -> Result<(), DriverError> {
+        let mut mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: a valid in/out pointer; the mode applies to the calling thread only.
+        check("cuThreadExchangeStreamCaptureMode", unsafe {
+            (self.f.cuThreadExchangeStreamCaptureMode)(&mut mode)
         })
     }
 

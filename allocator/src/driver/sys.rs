@@ -36,6 +36,11 @@ pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const CUDA_ERROR_LAUNCH_FAILED: CUresult = 719;
 pub const CUDA_ERROR_NOT_PERMITTED: CUresult = 800;
 pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
+/// A call a thread may not make while a stream captures (it invalidates the capture).
+pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CUresult = 900;
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`: the thread may make calls that are unsafe during a
+/// capture, whatever other threads capture.
+pub const CU_STREAM_CAPTURE_MODE_RELAXED: c_int = 2;
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
 /// `CUmemAllocationType`
@@ -271,6 +276,7 @@ pub mod fns {
     pub type cuMemHostRegister_v2 =
         unsafe extern "C" fn(p: *mut c_void, bytes: usize, flags: c_uint) -> CUresult;
     pub type cuMemHostUnregister = unsafe extern "C" fn(p: *mut c_void) -> CUresult;
+    pub type cuThreadExchangeStreamCaptureMode = unsafe extern "C" fn(mode: *mut c_int) -> CUresult;
     pub type cuGetProcAddress_v2 = unsafe extern "C" fn(
         symbol: *const c_char,
         pfn: *mut *mut c_void,

@@ -61,7 +61,7 @@ pub fn allocator_with(opts: &memsaver_allocator::Options) -> TestAllocator {
 }
 
 /// The address of the fake driver's function `function` (panics when there is none).
-fn fake_fn(function: &str) -> *mut libc::c_void {
+pub fn fake_fn(function: &str) -> *mut libc::c_void {
     let path = CString::new(fake_lib()).unwrap();
     let name = CString::new(function).unwrap();
     driver();

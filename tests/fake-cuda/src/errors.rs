@@ -87,6 +87,11 @@ const TABLE: &[(CUresult, &CStr, &CStr)] = &[
         c"CUDA_ERROR_NOT_SUPPORTED",
         c"operation not supported",
     ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+        c"operation not permitted when stream is capturing",
+    ),
     (CUDA_ERROR_UNKNOWN, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
 ];
 

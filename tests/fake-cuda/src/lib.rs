@@ -63,6 +63,10 @@
 //! (`fakecuda_host_copy_stats(out, n)`). `fakecuda_hold_map(ms)` holds every `cuMemMap` at its entry (holding nothing) for at
 //! most `ms` (0 lets them go), and `fakecuda_wait_map_held(n, ms)` waits until `n` are held, so
 //! a test can run a pause while another thread's allocation is being mapped.
+//! `fakecuda_global_capture(on)` stands for another thread capturing a stream in global mode:
+//! meanwhile pinning calls from threads not in relaxed capture mode
+//! (`cuThreadExchangeStreamCaptureMode`) fail with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and
+//! invalidate the capture, counted by `fakecuda_captures_invalidated()` (`capture.rs`).
 //!
 //! # Faithful
 //!
@@ -133,6 +137,7 @@ use memsaver_allocator::driver::sys::{
     CUmemGenericAllocationHandle, CUresult, CUstream,
 };
 
+mod capture;
 mod config;
 mod context;
 mod counts;
@@ -678,6 +683,7 @@ cuda_exports! {
         if flags & !0x7 != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        capture::unsafe_call()?;
         let _pinning = pinning::exclusive(bytes, cfg.pin_ms_per_gib);
         let p = state::host_alloc(bytes)?;
         // SAFETY: non-null; the caller passes a valid out-pointer.
@@ -702,8 +708,20 @@ cuda_exports! {
         if flags & !0xf != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        capture::unsafe_call()?;
         let _pinning = pinning::exclusive(bytes, cfg.pin_ms_per_gib);
         pinning::register(p, bytes)
+    }
+
+    /// Sets the calling thread's capture interaction mode (`capture`).
+    fn cuThreadExchangeStreamCaptureMode(mode: *mut c_int) {
+        let m = non_null(mode)?;
+        // SAFETY: non-null; the caller passes a valid in/out pointer.
+        let mut v = unsafe { m.read() };
+        capture::exchange(&mut v)?;
+        // SAFETY: as above.
+        unsafe { m.write(v) };
+        Ok(())
     }
 
     /// Unpins a registration, named by its start.
@@ -927,6 +945,7 @@ same_signature! {
     cuMemcpyDtoHAsync_v2: cuMemcpyDtoHAsync_v2, cuMemcpyHtoDAsync_v2: cuMemcpyHtoDAsync_v2,
     cuMemsetD8_v2: cuMemsetD8_v2, cuMemHostAlloc: cuMemHostAlloc, cuMemFreeHost: cuMemFreeHost,
     cuMemHostRegister_v2: cuMemHostRegister_v2, cuMemHostUnregister: cuMemHostUnregister,
+    cuThreadExchangeStreamCaptureMode: cuThreadExchangeStreamCaptureMode,
     cuGetProcAddress_v2: cuGetProcAddress_v2,
     // Aliases: same types as the variant they stand for.
     cuMemGetInfo: cuMemGetInfo_v2, cuCtxPushCurrent: cuCtxPushCurrent_v2,
@@ -1175,6 +1194,21 @@ pub unsafe extern "C" fn fakecuda_host_copy_stats(out: *mut u64, n: usize) -> us
         pinning::read_copies(unsafe { std::slice::from_raw_parts_mut(out, n) });
     }
     pinning::COPY_STATS
+}
+
+/// Test control: stands for another thread capturing a stream in global mode (`on` 1) or ends
+/// it (0): while it does, pinning calls from threads not in relaxed capture mode fail and
+/// invalidate the capture (`capture`). Returns 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_global_capture(on: c_int) -> c_int {
+    capture::set_global_capture(on != 0);
+    0
+}
+
+/// Test probe: captures invalidated by an unsafe call so far.
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_captures_invalidated() -> u64 {
+    capture::invalidated()
 }
 
 /// Test control: holds every `cuMemMap` at its entry for at most `ms` from now (0: lets them
