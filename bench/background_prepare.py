@@ -113,7 +113,7 @@ def case_alloc(kind, n, size, cycles):
         torch.cuda.synchronize()
         out["alloc_ms"] = (time.perf_counter() - t) * 1e3
         out["alloc_max_ms"] = max(each)
-        if kind == "cpu-immediate":
+        if _first_pause_at_once(kind):
             # The first pause comes at once: measured below, before preparation is over.
             out["prepare_ms"] = float("nan")
             out["preparing_at_pause"] = memsaver.stats().backups_preparing
@@ -126,9 +126,10 @@ def case_alloc(kind, n, size, cycles):
             out["prepared_backup_bytes"] = memsaver.stats().total.prepared_backup_bytes
         else:
             time.sleep(0.2)
-        if kind == "cpu-immediate":
+        if _first_pause_at_once(kind):
             # Still inside the launcher: the pause, and the pinning that follows it, run while
             # another thread launches kernels.
+            time.sleep(_delay_s(kind))
             first_pause_ms, first_resume_ms = first_cycle_now(memsaver, torch, ts, size)
             out["first_pause_ms"], out["first_resume_ms"] = first_pause_ms, first_resume_ms
             t = time.perf_counter()
@@ -145,7 +146,7 @@ def case_alloc(kind, n, size, cycles):
             x.fill_(i % 251)
         gb = n * size / 1e9
         pauses, resumes = [], []
-        if kind == "cpu-immediate":
+        if _first_pause_at_once(kind):
             pauses.append(out["first_pause_ms"])
             resumes.append(out["first_resume_ms"])
         for _ in range(cycles):
@@ -168,6 +169,16 @@ def case_alloc(kind, n, size, cycles):
         out["steady_pause_gbs"] = gb / out["steady_pause_ms"] * 1e3
         out["steady_resume_gbs"] = gb / out["steady_resume_ms"] * 1e3
     print(json.dumps(out), flush=True)
+
+
+def _first_pause_at_once(kind):
+    """Whether case `kind` pauses before preparation is over: at once (``cpu-immediate``) or
+    after a delay (``cpu-after-<ms>ms``)."""
+    return kind == "cpu-immediate" or kind.startswith("cpu-after-")
+
+
+def _delay_s(kind):
+    return int(kind.removeprefix("cpu-after-").removesuffix("ms")) / 1e3 if kind.startswith("cpu-after-") else 0.0
 
 
 def first_cycle_now(memsaver, torch, ts, size):
@@ -251,6 +262,9 @@ def main():
         child(args, "cpu"),
         child(args, "cpu-unprepared", {"MEMSAVER_BACKUP_PREPARE_MB": "0"}),
         child(args, "cpu-immediate"),
+        child(args, "cpu-after-500ms"),
+        child(args, "cpu-after-1000ms"),
+        child(args, "cpu-after-2000ms"),
     ]
     print(f"{args.n} x {args.size_mib} MiB; kernel times are launch to completion of a "
           "256x256 matmul on another thread (ms)")
