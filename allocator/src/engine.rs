@@ -785,9 +785,6 @@ impl Drop for KeepBackups<'_> {
 /// base address.
 type Runs<T = Run> = std::collections::BTreeMap<u64, T>;
 
-/// The jobs of a resume, sorted by device, policy kind and address, cut into runs of adjacent
-/// allocations of one tag that one physical allocation of at most `limit` bytes can back
-/// (a run of one when `limit` is smaller than the allocation).
 /// Tells the pause guard that the transition has ended, when the transition returns (also
 /// early, and also when the guard refused it), with the transition lock still held.
 struct AfterTransition<'a>(&'a dyn PauseGuard);
@@ -798,6 +795,9 @@ impl Drop for AfterTransition<'_> {
     }
 }
 
+/// The jobs of a resume, sorted by device, policy kind and address, cut into runs of adjacent
+/// allocations of one tag that one physical allocation of at most `limit` bytes can back
+/// (a run of one when `limit` is smaller than the allocation).
 fn units(jobs: &[Job], limit: usize) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let mut start = 0;
