@@ -94,10 +94,11 @@ class Stats:
     """Every tag of the process (``tags``, by name) and the process total.
 
     ``backups_preparing`` counts ``cpu`` allocations whose pinned backup a background thread is
-    still preparing, or still pinning the rest of after a pause that came first. ``driver_calls`` counts the CUDA driver calls memsaver has made in this
-    process by kind (``create``, ``map``, ``set_access``, ``unmap``, ``release``, ``export``,
-    ``import``, ``copy``, ``reserve``, ``address_free``, ``host_alloc``, ``host_free``): the
-    difference across a pause or resume is what it asked of the driver. ``freed_held_bytes`` is
+    still preparing, or still pinning the rest of after a pause that came first.
+    ``driver_calls`` counts the CUDA driver calls memsaver has made in this process by kind
+    (``create``, ``map``, ``set_access``, ``unmap``, ``release``, ``export``, ``import``,
+    ``copy``, ``reserve``, ``address_free``, ``host_alloc``, ``host_free``): the difference
+    across a pause or resume is what it asked of the driver. ``freed_held_bytes`` is
     device memory of freed allocations still held because a resume backed them together with
     their neighbours (``MEMSAVER_MERGE_MB``); it is released at the tag's next pause.
     ``shared_exports`` (by tag) and ``shared_imports`` are the memory shared with other
