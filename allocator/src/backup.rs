@@ -98,7 +98,8 @@ impl HostBuffer {
     /// `src..src+n` is mapped device memory of the context `ctx`, which the caller has made
     /// current, and this buffer is not dropped or touched by the host until the copies
     /// complete on `s`.
-    pub unsafe fn copy_from_device(
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn copy_from_device(
         &mut self,
         d: &Driver,
         ctx: Context,
@@ -106,11 +107,14 @@ impl HostBuffer {
         src: CUdeviceptr,
         n: usize,
         s: Stream,
+        staging: Option<&Staging>,
     ) -> Result<(), DriverError> {
         assert!(off + n <= self.len(), "a copy outside its host buffer");
         match self {
             // SAFETY: guaranteed by the caller.
-            HostBuffer::Pinned(b) => unsafe { b.copy(d, ctx, off, src, n, s, Way::ToHost) },
+            HostBuffer::Pinned(b) => unsafe {
+                b.copy(d, ctx, off, src, n, s, Way::ToHost, staging)
+            },
             // SAFETY: `off..off+n` lies in this buffer (asserted above); the rest is
             // guaranteed by the caller.
             HostBuffer::Mmap(b) => unsafe { d.copy_dtoh_async(b.ptr.add(off), src, n, s) },
@@ -124,7 +128,8 @@ impl HostBuffer {
     /// # Safety
     /// `dst..dst+n` is mapped device memory of the context `ctx`, which the caller has made
     /// current, and this buffer is not dropped or changed until the copies complete on `s`.
-    pub unsafe fn copy_to_device(
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn copy_to_device(
         &self,
         d: &Driver,
         ctx: Context,
@@ -132,11 +137,14 @@ impl HostBuffer {
         dst: CUdeviceptr,
         n: usize,
         s: Stream,
+        staging: Option<&Staging>,
     ) -> Result<(), DriverError> {
         assert!(off + n <= self.len(), "a copy outside its host buffer");
         match self {
             // SAFETY: guaranteed by the caller.
-            HostBuffer::Pinned(b) => unsafe { b.copy(d, ctx, off, dst, n, s, Way::ToDevice) },
+            HostBuffer::Pinned(b) => unsafe {
+                b.copy(d, ctx, off, dst, n, s, Way::ToDevice, staging)
+            },
             // SAFETY: as in `copy_from_device`.
             HostBuffer::Mmap(b) => unsafe { d.copy_htod_async(dst, b.ptr.add(off), n, s) },
         }
@@ -194,6 +202,42 @@ const PAGEABLE_COPY_THREADS: usize = 4;
 
 /// The size of a transparent huge page on x86_64; reservations are aligned to it.
 const HUGE_PAGE: usize = 2 << 20;
+
+/// Bytes of one staging buffer ([`Staging`]).
+const STAGE: usize = 4 << 20;
+/// Staging buffers, and so threads, for the copies of steps not pinned yet.
+const STAGES: usize = 8;
+
+/// Pinned staging buffers for the copies of steps not pinned yet. Through them a copy runs at
+/// pinned speed and threads move the bytes to or from the pageable steps with `memcpy`, in
+/// parallel: the driver's own copies into pageable memory run at 15 GB/s on an H100 however
+/// many threads issue them (it serialises them), against 55 GB/s into pinned memory, while 8
+/// threads fill fresh huge pages at 24 GB/s (`bench/host_copy_rates.py`). The preparer makes
+/// them once, before its first buffer, when a process backs up enough for them to pay
+/// (`prepare.rs`), and keeps them (`STAGES` x `STAGE` = 32 MiB pinned); a copy that finds
+/// none copies through the driver as pageable memory.
+#[derive(Default)]
+pub(crate) struct Staging {
+    bufs: Mutex<Vec<PinnedBuffer>>,
+}
+
+impl Staging {
+    /// Pins the staging buffers (at most `STAGES`; fewer if pinning fails). Outside any lock
+    /// but its own, which no driver call is made under.
+    pub(crate) fn prepare(&self, driver: &Arc<Driver>, ctx: Context) {
+        let mut made = Vec::with_capacity(STAGES);
+        for _ in 0..STAGES {
+            match PinnedBuffer::new(driver, ctx, STAGE) {
+                Ok(b) => made.push(b),
+                Err(e) => {
+                    tracing::info!(error = %e, "could not pin a staging buffer; copies of backups not pinned yet go through the driver");
+                    break;
+                }
+            }
+        }
+        self.bufs.lock().extend(made);
+    }
+}
 
 /// Pinned host memory: one contiguous range of address space, filled with separate mappings
 /// of at most [`PIN_CHUNK`] bytes (steps), each faulted in (by touching its pages) and then
@@ -348,9 +392,9 @@ impl PinnedBuffer {
 
     /// Copies `[off, off + n)` of this buffer from or to device memory at `dev` (see
     /// [`HostBuffer::copy_from_device`]): registered steps as pinned memory (queued on `s`),
-    /// the others as pageable memory (mapped first, faulted in and copied by up to
-    /// [`PAGEABLE_COPY_THREADS`] threads), and the step being registered, if any, once its
-    /// registration ends.
+    /// the others through the staging buffers of `staging` if it has them, else as pageable
+    /// memory (mapped first, faulted in and copied by up to [`PAGEABLE_COPY_THREADS`] threads),
+    /// and the step being registered, if any, once its registration ends.
     ///
     /// # Safety
     /// As for [`HostBuffer::copy_from_device`] and [`HostBuffer::copy_to_device`].
@@ -364,6 +408,7 @@ impl PinnedBuffer {
         n: usize,
         s: Stream,
         way: Way,
+        staging: Option<&Staging>,
     ) -> Result<(), DriverError> {
         let sh = &*self.0;
         let mut g = sh.state.lock();
@@ -400,7 +445,20 @@ impl PinnedBuffer {
         for &(at, len) in &pinned {
             one(at, len)?;
         }
-        copy_pageable(d, ctx, sh, &pageable, way == Way::ToHost, &one)?;
+        let stages = match staging {
+            Some(st) if !pageable.is_empty() => std::mem::take(&mut *st.bufs.lock()),
+            _ => Vec::new(),
+        };
+        if stages.is_empty() {
+            copy_pageable(d, ctx, sh, &pageable, way == Way::ToHost, &one)?;
+        } else {
+            let place = |at: usize| dev + (at - off) as u64;
+            let r = copy_staged(d, ctx, sh, &pageable, way, &place, s, &stages);
+            if let Some(st) = staging {
+                st.bufs.lock().extend(stages);
+            }
+            r?;
+        }
         if let Some(step) = busy
             && !deferred.is_empty()
         {
@@ -567,6 +625,87 @@ fn touch(at: *mut u8, n: usize) {
         // SAFETY: callers pass a range mapped read-write that holds no contents yet.
         unsafe { at.add(page).write_volatile(0) };
     }
+}
+
+/// Copies the `pieces` of `sh` that are pageable memory through the staging buffers `stages`,
+/// one thread each (this one included; each makes `ctx` current): a piece goes in parts of
+/// `STAGE` bytes, each copied between the device (at `place(offset)`) and the thread's staging
+/// buffer on `s` and waited for, and moved between the staging buffer and the piece with
+/// `memcpy` (which faults fresh pages in, in parallel). Complete when it returns. Returns the
+/// first failure.
+#[allow(clippy::too_many_arguments)]
+fn copy_staged(
+    d: &Driver,
+    ctx: Context,
+    sh: &Shared,
+    pieces: &[(usize, usize)],
+    way: Way,
+    place: &(dyn Fn(usize) -> CUdeviceptr + Sync),
+    s: Stream,
+    stages: &[PinnedBuffer],
+) -> Result<(), DriverError> {
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let work = |stage: &PinnedBuffer| {
+        let staging = stage.0.ptr;
+        d.with_context(ctx, || {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= pieces.len() || failed.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                let (at, len) = pieces[i];
+                for part in (0..len).step_by(STAGE) {
+                    let n = STAGE.min(len - part);
+                    // SAFETY: `at..at+len` lies in the buffer's mapped range, which the caller's
+                    // lock keeps mapped.
+                    let host = unsafe { sh.ptr.add(at + part) };
+                    // SAFETY: the staging buffer is this thread's alone, pinned, of `STAGE >= n`
+                    // bytes, and each copy through it is waited for before it is used again;
+                    // the device range is guaranteed by the caller of `copy`, and the host
+                    // range is in no registration and read or written by this thread only.
+                    let r = unsafe {
+                        match way {
+                            Way::ToHost => d
+                                .copy_dtoh_async(staging, place(at + part), n, s)
+                                .and_then(|()| {
+                                    d.event_wait(d.event_record(s)?)?;
+                                    std::ptr::copy_nonoverlapping(staging, host, n);
+                                    Ok(())
+                                }),
+                            Way::ToDevice => {
+                                std::ptr::copy_nonoverlapping(host, staging, n);
+                                d.copy_htod_async(place(at + part), staging, n, s)
+                                    .and_then(|()| d.event_wait(d.event_record(s)?))
+                            }
+                        }
+                    };
+                    if let Err(e) = r {
+                        failed.store(true, Ordering::Relaxed);
+                        return Err(e);
+                    }
+                }
+            }
+        })
+    };
+    let threads = stages.len().min(pieces.len()).max(1);
+    std::thread::scope(|scope| {
+        // A thread that cannot be started leaves its share to the others.
+        let spawned: Vec<_> = stages[1..threads]
+            .iter()
+            .filter_map(|stage| {
+                std::thread::Builder::new()
+                    .name("memsaver-copy".into())
+                    .spawn_scoped(scope, || work(stage))
+                    .ok()
+            })
+            .collect();
+        let mine = work(&stages[0]);
+        spawned
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .fold(mine, Result::and)
+    })
 }
 
 /// Copies the `pieces` of `sh` that are pageable memory with `one`, from up to

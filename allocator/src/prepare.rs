@@ -31,7 +31,7 @@ use std::thread::JoinHandle;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::backup::{HostBuffer, PinJob, PinnedBuffer, Step};
+use crate::backup::{HostBuffer, PinJob, PinnedBuffer, Staging, Step};
 use crate::driver::{Context, Driver, DriverError};
 
 /// One buffer to prepare.
@@ -63,6 +63,8 @@ struct InFlight {
 
 #[derive(Default)]
 struct State {
+    /// Set once the thread decided about the staging buffers (made them, or tried).
+    staging_made: bool,
     queue: VecDeque<Request>,
     /// Backups to pin the rest of, after the requests.
     finishing: VecDeque<Finish>,
@@ -78,8 +80,16 @@ struct State {
     stopping: bool,
 }
 
+/// Bytes of backups to prepare from which the staging buffers pay for the pinned memory they
+/// keep (32 MiB): a first pause that comes before 1 GiB of backups is pinned copies it at about
+/// twice the driver's pageable speed through them (`backup.rs`, [`Staging`]).
+const STAGING_FROM: u64 = 1 << 30;
+
 pub(crate) struct Preparer {
     driver: Arc<Driver>,
+    /// Pinned staging buffers for the copies of backups not pinned yet, made by the thread
+    /// before its first buffer once `STAGING_FROM` bytes are to be prepared.
+    staging: Staging,
     state: Mutex<State>,
     /// Signalled when a request is queued, when one completes, and on stop.
     changed: Condvar,
@@ -101,9 +111,16 @@ impl Preparer {
                 limit,
                 ..State::default()
             }),
+            staging: Staging::default(),
             changed: Condvar::new(),
             thread: Mutex::new(None),
         })
+    }
+
+    /// The staging buffers for copies of backups not pinned yet (none before the thread made
+    /// them).
+    pub(crate) fn staging(&self) -> &Staging {
+        &self.staging
     }
 
     pub(crate) fn limit(&self) -> u64 {
@@ -283,7 +300,7 @@ impl Preparer {
             tracing::info!(error = %e, "cannot relax the preparation thread's capture mode; a CUDA graph captured while backups are prepared may fail");
         }
         loop {
-            let (key, finish, job) = {
+            let (key, finish, job, stage) = {
                 let mut s = self.state.lock();
                 loop {
                     if s.stopping {
@@ -303,7 +320,11 @@ impl Preparer {
                                     finish: false,
                                     cancelled: false,
                                 });
-                                break (r.key, false, job);
+                                // Before the first buffer of a large enough backlog.
+                                let stage = (!s.staging_made && s.committed >= STAGING_FROM)
+                                    .then_some(r.ctx);
+                                s.staging_made |= stage.is_some();
+                                break (r.key, false, job, stage);
                             }
                             Err(e) => {
                                 s.committed -= r.len as u64;
@@ -323,11 +344,14 @@ impl Preparer {
                             finish: true,
                             cancelled: false,
                         });
-                        break (f.key, true, f.job);
+                        break (f.key, true, f.job, None);
                     }
                     self.changed.wait(&mut s);
                 }
             };
+            if let Some(ctx) = stage {
+                self.staging.prepare(&self.driver, ctx);
+            }
             let outcome = loop {
                 {
                     let s = self.state.lock();

@@ -242,7 +242,7 @@ impl Steps<'_> {
             p.backup = None;
             p.backup = Some(self.host_backup(p.key, &p.device, p.policy, p.len)?);
         }
-        let d = self.driver;
+        let (d, staging) = (self.driver, self.preparer.staging());
         let Some(Backup::Host(buf)) = p.backup.as_mut() else {
             unreachable!("cpu and mmap pieces hold a host backup")
         };
@@ -251,7 +251,9 @@ impl Steps<'_> {
             // SAFETY: the piece is mapped (its owner holds the handle) and the backup has at
             // least `len` bytes of host memory that lives in the piece until the copy is
             // waited on (for pageable memory the driver completes the copy before returning).
-            unsafe { buf.copy_from_device(d, dev.ctx, 0, p.ptr, p.len, dev.stream) }?;
+            unsafe {
+                buf.copy_from_device(d, dev.ctx, 0, p.ptr, p.len, dev.stream, Some(staging))
+            }?;
             d.event_record(dev.stream)
         });
         match r {
@@ -366,7 +368,7 @@ impl Steps<'_> {
     /// copy; a disk file that changed since the pause fails here (the caller unmaps and
     /// releases what it mapped, and the piece stays paused with its backup).
     pub fn copy_in(&mut self, p: &Piece) -> Result<()> {
-        let d = self.driver;
+        let (d, staging) = (self.driver, self.preparer.staging());
         let dev = &p.device;
         match &p.backup {
             None => Ok(()),
@@ -375,7 +377,9 @@ impl Steps<'_> {
                 d.with_context(dev.ctx, || {
                     // SAFETY: just mapped; the backup stays in the piece until the stream is
                     // synchronised by `finish`.
-                    unsafe { buf.copy_to_device(d, dev.ctx, 0, p.ptr, n, dev.stream) }
+                    unsafe {
+                        buf.copy_to_device(d, dev.ctx, 0, p.ptr, n, dev.stream, Some(staging))
+                    }
                 })?;
                 self.unpinned.note(p.key, buf);
                 Ok(())
@@ -395,7 +399,15 @@ impl Steps<'_> {
                         // SAFETY: just mapped; the staging buffer is not touched again before
                         // the stream is synchronised (next chunk, next piece, or `finish`).
                         unsafe {
-                            buf.copy_to_device(d, dev.ctx, 0, p.ptr + off as u64, n, dev.stream)
+                            buf.copy_to_device(
+                                d,
+                                dev.ctx,
+                                0,
+                                p.ptr + off as u64,
+                                n,
+                                dev.stream,
+                                None,
+                            )
                         }
                     })?;
                 }
@@ -471,7 +483,9 @@ impl Steps<'_> {
             d.with_context(dev.ctx, || {
                 // SAFETY: the piece is mapped (its owner holds the handle) and the staging
                 // buffer has `chunk >= n` bytes; the stream is synchronised before it is read.
-                unsafe { buf.copy_from_device(d, dev.ctx, 0, p.ptr + off as u64, n, dev.stream) }?;
+                unsafe {
+                    buf.copy_from_device(d, dev.ctx, 0, p.ptr + off as u64, n, dev.stream, None)
+                }?;
                 d.stream_synchronize(dev.stream)
             })?;
             // SAFETY: the copy into `buf[..n]` has completed and nothing else uses the buffer.

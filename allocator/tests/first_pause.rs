@@ -259,3 +259,66 @@ fn freeing_backups_still_to_pin_leaks_nothing() {
     );
     assert_eq!(fake_host_copies()[2], live, "no registration left");
 }
+
+/// A process with 1 GiB or more of backups to prepare gets pinned staging buffers, made before
+/// its first backup: a pause that comes before that backup is pinned copies its steps not pinned
+/// yet through them (as pinned memory, moved to and from the backup with `memcpy`), never
+/// through the driver's pageable path, and a resume likewise; contents survive both.
+#[test]
+fn a_large_backlog_is_copied_through_staging_buffers() {
+    const GIB: usize = 1 << 30;
+    const STAGED_PER_STEP: u64 = (PIN_CHUNK / (4 * MIB)) as u64;
+    let a = allocator();
+    let held = HeldPinning::new(PinHold::AtEntry);
+    let p = a.malloc(GIB, 0, "staged", Policy::Cpu).unwrap();
+    held.pass(8);
+    assert_eq!(
+        wait_pinning_held(1),
+        1,
+        "after the eight staging buffers, the thread waits in p's first step"
+    );
+    fill(p, GIB, 9);
+    let steps = (GIB / PIN_CHUNK) as u64;
+
+    let copies = fake_host_copies();
+    std::thread::scope(|sc| {
+        let pause = sc.spawn(|| a.pause(&["staged"]));
+        assert!(
+            wait_until(|| copies_since(copies) == ((steps - 1) * STAGED_PER_STEP, 0)),
+            "every step but the one being registered, through the staging buffers: {:?}",
+            copies_since(copies)
+        );
+        held.pass(1);
+        pause.join().unwrap().unwrap();
+    });
+    assert_eq!(
+        copies_since(copies),
+        ((steps - 1) * STAGED_PER_STEP + 1, 0),
+        "and the first step, once registered, as pinned memory; nothing pageable"
+    );
+    let b = a.backup_pointer(p, GIB).expect("paused: a backup");
+    assert!(check(b as u64, GIB, 9), "the backup holds p's contents");
+
+    // The rest is pinned in the background, held at its first step: a resume copies the
+    // registered step as pinned memory, the others through the staging buffers.
+    assert_eq!(wait_pinning_held(1), 1);
+    let copies = fake_host_copies();
+    std::thread::scope(|sc| {
+        let resume = sc.spawn(|| a.resume(&["staged"]));
+        assert!(wait_until(
+            || copies_since(copies) == (1 + (steps - 2) * STAGED_PER_STEP, 0)
+        ));
+        held.pass(1);
+        resume.join().unwrap().unwrap();
+    });
+    assert_eq!(copies_since(copies), (2 + (steps - 2) * STAGED_PER_STEP, 0));
+    assert!(check(p, GIB, 9), "contents restored");
+    assert_eq!(
+        fake_pin_hold()[1],
+        0,
+        "nothing waited for the hold's deadline"
+    );
+    drop(held);
+    a.wait_backups_prepared();
+    a.free(p).unwrap();
+}
