@@ -1,6 +1,7 @@
 //! The first pause of a `cpu` tag that comes before its backups are prepared: it never waits
 //! for pinning beyond the one step being registered, copies the steps not pinned yet as
-//! pageable memory, and the rest of each backup is pinned in the background afterwards. On the
+//! pageable memory (through pinned staging buffers once the process has 1 GiB or more of
+//! backups to prepare), and the rest of each backup is pinned in the background afterwards. On the
 //! fake driver, by counts and ordering (`fakecuda_hold_pinning`, `fakecuda_pass_pinning`,
 //! `fakecuda_host_copy_stats`), not time.
 
