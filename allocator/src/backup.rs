@@ -628,11 +628,10 @@ fn touch(at: *mut u8, n: usize) {
 }
 
 /// Copies the `pieces` of `sh` that are pageable memory through the staging buffers `stages`,
-/// one thread each (this one included; each makes `ctx` current): a piece goes in parts of
-/// `STAGE` bytes, each copied between the device (at `place(offset)`) and the thread's staging
-/// buffer on `s` and waited for, and moved between the staging buffer and the piece with
-/// `memcpy` (which faults fresh pages in, in parallel). Complete when it returns. Returns the
-/// first failure.
+/// one thread each ([`for_each_piece`]): a piece goes in parts of `STAGE` bytes, each copied
+/// between the device (at `place(offset)`) and the thread's staging buffer on `s` and waited
+/// for, and moved between the staging buffer and the piece with `memcpy` (which faults fresh
+/// pages in, in parallel). Complete when it returns.
 #[allow(clippy::too_many_arguments)]
 fn copy_staged(
     d: &Driver,
@@ -644,74 +643,40 @@ fn copy_staged(
     s: Stream,
     stages: &[PinnedBuffer],
 ) -> Result<(), DriverError> {
-    let next = AtomicUsize::new(0);
-    let failed = AtomicBool::new(false);
-    let work = |stage: &PinnedBuffer| {
-        let staging = stage.0.ptr;
-        d.with_context(ctx, || {
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= pieces.len() || failed.load(Ordering::Relaxed) {
-                    return Ok(());
-                }
-                let (at, len) = pieces[i];
-                for part in (0..len).step_by(STAGE) {
-                    let n = STAGE.min(len - part);
-                    // SAFETY: `at..at+len` lies in the buffer's mapped range, which the caller's
-                    // lock keeps mapped.
-                    let host = unsafe { sh.ptr.add(at + part) };
-                    // SAFETY: the staging buffer is this thread's alone, pinned, of `STAGE >= n`
-                    // bytes, and each copy through it is waited for before it is used again;
-                    // the device range is guaranteed by the caller of `copy`, and the host
-                    // range is in no registration and read or written by this thread only.
-                    let r = unsafe {
-                        match way {
-                            Way::ToHost => d
-                                .copy_dtoh_async(staging, place(at + part), n, s)
-                                .and_then(|()| {
-                                    d.event_wait(d.event_record(s)?)?;
-                                    std::ptr::copy_nonoverlapping(staging, host, n);
-                                    Ok(())
-                                }),
-                            Way::ToDevice => {
-                                std::ptr::copy_nonoverlapping(host, staging, n);
-                                d.copy_htod_async(place(at + part), staging, n, s)
-                                    .and_then(|()| d.event_wait(d.event_record(s)?))
-                            }
-                        }
-                    };
-                    if let Err(e) = r {
-                        failed.store(true, Ordering::Relaxed);
-                        return Err(e);
+    for_each_piece(d, ctx, pieces, stages.len(), &|worker, at, len| {
+        let staging = stages[worker].0.ptr;
+        for part in (0..len).step_by(STAGE) {
+            let n = STAGE.min(len - part);
+            // SAFETY: `at..at+len` lies in the buffer's mapped range, which the caller's lock
+            // keeps mapped.
+            let host = unsafe { sh.ptr.add(at + part) };
+            // SAFETY: the staging buffer is this worker's alone, pinned, of `STAGE >= n` bytes,
+            // and each copy through it is waited for before it is used again; the device range
+            // is guaranteed by the caller of `copy`, and the host range is in no registration
+            // and read or written by this worker only.
+            unsafe {
+                match way {
+                    Way::ToHost => {
+                        d.copy_dtoh_async(staging, place(at + part), n, s)?;
+                        d.event_wait(d.event_record(s)?)?;
+                        std::ptr::copy_nonoverlapping(staging, host, n);
+                    }
+                    Way::ToDevice => {
+                        std::ptr::copy_nonoverlapping(host, staging, n);
+                        d.copy_htod_async(place(at + part), staging, n, s)?;
+                        d.event_wait(d.event_record(s)?)?;
                     }
                 }
             }
-        })
-    };
-    let threads = stages.len().min(pieces.len()).max(1);
-    std::thread::scope(|scope| {
-        // A thread that cannot be started leaves its share to the others.
-        let spawned: Vec<_> = stages[1..threads]
-            .iter()
-            .filter_map(|stage| {
-                std::thread::Builder::new()
-                    .name("memsaver-copy".into())
-                    .spawn_scoped(scope, || work(stage))
-                    .ok()
-            })
-            .collect();
-        let mine = work(&stages[0]);
-        spawned
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .fold(mine, Result::and)
+        }
+        Ok(())
     })
 }
 
 /// Copies the `pieces` of `sh` that are pageable memory with `one`, from up to
-/// [`PAGEABLE_COPY_THREADS`] threads (this one included; each makes `ctx` current), each
-/// taking the next piece: faulting it in first for a copy to the host, so that the faults are
-/// taken in parallel whatever the driver does inside the copy. Returns the first failure.
+/// [`PAGEABLE_COPY_THREADS`] threads ([`for_each_piece`]), each faulting its piece in first
+/// for a copy to the host, so that the faults are taken in parallel whatever the driver does
+/// inside the copy.
 fn copy_pageable(
     d: &Driver,
     ctx: Context,
@@ -720,9 +685,30 @@ fn copy_pageable(
     to_host: bool,
     one: &(dyn Fn(usize, usize) -> Result<(), DriverError> + Sync),
 ) -> Result<(), DriverError> {
+    for_each_piece(d, ctx, pieces, PAGEABLE_COPY_THREADS, &|_, at, len| {
+        if to_host {
+            // SAFETY: `at..at+len` is mapped (the caller holds the lock that keeps it so) and
+            // is about to be overwritten by the copy.
+            touch(unsafe { sh.ptr.add(at) }, len);
+        }
+        one(at, len)
+    })
+}
+
+/// Runs `each(worker, offset, len)` for every piece of `pieces`, from up to `threads` workers
+/// (this thread is worker 0, the others scoped threads; each makes `ctx` current), each taking
+/// the next piece; a thread that cannot be started leaves its share to the others. Returns the
+/// first failure, after which no piece is started.
+fn for_each_piece(
+    d: &Driver,
+    ctx: Context,
+    pieces: &[(usize, usize)],
+    threads: usize,
+    each: &(dyn Fn(usize, usize, usize) -> Result<(), DriverError> + Sync),
+) -> Result<(), DriverError> {
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
-    let work = || {
+    let work = |worker: usize| {
         d.with_context(ctx, || {
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
@@ -730,33 +716,28 @@ fn copy_pageable(
                     return Ok(());
                 }
                 let (at, len) = pieces[i];
-                if to_host {
-                    // SAFETY: `at..at+len` is mapped (the caller holds the lock that keeps it
-                    // so) and is about to be overwritten by the copy.
-                    touch(unsafe { sh.ptr.add(at) }, len);
-                }
-                if let Err(e) = one(at, len) {
+                if let Err(e) = each(worker, at, len) {
                     failed.store(true, Ordering::Relaxed);
                     return Err(e);
                 }
             }
         })
     };
-    let helpers = PAGEABLE_COPY_THREADS.min(pieces.len()).saturating_sub(1);
-    if helpers == 0 {
-        return if pieces.is_empty() { Ok(()) } else { work() };
+    let threads = threads.min(pieces.len());
+    if threads <= 1 {
+        return if pieces.is_empty() { Ok(()) } else { work(0) };
     }
+    let work = &work;
     std::thread::scope(|scope| {
-        // A thread that cannot be started leaves its share to the others.
-        let spawned: Vec<_> = (0..helpers)
-            .filter_map(|_| {
+        let spawned: Vec<_> = (1..threads)
+            .filter_map(|w| {
                 std::thread::Builder::new()
                     .name("memsaver-copy".into())
-                    .spawn_scoped(scope, work)
+                    .spawn_scoped(scope, move || work(w))
                     .ok()
             })
             .collect();
-        let mine = work();
+        let mine = work(0);
         spawned
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
