@@ -79,7 +79,7 @@ def disable() -> Iterator[None]:
     in whole-process mode (where the default pool holds the process tag's memory, which may be
     paused), from a pool of their own whose cached memory is returned when the block ends."""
     _core.ensure_loaded()
-    whole_process = json.loads(_memsaver.region_current_json())["process_tag"] is not None
+    whole_process = _torch.process_tag() is not None
     _memsaver.region_disable()
     try:
         torch = _torch.torch_module()

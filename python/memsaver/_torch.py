@@ -312,8 +312,8 @@ def _before_pause(tags: list[str]) -> str | None:
             "the region's block has ended"
         )
     torch = cuda_initialized()
-    process_tag = _memsaver_process_tag()
-    if torch is None or process_tag not in tags:
+    tag = process_tag()
+    if torch is None or tag not in tags:
         return None
     # torch keeps a cuBLAS workspace per (handle, stream), allocated at the stream's first matmul
     # from torch's default pool: the process tag's memory. Dropped, they are made again by the
@@ -324,13 +324,13 @@ def _before_pause(tags: list[str]) -> str | None:
     clear_workspaces = getattr(torch_c, "_cuda_clearCublasWorkspaces", None)
     if clear_workspaces is not None:
         clear_workspaces()
-    devices = {a.device for a in _stats.parse_allocations(_memsaver.allocations_json([process_tag]))}
+    devices = {a.device for a in _stats.parse_allocations(_memsaver.allocations_json([tag]))}
     begin = getattr(torch_c, "_cuda_beginAllocateToPool", None)
     if begin is None:
         return (
             f"this PyTorch ({torch.__version__}) cannot route allocations to another pool "
             f"(torch._C._cuda_beginAllocateToPool), so its cached blocks of the process tag "
-            f"'{process_tag}' would be handed out while paused: use PyTorch 2.5 or later"
+            f"'{tag}' would be handed out while paused: use PyTorch 2.5 or later"
         )
     for device in sorted(devices - _side_pools.keys()):
         with torch.cuda.device(device):
@@ -341,10 +341,12 @@ def _before_pause(tags: list[str]) -> str | None:
 
 
 def _after_transition() -> None:
-    process_tag = _memsaver_process_tag()
-    if not _side_pools or process_tag is None:
+    if not _side_pools:  # nothing routed: nothing to read
         return
-    allocations = _stats.parse_allocations(_memsaver.allocations_json([process_tag]))
+    tag = process_tag()
+    if tag is None:
+        return
+    allocations = _stats.parse_allocations(_memsaver.allocations_json([tag]))
     still_paused = {a.device for a in allocations if a.state != "resident"}
     torch = sys.modules["torch"]
     for device in sorted(_side_pools.keys() - still_paused):
@@ -354,7 +356,7 @@ def _after_transition() -> None:
         del pool
 
 
-def _memsaver_process_tag() -> str | None:
+def process_tag() -> str | None:
     """The whole-process tag (``MEMSAVER_PROCESS_TAG``, ``TMS_INIT_ENABLE``), or None."""
     tag: str | None = json.loads(_memsaver.region_current_json())["process_tag"]
     return tag
