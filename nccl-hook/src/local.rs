@@ -28,8 +28,8 @@ pub(crate) const TAG: &str = "nccl";
 /// control block is 4 KiB (`MEM_ALIGN`); the rest is margin.
 pub(crate) const HEADER_BYTES: u64 = 64 << 10;
 
-/// Resume restores private buffers in batches of this many handles, letting the threads that
-/// serve peers in between.
+/// Resume restores private buffers in batches of this many physical allocations (a run is
+/// one), letting the threads that serve peers in between.
 const RESTORE_BATCH: usize = 64;
 
 /// How much of NCCL's memory pause copies to host memory (`MEMSAVER_NCCL_BACKUP`).
@@ -197,8 +197,16 @@ fn by_device(
     out
 }
 
-/// Resident, mapped handles pause may release: (own device memory, imports).
+/// Resident, mapped handles pause may release: (own device memory, imports). A run is
+/// released whole or not at all: if one of its buffers must stay (given to a NIC, say), all
+/// stay.
 fn releasable(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>) -> (Vec<u64>, Vec<u64>) {
+    let kept_runs: std::collections::HashSet<u64> = reg
+        .physicals
+        .values()
+        .filter(|p| p.pausable().is_err())
+        .filter_map(|p| p.run)
+        .collect();
     let (mut own, mut imports) = (Vec::new(), Vec::new());
     for (vh, p) in &reg.physicals {
         // A peer's memsaver memory NCCL registered follows its owner's tag, not this one.
@@ -206,6 +214,7 @@ fn releasable(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>) -> (Vec<u64>, V
             || p.pausable().is_err()
             || p.kind == Kind::Registered
             || !ranges.contains_key(vh)
+            || p.run.is_some_and(|base| kept_runs.contains(&base))
         {
             continue;
         }
@@ -274,6 +283,77 @@ fn release_one(
     Ok(())
 }
 
+/// Unmaps the run at `base` on `dev` once the copies of its buffers `members` (those NCCL
+/// still maps, with their pieces) are done, and releases its driver handle: every buffer of
+/// the run goes `Resident` → `Paused` (one `cuMemUnmap` and `cuMemRelease` for all), and the
+/// reservations NCCL freed inside it are freed. If a copy fails, the whole run stays resident.
+fn release_run(
+    steps: &Steps<'_>,
+    dev: &Device,
+    reg: &mut Registry,
+    base: u64,
+    mut members: Vec<(u64, Piece)>,
+    out: &mut Released,
+) -> Result<()> {
+    let copied = members
+        .iter_mut()
+        .try_for_each(|(_, piece)| steps.copied(piece));
+    let run = &reg.runs[&base];
+    let place = [Place {
+        ptr: base,
+        size: run.size as usize,
+        access: None,
+    }];
+    // SAFETY: the run's mapping; the device is idle and every member's copy complete.
+    let r = copied.and_then(|()| unsafe { steps.unmap(dev, &place) });
+    if let Err(e) = r {
+        for (_, piece) in &mut members {
+            steps.keep(piece);
+        }
+        return Err(e);
+    }
+    let run = reg.runs.remove(&base).expect("seen above");
+    steps.release(Handle(run.real), base);
+    free_dead(&run.dead);
+    let in_run: Vec<u64> = reg
+        .physicals
+        .iter()
+        .filter(|(_, p)| p.run == Some(base))
+        .map(|(vh, _)| *vh)
+        .collect();
+    let mut pieces: HashMap<u64, Piece> = members.into_iter().collect();
+    for vh in in_run {
+        let p = reg.physicals.get_mut(&vh).expect("listed above");
+        p.release()?;
+        out.allocations += 1;
+        out.bytes += p.size;
+        // A buffer NCCL unmapped but still holds has no piece: nothing of it to keep.
+        if let Some(piece) = pieces.remove(&vh) {
+            out.copied += piece.backup.as_ref().map_or(0, |_| piece.len as u64);
+            p.backup_len = piece.len as u64;
+            p.backup = piece.backup;
+        }
+    }
+    Ok(())
+}
+
+/// Frees reservations NCCL freed while a run covered them, now that the run is unmapped.
+fn free_dead(dead: &[(u64, u64)]) {
+    if dead.is_empty() {
+        return;
+    }
+    let Ok(d) = memsaver_allocator::global_driver() else {
+        return;
+    };
+    for &(ptr, size) in dead {
+        // SAFETY: NCCL freed the range and its run is unmapped: nothing is mapped in it and
+        // no one uses it.
+        if let Err(e) = unsafe { d.address_free(ptr, size as usize) } {
+            tracing::warn!(error = %e, "memsaver: freeing a range NCCL freed failed");
+        }
+    }
+}
+
 /// Pause step 1, on the engine's steps: per device, synchronise, queue the backup copy of
 /// each buffer this process owns (its piece: key, policy, the bytes `backup` says), let go
 /// of the imports while the copies run, then release each own buffer once its copy is
@@ -332,7 +412,25 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
                 failed = release_one(&steps, &device, &mut reg, &ranges, *vh, &mut out).err();
             }
         }
-        for (vh, mut piece) in pieces {
+        // Runs are released whole, each once the copies of all its buffers are done.
+        let mut runs: BTreeMap<u64, Vec<(u64, Piece)>> = BTreeMap::new();
+        let mut singles = Vec::with_capacity(pieces.len());
+        for (vh, piece) in pieces {
+            match reg.physicals[&vh].run {
+                Some(base) => runs.entry(base).or_default().push((vh, piece)),
+                None => singles.push((vh, piece)),
+            }
+        }
+        for (base, mut members) in runs {
+            if failed.is_none() {
+                failed = release_run(&steps, &device, &mut reg, base, members, &mut out).err();
+            } else {
+                for (_, piece) in &mut members {
+                    steps.keep(piece);
+                }
+            }
+        }
+        for (vh, mut piece) in singles {
             if failed.is_none() {
                 let r = steps
                     .copied(&mut piece)
@@ -368,53 +466,88 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
     }
 }
 
-/// Resume: re-creates and restores this process's own claimed handles `vhs` (all on
-/// `device`) on the engine's steps, with the memory margin, recording them resident once
-/// their contents are back, and counts them into `total`. Backups stay with retention on
-/// and are handed back in `released` with it off. On a failure, those restored before it
-/// stay restored (and counted); the others stay claimed for the caller to unclaim.
+/// Resume: re-creates and restores this process's own claimed handles, `units` of them (all
+/// on `device`), on the engine's steps, with the memory margin, recording them resident once
+/// their contents are back, and counts them into `total`. A unit of several buffers is a run
+/// ([`units`]): one physical allocation mapped over all of them; one that does not fit (out of
+/// memory, the margin) or whose backups cannot be restored is retried one buffer at a time.
+/// Backups stay with retention on and are handed back in `released` with it off. On a
+/// failure, those restored before it stay restored (and counted); the others stay claimed for
+/// the caller to unclaim.
 fn restore(
     a: &'static Allocator,
     steps: &mut Steps<'_>,
     reg: &mut Registry,
     device: i32,
-    vhs: &[u64],
+    units: Vec<Vec<u64>>,
     total: &mut Restored,
     released: &mut Vec<HostBackup>,
 ) -> Result<()> {
     let dev = a.device(device)?;
     let ranges = reg.ranges_by_handle();
-    let mut made: Vec<(u64, Handle, Piece)> = Vec::new();
+    let policy = crate::options::get().nccl_backup.policy();
+    // (the unit's buffers, the handle backing them, their pieces).
+    let mut made: Vec<(Vec<u64>, Handle, Vec<Piece>)> = Vec::new();
+    let mut todo: std::collections::VecDeque<Vec<u64>> = units.into();
     let mut r = Ok(());
-    for vh in vhs {
-        let p = reg.physicals.get_mut(vh).expect("listed by the caller");
-        let rs = ranges.get(vh).map_or(&[][..], Vec::as_slice);
-        let pl = places(rs);
-        let piece = Piece::new(
-            external_key(*vh),
-            tag(),
-            dev.clone(),
-            crate::options::get().nccl_backup.policy(),
-            rs.first().map_or(0, |r| r.0),
-            p.backup_len as usize,
-            p.backup.take(),
-        );
+    while let Some(unit) = todo.pop_front() {
+        let pieces: Vec<Piece> = unit
+            .iter()
+            .map(|vh| {
+                let p = reg.physicals.get_mut(vh).expect("listed by the caller");
+                let ptr = ranges.get(vh).and_then(|rs| rs.first()).map_or(0, |r| r.0);
+                let (len, backup) = (p.backup_len as usize, p.backup.take());
+                Piece::new(
+                    external_key(*vh),
+                    tag(),
+                    dev.clone(),
+                    policy,
+                    ptr,
+                    len,
+                    backup,
+                )
+            })
+            .collect();
+        let first = &reg.physicals[&unit[0]];
+        let prop = first.prop;
+        let size: u64 = unit.iter().map(|vh| reg.physicals[vh].size).sum();
+        let rs = ranges.get(&unit[0]).map_or(&[][..], Vec::as_slice);
+        // A run is one place over all its buffers, with their access (the same for all).
+        let pl = if unit.len() == 1 {
+            places(rs)
+        } else {
+            vec![Place {
+                ptr: rs[0].0,
+                size: size as usize,
+                access: Some(&rs[0].2),
+            }]
+        };
         let mapped = steps
-            .map_fresh(&dev, Memory::Like(&p.prop), p.size as usize, &pl, TAG)
-            .and_then(|h| match steps.copy_in(&piece) {
-                Ok(()) => Ok(h),
-                Err(e) => {
-                    let _ = steps.finish(&dev);
-                    // SAFETY: mapped just above; the stream was synchronised.
-                    let _ = unsafe { steps.unmap(&dev, &pl) };
-                    steps.release(h, piece.ptr);
-                    Err(e)
-                }
-            });
+            .map_fresh(&dev, Memory::Like(&prop), size as usize, &pl, TAG)
+            .and_then(
+                |h| match pieces.iter().try_for_each(|piece| steps.copy_in(piece)) {
+                    Ok(()) => Ok(h),
+                    Err(e) => {
+                        let _ = steps.finish(&dev);
+                        // SAFETY: mapped just above; the stream was synchronised.
+                        let _ = unsafe { steps.unmap(&dev, &pl) };
+                        steps.release(h, pl[0].ptr);
+                        Err(e)
+                    }
+                },
+            );
         match mapped {
-            Ok(h) => made.push((*vh, h, piece)),
+            Ok(h) => made.push((unit, h, pieces)),
             Err(e) => {
-                p.backup = piece.backup;
+                for (vh, piece) in unit.iter().zip(pieces) {
+                    reg.physicals.get_mut(vh).expect("listed").backup = piece.backup;
+                }
+                if unit.len() > 1 && (is_out_of_memory(&e) || matches!(e, Error::Backup(_))) {
+                    for vh in unit.into_iter().rev() {
+                        todo.push_front(vec![vh]);
+                    }
+                    continue;
+                }
                 r = Err(e);
                 break;
             }
@@ -422,19 +555,33 @@ fn restore(
     }
     // Whatever happened, the queued copies finish before anyone may use the memory.
     let r = steps.finish(&dev).and(r);
-    for (vh, h, piece) in made {
-        let p = reg.physicals.get_mut(&vh).expect("listed by the caller");
-        p.resumed(h.0)?;
-        total.handles += 1;
-        total.bytes += p.size;
-        if piece.backup.is_some() {
-            total.copied += p.backup_len;
+    for (unit, h, pieces) in made {
+        let base = pieces[0].ptr;
+        if unit.len() > 1 {
+            let size = unit.iter().map(|vh| reg.physicals[vh].size).sum();
+            let run = registry::Run {
+                size,
+                real: h.0,
+                live: unit.len(),
+                dead: Vec::new(),
+            };
+            reg.runs.insert(base, run);
         }
-        if steps.plan.retain {
-            p.backup = piece.backup;
-        } else {
-            released.extend(piece.backup);
-            p.backup_len = 0;
+        for (vh, piece) in unit.iter().zip(pieces) {
+            let p = reg.physicals.get_mut(vh).expect("listed by the caller");
+            p.resumed(h.0)?;
+            p.run = (unit.len() > 1).then_some(base);
+            total.handles += 1;
+            total.bytes += p.size;
+            if piece.backup.is_some() {
+                total.copied += p.backup_len;
+            }
+            if steps.plan.retain {
+                p.backup = piece.backup;
+            } else {
+                released.extend(piece.backup);
+                p.backup_len = 0;
+            }
         }
     }
     match r {
@@ -456,6 +603,51 @@ fn restore(
         }
         Err(e) => Err(e),
     }
+}
+
+/// `vhs` (claimed own buffers of one device) as the units a resume backs with one physical
+/// allocation each: runs of buffers that NCCL mapped once each, whole, at adjacent addresses,
+/// with the same properties and access, never shared with other processes (a peer imports a
+/// whole physical allocation, which must be the buffer's own), of at most `limit` bytes;
+/// every other buffer alone. In address order.
+fn units(
+    reg: &Registry,
+    ranges: &HashMap<u64, Vec<Range>>,
+    vhs: Vec<u64>,
+    limit: usize,
+) -> Vec<Vec<u64>> {
+    // (address, size, buffer) of the buffers that may join a run.
+    let whole = |vh: &u64| -> Option<(u64, u64)> {
+        let p = &reg.physicals[vh];
+        match ranges.get(vh).map(Vec::as_slice) {
+            Some([(ptr, size, _)]) if *size == p.size && !p.exported => Some((*ptr, *size)),
+            _ => None,
+        }
+    };
+    let mut vhs = vhs;
+    vhs.sort_by_key(|vh| ranges.get(vh).and_then(|rs| rs.first()).map_or(0, |r| r.0));
+    let mut out: Vec<Vec<u64>> = Vec::new();
+    let mut span: Option<(u64, u64)> = None; // the current run's (start, end)
+    for vh in vhs {
+        let joins = match (out.last(), span, whole(&vh)) {
+            (Some(unit), Some((start, end)), Some((ptr, size))) => {
+                let (p, q) = (&reg.physicals[&unit[0]], &reg.physicals[&vh]);
+                ptr == end
+                    && ptr + size - start <= limit as u64
+                    && p.prop == q.prop
+                    && ranges[&unit[0]][0].2 == ranges[&vh][0].2
+            }
+            _ => false,
+        };
+        if joins {
+            out.last_mut().expect("joined").push(vh);
+            span = span.map(|(start, end)| (start, end + reg.physicals[&vh].size));
+        } else {
+            span = whole(&vh).map(|(ptr, size)| (ptr, ptr + size));
+            out.push(vec![vh]);
+        }
+    }
+    out
 }
 
 /// Resume step 1: this process's own memory, exported buffers first. Claims every paused
@@ -486,10 +678,14 @@ pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
                 .filter(|vh| reg.physicals[vh].exported == want)
                 .collect::<Vec<_>>()
         };
-        [
-            by_device(&reg, &ranges, exported(true)),
-            by_device(&reg, &ranges, exported(false)),
-        ]
+        let limit = steps.plan.merge_limit;
+        let units = |vhs| -> Vec<(i32, Vec<Vec<u64>>)> {
+            by_device(&reg, &ranges, vhs)
+                .into_iter()
+                .map(|(dev, vhs)| (dev, units(&reg, &ranges, vhs, limit)))
+                .collect()
+        };
+        [units(exported(true)), units(exported(false))]
     };
     let mut total = Restored::default();
     let mut released = Vec::new();
@@ -497,21 +693,32 @@ pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
     // over between batches (fairly, to a waiting thread first), so that peers' requests
     // for the exported buffers are answered while the private ones are restored.
     let [exported, private] = plan;
-    let private = private.into_iter().flat_map(|(dev, vhs)| {
-        vhs.chunks(RESTORE_BATCH)
+    let private = private.into_iter().flat_map(|(dev, units)| {
+        units
+            .chunks(RESTORE_BATCH)
             .map(|c| (dev, c.to_vec()))
             .collect::<Vec<_>>()
     });
     let mut r = Ok(());
-    for (device, vhs) in exported.into_iter().chain(private) {
+    for (device, units) in exported.into_iter().chain(private) {
         let mut reg = registry::lock();
-        // NCCL may have freed some meanwhile.
-        let vhs: Vec<u64> = vhs
+        // NCCL may have freed some meanwhile (a run then leaves a gap: its buffers go alone).
+        let units: Vec<Vec<u64>> = units
             .into_iter()
-            .filter(|vh| {
-                reg.physicals
-                    .get(vh)
-                    .is_some_and(|p| p.state() == registry::State::Resuming)
+            .flat_map(|unit| {
+                let resuming = |vh: &u64| {
+                    reg.physicals
+                        .get(vh)
+                        .is_some_and(|p| p.state() == registry::State::Resuming)
+                };
+                if unit.iter().all(resuming) {
+                    vec![unit]
+                } else {
+                    unit.into_iter()
+                        .filter(resuming)
+                        .map(|vh| vec![vh])
+                        .collect()
+                }
             })
             .collect();
         r = restore(
@@ -519,7 +726,7 @@ pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
             &mut steps,
             &mut reg,
             device,
-            &vhs,
+            units,
             &mut total,
             &mut released,
         );

@@ -183,6 +183,9 @@ pub(crate) struct Physical {
     pub backup_len: u64,
     /// For [`Kind::Tagged`] and [`Kind::Registered`]: what the registration made of it.
     pub registration: Option<Registration>,
+    /// Own memory that a resume backed with a [`Run`] it shares with its neighbours: the
+    /// run's base (a key of [`Registry::runs`]). Set exactly while resident in the run.
+    pub run: Option<CUdeviceptr>,
 }
 
 /// Where an import comes from.
@@ -221,6 +224,7 @@ impl Physical {
             backup: None,
             backup_len: 0,
             registration: None,
+            run: None,
         }
     }
 
@@ -320,6 +324,7 @@ impl Physical {
         match self.state {
             State::Resident(r) => {
                 self.state = State::Paused;
+                self.run = None;
                 Ok(r)
             }
             State::Mapped(r, g) => {
@@ -442,11 +447,49 @@ pub(crate) struct Mapping {
 /// One mapping of a handle: (address, size, the access NCCL granted).
 pub(crate) type Range = (CUdeviceptr, u64, Vec<CUmemAccessDesc>);
 
+/// One physical allocation a resume mapped across adjacent own buffers of NCCL's (one
+/// `cuMemCreate`, `cuMemMap` and `cuMemSetAccess` instead of one per buffer: the driver's cost
+/// is per physical allocation). It lives until the next pause or until NCCL has freed all its
+/// buffers; a buffer NCCL frees before that keeps its address range reserved and its bytes
+/// held (`dead`), since part of a mapping cannot be unmapped.
+pub(crate) struct Run {
+    pub size: u64,
+    pub real: Real,
+    /// Buffers of the run NCCL still holds.
+    pub live: usize,
+    /// Reservations NCCL freed inside the run: freed with the driver once the run is unmapped.
+    pub dead: Vec<(CUdeviceptr, u64)>,
+}
+
+/// What the driver must still be told once NCCL let go of a buffer ([`Registry::collect`]):
+/// the handle to release, or, for the last buffer of a run, the run to unmap and release.
+pub(crate) enum Gone {
+    Handle(Physical),
+    Run(CUdeviceptr, Run, Physical),
+    /// A buffer of a run that other buffers still use: only the record went.
+    Member(Physical),
+}
+
+impl Gone {
+    /// The record that went.
+    pub fn physical(&self) -> &Physical {
+        match self {
+            Gone::Handle(p) | Gone::Run(_, _, p) | Gone::Member(p) => p,
+        }
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct Registry {
     pub physicals: HashMap<u64, Physical>,
     /// By base address.
     pub mappings: BTreeMap<CUdeviceptr, Mapping>,
+    /// By base address.
+    pub runs: BTreeMap<CUdeviceptr, Run>,
+    /// Where NCCL's next own buffer is asked to go: right after its last one, so that the
+    /// buffers NCCL allocates one after another are adjacent and a resume can back them with
+    /// one run ([`crate::vmm`]'s `cuMemAddressReserve` wrapper).
+    pub next_own_address: CUdeviceptr,
     next: u64,
     pub multicast_objects: u64,
 }
@@ -497,15 +540,34 @@ impl Registry {
     }
 
     /// Forgets a physical object NCCL no longer references and no mapping uses, returning
-    /// it for the caller to release its driver handle (outside the lock).
-    pub fn collect(&mut self, vh: u64) -> Option<Physical> {
+    /// what the driver must be told (outside the lock): its handle to release, or the run it
+    /// was the last buffer of.
+    pub fn collect(&mut self, vh: u64) -> Option<Gone> {
         let unused = self.physicals.get(&vh).is_some_and(|p| p.refs == 0)
             && !self.mappings.values().any(|m| m.vh == vh);
-        if unused {
-            self.physicals.remove(&vh)
-        } else {
-            None
+        if !unused {
+            return None;
         }
+        let p = self.physicals.remove(&vh)?;
+        let Some(base) = p.run else {
+            return Some(Gone::Handle(p));
+        };
+        let run = self
+            .runs
+            .get_mut(&base)
+            .expect("a buffer's run is recorded");
+        run.live -= 1;
+        if run.live > 0 {
+            return Some(Gone::Member(p));
+        }
+        let run = self.runs.remove(&base).expect("just seen");
+        Some(Gone::Run(base, run, p))
+    }
+
+    /// The live run whose mapping covers any of `[ptr, ptr + size)`.
+    pub fn run_over(&mut self, ptr: CUdeviceptr, size: u64) -> Option<&mut Run> {
+        let (base, run) = self.runs.range_mut(..ptr + size).next_back()?;
+        (*base + run.size > ptr).then_some(run)
     }
 }
 
@@ -539,6 +601,10 @@ pub struct NcclStats {
     /// Multicast (NVLS) objects created; they stay.
     pub multicast_objects: u64,
     pub mappings: u64,
+    /// Physical allocations a resume made for several adjacent buffers each, and the bytes of
+    /// buffers NCCL freed inside them, held until the next pause or until the run is unused.
+    pub runs: u64,
+    pub freed_held_bytes: u64,
     /// Local memory the current pause freed by lowering the kernel stack size (per device:
     /// (old - new limit) x multiprocessors x threads per multiprocessor).
     pub stack_lowered_bytes: u64,
@@ -590,6 +656,8 @@ pub(crate) fn stats(hooked: bool, cumem_disabled: bool, paused: bool) -> NcclSta
     }
     s.multicast_objects = r.multicast_objects;
     s.mappings = r.mappings.len() as u64;
+    s.runs = r.runs.len() as u64;
+    s.freed_held_bytes = r.runs.values().flat_map(|r| &r.dead).map(|d| d.1).sum();
     s
 }
 

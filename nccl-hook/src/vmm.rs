@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, IntoRawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::options::{self, NcclBackup};
-use crate::registry::{self, Keep, Kind, Mapping, Physical, Registration};
+use crate::registry::{self, Gone, Keep, Kind, Mapping, Physical, Registration};
 use crate::tokens;
 use memsaver_allocator::driver::Handle;
 use memsaver_allocator::driver::sys::{fns, *};
@@ -78,6 +78,8 @@ slots! {
     IMPORT: fns::cuMemImportFromShareableHandle = "cuMemImportFromShareableHandle" since 10020 => mem_import;
     PROPS: fns::cuMemGetAllocationPropertiesFromHandle = "cuMemGetAllocationPropertiesFromHandle" since 10020 => mem_props;
     RANGE: fns::cuMemGetAddressRange_v2 = "cuMemGetAddressRange" since 3020 => mem_range;
+    RESERVE: fns::cuMemAddressReserve = "cuMemAddressReserve" since 10020 => mem_reserve;
+    FREE: fns::cuMemAddressFree = "cuMemAddressFree" since 10020 => mem_address_free;
     NIC_HANDLE: GetHandleForAddressRange = "cuMemGetHandleForAddressRange" since 11070 => mem_nic_handle;
     MC_CREATE: MulticastCreate = "cuMulticastCreate" since 12010 => mc_create;
     MC_BIND_MEM: MulticastBindMem = "cuMulticastBindMem" since 12010 => mc_bind_mem;
@@ -136,18 +138,60 @@ fn forget_backup(vh: u64) {
     }
 }
 
-/// Releases the driver handle of a physical object the registry just forgot; the import of a
-/// peer's registered buffer also tells its owner ([`tokens::import_gone`]).
-fn release_real(gone: Option<Physical>) {
-    let Some(p) = gone else { return };
-    tokens::import_gone(&p);
-    if let (Some(h), Some(release)) = (p.real(), real::RELEASE()) {
+/// Tells the driver what the registry just forgot: releases the driver handle of a physical
+/// object, or unmaps and releases a run NCCL no longer uses and frees the reservations NCCL
+/// freed inside it; the import of a peer's registered buffer also tells its owner
+/// ([`tokens::import_gone`]).
+fn release_real(gone: Option<Gone>) {
+    let Some(gone) = gone else { return };
+    tokens::import_gone(gone.physical());
+    let handle = match gone {
+        Gone::Member(_) => None,
+        Gone::Handle(p) => p.real(),
+        Gone::Run(base, run, _) => {
+            if let Some(unmap) = real::UNMAP() {
+                // SAFETY: the run's mapping; NCCL has let go of every buffer in it.
+                let r = unsafe { unmap(base, run.size as usize) };
+                if r != CUDA_SUCCESS {
+                    tracing::warn!(code = r, "cuMemUnmap of a run of NCCL's buffers failed");
+                }
+            }
+            if let Some(free) = real::FREE() {
+                for (ptr, size) in run.dead {
+                    // SAFETY: a reservation NCCL freed while the run covered it.
+                    let r = unsafe { free(ptr, size as usize) };
+                    if r != CUDA_SUCCESS {
+                        tracing::warn!(code = r, "cuMemAddressFree of NCCL's freed range failed");
+                    }
+                }
+            }
+            Some(run.real)
+        }
+    };
+    if let (Some(h), Some(release)) = (handle, real::RELEASE()) {
         // SAFETY: a driver handle memsaver held on NCCL's behalf; released once, here.
         let r = unsafe { release(h) };
         if r != CUDA_SUCCESS {
             tracing::warn!(code = r, "cuMemRelease of an NCCL handle failed");
         }
     }
+}
+
+/// NCCL asked for `what` on one of its buffers that a resume placed in a run: the driver's
+/// handle behind it is the run's, which cannot be mapped, exported or bound in part.
+fn in_run(what: &str) -> CUresult {
+    tracing::error!(
+        "NCCL called {what} on a buffer that memsaver's resume backed together with its \
+         neighbours (one physical allocation for several buffers), which the driver cannot \
+         hand out in part; set MEMSAVER_MERGE_MB=0 so that every NCCL buffer keeps its own"
+    );
+    CUDA_ERROR_NOT_SUPPORTED
+}
+
+thread_local! {
+    /// The size of the device memory NCCL created last on this thread, until its next
+    /// `cuMemAddressReserve`: NCCL creates, then reserves, maps and grants access.
+    static CREATED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 unsafe extern "C" fn mem_create(
@@ -181,6 +225,7 @@ unsafe extern "C" fn mem_create(
         // SAFETY: the caller's out-pointer.
         unsafe { *handle = vh };
         if kind == Kind::Device {
+            CREATED.set(size);
             prepare_backup(vh, prop.location.id, size);
         }
     });
@@ -281,6 +326,9 @@ unsafe extern "C" fn mem_map(
     let Some(h) = p.real() else {
         return paused_use("cuMemMap", p);
     };
+    if p.run.is_some() {
+        return in_run("cuMemMap");
+    }
     // SAFETY: the caller's arguments with the driver's handle behind the virtual one.
     let r = unsafe { f(ptr, size, offset, h, flags) };
     if r == CUDA_SUCCESS {
@@ -335,8 +383,9 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
         return unsafe { f(ptr, size) };
     };
     let p = reg.physicals.get(&vh);
-    let paused = p.is_some_and(|p| p.real().is_none());
-    if !paused {
+    // Paused, the range is already unmapped; in a run, it stays mapped until the run goes.
+    let unmapped = p.is_some_and(|p| p.real().is_none() || p.run.is_some());
+    if !unmapped {
         // Where the memory is mapped: NCCL's range, or the window of a registered import
         // whose owner re-created it smaller.
         let (at, len) = registry::in_window(ptr, size as u64, p.and_then(Physical::window));
@@ -346,13 +395,64 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
             return r;
         }
     }
-    // While paused the range is already unmapped: only the record goes.
+    // Only the record goes.
     reg.mappings.remove(&ptr);
     let gone = reg.collect(vh);
     drop(reg);
     release_real(gone);
     CUDA_SUCCESS
 }
+/// NCCL reserves an address range, right after creating a buffer of that size: its range is
+/// asked for right after NCCL's previous buffer (an address hint, which the driver honours
+/// when that space is free), so that buffers NCCL allocates one after another are adjacent
+/// and a resume can back them with one physical allocation ([`crate::local`]). Any other
+/// reservation (an import's, a fixed address) is forwarded as it is.
+unsafe extern "C" fn mem_reserve(
+    ptr: *mut CUdeviceptr,
+    size: usize,
+    align: usize,
+    addr: CUdeviceptr,
+    flags: c_ulonglong,
+) -> CUresult {
+    let Some(f) = real::RESERVE() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    let own = CREATED.replace(0) == size && size > 0 && addr == 0 && flags == 0;
+    if !own || ptr.is_null() {
+        // SAFETY: forwarded unchanged.
+        return unsafe { f(ptr, size, align, addr, flags) };
+    }
+    let mut reg = registry::lock();
+    let hint = match reg.next_own_address {
+        0 => 0,
+        next => next.next_multiple_of(align.max(1) as u64),
+    };
+    // SAFETY: the caller's out-pointer; the hint is only a hint.
+    let r = unsafe { f(ptr, size, align, hint, 0) };
+    if r == CUDA_SUCCESS {
+        // SAFETY: written by the driver on success.
+        reg.next_own_address = unsafe { *ptr } + size as u64;
+    }
+    r
+}
+
+/// NCCL frees an address range: while a run's mapping covers it, the range stays reserved
+/// until the run is unmapped (part of a mapping cannot be unmapped, nor a reservation under
+/// a mapping freed), and its bytes are counted in `nccl_stats()` until then.
+unsafe extern "C" fn mem_address_free(ptr: CUdeviceptr, size: usize) -> CUresult {
+    let Some(f) = real::FREE() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    let mut reg = registry::lock();
+    if let Some(run) = reg.run_over(ptr, size as u64) {
+        run.dead.push((ptr, size as u64));
+        return CUDA_SUCCESS;
+    }
+    drop(reg);
+    // SAFETY: forwarded unchanged.
+    unsafe { f(ptr, size) }
+}
+
 unsafe extern "C" fn mem_export(
     shareable: *mut c_void,
     handle: CUmemGenericAllocationHandle,
@@ -371,6 +471,9 @@ unsafe extern "C" fn mem_export(
     let Some(h) = p.real() else {
         return paused_use("cuMemExportToShareableHandle", p);
     };
+    if p.run.is_some() {
+        return in_run("cuMemExportToShareableHandle");
+    }
     if let Some(Registration::Retained { at }) = p.registration {
         drop(reg);
         return answered(|| export_tagged(shareable, h, at, handle_type, flags, f));
@@ -538,13 +641,13 @@ unsafe extern "C" fn mem_range(
     {
         let reg = registry::lock();
         if let Some((b, m)) = reg.mapping_at(ptr)
-            && reg
-                .physicals
-                .get(&m.vh)
-                .is_some_and(|p| p.real().is_none() || p.kind == Kind::Registered)
+            && reg.physicals.get(&m.vh).is_some_and(|p| {
+                p.real().is_none() || p.run.is_some() || p.kind == Kind::Registered
+            })
         {
-            // Paused, the driver no longer knows the range; a peer's registered buffer may be
-            // mapped in a window of NCCL's range: answer from the record.
+            // Paused, the driver no longer knows the range; in a run, it knows the run's; a
+            // peer's registered buffer may be mapped in a window of NCCL's range: answer from
+            // the record.
             // SAFETY: the caller's out-pointers (either may be NULL).
             unsafe {
                 if !base.is_null() {
@@ -633,6 +736,9 @@ unsafe extern "C" fn mc_bind_mem(
             let Some(h) = p.real() else {
                 return paused_use("cuMulticastBindMem", p);
             };
+            if p.run.is_some() {
+                return in_run("cuMulticastBindMem");
+            }
             if p.kind == Kind::Tagged {
                 // Bound, the memory stays with the multicast object: its tag's pause cannot
                 // free it, and its resume would leave the object with the old memory.

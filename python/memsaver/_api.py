@@ -248,7 +248,9 @@ def nccl_stats() -> dict[str, int | bool | str | None]:
     B/thread"``; ``None`` when nothing was kept). ``fallback_exports`` and ``fallback_reason``:
     NCCL exports handed out as plain fds because memsaver could not serve its peers (for
     example an unsafe runtime directory; see docs/security.md), which stay resident on pause,
-    and why (``None`` when none did)."""
+    and why (``None`` when none did). ``runs``: physical allocations a resume made for several
+    adjacent buffers each (see docs/nccl.md), and ``freed_held_bytes``: buffers NCCL freed inside
+    one, whose memory goes back to the device with the run at the next pause."""
 
     _core.ensure_loaded()
     result: dict[str, int | bool | str | None] = json.loads(_memsaver.nccl_stats_json())

@@ -13,10 +13,14 @@ Facts (as measured on an H100, driver 580.159):
 6. part of a mapping does not unmap: CUDA_ERROR_INVALID_VALUE (1), as the fake driver answers;
 7. cuMemAddressReserve with a hint at the end of an existing reservation, the space there
    being free, gives that address (memsaver's runs rely on it: docs/architecture.md, "Runs");
-   measured again on an H100, driver 580.159.04, 2026-11-27.
-
-Also printed, not checked: whether one mapping may span two adjacent reservations (the fake
-allows it; measured CUDA_SUCCESS, and a memset across it too).
+   measured again on an H100, driver 580.159.04, 2026-11-27;
+8. one mapping may span two adjacent reservations, and a write across it works (runs of
+   allocations and of NCCL's buffers rely on it);
+9. cuMemGetAddressRange of an address gives the mapping holding it, across reservations, not
+   its reservation (NCCL's free path asks it for the size to unmap and free: memsaver answers
+   for buffers inside a run); nothing mapped there: CUDA_ERROR_NOT_FOUND (500);
+10. cuMemAddressFree of a reservation that a mapping crosses is refused (memsaver frees a range
+   NCCL freed inside a run only once the run is unmapped).
 
 Usage: python3 tests/gpu/vmm_rules.py
 Talks to libcuda.so.1 with ctypes (no torch; MEMSAVER_CUDA_LIB names another library, such as
@@ -193,7 +197,7 @@ def fact_6(g):
         free(base, 2 * g)  # else half of it may still be mapped: leave it to the process's end
 
 
-def fact_7_and_spanning(g):
+def fact_7_to_10(g):
     """A reservation, then one asked for right after it; if given there, one mapping over both."""
     a = reserve(2 * g)
     b = reserve(2 * g, hint=a + 2 * g)
@@ -201,19 +205,38 @@ def fact_7_and_spanning(g):
     report(7, given, f"cuMemAddressReserve with a hint at the end of a reservation ({a + 2 * g:#x})"
            f" gave {b:#x}: {'the hint' if given else 'another address'} (memsaver's runs rely on the hint)")
     if given:
+        base, size = C.c_uint64(), C.c_size_t()
+        r_empty = cuda.cuMemGetAddressRange_v2(C.byref(base), C.byref(size), C.c_uint64(a + g))
         h = create(4 * g)
         r = map_(a, 4 * g, h)
-        written = "not tried"
+        written = -1
         if r == 0:
             ck("cuMemSetAccess", access(a, 4 * g))
-            written = name(touch(a, 4 * g))
+            written = touch(a, 4 * g)
+            ranges = []
+            for va in (a + g, b + g):
+                rr = cuda.cuMemGetAddressRange_v2(C.byref(base), C.byref(size), C.c_uint64(va))
+                ranges.append((rr, base.value, size.value))
+            held = all(rr == 0 and bs == a and sz == 4 * g for rr, bs, sz in ranges)
+            report(9, held and r_empty == 500,
+                   f"cuMemGetAddressRange inside a mapping over two reservations: "
+                   f"{[(name(rr), hex(bs), sz) for rr, bs, sz in ranges]} "
+                   f"(expected ({a:#x}, {4 * g})); with nothing mapped: {name(r_empty)}")
+            r_free = cuda.cuMemAddressFree(C.c_uint64(b), C.c_size_t(2 * g))
+            report(10, r_free != 0, f"cuMemAddressFree of a reservation a mapping crosses: {name(r_free)}")
             ck("cuMemUnmap", unmap(a, 4 * g))
-        print(f"info: one mapping over two adjacent reservations: {name(r)}; cuMemsetD8 over it: {written}")
+            if r_free == 0:
+                b = None
+        report(8, r == 0 and written == 0,
+               f"one mapping over two adjacent reservations: {name(r)}; a write across it: "
+               f"{name(written) if written >= 0 else 'not tried'}")
         release(h)
     else:
-        print("info: one mapping over two adjacent reservations: not tried (not adjacent)")
+        print("facts 8-10: not tried (the reservations are not adjacent)")
+        failed.extend([8, 9, 10])
     free(a, 2 * g)
-    free(b, 2 * g)
+    if b is not None:
+        free(b, 2 * g)
 
 
 def main():
@@ -227,7 +250,7 @@ def main():
     ck("cuMemGetAllocationGranularity",
        cuda.cuMemGetAllocationGranularity(C.byref(g), C.byref(PROP), 0))
     print(f"device 0, CUDA driver API {version.value}, granularity {g.value >> 20} MiB")
-    for check in (facts_1_to_3, fact_4, fact_5, fact_6, fact_7_and_spanning):
+    for check in (facts_1_to_3, fact_4, fact_5, fact_6, fact_7_to_10):
         check(g.value)
     if failed:
         print(f"FAIL: facts {', '.join(map(str, sorted(failed)))} do not hold here")

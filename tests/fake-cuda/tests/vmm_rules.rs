@@ -332,3 +332,28 @@ fn a_hint_at_the_end_of_a_reservation_is_honoured_and_one_mapping_spans_both() {
     free(a, 2 * G);
     free(b, 2 * G);
 }
+
+#[test]
+fn an_address_range_is_its_mapping_and_a_reservation_under_a_crossing_mapping_is_not_freed() {
+    let _serial = serial();
+    let a = reserve(2 * G, 0);
+    let b = reserve(2 * G, a + 2 * G as u64);
+    assert_eq!(b, a + 2 * G as u64);
+    assert_eq!(
+        mapping_at(a + G as u64),
+        Err(CUDA_ERROR_NOT_FOUND),
+        "nothing is mapped there yet"
+    );
+    let h = create(4 * G);
+    assert_eq!(map(a, 4 * G, 0, h), CUDA_SUCCESS);
+    // The mapping, across both reservations: not either reservation.
+    assert_eq!(mapping_at(a + G as u64), Ok((a, 4 * G)));
+    assert_eq!(mapping_at(b + G as u64), Ok((a, 4 * G)));
+    // SAFETY: a reservation of this test's.
+    let r = unsafe { (cuda().free)(b, 2 * G) };
+    assert_eq!(r, CUDA_ERROR_INVALID_VALUE, "a mapping crosses it");
+    assert_eq!(unmap(a, 4 * G), CUDA_SUCCESS);
+    release(h);
+    free(a, 2 * G);
+    free(b, 2 * G);
+}

@@ -249,21 +249,57 @@ pub unsafe extern "C" fn fake_nccl_free(cuda_lib: *const c_char, a: *const FakeN
             if a.exported_fd >= 0 {
                 libc::close(a.exported_fd);
             }
-            // NCCL's free path: retain the handle from the address, release it, unmap, release
-            // the original reference, free the range.
+            // NCCL's free path (`ncclCuMemFree`): retain the handle from the address, release
+            // it, ask the driver the range's size, unmap it, release the original reference,
+            // free the range.
             let retain: fns::cuMemRetainAllocationHandle = d.get(c"cuMemRetainAllocationHandle")?;
+            let range: fns::cuMemGetAddressRange_v2 = d.get(c"cuMemGetAddressRange")?;
             let mut h = 0;
             ok(retain(&mut h, a.ptr as *mut c_void))?;
             if h != a.handle {
                 return Err(-3);
             }
             ok(release(h))?;
-            ok(unmap(a.ptr, a.size))?;
+            let mut size = 0;
+            ok(range(std::ptr::null_mut(), &mut size, a.ptr))?;
+            if size != a.size {
+                return Err(-4);
+            }
+            ok(unmap(a.ptr, size))?;
             ok(release(a.handle))?;
-            ok(free(a.ptr, a.size))
+            ok(free(a.ptr, size))
         })()
     };
     r.err().unwrap_or(0)
+}
+
+/// Exports a POSIX fd of the buffer `a` made, as NCCL's proxy does when a peer asks for it
+/// (`cuMemExportToShareableHandle`). Returns the fd, or minus the error code.
+///
+/// # Safety
+/// `cuda_lib` is NUL-terminated; `a` came from `fake_nccl_alloc`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_nccl_export(
+    cuda_lib: *const c_char,
+    a: *const FakeNcclAlloc,
+) -> c_int {
+    // SAFETY: per this function's contract; the out-pointer is a live local.
+    let r = unsafe {
+        (|| -> Result<c_int, c_int> {
+            let d = open(cuda_lib)?;
+            let export: fns::cuMemExportToShareableHandle =
+                d.get(c"cuMemExportToShareableHandle")?;
+            let mut fd: c_int = -1;
+            ok(export(
+                (&mut fd as *mut c_int).cast(),
+                (*a).handle,
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            ))?;
+            Ok(fd)
+        })()
+    };
+    r.unwrap_or_else(|e| -e.abs())
 }
 
 /// Registers the user buffer at `buff` the way NCCL's IPC registration does

@@ -24,6 +24,10 @@
 //! tfree I          memsaver_free of tensor I
 //! used             device memory in use (all processes, fake driver) in bytes
 //! free             free imports and the own buffer through NCCL's free path
+//! pwrite SEED      fill every private buffer with a pattern of SEED and its address
+//! pcheck SEED      every private buffer holds what `pwrite SEED` wrote
+//! pfree I          NCCL's free path on private buffer I (the others keep their numbers)
+//! pexport I        NCCL's proxy exports private buffer I as a POSIX fd -> ok | err CODE
 //! stats            memsaver_nccl_stats_json on one line
 //! mstats           memsaver_stats_json on one line
 //! prepared         waits (up to 30 s) until memsaver has prepared every pinned backup it was
@@ -53,6 +57,13 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, UnixAddr, 
 const MAX_FDS: usize = 253;
 
 type LastError = unsafe extern "C" fn() -> *const c_char;
+/// `fake_nccl_export`: an fd, or minus the driver's error code.
+type Export = unsafe extern "C" fn(*const c_char, *const FakeNcclAlloc) -> c_int;
+
+/// The pattern seed of private buffer `a` for `pwrite`/`pcheck SEED`: its own for each buffer.
+fn private_seed(seed: u64, a: &FakeNcclAlloc) -> u64 {
+    seed ^ (a.ptr >> 21)
+}
 
 struct Rank {
     cuda: CString,
@@ -63,6 +74,7 @@ struct Rank {
     register: Register,
     import: Import,
     free: Free,
+    export: Export,
     pause: TagCall,
     resume: TagCall,
     last_error: LastError,
@@ -70,7 +82,7 @@ struct Rank {
     own: Option<FakeNcclAlloc>,
     peers: Vec<Option<FakeNcclAlloc>>,
     /// Buffers of `private` and `shared`, and the imports of peers' `shared` buffers.
-    private: Vec<FakeNcclAlloc>,
+    private: Vec<Option<FakeNcclAlloc>>,
     shared: Vec<FakeNcclAlloc>,
     extra_imports: Vec<FakeNcclAlloc>,
     counts: CallCounts,
@@ -144,7 +156,7 @@ impl Rank {
                     if export == 1 {
                         self.shared.push(a);
                     } else {
-                        self.private.push(a);
+                        self.private.push(Some(a));
                     }
                 }
                 Ok(String::new())
@@ -342,11 +354,51 @@ impl Rank {
             Some("pid") => Ok(std::process::id().to_string()),
             // The context pushed at start-up is current.
             Some("used") => used_bytes(self.mem_info),
+            Some(op @ ("pwrite" | "pcheck")) => {
+                let seed = num(1)?;
+                for a in self.private.iter().flatten() {
+                    // SAFETY: on the fake driver a mapped buffer is host memory at its address.
+                    let b = unsafe { std::slice::from_raw_parts_mut(a.ptr as *mut u8, a.size) };
+                    let seed = private_seed(seed, a);
+                    if op == "pwrite" {
+                        b.iter_mut()
+                            .enumerate()
+                            .for_each(|(i, x)| *x = pattern(seed, i));
+                    } else if !b.iter().enumerate().all(|(i, x)| *x == pattern(seed, i)) {
+                        return Err(format!("mismatch in the buffer at {:#x}", a.ptr));
+                    }
+                }
+                Ok(String::new())
+            }
+            Some("pfree") => {
+                let a = self
+                    .private
+                    .get_mut(num(1)? as usize)
+                    .and_then(Option::take)
+                    .ok_or("no such private buffer")?;
+                self.free_all(vec![a])
+            }
+            Some("pexport") => {
+                let a = self
+                    .private
+                    .get(num(1)? as usize)
+                    .copied()
+                    .flatten()
+                    .ok_or("no such private buffer")?;
+                // SAFETY: a buffer of the fake NCCL's.
+                let fd = unsafe { (self.export)(self.cuda.as_ptr(), &a) };
+                if fd < 0 {
+                    return Err((-fd).to_string());
+                }
+                // SAFETY: the fd is ours.
+                unsafe { libc::close(fd) };
+                Ok(String::new())
+            }
             Some("free") => {
                 let mut all = self.take_imports();
                 all.extend(self.own.take());
                 all.append(&mut self.shared);
-                all.append(&mut self.private);
+                all.extend(self.private.drain(..).flatten());
                 self.free_all(all)
             }
             _ => Err(format!("unknown command {line:?}")),
@@ -496,6 +548,7 @@ fn main() {
         register: sym(hn, c"fake_nccl_register"),
         import: sym(hn, c"fake_nccl_import"),
         free: sym(hn, c"fake_nccl_free"),
+        export: sym(hn, c"fake_nccl_export"),
         pause: sym(libc::RTLD_DEFAULT, c"memsaver_pause"),
         resume: sym(libc::RTLD_DEFAULT, c"memsaver_resume"),
         last_error: sym(libc::RTLD_DEFAULT, c"memsaver_last_error"),

@@ -1,0 +1,187 @@
+//! Runs of NCCL's buffers: NCCL allocates its buffers one after another, memsaver asks the
+//! driver for each one's addresses right after the previous one, and a resume backs adjacent
+//! private buffers with one physical allocation (one `cuMemCreate`, `cuMemMap`,
+//! `cuMemSetAccess`, and at the next pause one `cuMemUnmap`, `cuMemRelease`). NCCL's view of
+//! each buffer stays its own: its address range (`cuMemGetAddressRange`, which NCCL's free path
+//! asks), its handle, its free path. One rank on the fake driver and the fake libnccl.so.2.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{Dirs, Job};
+
+const MIB: u64 = 1 << 20;
+
+/// The fake driver's counts of rank 0's calls since the last `calls`, by kind.
+fn calls(job: &mut Job) -> BTreeMap<String, u64> {
+    let a = job.one(0, "calls");
+    a.strip_prefix("ok ")
+        .unwrap_or_else(|| panic!("calls: {a}"))
+        .split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .filter(|(k, _)| *k != "us")
+        .map(|(k, v)| (k.to_owned(), v.parse().unwrap()))
+        .collect()
+}
+
+/// `nccl_stats()` of rank 0.
+fn stats(job: &mut Job) -> serde_json::Value {
+    let a = job.one(0, "stats");
+    serde_json::from_str(
+        a.strip_prefix("ok ")
+            .unwrap_or_else(|| panic!("stats: {a}")),
+    )
+    .unwrap()
+}
+
+/// A job of one rank with `n` private buffers of 2 MiB written with seed 5, through one
+/// pause and resume (which makes the run); the call counts are reset.
+fn one_rank_with_a_run(group: u32, n: u64, env: &[(&str, &str)]) -> (Dirs, Job) {
+    let dirs = Dirs::new();
+    let mut job = Job::start_with(1, group, &dirs.fake, &dirs.rt, 10_000, env);
+    job.all_ok(&format!("private {n} 2"));
+    job.all_ok("pwrite 5");
+    job.all_ok("pause");
+    job.all_ok("resume");
+    job.all_ok("pcheck 5");
+    calls(&mut job);
+    (dirs, job)
+}
+
+#[test]
+fn private_buffers_resume_as_one_run_and_keep_their_contents() {
+    let dirs = Dirs::new();
+    let mut job = Job::start(1, 71, &dirs.fake, &dirs.rt, 10_000);
+    job.all_ok("private 6 2");
+    job.all_ok("pwrite 5");
+    calls(&mut job);
+    job.all_ok("pause");
+    let first = calls(&mut job);
+    assert_eq!((first["unmap"], first["release"]), (6, 6), "{first:?}");
+    job.all_ok("resume");
+    let c = calls(&mut job);
+    assert_eq!(
+        (c["create"], c["map"], c["set_access"], c["copy"]),
+        (1, 1, 1, 6),
+        "one physical allocation for the six buffers, a copy into each: {c:?}"
+    );
+    job.all_ok("pcheck 5");
+    let s = stats(&mut job);
+    assert_eq!(s["runs"], 1);
+    assert_eq!(s["owned_handles"], 6, "NCCL still sees six buffers");
+    assert_eq!(s["mappings"], 6);
+    // Later cycles: one unmap and one release, then one create, map and grant.
+    for seed in 6..9 {
+        job.all_ok(&format!("pwrite {seed}"));
+        job.all_ok("pause");
+        let p = calls(&mut job);
+        assert_eq!((p["unmap"], p["release"], p["copy"]), (1, 1, 6), "{p:?}");
+        job.all_ok("resume");
+        let r = calls(&mut job);
+        assert_eq!((r["create"], r["map"], r["set_access"]), (1, 1, 1), "{r:?}");
+        job.all_ok(&format!("pcheck {seed}"));
+    }
+    // NCCL's free path asks each buffer's range of the driver: it gets the buffer's, not the
+    // run's, and frees every buffer.
+    let used = job.used();
+    job.all_ok("free");
+    assert_eq!(used - job.used(), 12 * MIB);
+    let s = stats(&mut job);
+    assert_eq!(
+        (s["runs"].as_u64(), s["owned_bytes"].as_u64()),
+        (Some(0), Some(0))
+    );
+}
+
+#[test]
+fn a_buffer_freed_inside_a_run_is_held_until_the_next_pause() {
+    let (_dirs, mut job) = one_rank_with_a_run(72, 4, &[]);
+    let used = job.used();
+    job.all_ok("pfree 1");
+    let s = stats(&mut job);
+    assert_eq!(
+        s["freed_held_bytes"],
+        2 * MIB,
+        "part of a mapping cannot be unmapped"
+    );
+    assert_eq!(s["owned_handles"], 3);
+    assert_eq!(job.used(), used, "held until the run goes");
+    let c = calls(&mut job);
+    assert_eq!(
+        (c["unmap"], c["release"], c["address_free"]),
+        (0, 0, 0),
+        "the run and the freed range stay: {c:?}"
+    );
+    job.all_ok("pcheck 5");
+    job.all_ok("pause");
+    let c = calls(&mut job);
+    assert_eq!(
+        (c["unmap"], c["release"], c["address_free"]),
+        (1, 1, 1),
+        "the run goes whole, then the range NCCL freed: {c:?}"
+    );
+    assert_eq!(
+        used - job.used(),
+        8 * MIB,
+        "the freed buffer's memory went with the run"
+    );
+    job.all_ok("resume");
+    // Buffers 0 | 2 3: the gap splits them.
+    let c = calls(&mut job);
+    assert_eq!(c["create"], 2, "{c:?}");
+    let s = stats(&mut job);
+    assert_eq!(
+        (s["runs"].as_u64(), s["freed_held_bytes"].as_u64()),
+        (Some(1), Some(0))
+    );
+    assert_eq!(used - job.used(), 2 * MIB);
+    job.all_ok("pcheck 5");
+}
+
+#[test]
+fn freeing_every_buffer_of_a_run_gives_its_memory_back_at_once() {
+    let (_dirs, mut job) = one_rank_with_a_run(73, 3, &[]);
+    let used = job.used();
+    for i in 0..3 {
+        job.all_ok(&format!("pfree {i}"));
+    }
+    assert_eq!(used - job.used(), 6 * MIB);
+    let c = calls(&mut job);
+    assert_eq!(
+        (c["unmap"], c["release"], c["address_free"]),
+        (1, 1, 3),
+        "the run once its last buffer went, and the three ranges: {c:?}"
+    );
+    let s = stats(&mut job);
+    assert_eq!(
+        (s["runs"].as_u64(), s["freed_held_bytes"].as_u64()),
+        (Some(0), Some(0))
+    );
+    // What NCCL allocates next gets fresh memory and pauses and resumes as ever.
+    job.all_ok("private 2 2");
+    job.all_ok("pwrite 9");
+    job.all_ok("pause");
+    job.all_ok("resume");
+    job.all_ok("pcheck 9");
+}
+
+#[test]
+fn a_buffer_inside_a_run_cannot_be_exported_and_the_merge_limit_turns_runs_off() {
+    let (_dirs, mut job) = one_rank_with_a_run(74, 2, &[]);
+    assert_eq!(
+        job.one(0, "pexport 0"),
+        "err 801",
+        "CUDA_ERROR_NOT_SUPPORTED: the driver cannot hand out part of an allocation"
+    );
+    job.all_ok("pcheck 5");
+    // With runs off every buffer keeps its own physical allocation, and can be exported.
+    let (_dirs, mut job) = one_rank_with_a_run(75, 2, &[("MEMSAVER_MERGE_MB", "0")]);
+    job.all_ok("pexport 0");
+    assert_eq!(stats(&mut job)["runs"], 0);
+    job.all_ok("pause");
+    job.all_ok("resume");
+    let c = calls(&mut job);
+    assert_eq!(c["create"], 2, "{c:?}");
+    job.all_ok("pcheck 5");
+}
