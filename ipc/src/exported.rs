@@ -5,14 +5,22 @@
 //! The ledger keeps, per export, the owner's state (generation, resident or paused) and per
 //! importer (keyed by its full identity: a reused pid is another process) how many imports it
 //! holds and what it was last known to hold: [`Has::Mapped`] or [`Has::Released`] of a
-//! generation. What an importer *should* hold follows from the export's state; a courier (one
-//! thread per importer, only while that importer is behind) sends the difference, one request
-//! per kind carrying every buffer, and records the importer's acknowledgement. Because the
-//! courier always sends what the ledger says *now*, the last word cannot be lost: an importer
-//! that missed a pause and its resume (stopped, slow) is sent the resume's state when it can take
-//! it, and importers ignore anything older than what they map. A pause or resume waits for its
-//! importers until the deadline (`MEMSAVER_IPC_TIMEOUT_MS`) and then returns what is still
-//! behind; the courier carries on until the importer converges or exits.
+//! generation. What an importer *should* hold follows from the export's state; a courier sends
+//! the difference, one request per kind carrying every buffer, and records the importer's
+//! acknowledgement. Because the courier always sends what the ledger says *now*, the last word
+//! cannot be lost: an importer that missed a pause and its resume (stopped, slow) is sent the
+//! resume's state when it can take it, and importers ignore anything older than what they map.
+//! A pause or resume waits for its importers until the deadline (`MEMSAVER_IPC_TIMEOUT_MS`) and
+//! then returns what is still behind; the couriers carry on until each importer converges or
+//! exits.
+//!
+//! At most [`MAX_COURIERS`] courier threads run in the process, only while some importer is
+//! behind. Each importer behind has an [`Errand`]: queued (for a free courier, in turn, not
+//! before its backoff) or carried (by one courier, until it converges or exits). A courier
+//! that finds its importer stopped, or whose exchange fails, queues it again at the end of the
+//! line after its backoff (10 ms doubling to 1 s) and takes the next one, so a stopped
+//! importer never holds a courier; one that answers slowly holds its courier for at most one
+//! exchange's deadline.
 //!
 //! [`LEDGER`]'s place in the lock order is in docs/architecture.md ("Locks"); it is never held
 //! while waiting for another process.
@@ -107,12 +115,45 @@ impl Export {
     }
 }
 
+/// Where one importer stands with the couriers; an importer without one is idle (it holds what
+/// it should, as far as the last courier saw).
+///
+/// ```text
+///   idle ──dispatch──► Queued ──a free courier, from not_before──► Carrying ──converged──► idle
+///                        ▲                                            │ └──exited──► forgotten
+///                        └──── stopped, or failed: after its backoff ─┘
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Errand {
+    /// Waiting for a courier, to be tried from `not_before` on; couriers take the waiting
+    /// importer of the smallest `turn` whose time has come (a requeued one gets a new turn: the
+    /// end of the line). `backoff`: the wait after its next failure.
+    Queued {
+        not_before: Instant,
+        turn: u64,
+        backoff: Duration,
+    },
+    /// A courier carries the ledger's state to it; only that courier changes this errand.
+    Carrying { backoff: Duration },
+}
+
+/// At most this many courier threads run at once in this process: more importers behind wait
+/// for a free one ([`Errand::Queued`]).
+pub const MAX_COURIERS: usize = 8;
+/// A courier's first wait before it tries an importer again; it doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(10);
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+
 /// Everything the owner side keeps, under one lock ([`LEDGER`]).
 #[derive(Default)]
 struct Ledger {
     exports: HashMap<u64, Export>,
-    /// Importers whose courier thread runs.
-    couriers: BTreeSet<Identity>,
+    /// The importers a courier works for (queued or carried), each with its [`Errand`].
+    errands: BTreeMap<Identity, Errand>,
+    /// The last `turn` given to a queued importer ([`Errand::Queued`]).
+    turns: u64,
+    /// Courier threads running (at most [`MAX_COURIERS`]).
+    couriers: usize,
     /// The last failure of each importer's courier, for the owner's report.
     failures: BTreeMap<Identity, String>,
 }
@@ -142,12 +183,100 @@ impl Ledger {
             e.importers.remove(who);
         }
         self.failures.remove(who);
+        self.errands.remove(who);
+    }
+
+    /// Queues `who` for a courier, to be tried at once: an idle importer joins the end of the
+    /// line, a queued one keeps its turn (and backoff) but waits no more; a carried one is
+    /// left to its courier, which reads the ledger again before it lets go.
+    fn queue_now(&mut self, who: Identity, now: Instant) {
+        match self.errands.get_mut(&who) {
+            None => {
+                let turn = self.next_turn();
+                self.errands.insert(
+                    who,
+                    Errand::Queued {
+                        not_before: now,
+                        turn,
+                        backoff: FIRST_BACKOFF,
+                    },
+                );
+            }
+            Some(Errand::Queued { not_before, .. }) => *not_before = now,
+            Some(Errand::Carrying { .. }) => {}
+        }
+    }
+
+    fn next_turn(&mut self) -> u64 {
+        self.turns += 1;
+        self.turns
+    }
+
+    /// The queued importer whose time has come with the smallest turn, now carried; else when
+    /// the first time to come is (`None`: nobody is queued).
+    fn take(&mut self, now: Instant) -> Result<Identity, Option<Instant>> {
+        let (mut first, mut soonest) = (None, None::<Instant>);
+        for (who, errand) in &self.errands {
+            if let Errand::Queued {
+                not_before, turn, ..
+            } = *errand
+            {
+                if not_before <= now {
+                    if first.is_none_or(|(t, _)| turn < t) {
+                        first = Some((turn, *who));
+                    }
+                } else if soonest.is_none_or(|s| not_before < s) {
+                    soonest = Some(not_before);
+                }
+            }
+        }
+        let Some((_, who)) = first else {
+            return Err(soonest);
+        };
+        if let Some(e) = self.errands.get_mut(&who)
+            && let Errand::Queued { backoff, .. } = *e
+        {
+            *e = Errand::Carrying { backoff };
+        }
+        Ok(who)
+    }
+
+    /// `who`'s courier lets go of it (carried → queued): it is tried again after its backoff,
+    /// at the end of the line, and waits twice as long after its next failure.
+    fn requeue(&mut self, who: &Identity, now: Instant) {
+        let turn = self.next_turn();
+        if let Some(e) = self.errands.get_mut(who)
+            && let Errand::Carrying { backoff } = *e
+        {
+            *e = Errand::Queued {
+                not_before: now + backoff,
+                turn,
+                backoff: (backoff * 2).min(MAX_BACKOFF),
+            };
+        }
+    }
+
+    /// `who` took what its courier sent: its next failure waits [`FIRST_BACKOFF`] again.
+    fn answered(&mut self, who: &Identity) {
+        if let Some(Errand::Carrying { backoff }) = self.errands.get_mut(who) {
+            *backoff = FIRST_BACKOFF;
+        }
+    }
+
+    /// `who` holds what it should: its courier lets go of it (carried → idle).
+    fn converged(&mut self, who: &Identity) {
+        if matches!(self.errands.get(who), Some(Errand::Carrying { .. })) {
+            self.errands.remove(who);
+        }
+        self.failures.remove(who);
     }
 }
 
-/// This process's exports; [`SETTLED`] is notified whenever an importer's state changes.
+/// This process's exports; [`SETTLED`] is notified whenever an importer's state changes,
+/// [`QUEUED`] whenever an importer is queued for a courier to be tried at once.
 static LEDGER: LazyLock<Mutex<Ledger>> = LazyLock::new(Default::default);
 static SETTLED: Condvar = Condvar::new();
+static QUEUED: Condvar = Condvar::new();
 
 /// At most this many exported fds are kept ([`Export::fd`]), so that a process sharing many
 /// allocations stays far from its open-file limit (1024 by default); the others are exported
@@ -442,39 +571,74 @@ fn forget_import(e: &mut Export, who: &Identity) {
 // ---------------------------------------------------------------------------------------------
 // Couriers.
 
-/// Starts `who`'s courier unless it runs (under [`LEDGER`]); a thread that cannot start is
-/// recorded as the importer's failure.
+/// Queues `who` for a courier to be tried at once (under [`LEDGER`]), and starts one more
+/// courier thread while fewer run than [`MAX_COURIERS`] and than importers they work for. A
+/// thread that cannot start is recorded as the importer's failure; it stays queued (the
+/// couriers running take it, or the next dispatch starts one).
 fn dispatch(l: &mut Ledger, who: Identity) {
-    if !l.couriers.insert(who) {
+    l.queue_now(who, Instant::now());
+    QUEUED.notify_all();
+    if l.couriers >= MAX_COURIERS.min(l.errands.len()) {
         return;
     }
     let spawned = std::thread::Builder::new()
         .name("memsaver-courier".into())
-        .spawn(move || courier(who));
-    if let Err(e) = spawned {
-        l.couriers.remove(&who);
-        l.failures
-            .insert(who, format!("cannot start a thread to reach it: {e}"));
+        .spawn(courier);
+    match spawned {
+        Ok(_) => l.couriers += 1,
+        Err(e) => {
+            l.failures
+                .insert(who, format!("cannot start a thread to reach it: {e}"));
+        }
     }
 }
 
-/// Carries the ledger's state to importer `who` until it holds what it should, or exits.
-fn courier(who: Identity) {
+/// A courier thread: takes the queued importers in turn ([`Ledger::take`]) and carries the
+/// ledger's state to each ([`carry`]); waits while every queued importer waits out its
+/// backoff, and ends when more couriers run than importers they work for.
+fn courier() {
     let group = group::id();
-    let mut backoff = Duration::from_millis(10);
+    let mut l = LEDGER.lock();
+    loop {
+        let now = Instant::now();
+        match l.take(now) {
+            Ok(who) => parking_lot::MutexGuard::unlocked(&mut l, || carry(group, who)),
+            Err(_) if l.couriers > l.errands.len() => {
+                l.couriers -= 1;
+                return;
+            }
+            Err(soonest) => {
+                let until = soonest.unwrap_or(now + MAX_BACKOFF);
+                QUEUED.wait_until(&mut l, until);
+            }
+        }
+    }
+}
+
+/// Carries the ledger's state to importer `who` ([`Errand::Carrying`]) until it holds what it
+/// should (then idle), or has exited (forgotten). One that is stopped, or whose exchange fails,
+/// is queued again after its backoff: its courier takes the next importer meanwhile.
+fn carry(group: i64, who: Identity) {
     loop {
         let (release, map) = {
             let mut l = LEDGER.lock();
             let behind = l.behind(&who);
             if behind.0.is_empty() && behind.1.is_empty() {
-                l.couriers.remove(&who);
-                l.failures.remove(&who);
+                l.converged(&who);
                 drop(l);
                 SETTLED.notify_all();
                 return;
             }
             behind
         };
+        // A stopped importer takes no request: it is tried again later rather than sent
+        // connections that wait in its socket's backlog (its report says it is stopped).
+        if stopped(&who) && identity::is_running(&who) {
+            let mut l = LEDGER.lock();
+            l.failures.remove(&who);
+            l.requeue(&who, Instant::now());
+            return;
+        }
         let mut failed = None;
         for (op, buffers) in [(Share::Release, release), (Share::Rebuild, map)] {
             for chunk in buffers.chunks(MAX_BUFFERS) {
@@ -484,7 +648,7 @@ fn courier(who: Identity) {
             }
         }
         let Some(e) = failed else {
-            backoff = Duration::from_millis(10);
+            LEDGER.lock().answered(&who);
             continue;
         };
         // Gone: its socket, named by its whole identity, refuses connections or is not there
@@ -492,23 +656,17 @@ fn courier(who: Identity) {
         // clock tick); or its pid now belongs to a later process.
         if e.gone() || !identity::is_running(&who) {
             // A dead importer holds nothing: its mappings went with it.
-            let mut l = LEDGER.lock();
-            l.forget(&who);
-            l.couriers.remove(&who);
-            drop(l);
+            LEDGER.lock().forget(&who);
             SETTLED.notify_all();
             return;
         }
         tracing::debug!(importer = who.pid, error = %e, "an importer is behind");
-        LEDGER.lock().failures.insert(who, e.to_string());
+        let mut l = LEDGER.lock();
+        l.failures.insert(who, e.to_string());
+        l.requeue(&who, Instant::now());
+        drop(l);
         SETTLED.notify_all();
-        std::thread::sleep(backoff);
-        backoff = (backoff * 2).min(Duration::from_secs(1));
-        // A stopped importer takes no request: wait until it runs (or exits) rather than queue
-        // connections in its socket's backlog.
-        while stopped(&who) && identity::is_running(&who) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        return;
     }
 }
 
@@ -738,4 +896,89 @@ pub fn exports() -> BTreeMap<String, ExportStats> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn importer(pid: u32) -> Identity {
+        Identity {
+            pid,
+            start: 1,
+            nonce: 2,
+        }
+    }
+
+    #[test]
+    fn couriers_take_queued_importers_in_turn_and_a_requeued_one_goes_last_after_its_backoff() {
+        let mut l = Ledger::default();
+        let t0 = Instant::now();
+        for pid in [3, 1, 2] {
+            l.queue_now(importer(pid), t0);
+        }
+        assert_eq!(l.take(t0), Ok(importer(3)), "first queued, first taken");
+        assert_eq!(
+            l.errands[&importer(3)],
+            Errand::Carrying {
+                backoff: FIRST_BACKOFF
+            }
+        );
+        // Queued again while carried: left to its courier.
+        l.queue_now(importer(3), t0);
+        assert!(matches!(l.errands[&importer(3)], Errand::Carrying { .. }));
+        // Stopped or failing: back in the line, at its end, after its backoff, which doubles.
+        l.requeue(&importer(3), t0);
+        assert!(matches!(
+            l.errands[&importer(3)],
+            Errand::Queued { not_before, backoff, .. }
+                if not_before == t0 + FIRST_BACKOFF && backoff == 2 * FIRST_BACKOFF
+        ));
+        assert_eq!(l.take(t0), Ok(importer(1)));
+        assert_eq!(l.take(t0), Ok(importer(2)));
+        // Only importer 3 waits, for its backoff.
+        assert_eq!(l.take(t0), Err(Some(t0 + FIRST_BACKOFF)));
+        assert_eq!(l.take(t0 + FIRST_BACKOFF), Ok(importer(3)));
+        l.requeue(&importer(3), t0);
+        // A new dispatch tries it at once, keeping its backoff.
+        l.queue_now(importer(3), t0);
+        assert_eq!(l.take(t0), Ok(importer(3)));
+        assert_eq!(
+            l.errands[&importer(3)],
+            Errand::Carrying {
+                backoff: 4 * FIRST_BACKOFF
+            }
+        );
+        // Answered: the next failure waits the first backoff again; converged: idle.
+        l.answered(&importer(3));
+        assert_eq!(
+            l.errands[&importer(3)],
+            Errand::Carrying {
+                backoff: FIRST_BACKOFF
+            }
+        );
+        l.converged(&importer(3));
+        l.forget(&importer(1));
+        l.converged(&importer(2));
+        assert!(l.errands.is_empty());
+        assert_eq!(l.take(t0), Err(None));
+    }
+
+    #[test]
+    fn a_backoff_stops_doubling_at_its_limit() {
+        let mut l = Ledger::default();
+        let t0 = Instant::now();
+        l.queue_now(importer(1), t0);
+        let mut t = t0;
+        for _ in 0..20 {
+            assert_eq!(l.take(t), Ok(importer(1)));
+            l.requeue(&importer(1), t);
+            let Errand::Queued { not_before, .. } = l.errands[&importer(1)] else {
+                panic!("queued");
+            };
+            assert!(not_before <= t + MAX_BACKOFF);
+            t = not_before;
+        }
+        assert!(t >= t0 + 10 * MAX_BACKOFF);
+    }
 }

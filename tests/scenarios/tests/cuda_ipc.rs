@@ -629,6 +629,99 @@ fn many_importers_of_many_allocations_follow_every_cycle() {
     }
 }
 
+/// The owner's cap on its courier threads (`exported::MAX_COURIERS` in memsaver-ipc).
+const MAX_COURIERS: usize = 8;
+
+/// The threads of process `pid` now.
+fn threads_of(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// Whether process `pid` is stopped (SIGSTOP): its state in `/proc/<pid>/stat` is `T`.
+fn is_stopped(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| Some(s[s.rfind(')')? + 1..].trim_start().starts_with('T')))
+        .unwrap_or(false)
+}
+
+#[test]
+fn more_stopped_importers_than_couriers_catch_up_on_a_bounded_number_of_owner_threads() {
+    const IMPORTERS: usize = 3 * MAX_COURIERS;
+    let dirs = Dirs::new();
+    let (mut o, h) = owner(&dirs, &[("MEMSAVER_IPC_TIMEOUT_MS", "300")]);
+    let mut rs: Vec<Proc> = (0..IMPORTERS)
+        .map(|_| Proc::start(&dirs, "1", &[]))
+        .collect();
+    let line = format!("open {h}");
+    rs.iter_mut().for_each(|r| r.send(&line));
+    for r in rs.iter_mut() {
+        r.answer(&line).unwrap_or_else(|e| panic!("{line}: {e}"));
+    }
+    // One plain cycle first, so that every thread the owner starts for a cycle of its own
+    // (and keeps) is counted before.
+    o.cmd("pause");
+    o.cmd("resume");
+    let used = o.used();
+    let before = threads_of(o.pid());
+    for r in &rs {
+        r.signal(nix::sys::signal::Signal::SIGSTOP);
+    }
+    for r in &rs {
+        wait_for("the importer stops", || is_stopped(r.pid()));
+    }
+    // The owner's threads, sampled from here until every importer caught up.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (done, pid) = (done.clone(), o.pid());
+        std::thread::spawn(move || {
+            let mut most = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                most = most.max(threads_of(pid));
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            most
+        })
+    };
+    // Both calls do this process's part and name the importers that did not follow.
+    let e = o.try_cmd("pause").unwrap_err();
+    assert!(e.starts_with(PEER) && e.contains("did not release"), "{e}");
+    assert!(
+        e.contains(&format!("{IMPORTERS} process(es) behind")),
+        "{e}"
+    );
+    let e = o.try_cmd("resume").unwrap_err();
+    assert!(
+        e.starts_with(PEER) && e.contains("did not map again"),
+        "{e}"
+    );
+    o.cmd("write own 5");
+    // Stopped a while longer: their couriers keep trying, and must not multiply.
+    std::thread::sleep(Duration::from_millis(1500));
+    for r in &rs {
+        r.signal(nix::sys::signal::Signal::SIGCONT);
+    }
+    // Every one converges to the owner's state now, without another cycle.
+    wait_for("every importer maps the owner's new memory", || {
+        shared_stats(&mut o)["exports"]["weights"]["imports_behind"] == 0
+    });
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let most = sampler.join().unwrap();
+    println!("owner threads: {before} before, at most {most} with {IMPORTERS} importers behind");
+    assert!(
+        most <= before + MAX_COURIERS,
+        "{most} owner threads with {IMPORTERS} importers behind, {before} before"
+    );
+    for (k, r) in rs.iter_mut().enumerate() {
+        let s = shared_stats(r);
+        assert_eq!(s["imports"][0]["paused"], false, "importer {k}: {s}");
+        r.cmd("check imp 5");
+    }
+    assert_eq!(o.used(), used, "only the owner's memory is in use");
+}
+
 /// The socket process `p` serves (group 1).
 fn socket_of(dirs: &Dirs, p: &mut Proc) -> std::path::PathBuf {
     let pid: u32 = p.cmd("pid").parse().unwrap();
