@@ -183,13 +183,19 @@ fn exchange_once(
     Ok(out)
 }
 
+/// A buffer an owner served: the fd of its memory, the generation it is, and where the buffer
+/// lies in that memory ([`Reply::Export`]).
+#[derive(Debug)]
+pub struct Served {
+    pub fd: OwnedFd,
+    pub generation: u64,
+    pub offset: u64,
+    /// The size of the memory the fd is.
+    pub size: u64,
+}
+
 /// The fds of the buffers `wants` of `owner`, with the generation each one is.
-fn fetch(
-    group: i64,
-    owner: &Identity,
-    wants: &[Buffer],
-    wait: Duration,
-) -> Result<Vec<(OwnedFd, u64)>> {
+fn fetch(group: i64, owner: &Identity, wants: &[Buffer], wait: Duration) -> Result<Vec<Served>> {
     let pid = owner.pid;
     let mut out = Vec::with_capacity(wants.len());
     for chunk in wants.chunks(MAX_BUFFERS) {
@@ -209,9 +215,16 @@ fn fetch(
                     Reply::Export {
                         id: got,
                         generation,
+                        offset,
+                        size,
                     },
                     Some(fd),
-                ) if got == id => (fd, generation),
+                ) if got == id => Served {
+                    fd,
+                    generation,
+                    offset,
+                    size,
+                },
                 (Reply::NotReady { .. }, _) => {
                     return Err(Error::Other(format!(
                         "process {pid} did not restore buffer {id:#x} (generation {}) within {} \
@@ -244,7 +257,7 @@ pub fn import(
     t: &Token,
     wait: Duration,
     holds_imports_of: impl FnOnce(u32) -> bool,
-) -> Result<(OwnedFd, u64)> {
+) -> Result<Served> {
     let mine = group::try_fix().map_err(Error::Option)?;
     if t.group != mine {
         return Err(Error::OtherGroup {
@@ -274,7 +287,7 @@ pub fn request_fds(
     owner: u32,
     wants: &[Buffer],
     wait: Duration,
-) -> Result<Vec<(OwnedFd, u64)>> {
+) -> Result<Vec<Served>> {
     fetch(group, &owner_identity(owner)?, wants, wait)
 }
 

@@ -26,7 +26,7 @@
 //! | 0x08 | [`Request::Shared`] [`Share::Close`] | from, to, group, buffers | `Done`, or `Refused` |
 //! | 0x09 | [`Request::Shared`] [`Share::Release`] (owner to importer) | from, to, group, buffers | `Done` once the importer unmapped and released them, or `Refused` |
 //! | 0x0a | [`Request::Shared`] [`Share::Rebuild`] (owner to importer) | from, to, group, buffers (the new generation) | `Done` once the importer mapped them again (`Error` if it could not), or `Refused` |
-//! | 0x81 | [`Reply::Export`] | id, generation; the fd by `SCM_RIGHTS` | |
+//! | 0x81 | [`Reply::Export`] | id, generation, offset, size (of the memory the fd is); the fd by `SCM_RIGHTS` | |
 //! | 0x83 | [`Reply::NotReady`] | id: not restored within the owner's wait | |
 //! | 0x84 | [`Reply::Failed`] | id: the owner's export failed | |
 //! | 0x85 | [`Reply::Done`] | | |
@@ -144,10 +144,15 @@ pub enum Control {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Reply {
-    /// The owner exports buffer `id` at `generation`: its fd comes with the frame.
+    /// The owner exports buffer `id` at `generation`: its fd comes with the frame. The fd is
+    /// of memory of `size` bytes in which the buffer starts at `offset`: the buffer's own
+    /// (0 and the buffer's size) or one the owner shares between adjacent buffers, which an
+    /// importer maps whole, `offset` bytes before where it maps the buffer.
     Export {
         id: u64,
         generation: u64,
+        offset: u64,
+        size: u64,
     },
     /// Buffer `id` was not restored within the owner's wait.
     NotReady {
@@ -531,10 +536,16 @@ impl Reply {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(17);
         match self {
-            Self::Export { id, generation } => {
+            Self::Export {
+                id,
+                generation,
+                offset,
+                size,
+            } => {
                 out.push(R_EXPORT);
-                out.extend_from_slice(&id.to_le_bytes());
-                out.extend_from_slice(&generation.to_le_bytes());
+                for v in [id, generation, offset, size] {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
             }
             Self::NotReady { id } | Self::Failed { id } => {
                 out.push(match self {
@@ -585,6 +596,8 @@ impl Reply {
             R_EXPORT => Self::Export {
                 id: c.u64()?,
                 generation: c.u64()?,
+                offset: c.u64()?,
+                size: c.u64()?,
             },
             R_NOT_READY => Self::NotReady { id: c.u64()? },
             R_FAILED => Self::Failed { id: c.u64()? },
@@ -721,8 +734,14 @@ mod tests {
 
     fn reply() -> impl Strategy<Value = Reply> {
         prop_oneof![
-            (any::<u64>(), any::<u64>())
-                .prop_map(|(id, generation)| Reply::Export { id, generation }),
+            (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
+                |(id, generation, offset, size)| Reply::Export {
+                    id,
+                    generation,
+                    offset,
+                    size
+                }
+            ),
             any::<u64>().prop_map(|id| Reply::NotReady { id }),
             any::<u64>().prop_map(|id| Reply::Failed { id }),
             Just(Reply::Done),

@@ -3,7 +3,8 @@
 //!
 //! An exported fd does not say which buffer it is. So when a layer that exports a buffer
 //! (nccl-hook, for NCCL's buffers and the allocations NCCL registers) would hand out an fd, it hands out a **token** instead: a
-//! sealed memfd holding (group, owner identity, buffer id, key, generation). The importer's
+//! sealed memfd holding (group, owner identity, buffer id, key, generation, and where the
+//! buffer lies in the owner: address and length, 0 when it says nothing). The importer's
 //! layer recognises the token ([`read`]: a memfd with exactly these seals and the magic) and
 //! trades it for the real fd with the owner's server ([`crate::client::import`]). So the owner
 //! knows every importer of each buffer, and every importer knows the owner and buffer behind
@@ -15,13 +16,17 @@
 //! (served by [`crate::server::Service::Buffers`]), or an allocation of the memsaver allocator
 //! (by allocation id, served by the owner's ledger, [`crate::shared`], like a CUDA IPC handle of
 //! it: its imports follow the owner's tag).
+//!
+//! The owner's address of a buffer lets an importer lay out its imports of one owner as the
+//! owner lays them out (at the same distances from each other), so that memory the owner backs
+//! with one allocation for several adjacent buffers can be mapped whole in the importer too.
 
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use crate::identity::{self, Identity};
 
-const MAGIC: &[u8] = b"memsaver-token-v5";
+const MAGIC: &[u8] = b"memsaver-token-v6";
 const SEALS: libc::c_int =
     libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
 
@@ -65,6 +70,9 @@ pub struct Token {
     /// The buffer's key: what the owner asks of whoever names the buffer.
     pub key: u64,
     pub generation: u64,
+    /// Where the buffer lies in the owner: its address and length (0 and 0: not said).
+    pub place: u64,
+    pub len: u64,
 }
 
 impl Token {
@@ -80,7 +88,14 @@ impl Token {
             buffer,
             key,
             generation,
+            place: 0,
+            len: 0,
         }
+    }
+
+    /// The same token, saying that the buffer lies at `place` for `len` bytes in the owner.
+    pub fn at(self, place: u64, len: u64) -> Self {
+        Self { place, len, ..self }
     }
 
     /// The owner's identity.
@@ -108,7 +123,7 @@ pub fn make(t: Token) -> std::io::Result<OwnedFd> {
     // SAFETY: a new fd we own.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let text = format!(
-        "{} {} {} {} {} {} {} {} {}\n",
+        "{} {} {} {} {} {} {} {} {} {} {}\n",
         std::str::from_utf8(MAGIC).unwrap_or(""),
         t.names.word(),
         t.group,
@@ -117,7 +132,9 @@ pub fn make(t: Token) -> std::io::Result<OwnedFd> {
         t.nonce,
         t.buffer,
         t.key,
-        t.generation
+        t.generation,
+        t.place,
+        t.len
     );
     let mut f = std::fs::File::from(fd);
     f.write_all(text.as_bytes())?;
@@ -152,6 +169,8 @@ pub fn read(fd: RawFd) -> Option<Token> {
         buffer: it.next()?.parse().ok()?,
         key: it.next()?.parse().ok()?,
         generation: it.next()?.parse().ok()?,
+        place: it.next()?.parse().ok()?,
+        len: it.next()?.parse().ok()?,
     };
     it.next().is_none().then_some(t)
 }
@@ -169,7 +188,8 @@ mod tests {
                 0x6d73_0000_0000_0007,
                 identity::new_key().unwrap(),
                 2,
-            );
+            )
+            .at(0x7f00_0020_0000, 4 << 20);
             assert_eq!(t.pid, std::process::id());
             let fd = make(t).unwrap();
             assert_eq!(read(fd.as_raw_fd()), Some(t));
@@ -210,7 +230,7 @@ mod tests {
         .unwrap();
         let text = String::from_utf8(buf[..n].to_vec()).unwrap();
         assert!(
-            text.starts_with("memsaver-token-v5 allocation 2 "),
+            text.starts_with("memsaver-token-v6 allocation 2 "),
             "{text}"
         );
         assert_eq!(read(genuine.as_raw_fd()), Some(t));

@@ -7,6 +7,7 @@
 //! go through the owner's one serve path (`memsaver_ipc::exported::serve_opens`), as the opens
 //! of allocations shared through CUDA IPC handles do.
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 use memsaver_allocator::driver::Handle;
@@ -83,8 +84,10 @@ impl Exports for Buffers {
     fn answer_ready(&self, from: &Identity, items: &[Buffer]) -> Vec<Answer> {
         let mut reg = registry::lock();
         let mut out = Vec::new();
+        // The buffers of one run share its memory: exported once, its fd copied for the others.
+        let mut exported: HashMap<registry::Real, std::os::fd::OwnedFd> = HashMap::new();
         for r in items {
-            let Some(p) = reg.physicals.get_mut(&r.id) else {
+            let Some(p) = reg.physicals.get(&r.id) else {
                 // Freed by NCCL while this request waited.
                 out.push((Reply::Failed { id: r.id }, None));
                 continue;
@@ -93,20 +96,35 @@ impl Exports for Buffers {
             // keeps its generation: serve it as it is. Otherwise wait until the owner has
             // re-created the generation asked for.
             let stays = p.pausable().is_err();
-            let Some(h) = p.real().filter(|_| stays || p.generation >= r.generation) else {
+            if !(stays || p.generation >= r.generation) {
                 break; // not restored yet: answers go out in order, wait
+            }
+            let Some((h, offset, size)) = reg.served_layout(r.id) else {
+                break; // not restored yet
             };
-            match self
-                .driver
-                .as_ref()
-                .map_err(|e| e.to_string())
-                .and_then(|d| d.export_fd(Handle(h)).map_err(|e| e.to_string()))
-            {
+            let fd = match exported.get(&h) {
+                Some(fd) => fd.try_clone().map_err(|e| e.to_string()),
+                None => self
+                    .driver
+                    .as_ref()
+                    .map_err(|e| e.to_string())
+                    .and_then(|d| d.export_fd(Handle(h)).map_err(|e| e.to_string()))
+                    .and_then(|fd| {
+                        let copy = fd.try_clone().map_err(|e| e.to_string());
+                        exported.insert(h, fd);
+                        copy
+                    }),
+            };
+            let p = reg.physicals.get_mut(&r.id).expect("seen above");
+            match fd {
                 Ok(fd) => {
                     p.importers.insert(*from);
+                    p.served_to.insert(*from);
                     let reply = Reply::Export {
                         id: r.id,
                         generation: p.generation,
+                        offset,
+                        size,
                     };
                     out.push((reply, Some(fd)));
                 }
@@ -125,7 +143,7 @@ impl Exports for Buffers {
     fn undelivered(&self, from: &Identity, _items: &[Buffer], answers: &[Answer]) {
         let mut reg = registry::lock();
         for (reply, _) in answers {
-            if let Reply::Export { id, generation } = reply
+            if let Reply::Export { id, generation, .. } = reply
                 && let Some(p) = reg.physicals.get_mut(id)
                 && p.generation == *generation
             {

@@ -252,6 +252,37 @@ pub(crate) struct Released {
     pub(crate) released_imports: BTreeMap<u32, Holding>,
 }
 
+/// Unmaps the run of imports at `base` on `dev` once and releases its driver handle: every
+/// import in it goes `Mapped` → `Released`, told to its owner.
+fn release_import_run(
+    steps: &Steps<'_>,
+    dev: &Device,
+    reg: &mut Registry,
+    base: u64,
+    out: &mut Released,
+) -> Result<()> {
+    let size = reg.runs[&base].size;
+    let place = [Place {
+        ptr: base,
+        size: size as usize,
+        access: None,
+    }];
+    // SAFETY: the run's mapping; the device is idle (imports need no copy).
+    unsafe { steps.unmap(dev, &place) }?;
+    let run = reg.runs.remove(&base).expect("seen above");
+    steps.release(Handle(run.real), base);
+    for p in reg.physicals.values_mut().filter(|p| p.run == Some(base)) {
+        let generation = p.mapped_generation();
+        p.release()?;
+        out.allocations += 1;
+        if let (Some(s), Some(g)) = (p.source, generation) {
+            out.notices.entry(s.owner).or_default().push(s.item(g));
+            out.released_imports.entry(s.owner).or_default().add(p);
+        }
+    }
+    Ok(())
+}
+
 /// Unmaps every mapping of `vh` on `dev` and releases its driver handle (the device is idle
 /// and any backup of it complete): `Resident` → `Paused`, `Mapped` → `Released`.
 fn release_one(
@@ -406,10 +437,18 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
             }
             pieces.push((*vh, piece));
         }
-        // Imports need no copy: let go of them while the copies run.
+        // Imports need no copy: let go of them while the copies run (a run of them at once).
+        let mut import_runs = std::collections::BTreeSet::new();
         for vh in imports {
-            if failed.is_none() {
+            if let Some(base) = reg.physicals[vh].run {
+                import_runs.insert(base);
+            } else if failed.is_none() {
                 failed = release_one(&steps, &device, &mut reg, &ranges, *vh, &mut out).err();
+            }
+        }
+        for base in import_runs {
+            if failed.is_none() {
+                failed = release_import_run(&steps, &device, &mut reg, base, &mut out).err();
             }
         }
         // Runs are released whole, each once the copies of all its buffers are done.
@@ -607,9 +646,11 @@ fn restore(
 
 /// `vhs` (claimed own buffers of one device) as the units a resume backs with one physical
 /// allocation each: runs of buffers that NCCL mapped once each, whole, at adjacent addresses,
-/// with the same properties and access, never shared with other processes (a peer imports a
-/// whole physical allocation, which must be the buffer's own), of at most `limit` bytes;
-/// every other buffer alone. In address order.
+/// with the same properties and access, of at most `limit` bytes, inside one block of
+/// [`registry::MIRROR_BLOCK`]; every other buffer alone. In address order. Buffers shared with
+/// other processes join only buffers served to the same processes (each of which then maps
+/// the run whole, in its copy of this process's layout): no process maps memory it was not
+/// given.
 fn units(
     reg: &Registry,
     ranges: &HashMap<u64, Vec<Range>>,
@@ -620,7 +661,7 @@ fn units(
     let whole = |vh: &u64| -> Option<(u64, u64)> {
         let p = &reg.physicals[vh];
         match ranges.get(vh).map(Vec::as_slice) {
-            Some([(ptr, size, _)]) if *size == p.size && !p.exported => Some((*ptr, *size)),
+            Some([(ptr, size, _)]) if *size == p.size => Some((*ptr, *size)),
             _ => None,
         }
     };
@@ -634,8 +675,11 @@ fn units(
                 let (p, q) = (&reg.physicals[&unit[0]], &reg.physicals[&vh]);
                 ptr == end
                     && ptr + size - start <= limit as u64
+                    && start / registry::MIRROR_BLOCK == (ptr + size - 1) / registry::MIRROR_BLOCK
                     && p.prop == q.prop
                     && ranges[&unit[0]][0].2 == ranges[&vh][0].2
+                    && p.exported == q.exported
+                    && p.served_to == q.served_to
             }
             _ => false,
         };
@@ -774,5 +818,112 @@ impl std::fmt::Display for Holding {
         let devs: Vec<String> = self.devices.iter().map(i32::to_string).collect();
         let d = if devs.len() == 1 { "device" } else { "devices" };
         write!(f, "{n} buffer{s} ({bytes}) on {d} {}", devs.join(", "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memsaver_allocator::driver::sys::*;
+    use memsaver_ipc::identity::Identity;
+
+    const MIB: u64 = 1 << 20;
+
+    fn prop(device: i32) -> CUmemAllocationProp {
+        CUmemAllocationProp {
+            location: CUmemLocation {
+                type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                id: device,
+            },
+            ..Default::default()
+        }
+    }
+
+    /// A buffer of `mib` MiB at `at`, NCCL's, mapped once, whole; `served_to` its importers.
+    fn buffer(reg: &mut Registry, at: u64, mib: u64, device: i32, served_to: &[u32]) -> u64 {
+        let mut p = registry::Physical::created(at, mib * MIB, prop(device), Kind::Device);
+        if !served_to.is_empty() {
+            p.exported = true;
+            p.served_to = served_to
+                .iter()
+                .map(|&pid| Identity {
+                    pid,
+                    start: 1,
+                    nonce: 2,
+                })
+                .collect();
+        }
+        let vh = reg.insert(p);
+        let access = vec![CUmemAccessDesc {
+            location: prop(device).location,
+            flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        }];
+        reg.mappings.insert(
+            at,
+            registry::Mapping {
+                size: mib * MIB,
+                vh,
+                access,
+            },
+        );
+        vh
+    }
+
+    #[test]
+    fn runs_join_adjacent_buffers_of_one_kind_and_never_mix_what_peers_were_given() {
+        let mut reg = Registry::default();
+        let g = 2 * MIB;
+        let base = registry::MIRROR_BLOCK - 8 * g; // eight granules before a block's end
+        let a = buffer(&mut reg, base, 2, 0, &[]);
+        let b = buffer(&mut reg, base + g, 2, 0, &[]);
+        // Shared with process 7: not with the private ones before it.
+        let c = buffer(&mut reg, base + 2 * g, 2, 0, &[7]);
+        let d = buffer(&mut reg, base + 3 * g, 2, 0, &[7]);
+        // Shared with 7 and 8: process 7 must not map it with c and d, nor 8 them.
+        let e = buffer(&mut reg, base + 4 * g, 2, 0, &[7, 8]);
+        // Another device's properties, then a gap.
+        let f = buffer(&mut reg, base + 5 * g, 2, 1, &[]);
+        let h = buffer(&mut reg, base + 7 * g, 2, 0, &[]);
+        // The next block: a run never crosses into it.
+        let i = buffer(&mut reg, base + 8 * g, 2, 0, &[]);
+        let ranges = reg.ranges_by_handle();
+        let all = vec![i, h, f, e, d, c, b, a];
+        assert_eq!(
+            units(&reg, &ranges, all.clone(), usize::MAX),
+            vec![vec![a, b], vec![c, d], vec![e], vec![f], vec![h], vec![i]]
+        );
+        // The limit cuts too; 0 keeps every buffer alone.
+        assert_eq!(
+            units(&reg, &ranges, vec![a, b, c, d], (2 * MIB) as usize)
+                .into_iter()
+                .map(|u| u.len())
+                .collect::<Vec<_>>(),
+            vec![1, 1, 1, 1]
+        );
+        assert!(units(&reg, &ranges, all, 0).iter().all(|u| u.len() == 1));
+    }
+
+    #[test]
+    fn a_buffer_mapped_twice_or_in_part_stays_alone() {
+        let mut reg = Registry::default();
+        let g = 2 * MIB;
+        let a = buffer(&mut reg, 0x7000_0000_0000, 2, 0, &[]);
+        let b = buffer(&mut reg, 0x7000_0000_0000 + g, 2, 0, &[]);
+        let c = buffer(&mut reg, 0x7000_0000_0000 + 2 * g, 2, 0, &[]);
+        // b is mapped a second time elsewhere, as single-process NCCL maps a peer's handle.
+        let second = reg.mappings[&(0x7000_0000_0000 + g)].access.clone();
+        reg.mappings.insert(
+            0x7100_0000_0000,
+            registry::Mapping {
+                size: g,
+                vh: b,
+                access: second,
+            },
+        );
+        let ranges = reg.ranges_by_handle();
+        assert_eq!(
+            units(&reg, &ranges, vec![a, b, c], usize::MAX),
+            vec![vec![a], vec![b], vec![c]]
+        );
     }
 }

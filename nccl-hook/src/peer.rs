@@ -38,12 +38,12 @@ pub(crate) fn timeout() -> Duration {
 pub(crate) const TIMEOUT_SETTING: &str = "MEMSAVER_NCCL_TIMEOUT_MS";
 
 /// The real fds of buffers `wants` of `owner` (each at least the generation given), with the
-/// generation each one is.
+/// generation each one is and where it lies in the memory served.
 pub(crate) fn request_fds(
     group: i64,
     owner: u32,
     wants: &[Buffer],
-) -> Result<Vec<(OwnedFd, u64)>, String> {
+) -> Result<Vec<client::Served>, String> {
     Ok(client::request_fds(group, owner, wants, timeout())?)
 }
 
@@ -247,11 +247,13 @@ pub(crate) struct Wanted {
 }
 
 /// An import's new generation, served by its owner: its handle here, the item naming it there
-/// (with the generation served), and the fd.
+/// (with the generation served), the fd, and where the buffer lies in the memory the fd is
+/// (offset, size of that memory).
 pub(crate) struct Fetched {
     pub(crate) vh: u64,
     pub(crate) owner: Buffer,
     pub(crate) fd: OwnedFd,
+    pub(crate) served: (u64, u64),
 }
 
 pub(crate) type FetchResult = std::result::Result<Vec<Fetched>, String>;
@@ -290,13 +292,14 @@ pub(crate) fn fetch_imports(
                 Ok(fds) => Ok(wants
                     .into_iter()
                     .zip(fds)
-                    .map(|(w, (fd, generation))| Fetched {
+                    .map(|(w, s)| Fetched {
                         vh: w.vh,
                         owner: Buffer {
-                            generation,
+                            generation: s.generation,
                             ..w.owner
                         },
-                        fd,
+                        fd: s.fd,
+                        served: (s.offset, s.size),
                     })
                     .collect()),
                 Err(e) => {
@@ -366,6 +369,8 @@ pub(crate) fn map_imports(
                 continue;
             }
         };
+        // Buffers the owner serves inside one memory (a run of its), mapped whole at once.
+        let mut runs: BTreeMap<(u64, u64, u64), Vec<Fetched>> = BTreeMap::new();
         for f in served {
             let Some(p) = reg.physicals.get(&f.vh) else {
                 // NCCL freed it meanwhile.
@@ -376,6 +381,14 @@ pub(crate) fn map_imports(
                 continue;
             }
             let rs = ranges.get(&f.vh).map_or(&[][..], Vec::as_slice);
+            let (offset, size) = f.served;
+            if let Some((ptr, _, _)) = rs.first()
+                && (offset, size) != (0, p.size)
+            {
+                let key = (ptr.wrapping_sub(offset), size, f.owner.generation);
+                runs.entry(key).or_default().push(f);
+                continue;
+            }
             let r = a.device(device_of(&reg, &ranges, f.vh)).and_then(|dev| {
                 let fd = std::os::fd::AsRawFd::as_raw_fd(&f.fd);
                 let h = d.with_context(dev.ctx, || d.import_fd(fd))?;
@@ -388,6 +401,7 @@ pub(crate) fn map_imports(
                 Ok(h) => {
                     // A released import, checked above under the same lock.
                     let p = reg.physicals.get_mut(&f.vh).expect("checked above");
+                    p.served = f.served;
                     match p.remapped(h.0, f.owner.generation) {
                         Ok(()) => out.mapped += 1,
                         Err(e) => {
@@ -397,6 +411,18 @@ pub(crate) fn map_imports(
                 }
                 Err(e) => {
                     unused.entry(owner).or_default().push(f.owner);
+                    out.map_error.get_or_insert(e);
+                }
+            }
+        }
+        for ((base, size, generation), members) in runs {
+            match map_run(
+                a, &steps, &mut reg, &ranges, base, size, generation, &members,
+            ) {
+                Ok(()) => out.mapped += members.len(),
+                Err(e) => {
+                    let items = members.iter().map(|f| f.owner);
+                    unused.entry(owner).or_default().extend(items);
                     out.map_error.get_or_insert(e);
                 }
             }
@@ -420,6 +446,62 @@ pub(crate) fn map_imports(
         group,
     );
     out
+}
+
+/// Maps memory an owner served for several adjacent buffers (`members`, all released imports
+/// here) whole, once, at `base`, where this process laid out its imports of them as the owner
+/// lays them out ([`registry::MIRROR_BLOCK`]), and records them mapped at `generation`, in one
+/// run. Fails (nothing mapped) when their places here are not the owner's layout.
+#[allow(clippy::too_many_arguments)]
+fn map_run(
+    a: &'static Allocator,
+    steps: &memsaver_allocator::steps::Steps<'_>,
+    reg: &mut registry::Registry,
+    ranges: &std::collections::HashMap<u64, Vec<registry::Range>>,
+    base: u64,
+    size: u64,
+    generation: u64,
+    members: &[Fetched],
+) -> memsaver_allocator::Result<()> {
+    if !reg.in_mirror(base, size) {
+        return Err(Error::InvalidArgument(
+            "NCCL mapped imports of a peer's buffers elsewhere than where memsaver laid them \
+             out, and their owner now backs them together with their neighbours, which maps \
+             only whole; set MEMSAVER_MERGE_MB=0 in the process that exports them so that \
+             every NCCL buffer keeps its own memory"
+                .into(),
+        ));
+    }
+    let d = a.driver();
+    let first = members[0].vh;
+    let access = &ranges[&first][0].2;
+    let dev = a.device(device_of(reg, ranges, first))?;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&members[0].fd);
+    let h = d.with_context(dev.ctx, || d.import_fd(fd))?;
+    let place = [memsaver_allocator::steps::Place {
+        ptr: base,
+        size: size as usize,
+        access: Some(access),
+    }];
+    steps.map_handle(&dev, h, &place).inspect_err(|_| {
+        let _ = d.release(h);
+    })?;
+    reg.runs.insert(
+        base,
+        registry::Run {
+            size,
+            real: h.0,
+            live: members.len(),
+            dead: Vec::new(),
+        },
+    );
+    for f in members {
+        let p = reg.physicals.get_mut(&f.vh).expect("checked by the caller");
+        p.remapped(h.0, generation)?;
+        p.run = Some(base);
+        p.served = f.served;
+    }
+    Ok(())
 }
 
 /// The error of a resume that left imports paused.

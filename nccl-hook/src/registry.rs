@@ -21,6 +21,13 @@ use memsaver_allocator::driver::sys::*;
 /// Virtual handles are `VH_BASE | n`: never 0, and recognisable in logs.
 const VH_BASE: u64 = 0x6d73_0000_0000_0000;
 
+/// Importers lay out their imports of one owner as the owner lays its buffers out, block by
+/// block of the owner's addresses: an importer reserves one range of this size (addresses
+/// only) per block of an owner it imports from, and places each import at the buffer's offset
+/// in its block. An owner's run never crosses a block boundary, so that an importer can map it
+/// whole ([`crate::local`]).
+pub(crate) const MIRROR_BLOCK: u64 = 64 << 30;
+
 /// What kind of memory a handle is, which decides whether pause may release it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -172,6 +179,13 @@ pub(crate) struct Physical {
     /// Processes holding an import of the current generation (owner side), by full identity:
     /// a process that got a dead importer's pid is another process.
     pub importers: HashSet<memsaver_ipc::identity::Identity>,
+    /// Every process that was ever served this buffer (owner side): buffers share a run only
+    /// with buffers served to the same processes, so that no process maps memory it was not
+    /// given.
+    pub served_to: std::collections::BTreeSet<memsaver_ipc::identity::Identity>,
+    /// For an import: where the buffer lies in the memory its owner served (offset, size of
+    /// that memory): (0, the buffer's size) when the owner backs it alone.
+    pub served: (u64, u64),
     /// Incremented each time the memory is re-created by a resume (owner side, exported
     /// buffers).
     pub generation: u64,
@@ -219,6 +233,8 @@ impl Physical {
             exported: false,
             key: None,
             importers: HashSet::new(),
+            served_to: Default::default(),
+            served: (0, 0),
             generation: 0,
             source: None,
             backup: None,
@@ -329,6 +345,7 @@ impl Physical {
             }
             State::Mapped(r, g) => {
                 self.state = State::Released(g);
+                self.run = None;
                 Ok(r)
             }
             _ => Err(self.bad("release")),
@@ -486,6 +503,11 @@ pub(crate) struct Registry {
     pub mappings: BTreeMap<CUdeviceptr, Mapping>,
     /// By base address.
     pub runs: BTreeMap<CUdeviceptr, Run>,
+    /// Ranges reserved for owners' layouts, one per block of an owner's addresses
+    /// ([`MIRROR_BLOCK`]): (owner, block) -> base.
+    pub mirrors: HashMap<(u32, u64), CUdeviceptr>,
+    /// Ranges handed to NCCL inside those (address -> length): NCCL's import reservations.
+    pub placed: BTreeMap<CUdeviceptr, u64>,
     /// Where NCCL's next own buffer is asked to go: right after its last one, so that the
     /// buffers NCCL allocates one after another are adjacent and a resume can back them with
     /// one run ([`crate::vmm`]'s `cuMemAddressReserve` wrapper).
@@ -519,6 +541,27 @@ impl Registry {
         let vh = VH_BASE | self.next;
         self.physicals.insert(vh, p);
         vh
+    }
+
+    /// What an owner serves of its buffer `vh`: the driver's handle of its memory now and
+    /// where the buffer lies in it (offset, size of that memory): a run's, or its own.
+    pub fn served_layout(&self, vh: u64) -> Option<(Real, u64, u64)> {
+        let p = self.physicals.get(&vh)?;
+        let real = p.real()?;
+        Some(
+            match p.run.and_then(|base| Some((base, self.runs.get(&base)?))) {
+                Some((base, run)) => (real, self.place_of(vh) - base, run.size),
+                None => (real, 0, p.size),
+            },
+        )
+    }
+
+    /// The address of the first mapping of `vh`, 0 if it has none.
+    pub fn place_of(&self, vh: u64) -> u64 {
+        self.mappings
+            .iter()
+            .find(|(_, m)| m.vh == vh)
+            .map_or(0, |(ptr, _)| *ptr)
     }
 
     /// The mapping containing `addr`: (base, mapping).
@@ -562,6 +605,53 @@ impl Registry {
         }
         let run = self.runs.remove(&base).expect("just seen");
         Some(Gone::Run(base, run, p))
+    }
+
+    /// The address for an import of `len` bytes of `owner`'s buffer at `place` (aligned to
+    /// `align`): in this process's copy of the owner's layout, at the same distance from the
+    /// start of its block as in the owner; the block's range is reserved with `reserve(size,
+    /// alignment)` the first time. `None` when that cannot be (the reservation failed, the
+    /// place is taken: the same buffer imported twice, or it crosses a block's end).
+    pub fn place_import(
+        &mut self,
+        owner: u32,
+        place: u64,
+        len: u64,
+        align: u64,
+        reserve: impl FnOnce(u64, u64) -> Option<CUdeviceptr>,
+    ) -> Option<CUdeviceptr> {
+        let (block, off) = (place / MIRROR_BLOCK, place % MIRROR_BLOCK);
+        if off + len > MIRROR_BLOCK {
+            return None;
+        }
+        let base = match self.mirrors.get(&(owner, block)) {
+            Some(base) => *base,
+            None => {
+                // Aligned as the block's start would be up to 1 GiB, so that an offset keeps
+                // the alignment NCCL asked of the owner.
+                let base = reserve(MIRROR_BLOCK, 1 << 30)?;
+                self.mirrors.insert((owner, block), base);
+                base
+            }
+        };
+        let at = base + off;
+        let taken = self
+            .placed
+            .range(..at + len)
+            .next_back()
+            .is_some_and(|(p, l)| p + l > at);
+        if taken || (align > 1 && !at.is_multiple_of(align)) {
+            return None;
+        }
+        self.placed.insert(at, len);
+        Some(at)
+    }
+
+    /// Whether `[ptr, ptr + size)` lies inside one range reserved for an owner's layout.
+    pub fn in_mirror(&self, ptr: CUdeviceptr, size: u64) -> bool {
+        self.mirrors
+            .values()
+            .any(|base| ptr >= *base && ptr + size <= base + MIRROR_BLOCK)
     }
 
     /// The live run whose mapping covers any of `[ptr, ptr + size)`.
@@ -685,6 +775,50 @@ mod tests {
 
     fn import() -> Physical {
         Physical::imported(8, prop(CU_MEM_LOCATION_TYPE_DEVICE), Some((source(), 3)))
+    }
+
+    #[test]
+    fn imports_are_placed_as_their_owner_lays_them_out_block_by_block() {
+        let mut reg = Registry::default();
+        let reserved = std::cell::RefCell::new(Vec::new());
+        let reserve = |size: u64, align: u64| {
+            let mut r = reserved.borrow_mut();
+            r.push((size, align));
+            Some(0x7000_0000_0000 + r.len() as u64 * 0x100_0000_0000)
+        };
+        let m = 2 << 20;
+        // Owner 5's buffers at two places of one block: the same distance apart here.
+        let place = 3 * MIRROR_BLOCK + 0x4000_0000;
+        let a = reg.place_import(5, place, m, m, reserve).unwrap();
+        let b = reg.place_import(5, place + 3 * m, m, m, reserve).unwrap();
+        assert_eq!(b - a, 3 * m);
+        assert_eq!(
+            a % MIRROR_BLOCK,
+            0x4000_0000,
+            "the offset in the block is kept"
+        );
+        // Another owner, or another block of the same owner: another range.
+        let c = reg.place_import(6, place, m, m, reserve).unwrap();
+        let d = reg
+            .place_import(5, place + MIRROR_BLOCK, m, m, reserve)
+            .unwrap();
+        assert!(c.abs_diff(a) >= MIRROR_BLOCK && d.abs_diff(a) >= MIRROR_BLOCK);
+        assert_eq!(*reserved.borrow(), vec![(MIRROR_BLOCK, 1 << 30); 3]);
+        // The same buffer imported twice, an overlap, a range across a block's end, an
+        // alignment the place cannot give: the driver's address instead.
+        assert_eq!(reg.place_import(5, place, m, m, reserve), None);
+        assert_eq!(reg.place_import(5, place + m / 2, m, 1, reserve), None);
+        assert_eq!(
+            reg.place_import(5, 4 * MIRROR_BLOCK - m, 2 * m, m, reserve),
+            None
+        );
+        assert_eq!(
+            reg.place_import(5, place + 8 * m, m, 1 << 30, reserve),
+            None
+        );
+        // A block whose range cannot be reserved.
+        assert_eq!(reg.place_import(9, place, m, m, |_, _| None), None);
+        assert!(reg.in_mirror(a, 4 * m) && !reg.in_mirror(a - MIRROR_BLOCK, m));
     }
 
     #[test]

@@ -35,15 +35,21 @@ pub(crate) fn enabled() -> bool {
     options::get().nccl_tokens
 }
 
-/// A token for NCCL's buffer `vh` (the physical `p`), whose importers then trade it with
-/// this process for the real fd; sets the buffer's key. `None` when none can be made (this
+/// A token for NCCL's buffer `vh` (the physical `p`, mapped at `place` here), whose importers
+/// then trade it with this process for the real fd, and lay it out as this process does
+/// ([`registry::MIRROR_BLOCK`]); sets the buffer's key. `None` when none can be made (this
 /// process cannot serve its peers): recorded ([`fallback_reason`]), and the caller exports a
 /// plain fd.
-pub(crate) fn for_buffer(vh: CUmemGenericAllocationHandle, p: &mut Physical) -> Option<OwnedFd> {
+pub(crate) fn for_buffer(
+    vh: CUmemGenericAllocationHandle,
+    p: &mut Physical,
+    place: u64,
+) -> Option<OwnedFd> {
     let made = server::ensure_server()
         .and_then(|()| p.key.map_or_else(identity::new_key, Ok))
         .and_then(|key| {
-            let token = Token::own(Names::Buffer, group::id(), vh, key, p.generation);
+            let token =
+                Token::own(Names::Buffer, group::id(), vh, key, p.generation).at(place, p.size);
             Ok((key, token::make(token)?))
         });
     match made {
@@ -106,11 +112,20 @@ pub(crate) fn names_allocation(t: &Token) -> bool {
     t.names == Names::Allocation
 }
 
-/// The import of NCCL buffer token `t`: the owner's real fd, and where the import comes from
-/// with its generation (the owner waits up to `MEMSAVER_NCCL_TIMEOUT_MS` for a buffer still
-/// resuming). Refused while this process holds imports of another process with the token's
-/// pid; `None` then, and on any failure, with the reason logged.
-pub(crate) fn import(t: &Token) -> Option<(OwnedFd, (Source, u64))> {
+/// What the import of an NCCL buffer's token got: the owner's real fd, where the import comes
+/// from, the generation served, and where the buffer lies in the memory the fd is (offset,
+/// size of that memory).
+pub(crate) struct Imported {
+    pub(crate) fd: OwnedFd,
+    pub(crate) source: Source,
+    pub(crate) generation: u64,
+    pub(crate) served: (u64, u64),
+}
+
+/// The import of NCCL buffer token `t` (the owner waits up to `MEMSAVER_NCCL_TIMEOUT_MS` for
+/// a buffer still resuming). Refused while this process holds imports of another process with
+/// the token's pid; `None` then, and on any failure, with the reason logged.
+pub(crate) fn import(t: &Token) -> Option<Imported> {
     let r = client::import(t, options::get().nccl_timeout, |pid| {
         registry::lock()
             .physicals
@@ -118,14 +133,16 @@ pub(crate) fn import(t: &Token) -> Option<(OwnedFd, (Source, u64))> {
             .any(|p| p.source.is_some_and(|s| s.owner == pid))
     });
     match r {
-        Ok((fd, generation)) => {
-            let source = Source {
+        Ok(served) => Some(Imported {
+            fd: served.fd,
+            source: Source {
                 owner: t.pid,
                 vh: t.buffer,
                 key: t.key,
-            };
-            Some((fd, (source, generation)))
-        }
+            },
+            generation: served.generation,
+            served: (served.offset, served.size),
+        }),
         Err(e) => {
             tracing::error!(
                 "memsaver: cannot import an NCCL buffer of process {}: {e}",

@@ -192,6 +192,10 @@ thread_local! {
     /// The size of the device memory NCCL created last on this thread, until its next
     /// `cuMemAddressReserve`: NCCL creates, then reserves, maps and grants access.
     static CREATED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// The peer's buffer NCCL imported last on this thread, until its next
+    /// `cuMemAddressReserve`: (owner, its address there, its length). NCCL imports, then
+    /// reserves, maps and grants access.
+    static PLACE: std::cell::Cell<Option<(u32, u64, u64)>> = const { std::cell::Cell::new(None) };
 }
 
 unsafe extern "C" fn mem_create(
@@ -329,6 +333,17 @@ unsafe extern "C" fn mem_map(
     if p.run.is_some() {
         return in_run("cuMemMap");
     }
+    if p.kind == Kind::Imported && p.served.1 != 0 && p.served != (0, size as u64) {
+        // The owner served it inside memory it shares between adjacent buffers, which maps
+        // only whole: a first import of a buffer that joined a run (its token was made before
+        // and imported after the owner's resume).
+        tracing::error!(
+            "memsaver: NCCL imports a buffer that its owner backs together with its neighbours \
+             since a resume; set MEMSAVER_MERGE_MB=0 in the owner so that every NCCL buffer \
+             keeps its own memory"
+        );
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
     // SAFETY: the caller's arguments with the driver's handle behind the virtual one.
     let r = unsafe { f(ptr, size, offset, h, flags) };
     if r == CUDA_SUCCESS {
@@ -417,7 +432,31 @@ unsafe extern "C" fn mem_reserve(
     let Some(f) = real::RESERVE() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
-    let own = CREATED.replace(0) == size && size > 0 && addr == 0 && flags == 0;
+    let asked_anywhere = addr == 0 && flags == 0 && !ptr.is_null();
+    let own = CREATED.replace(0) == size && size > 0 && asked_anywhere;
+    if let Some((owner, place, len)) = PLACE.take()
+        && len == size as u64
+        && asked_anywhere
+    {
+        // Where the owner's layout puts it, in a range reserved for that owner's block.
+        let mut reg = registry::lock();
+        let reserve = |size: u64, align: u64| {
+            let mut p = 0;
+            // SAFETY: a valid out-pointer; addresses only, reserved for the process's life.
+            let r = unsafe { f(&mut p, size as usize, align as usize, 0, 0) };
+            (r == CUDA_SUCCESS).then_some(p)
+        };
+        if let Some(at) = reg.place_import(owner, place, len, align as u64, reserve) {
+            // SAFETY: the caller's out-pointer.
+            unsafe { *ptr = at };
+            return CUDA_SUCCESS;
+        }
+        tracing::debug!(
+            owner,
+            place,
+            "memsaver: an import keeps the driver's address"
+        );
+    }
     if !own || ptr.is_null() {
         // SAFETY: forwarded unchanged.
         return unsafe { f(ptr, size, align, addr, flags) };
@@ -444,6 +483,10 @@ unsafe extern "C" fn mem_address_free(ptr: CUdeviceptr, size: usize) -> CUresult
         return CUDA_ERROR_NOT_INITIALIZED;
     };
     let mut reg = registry::lock();
+    // A range inside a reservation of memsaver's for an owner's layout: only the record goes.
+    if reg.placed.remove(&ptr).is_some() {
+        return CUDA_SUCCESS;
+    }
     if let Some(run) = reg.run_over(ptr, size as u64) {
         run.dead.push((ptr, size as u64));
         return CUDA_SUCCESS;
@@ -474,6 +517,8 @@ unsafe extern "C" fn mem_export(
     if p.run.is_some() {
         return in_run("cuMemExportToShareableHandle");
     }
+    let place = reg.place_of(handle);
+    let p = reg.physicals.get_mut(&handle).expect("seen above");
     if let Some(Registration::Retained { at }) = p.registration {
         drop(reg);
         return answered(|| export_tagged(shareable, h, at, handle_type, flags, f));
@@ -481,7 +526,7 @@ unsafe extern "C" fn mem_export(
     if handle_type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         && tokens::enabled()
         && !shareable.is_null()
-        && let Some(fd) = tokens::for_buffer(handle, p)
+        && let Some(fd) = tokens::for_buffer(handle, p, place)
     {
         p.exported = true;
         // SAFETY: for POSIX fds the out-pointer holds one int; NCCL owns the fd now.
@@ -548,16 +593,29 @@ unsafe extern "C" fn mem_import(
             (unsafe { f(handle, os_handle, handle_type) }, None)
         }
         Some(t) => match tokens::import(&t) {
-            Some((fd, source)) => {
+            Some(imported) => {
+                let fd = imported.fd.as_raw_fd();
                 // SAFETY: the owner's real fd, imported the way NCCL asked; we close it after.
-                let r = unsafe { f(handle, fd.as_raw_fd() as isize as *mut c_void, handle_type) };
-                (r, Some(source))
+                let r = unsafe { f(handle, fd as isize as *mut c_void, handle_type) };
+                // NCCL reserves the import's addresses next, on this thread: at the buffer's
+                // place in this process's copy of the owner's layout.
+                if r == CUDA_SUCCESS && t.place != 0 && t.len != 0 {
+                    PLACE.set(Some((t.pid, t.place, t.len)));
+                }
+                (r, Some(imported))
             }
             None => return CUDA_ERROR_INVALID_VALUE,
         },
     };
     if r == CUDA_SUCCESS {
-        record_import(handle, |h, prop| Physical::imported(h, prop, source));
+        record_import(handle, |h, prop| match source {
+            None => Physical::imported(h, prop, None),
+            Some(i) => {
+                let mut p = Physical::imported(h, prop, Some((i.source, i.generation)));
+                p.served = i.served;
+                p
+            }
+        });
     }
     r
 }

@@ -20,7 +20,10 @@ Facts (as measured on an H100, driver 580.159):
    its reservation (NCCL's free path asks it for the size to unmap and free: memsaver answers
    for buffers inside a run); nothing mapped there: CUDA_ERROR_NOT_FOUND (500);
 10. cuMemAddressFree of a reservation that a mapping crosses is refused (memsaver frees a range
-   NCCL freed inside a run only once the run is unmapped).
+   NCCL freed inside a run only once the run is unmapped);
+11. eight reservations of 64 GiB of addresses, aligned to 1 GiB, are given (an importer of NCCL
+   buffers reserves one per block of an owner's addresses, to lay its imports out as the owner
+   does), and an allocation maps anywhere inside one.
 
 Usage: python3 tests/gpu/vmm_rules.py
 Talks to libcuda.so.1 with ctypes (no torch; MEMSAVER_CUDA_LIB names another library, such as
@@ -239,6 +242,34 @@ def fact_7_to_10(g):
         free(b, 2 * g)
 
 
+def fact_11(g):
+    """Eight 64 GiB reservations aligned to 1 GiB; a mapping at an offset inside the last."""
+    block, got = 64 << 30, []
+    for _ in range(8):
+        p = C.c_uint64()
+        r = cuda.cuMemAddressReserve(C.byref(p), C.c_size_t(block), C.c_size_t(1 << 30),
+                                     C.c_uint64(0), C.c_uint64(0))
+        if r != 0:
+            break
+        got.append(p.value)
+    aligned = all(p % (1 << 30) == 0 for p in got)
+    mapped = -1
+    if got:
+        h = create(g)
+        va = got[-1] + (37 << 30) + 5 * g
+        mapped = map_(va, g, h)
+        if mapped == 0:
+            ck("cuMemSetAccess", access(va, g))
+            ck("cuMemsetD8", touch(va, g))
+            ck("cuMemUnmap", unmap(va, g))
+        release(h)
+    report(11, len(got) == 8 and aligned and mapped == 0,
+           f"{len(got)} of 8 reservations of 64 GiB aligned to 1 GiB given (aligned: {aligned});"
+           f" a mapping inside one: {name(mapped) if mapped >= 0 else 'not tried'}")
+    for p in got:
+        free(p, block)
+
+
 def main():
     ck("cuInit", cuda.cuInit(0))
     dev, ctx = C.c_int(), C.c_void_p()
@@ -250,7 +281,7 @@ def main():
     ck("cuMemGetAllocationGranularity",
        cuda.cuMemGetAllocationGranularity(C.byref(g), C.byref(PROP), 0))
     print(f"device 0, CUDA driver API {version.value}, granularity {g.value >> 20} MiB")
-    for check in (facts_1_to_3, fact_4, fact_5, fact_6, fact_7_to_10):
+    for check in (facts_1_to_3, fact_4, fact_5, fact_6, fact_7_to_10, fact_11):
         check(g.value)
     if failed:
         print(f"FAIL: facts {', '.join(map(str, sorted(failed)))} do not hold here")

@@ -97,19 +97,22 @@ fn measure(l: &Layout, group: u32, cycles: usize) -> Vec<Cycle> {
 }
 
 /// Per rank, with P private and S shared buffers, W ranks, and I = S x (W - 1) imports. NCCL's
-/// private buffers, allocated one after another, sit side by side (memsaver asks the driver
-/// for each one's addresses right after the previous one), so a resume backs them with one
-/// physical allocation, a run; shared buffers keep their own (a peer imports a whole physical
-/// allocation). H = S + P physical allocations before the first resume, S + 1 after it.
+/// buffers, allocated one after another, sit side by side (memsaver asks the driver for each
+/// one's addresses right after the previous one), and each importer lays out its imports of
+/// an owner as the owner does. So a resume backs the private buffers with one physical
+/// allocation (a run), the shared ones, served to the same peers, with another, and each
+/// importer maps an owner's run of shared buffers whole, once. Before the first resume every
+/// buffer has its own: H = P + S own and I imported physical allocations; after it, 2 and
+/// W - 1.
 ///
 /// * pause: a D2H copy of each own buffer (full backup, the default) into the pinned buffer
 ///   prepared for it in the background (no pinning call, also in the first pause), then
-///   one `cuMemUnmap` and one `cuMemRelease` per physical allocation, own (H) and imported;
-/// * resume: per own physical allocation (S + 1) one `cuMemCreate`, `cuMemMap` and
-///   `cuMemSetAccess`, one H2D copy per buffer; one `cuMemExportToShareableHandle` per (shared
-///   buffer, importer) as each peer fetches it; per import one
-///   `cuMemImportFromShareableHandle`, `cuMemMap`, `cuMemSetAccess`. No reservation is made or
-///   freed: the addresses stay NCCL's.
+///   one `cuMemUnmap` and one `cuMemRelease` per physical allocation, own and imported;
+/// * resume: per own physical allocation (2) one `cuMemCreate`, `cuMemMap` and
+///   `cuMemSetAccess`, one H2D copy per buffer; one `cuMemExportToShareableHandle` per
+///   (shared run, importer), as each peer fetches its buffers; per owner imported from one
+///   `cuMemImportFromShareableHandle`, `cuMemMap`, `cuMemSetAccess`. No reservation is made
+///   or freed: the addresses stay NCCL's.
 #[test]
 fn the_counts_are_what_the_design_implies() {
     for (ranks, group) in [(2, 61), (3, 62)] {
@@ -121,28 +124,26 @@ fn the_counts_are_what_the_design_implies() {
         };
         let (p, s, w) = (l.private, l.shared, ranks as u64);
         let own = p + s;
-        let imports = s * (w - 1);
-        let pause = |handles: u64| {
-            counts(&[
-                ("copy", own),
-                ("unmap", handles + imports),
-                ("release", handles + imports),
-            ])
-        };
+        let pause =
+            |physical: u64| counts(&[("copy", own), ("unmap", physical), ("release", physical)]);
         let resume = counts(&[
-            ("create", s + 1),
-            ("map", s + 1 + imports),
-            ("set_access", s + 1 + imports),
+            ("create", 2),
+            ("map", 2 + (w - 1)),
+            ("set_access", 2 + (w - 1)),
             ("copy", own),
-            ("export", s * (w - 1)),
-            ("import", imports),
+            ("export", w - 1),
+            ("import", w - 1),
         ]);
         for (c, cycle) in measure(&l, group, 3).into_iter().enumerate() {
-            let handles = if c == 0 { own } else { s + 1 };
+            let physical = if c == 0 {
+                own + s * (w - 1)
+            } else {
+                2 + (w - 1)
+            };
             for (r, ((pc, _), (rc, _))) in cycle.into_iter().enumerate() {
                 assert_eq!(
                     pc,
-                    pause(handles),
+                    pause(physical),
                     "{ranks} ranks, cycle {c}, rank {r}: pause"
                 );
                 assert_eq!(rc, resume, "{ranks} ranks, cycle {c}, rank {r}: resume");

@@ -185,3 +185,73 @@ fn a_buffer_inside_a_run_cannot_be_exported_and_the_merge_limit_turns_runs_off()
     assert_eq!(c["create"], 2, "{c:?}");
     job.all_ok("pcheck 5");
 }
+
+/// Two ranks, each with one shared buffer of 4 MiB and two more (which the other rank imports)
+/// and three private ones of 2 MiB, through one pause and resume: each rank's shared buffers
+/// resume as one run, its private ones as another, and each rank maps its peer's run of shared
+/// buffers whole, once, where it laid out its imports as the peer lays out the buffers.
+#[test]
+fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_back() {
+    let dirs = Dirs::new();
+    let mut job = Job::start(2, 76, &dirs.fake, &dirs.rt, 10_000);
+    let before = job.used();
+    job.all_ok("alloc 4");
+    job.all_ok("shared 2 4");
+    job.all_ok("private 3 2");
+    job.all_ok("exchange");
+    job.write_all(1);
+    job.all_ok("pwrite 3");
+    let allocated = job.used();
+    assert_eq!(allocated - before, 2 * (12 + 6) * MIB);
+    job.all_ok("pause");
+    assert_eq!(job.used(), before, "both ranks' buffers are free");
+    calls(&mut job);
+    job.all_ok("resume");
+    let c = calls(&mut job);
+    assert_eq!(
+        (c["create"], c["export"], c["import"], c["map"]),
+        (2, 1, 1, 3),
+        "two runs of its own, its run of shared buffers exported once, the peer's imported \
+         and mapped once: {c:?}"
+    );
+    job.check_all_seeded(1);
+    job.all_ok("pcheck 3");
+    assert_eq!(job.used(), allocated);
+    for r in 0..2 {
+        let s: serde_json::Value = {
+            let a = job.one(r, "stats");
+            serde_json::from_str(a.strip_prefix("ok ").unwrap()).unwrap()
+        };
+        assert_eq!(s["runs"], 3, "rank {r}: {s}");
+        assert_eq!(
+            (s["imported_handles"].as_u64(), s["owned_handles"].as_u64()),
+            (Some(3), Some(6))
+        );
+    }
+    // A second cycle: one unmap and release per run, imports included.
+    job.all_ok("pause");
+    let c = calls(&mut job);
+    assert_eq!((c["unmap"], c["release"]), (3, 3), "{c:?}");
+    job.all_ok("resume");
+    job.check_all_seeded(1);
+    calls(&mut job);
+    // NCCL's free path, imports first: every run goes back once its last buffer is freed;
+    // the import ranges were memsaver's (no driver call), its own ranges NCCL's.
+    job.all_ok("free");
+    let c = calls(&mut job);
+    assert_eq!(
+        (c["unmap"], c["release"], c["address_free"]),
+        (3, 3, 6),
+        "{c:?}"
+    );
+    assert_eq!(job.used(), before, "nothing held");
+    for r in 0..2 {
+        let a = job.one(r, "stats");
+        let s: serde_json::Value = serde_json::from_str(a.strip_prefix("ok ").unwrap()).unwrap();
+        assert_eq!(
+            (s["runs"].as_u64(), s["mappings"].as_u64()),
+            (Some(0), Some(0)),
+            "rank {r}"
+        );
+    }
+}
