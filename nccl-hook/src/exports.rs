@@ -119,7 +119,6 @@ impl Exports for Buffers {
             match fd {
                 Ok(fd) => {
                     p.importers.insert(*from);
-                    p.served_to.insert(*from);
                     let reply = Reply::Export {
                         id: r.id,
                         generation: p.generation,

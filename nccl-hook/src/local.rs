@@ -345,7 +345,7 @@ fn release_run(
     }
     let run = reg.runs.remove(&base).expect("seen above");
     steps.release(Handle(run.real), base);
-    free_dead(&run.dead);
+    free_dead(reg, &run.dead);
     let in_run: Vec<u64> = reg
         .physicals
         .iter()
@@ -368,15 +368,20 @@ fn release_run(
     Ok(())
 }
 
-/// Frees reservations NCCL freed while a run covered them, now that the run is unmapped.
-fn free_dead(dead: &[(u64, u64)]) {
-    if dead.is_empty() {
+/// Frees reservations NCCL freed while a run covered them, now that the run is unmapped:
+/// memsaver's ranges in its records, the others with the driver.
+fn free_dead(reg: &mut Registry, dead: &[(u64, u64)]) {
+    let drivers: Vec<&(u64, u64)> = dead
+        .iter()
+        .filter(|(ptr, _)| !reg.free_range(*ptr))
+        .collect();
+    if drivers.is_empty() {
         return;
     }
     let Ok(d) = memsaver_allocator::global_driver() else {
         return;
     };
-    for &(ptr, size) in dead {
+    for &(ptr, size) in drivers {
         // SAFETY: NCCL freed the range and its run is unmapped: nothing is mapped in it and
         // no one uses it.
         if let Err(e) = unsafe { d.address_free(ptr, size as usize) } {
@@ -647,17 +652,19 @@ fn restore(
 /// `vhs` (claimed own buffers of one device) as the units a resume backs with one physical
 /// allocation each: runs of buffers that NCCL mapped once each, whole, at adjacent addresses,
 /// with the same properties and access, of at most `limit` bytes, inside one block of
-/// [`registry::MIRROR_BLOCK`]; every other buffer alone. In address order. Buffers shared with
-/// other processes join only buffers served to the same processes (each of which then maps
-/// the run whole, in its copy of this process's layout): no process maps memory it was not
-/// given.
+/// [`registry::MIRROR_BLOCK`]; every other buffer alone. In address order. Shared and private
+/// buffers join alike: each importer of a buffer in a run maps the run whole, in its copy of
+/// this process's layout, which is what makes the calls per pause and resume depend on peers
+/// and bytes, not on buffers or communicators (NCCL allocates its private and shared buffers
+/// in turn, per communicator and peer). Importers are this process's NCCL peers: processes of
+/// its group given a token of that run's buffers (docs/security.md).
 fn units(
     reg: &Registry,
     ranges: &HashMap<u64, Vec<Range>>,
     vhs: Vec<u64>,
     limit: usize,
 ) -> Vec<Vec<u64>> {
-    // (address, size, buffer) of the buffers that may join a run.
+    // (address, size) of a buffer that may join a run: mapped once, whole.
     let whole = |vh: &u64| -> Option<(u64, u64)> {
         let p = &reg.physicals[vh];
         match ranges.get(vh).map(Vec::as_slice) {
@@ -669,28 +676,50 @@ fn units(
     vhs.sort_by_key(|vh| ranges.get(vh).and_then(|rs| rs.first()).map_or(0, |r| r.0));
     let mut out: Vec<Vec<u64>> = Vec::new();
     let mut span: Option<(u64, u64)> = None; // the current run's (start, end)
+    // Why buffers did not join the one before them, for the log.
+    let mut cuts: BTreeMap<&'static str, usize> = BTreeMap::new();
     for vh in vhs {
-        let joins = match (out.last(), span, whole(&vh)) {
+        let cut = match (out.last(), span, whole(&vh)) {
+            (None, ..) => None,
+            (_, None, _) | (_, _, None) => Some("mapped other than once and whole"),
             (Some(unit), Some((start, end)), Some((ptr, size))) => {
                 let (p, q) = (&reg.physicals[&unit[0]], &reg.physicals[&vh]);
-                ptr == end
-                    && ptr + size - start <= limit as u64
-                    && start / registry::MIRROR_BLOCK == (ptr + size - 1) / registry::MIRROR_BLOCK
-                    && p.prop == q.prop
-                    && ranges[&unit[0]][0].2 == ranges[&vh][0].2
-                    && p.exported == q.exported
-                    && p.served_to == q.served_to
+                if ptr != end {
+                    Some("not adjacent")
+                } else if ptr + size - start > limit as u64 {
+                    Some("MEMSAVER_MERGE_MB")
+                } else if start / registry::MIRROR_BLOCK
+                    != (ptr + size - 1) / registry::MIRROR_BLOCK
+                {
+                    Some("a block's end")
+                } else if p.prop != q.prop {
+                    Some("other properties")
+                } else if ranges[&unit[0]][0].2 != ranges[&vh][0].2 {
+                    Some("other access")
+                } else {
+                    None
+                }
             }
-            _ => false,
         };
-        if joins {
-            out.last_mut().expect("joined").push(vh);
-            span = span.map(|(start, end)| (start, end + reg.physicals[&vh].size));
-        } else {
-            span = whole(&vh).map(|(ptr, size)| (ptr, ptr + size));
-            out.push(vec![vh]);
+        match (cut, out.last_mut()) {
+            (None, Some(unit)) => {
+                unit.push(vh);
+                span = span.map(|(start, end)| (start, end + reg.physicals[&vh].size));
+            }
+            (cut, _) => {
+                if let Some(why) = cut {
+                    *cuts.entry(why).or_default() += 1;
+                }
+                span = whole(&vh).map(|(ptr, size)| (ptr, ptr + size));
+                out.push(vec![vh]);
+            }
         }
     }
+    tracing::debug!(
+        units = out.len(),
+        ?cuts,
+        "nccl resume: runs of adjacent buffers"
+    );
     out
 }
 
@@ -715,26 +744,22 @@ pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
             .max()
             .unwrap_or(0);
         steps.expect_disk(largest_disk);
-        let exported = |want: bool| {
-            claimed
-                .iter()
-                .copied()
-                .filter(|vh| reg.physicals[vh].exported == want)
-                .collect::<Vec<_>>()
-        };
+        // Units with a buffer peers import first (in one go), then the others.
         let limit = steps.plan.merge_limit;
-        let units = |vhs| -> Vec<(i32, Vec<Vec<u64>>)> {
-            by_device(&reg, &ranges, vhs)
+        let mut plan: [Vec<(i32, Vec<Vec<u64>>)>; 2] = Default::default();
+        for (dev, vhs) in by_device(&reg, &ranges, claimed) {
+            let (shared, private): (Vec<_>, Vec<_>) = units(&reg, &ranges, vhs, limit)
                 .into_iter()
-                .map(|(dev, vhs)| (dev, units(&reg, &ranges, vhs, limit)))
-                .collect()
-        };
-        [units(exported(true)), units(exported(false))]
+                .partition(|unit| unit.iter().any(|vh| reg.physicals[vh].exported));
+            plan[0].push((dev, shared));
+            plan[1].push((dev, private));
+        }
+        plan
     };
     let mut total = Restored::default();
     let mut released = Vec::new();
-    // The exported buffers in one go; then the private ones in batches, handing the lock
-    // over between batches (fairly, to a waiting thread first), so that peers' requests
+    // The units peers import from in one go; then the private ones in batches, handing the
+    // lock over between batches (fairly, to a waiting thread first), so that peers' requests
     // for the exported buffers are answered while the private ones are restored.
     let [exported, private] = plan;
     let private = private.into_iter().flat_map(|(dev, units)| {
@@ -825,7 +850,6 @@ impl std::fmt::Display for Holding {
 mod tests {
     use super::*;
     use memsaver_allocator::driver::sys::*;
-    use memsaver_ipc::identity::Identity;
 
     const MIB: u64 = 1 << 20;
 
@@ -839,20 +863,10 @@ mod tests {
         }
     }
 
-    /// A buffer of `mib` MiB at `at`, NCCL's, mapped once, whole; `served_to` its importers.
-    fn buffer(reg: &mut Registry, at: u64, mib: u64, device: i32, served_to: &[u32]) -> u64 {
+    /// A buffer of `mib` MiB at `at`, NCCL's, mapped once, whole; shared with peers or not.
+    fn buffer(reg: &mut Registry, at: u64, mib: u64, device: i32, shared: bool) -> u64 {
         let mut p = registry::Physical::created(at, mib * MIB, prop(device), Kind::Device);
-        if !served_to.is_empty() {
-            p.exported = true;
-            p.served_to = served_to
-                .iter()
-                .map(|&pid| Identity {
-                    pid,
-                    start: 1,
-                    nonce: 2,
-                })
-                .collect();
-        }
+        p.exported = shared;
         let vh = reg.insert(p);
         let access = vec![CUmemAccessDesc {
             location: prop(device).location,
@@ -870,27 +884,26 @@ mod tests {
     }
 
     #[test]
-    fn runs_join_adjacent_buffers_of_one_kind_and_never_mix_what_peers_were_given() {
+    fn runs_join_adjacent_buffers_of_one_kind_whoever_they_are_shared_with() {
         let mut reg = Registry::default();
         let g = 2 * MIB;
         let base = registry::MIRROR_BLOCK - 8 * g; // eight granules before a block's end
-        let a = buffer(&mut reg, base, 2, 0, &[]);
-        let b = buffer(&mut reg, base + g, 2, 0, &[]);
-        // Shared with process 7: not with the private ones before it.
-        let c = buffer(&mut reg, base + 2 * g, 2, 0, &[7]);
-        let d = buffer(&mut reg, base + 3 * g, 2, 0, &[7]);
-        // Shared with 7 and 8: process 7 must not map it with c and d, nor 8 them.
-        let e = buffer(&mut reg, base + 4 * g, 2, 0, &[7, 8]);
+        let a = buffer(&mut reg, base, 2, 0, false);
+        let b = buffer(&mut reg, base + g, 2, 0, false);
+        // Shared with peers: in the same run as the private ones before it.
+        let c = buffer(&mut reg, base + 2 * g, 2, 0, true);
+        let d = buffer(&mut reg, base + 3 * g, 2, 0, true);
+        let e = buffer(&mut reg, base + 4 * g, 2, 0, true);
         // Another device's properties, then a gap.
-        let f = buffer(&mut reg, base + 5 * g, 2, 1, &[]);
-        let h = buffer(&mut reg, base + 7 * g, 2, 0, &[]);
+        let f = buffer(&mut reg, base + 5 * g, 2, 1, false);
+        let h = buffer(&mut reg, base + 7 * g, 2, 0, false);
         // The next block: a run never crosses into it.
-        let i = buffer(&mut reg, base + 8 * g, 2, 0, &[]);
+        let i = buffer(&mut reg, base + 8 * g, 2, 0, false);
         let ranges = reg.ranges_by_handle();
         let all = vec![i, h, f, e, d, c, b, a];
         assert_eq!(
             units(&reg, &ranges, all.clone(), usize::MAX),
-            vec![vec![a, b], vec![c, d], vec![e], vec![f], vec![h], vec![i]]
+            vec![vec![a, b, c, d, e], vec![f], vec![h], vec![i]]
         );
         // The limit cuts too; 0 keeps every buffer alone.
         assert_eq!(
@@ -907,9 +920,9 @@ mod tests {
     fn a_buffer_mapped_twice_or_in_part_stays_alone() {
         let mut reg = Registry::default();
         let g = 2 * MIB;
-        let a = buffer(&mut reg, 0x7000_0000_0000, 2, 0, &[]);
-        let b = buffer(&mut reg, 0x7000_0000_0000 + g, 2, 0, &[]);
-        let c = buffer(&mut reg, 0x7000_0000_0000 + 2 * g, 2, 0, &[]);
+        let a = buffer(&mut reg, 0x7000_0000_0000, 2, 0, false);
+        let b = buffer(&mut reg, 0x7000_0000_0000 + g, 2, 0, false);
+        let c = buffer(&mut reg, 0x7000_0000_0000 + 2 * g, 2, 0, false);
         // b is mapped a second time elsewhere, as single-process NCCL maps a peer's handle.
         let second = reg.mappings[&(0x7000_0000_0000 + g)].access.clone();
         reg.mappings.insert(

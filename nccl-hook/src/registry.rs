@@ -21,6 +21,18 @@ use memsaver_allocator::driver::sys::*;
 /// Virtual handles are `VH_BASE | n`: never 0, and recognisable in logs.
 const VH_BASE: u64 = 0x6d73_0000_0000_0000;
 
+/// Address space reserved at once for NCCL's own buffers ([`Registry::carve_own`]).
+pub(crate) const OWN_ARENA: u64 = 64 << 30;
+
+/// A range of memsaver's reservations that NCCL reserved, and from where.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Handed {
+    pub len: u64,
+    /// Carved from the own arenas (its space goes back there), or placed in an owner's layout
+    /// (its space stays that owner's).
+    pub own: bool,
+}
+
 /// Importers lay out their imports of one owner as the owner lays its buffers out, block by
 /// block of the owner's addresses: an importer reserves one range of this size (addresses
 /// only) per block of an owner it imports from, and places each import at the buffer's offset
@@ -179,10 +191,6 @@ pub(crate) struct Physical {
     /// Processes holding an import of the current generation (owner side), by full identity:
     /// a process that got a dead importer's pid is another process.
     pub importers: HashSet<memsaver_ipc::identity::Identity>,
-    /// Every process that was ever served this buffer (owner side): buffers share a run only
-    /// with buffers served to the same processes, so that no process maps memory it was not
-    /// given.
-    pub served_to: std::collections::BTreeSet<memsaver_ipc::identity::Identity>,
     /// For an import: where the buffer lies in the memory its owner served (offset, size of
     /// that memory): (0, the buffer's size) when the owner backs it alone.
     pub served: (u64, u64),
@@ -233,7 +241,6 @@ impl Physical {
             exported: false,
             key: None,
             importers: HashSet::new(),
-            served_to: Default::default(),
             served: (0, 0),
             generation: 0,
             source: None,
@@ -506,12 +513,14 @@ pub(crate) struct Registry {
     /// Ranges reserved for owners' layouts, one per block of an owner's addresses
     /// ([`MIRROR_BLOCK`]): (owner, block) -> base.
     pub mirrors: HashMap<(u32, u64), CUdeviceptr>,
-    /// Ranges handed to NCCL inside those (address -> length): NCCL's import reservations.
-    pub placed: BTreeMap<CUdeviceptr, u64>,
-    /// Where NCCL's next own buffer is asked to go: right after its last one, so that the
-    /// buffers NCCL allocates one after another are adjacent and a resume can back them with
-    /// one run ([`crate::vmm`]'s `cuMemAddressReserve` wrapper).
-    pub next_own_address: CUdeviceptr,
+    /// Address space memsaver reserved for NCCL's own buffers ([`OWN_ARENA`] each), and the
+    /// parts of it not handed out, by start: NCCL's buffers are carved from it lowest address
+    /// first, so that the buffers NCCL allocates one after another are adjacent and a resume
+    /// can back them with one run, whatever else the process maps meanwhile.
+    pub own_free: BTreeMap<CUdeviceptr, u64>,
+    /// Ranges of memsaver's reservations handed to NCCL as its reservations: NCCL's own
+    /// buffers' (from the own arenas) and its imports' (in the owners' layouts).
+    pub handed: BTreeMap<CUdeviceptr, Handed>,
     next: u64,
     pub multicast_objects: u64,
 }
@@ -636,15 +645,73 @@ impl Registry {
         };
         let at = base + off;
         let taken = self
-            .placed
+            .handed
             .range(..at + len)
             .next_back()
-            .is_some_and(|(p, l)| p + l > at);
+            .is_some_and(|(p, h)| p + h.len > at);
         if taken || (align > 1 && !at.is_multiple_of(align)) {
             return None;
         }
-        self.placed.insert(at, len);
+        self.handed.insert(at, Handed { len, own: false });
         Some(at)
+    }
+
+    /// An address range of `len` bytes aligned to `align` for NCCL's own buffer: the lowest
+    /// free one in the own arenas, a new arena reserved with `reserve(size, alignment)` when
+    /// none fits. `None` when that cannot be (the caller asks the driver).
+    pub fn carve_own(
+        &mut self,
+        len: u64,
+        align: u64,
+        reserve: impl FnOnce(u64, u64) -> Option<CUdeviceptr>,
+    ) -> Option<CUdeviceptr> {
+        let align = align.max(1);
+        let fits = |(start, free): (&CUdeviceptr, &u64)| {
+            let at = start.next_multiple_of(align);
+            (at + len <= start + free).then_some((*start, *free, at))
+        };
+        let found = match self.own_free.iter().find_map(fits) {
+            Some(f) => f,
+            None => {
+                let size = OWN_ARENA.max(len.next_multiple_of(1 << 30));
+                let base = reserve(size, (1 << 30).max(align))?;
+                self.own_free.insert(base, size);
+                (base, size, base.next_multiple_of(align))
+            }
+        };
+        let (start, free, at) = found;
+        self.own_free.remove(&start);
+        if at > start {
+            self.own_free.insert(start, at - start);
+        }
+        if start + free > at + len {
+            self.own_free.insert(at + len, start + free - (at + len));
+        }
+        self.handed.insert(at, Handed { len, own: true });
+        Some(at)
+    }
+
+    /// NCCL freed its reservation at `ptr` (or a run that covered it went): `true` when the
+    /// range was memsaver's (an own arena's space is free again, merged with its free
+    /// neighbours; an import's place is forgotten), `false` when it is the driver's to free.
+    pub fn free_range(&mut self, ptr: CUdeviceptr) -> bool {
+        let Some(h) = self.handed.remove(&ptr) else {
+            return false;
+        };
+        if h.own {
+            let (mut start, mut len) = (ptr, h.len);
+            if let Some((&s, &l)) = self.own_free.range(..start).next_back()
+                && s + l == start
+            {
+                self.own_free.remove(&s);
+                (start, len) = (s, l + len);
+            }
+            if let Some(next) = self.own_free.remove(&(start + len)) {
+                len += next;
+            }
+            self.own_free.insert(start, len);
+        }
+        true
     }
 
     /// Whether `[ptr, ptr + size)` lies inside one range reserved for an owner's layout.
@@ -775,6 +842,38 @@ mod tests {
 
     fn import() -> Physical {
         Physical::imported(8, prop(CU_MEM_LOCATION_TYPE_DEVICE), Some((source(), 3)))
+    }
+
+    #[test]
+    fn own_buffers_are_carved_side_by_side_and_freed_space_is_used_again() {
+        let mut reg = Registry::default();
+        let arenas = std::cell::Cell::new(0u64);
+        let reserve = |size: u64, align: u64| {
+            assert_eq!((size, align), (OWN_ARENA, 1 << 30));
+            arenas.set(arenas.get() + 1);
+            Some(arenas.get() * 0x1000_0000_0000)
+        };
+        let m = 2 << 20;
+        let a = reg.carve_own(m, m, reserve).unwrap();
+        let b = reg.carve_own(2 * m, m, reserve).unwrap();
+        let c = reg.carve_own(m, m, reserve).unwrap();
+        assert_eq!((b - a, c - b), (m, 2 * m), "one after another, adjacent");
+        assert_eq!(arenas.get(), 1, "one arena for all");
+        // An alignment NCCL asks is kept (the space skipped stays free).
+        let d = reg.carve_own(m, 8 * m, reserve).unwrap();
+        assert!(d.is_multiple_of(8 * m) && d > c);
+        // Freed: the space is handed out again, merged with its free neighbours.
+        assert!(reg.free_range(b) && reg.free_range(a));
+        assert_eq!(reg.carve_own(3 * m, m, reserve), Some(a));
+        assert!(
+            !reg.free_range(a + 1),
+            "not one of memsaver's ranges: the driver's"
+        );
+        // The arena full: another.
+        let big = reg.carve_own(OWN_ARENA, m, reserve).unwrap();
+        assert_eq!((arenas.get(), big), (2, 2 * 0x1000_0000_0000));
+        // No address space to be had: the caller asks the driver.
+        assert_eq!(reg.carve_own(OWN_ARENA, m, |_, _| None), None);
     }
 
     #[test]

@@ -156,8 +156,15 @@ fn release_real(gone: Option<Gone>) {
                     tracing::warn!(code = r, "cuMemUnmap of a run of NCCL's buffers failed");
                 }
             }
+            let drivers: Vec<(u64, u64)> = {
+                let mut reg = registry::lock();
+                run.dead
+                    .into_iter()
+                    .filter(|(ptr, _)| !reg.free_range(*ptr))
+                    .collect()
+            };
             if let Some(free) = real::FREE() {
-                for (ptr, size) in run.dead {
+                for (ptr, size) in drivers {
                     // SAFETY: a reservation NCCL freed while the run covered it.
                     let r = unsafe { free(ptr, size as usize) };
                     if r != CUDA_SUCCESS {
@@ -417,11 +424,13 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     release_real(gone);
     CUDA_SUCCESS
 }
-/// NCCL reserves an address range, right after creating a buffer of that size: its range is
-/// asked for right after NCCL's previous buffer (an address hint, which the driver honours
-/// when that space is free), so that buffers NCCL allocates one after another are adjacent
-/// and a resume can back them with one physical allocation ([`crate::local`]). Any other
-/// reservation (an import's, a fixed address) is forwarded as it is.
+/// NCCL reserves an address range. Right after creating a buffer of that size: the range is
+/// carved from address space memsaver reserved for NCCL's buffers, lowest address first
+/// ([`registry::Registry::carve_own`]), so that buffers NCCL allocates one after another are
+/// adjacent and a resume can back them with one physical allocation ([`crate::local`]). Right
+/// after importing a peer's buffer: at its place in the owner's layout
+/// ([`registry::Registry::place_import`]). Any other reservation (a fixed address, host
+/// memory) is forwarded as it is.
 unsafe extern "C" fn mem_reserve(
     ptr: *mut CUdeviceptr,
     size: usize,
@@ -434,45 +443,37 @@ unsafe extern "C" fn mem_reserve(
     };
     let asked_anywhere = addr == 0 && flags == 0 && !ptr.is_null();
     let own = CREATED.replace(0) == size && size > 0 && asked_anywhere;
-    if let Some((owner, place, len)) = PLACE.take()
-        && len == size as u64
-        && asked_anywhere
-    {
-        // Where the owner's layout puts it, in a range reserved for that owner's block.
-        let mut reg = registry::lock();
-        let reserve = |size: u64, align: u64| {
-            let mut p = 0;
-            // SAFETY: a valid out-pointer; addresses only, reserved for the process's life.
-            let r = unsafe { f(&mut p, size as usize, align as usize, 0, 0) };
-            (r == CUDA_SUCCESS).then_some(p)
-        };
-        if let Some(at) = reg.place_import(owner, place, len, align as u64, reserve) {
-            // SAFETY: the caller's out-pointer.
-            unsafe { *ptr = at };
-            return CUDA_SUCCESS;
-        }
-        tracing::debug!(
-            owner,
-            place,
-            "memsaver: an import keeps the driver's address"
-        );
-    }
-    if !own || ptr.is_null() {
+    let import = PLACE
+        .take()
+        .filter(|p| p.2 == size as u64 && asked_anywhere);
+    if !own && import.is_none() {
         // SAFETY: forwarded unchanged.
         return unsafe { f(ptr, size, align, addr, flags) };
     }
-    let mut reg = registry::lock();
-    let hint = match reg.next_own_address {
-        0 => 0,
-        next => next.next_multiple_of(align.max(1) as u64),
+    // Address space for memsaver's ranges: reserved for the process's life.
+    let reserve = |size: u64, align: u64| {
+        let mut p = 0;
+        // SAFETY: a valid out-pointer.
+        let r = unsafe { f(&mut p, size as usize, align as usize, 0, 0) };
+        (r == CUDA_SUCCESS).then_some(p)
     };
-    // SAFETY: the caller's out-pointer; the hint is only a hint.
-    let r = unsafe { f(ptr, size, align, hint, 0) };
-    if r == CUDA_SUCCESS {
-        // SAFETY: written by the driver on success.
-        reg.next_own_address = unsafe { *ptr } + size as u64;
+    let mut reg = registry::lock();
+    let at = match import {
+        Some((owner, place, len)) => reg.place_import(owner, place, len, align as u64, reserve),
+        None => reg.carve_own(size as u64, align as u64, reserve),
+    };
+    drop(reg);
+    if let Some(at) = at {
+        // SAFETY: the caller's out-pointer.
+        unsafe { *ptr = at };
+        return CUDA_SUCCESS;
     }
-    r
+    tracing::debug!(
+        size,
+        "memsaver: NCCL's reservation keeps the driver's address"
+    );
+    // SAFETY: forwarded unchanged.
+    unsafe { f(ptr, size, align, addr, flags) }
 }
 
 /// NCCL frees an address range: while a run's mapping covers it, the range stays reserved
@@ -483,12 +484,12 @@ unsafe extern "C" fn mem_address_free(ptr: CUdeviceptr, size: usize) -> CUresult
         return CUDA_ERROR_NOT_INITIALIZED;
     };
     let mut reg = registry::lock();
-    // A range inside a reservation of memsaver's for an owner's layout: only the record goes.
-    if reg.placed.remove(&ptr).is_some() {
-        return CUDA_SUCCESS;
-    }
     if let Some(run) = reg.run_over(ptr, size as u64) {
         run.dead.push((ptr, size as u64));
+        return CUDA_SUCCESS;
+    }
+    // A range of memsaver's reservations: its record goes (own space is free again).
+    if reg.free_range(ptr) {
         return CUDA_SUCCESS;
     }
     drop(reg);

@@ -31,6 +31,17 @@ pub static UNMAP: Fault = Fault::new();
 /// a 47.5 GiB reservation at a hint on a two-GPU H100 host.
 pub static RESERVE: Fault = Fault::new();
 
+/// Run-time control only (`fakecuda_fail_creates_over`): every `cuMemCreate` of more than this
+/// many bytes fails with `CUDA_ERROR_OUT_OF_MEMORY` (0: none), as on a device with only that
+/// much memory free, while smaller ones succeed.
+pub static CREATE_LIMIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Whether a `cuMemCreate` of `size` bytes is over [`CREATE_LIMIT`].
+pub fn over_create_limit(size: u64) -> bool {
+    let limit = CREATE_LIMIT.load(std::sync::atomic::Ordering::Relaxed);
+    limit > 0 && size > limit
+}
+
 impl Fault {
     const fn new() -> Self {
         Self {

@@ -1063,6 +1063,17 @@ pub extern "C" fn fakecuda_fail_unmap_at(n: u32) -> CUresult {
     })
 }
 
+/// Test control: every `cuMemCreate` of more than `bytes` fails with
+/// `CUDA_ERROR_OUT_OF_MEMORY` from now on, smaller ones succeed (0 disarms): a device with
+/// only that much memory free, for resumes that back several buffers with one allocation.
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_fail_creates_over(bytes: u64) -> CUresult {
+    guard("fakecuda test control", || {
+        faults::CREATE_LIMIT.store(bytes, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    })
+}
+
 /// Test control: disarms every fault trigger, the knobs' included.
 #[unsafe(no_mangle)]
 pub extern "C" fn fakecuda_reset_faults() -> CUresult {
@@ -1071,6 +1082,7 @@ pub extern "C" fn fakecuda_reset_faults() -> CUresult {
         faults::MAP.reset();
         faults::UNMAP.reset();
         faults::RESERVE.reset();
+        faults::CREATE_LIMIT.store(0, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     })
 }

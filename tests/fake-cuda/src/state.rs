@@ -229,7 +229,7 @@ pub fn create(
     prop: &CUmemAllocationProp,
     flags: u64,
 ) -> Result<CUmemGenericAllocationHandle, CUresult> {
-    if faults::CREATE.hit(cfg.fail_create_at) {
+    if faults::CREATE.hit(cfg.fail_create_at) || faults::over_create_limit(size as u64) {
         return Err(CUDA_ERROR_OUT_OF_MEMORY);
     }
     let size = size as u64;
@@ -341,8 +341,10 @@ fn try_reserve_at(hint: u64, size: u64, align: u64) -> Option<u64> {
 /// Free address space left above a reservation made anywhere. The real driver keeps device
 /// addresses apart from host mappings and honours a hint right after a reservation, so
 /// reservations can be made one after the other; the host's mmap allocates top-down and would
-/// fill the space above at once. Leaving a gap there keeps hints working as on a GPU.
-const HEADROOM: u64 = 1 << 30;
+/// fill the space above at once. Leaving a gap there keeps hints working as on a GPU; it must
+/// outlast the host memory a process maps meanwhile (pinned backups of every buffer of a job
+/// with 8 ranks and 8 communicators fill 1 GiB from the top down).
+const HEADROOM: u64 = 16 << 30;
 
 /// Reserves `size` bytes aligned to `align`: over-reserve, then trim both ends, keeping the
 /// bottom of the range (see [`HEADROOM`]).

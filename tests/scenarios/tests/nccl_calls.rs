@@ -99,18 +99,17 @@ fn measure(l: &Layout, group: u32, cycles: usize) -> Vec<Cycle> {
 /// Per rank, with P private and S shared buffers, W ranks, and I = S x (W - 1) imports. NCCL's
 /// buffers, allocated one after another, sit side by side (memsaver asks the driver for each
 /// one's addresses right after the previous one), and each importer lays out its imports of
-/// an owner as the owner does. So a resume backs the private buffers with one physical
-/// allocation (a run), the shared ones, served to the same peers, with another, and each
-/// importer maps an owner's run of shared buffers whole, once. Before the first resume every
-/// buffer has its own: H = P + S own and I imported physical allocations; after it, 2 and
-/// W - 1.
+/// an owner as the owner does. So a resume backs all of a rank's buffers with one physical
+/// allocation (a run), and each importer maps an owner's run whole, once. Before the first
+/// resume every buffer has its own: P + S own and I imported physical allocations; after it,
+/// 1 and W - 1.
 ///
 /// * pause: a D2H copy of each own buffer (full backup, the default) into the pinned buffer
 ///   prepared for it in the background (no pinning call, also in the first pause), then
 ///   one `cuMemUnmap` and one `cuMemRelease` per physical allocation, own and imported;
-/// * resume: per own physical allocation (2) one `cuMemCreate`, `cuMemMap` and
-///   `cuMemSetAccess`, one H2D copy per buffer; one `cuMemExportToShareableHandle` per
-///   (shared run, importer), as each peer fetches its buffers; per owner imported from one
+/// * resume: one `cuMemCreate`, `cuMemMap` and `cuMemSetAccess` for the own run, one H2D copy
+///   per buffer; one `cuMemExportToShareableHandle` per importer, as each peer fetches its
+///   buffers; per owner imported from one
 ///   `cuMemImportFromShareableHandle`, `cuMemMap`, `cuMemSetAccess`. No reservation is made
 ///   or freed: the addresses stay NCCL's.
 #[test]
@@ -127,19 +126,15 @@ fn the_counts_are_what_the_design_implies() {
         let pause =
             |physical: u64| counts(&[("copy", own), ("unmap", physical), ("release", physical)]);
         let resume = counts(&[
-            ("create", 2),
-            ("map", 2 + (w - 1)),
-            ("set_access", 2 + (w - 1)),
+            ("create", 1),
+            ("map", 1 + (w - 1)),
+            ("set_access", 1 + (w - 1)),
             ("copy", own),
             ("export", w - 1),
             ("import", w - 1),
         ]);
         for (c, cycle) in measure(&l, group, 3).into_iter().enumerate() {
-            let physical = if c == 0 {
-                own + s * (w - 1)
-            } else {
-                2 + (w - 1)
-            };
+            let physical = if c == 0 { own + s * (w - 1) } else { w };
             for (r, ((pc, _), (rc, _))) in cycle.into_iter().enumerate() {
                 assert_eq!(
                     pc,
@@ -149,6 +144,82 @@ fn the_counts_are_what_the_design_implies() {
                 assert_eq!(rc, resume, "{ranks} ranks, cycle {c}, rank {r}: resume");
             }
         }
+    }
+}
+
+/// The steady calls of a job of `ranks` ranks with `comms` communicators laid out as NCCL lays
+/// them out (`nccl-rank`'s `comms`: per communicator private buffers, then per peer a shared
+/// buffer exported to that peer only and a private one): the last of three cycles' pause and
+/// resume counts, the same on every rank.
+fn steady_counts(
+    ranks: usize,
+    comms: u64,
+    group: u32,
+) -> (BTreeMap<String, u64>, BTreeMap<String, u64>) {
+    let dirs = Dirs::new();
+    let mut job = Job::start(ranks, group, &dirs.fake, &dirs.rt, 30_000);
+    job.all_ok("alloc 4");
+    job.all_ok(&format!("comms {comms} 4"));
+    job.all_ok("exchange");
+    job.write_all(1);
+    job.all_ok("pwrite 2");
+    job.all("prepared");
+    let mut last = None;
+    for _ in 0..3 {
+        job.all("calls");
+        job.all_ok("pause");
+        let pause: Vec<_> = job.all("calls").iter().map(|a| parse(a).0).collect();
+        job.all_ok("resume");
+        let resume: Vec<_> = job.all("calls").iter().map(|a| parse(a).0).collect();
+        job.check_all_seeded(1);
+        job.all_ok("pcheck 2");
+        for r in 1..ranks {
+            assert_eq!((&pause[r], &resume[r]), (&pause[0], &resume[0]), "rank {r}");
+        }
+        last = Some((pause[0].clone(), resume[0].clone()));
+    }
+    last.expect("three cycles")
+}
+
+/// A pause and a resume make as many driver calls with 8 communicators as with 1, at 2, 4 and 8
+/// ranks: one physical allocation for each process's buffers (they sit side by side, and fit
+/// one run), and one import and mapping of it in each peer; at most 16 x (peers + 1).
+#[test]
+fn the_counts_do_not_grow_with_communicators() {
+    for (ranks, group) in [(2, 64), (4, 65), (8, 66)] {
+        let peers = ranks as u64 - 1;
+        let one = steady_counts(ranks, 1, group);
+        let eight = steady_counts(ranks, 8, group + 10);
+        let calls = |c: &BTreeMap<String, u64>| -> u64 {
+            [
+                "create",
+                "map",
+                "set_access",
+                "unmap",
+                "release",
+                "export",
+                "import",
+            ]
+            .iter()
+            .map(|k| c[*k])
+            .sum()
+        };
+        for (name, a, b) in [("pause", &one.0, &eight.0), ("resume", &one.1, &eight.1)] {
+            assert_eq!(
+                calls(a),
+                calls(b),
+                "{ranks} ranks, {name}: 1 comm {a:?}, 8 comms {b:?}"
+            );
+            assert!(calls(b) <= 16 * (peers + 1), "{ranks} ranks, {name}: {b:?}");
+        }
+        assert_eq!(
+            (eight.0["unmap"], eight.0["release"]),
+            (1 + peers, 1 + peers)
+        );
+        assert_eq!(
+            (eight.1["create"], eight.1["export"], eight.1["import"]),
+            (1, peers, peers)
+        );
     }
 }
 

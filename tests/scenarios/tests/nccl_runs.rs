@@ -118,8 +118,9 @@ fn a_buffer_freed_inside_a_run_is_held_until_the_next_pause() {
     let c = calls(&mut job);
     assert_eq!(
         (c["unmap"], c["release"], c["address_free"]),
-        (1, 1, 1),
-        "the run goes whole, then the range NCCL freed: {c:?}"
+        (1, 1, 0),
+        "the run goes whole; the range NCCL freed goes back to memsaver's address space for \
+         NCCL's buffers: {c:?}"
     );
     assert_eq!(
         used - job.used(),
@@ -150,8 +151,8 @@ fn freeing_every_buffer_of_a_run_gives_its_memory_back_at_once() {
     let c = calls(&mut job);
     assert_eq!(
         (c["unmap"], c["release"], c["address_free"]),
-        (1, 1, 3),
-        "the run once its last buffer went, and the three ranges: {c:?}"
+        (1, 1, 0),
+        "the run once its last buffer went; the ranges are memsaver's: {c:?}"
     );
     let s = stats(&mut job);
     assert_eq!(
@@ -187,9 +188,9 @@ fn a_buffer_inside_a_run_cannot_be_exported_and_the_merge_limit_turns_runs_off()
 }
 
 /// Two ranks, each with one shared buffer of 4 MiB and two more (which the other rank imports)
-/// and three private ones of 2 MiB, through one pause and resume: each rank's shared buffers
-/// resume as one run, its private ones as another, and each rank maps its peer's run of shared
-/// buffers whole, once, where it laid out its imports as the peer lays out the buffers.
+/// and three private ones of 2 MiB, through one pause and resume: each rank's buffers resume
+/// as one run, and each rank maps its peer's run whole, once, where it laid out its imports as
+/// the peer lays out the buffers.
 #[test]
 fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_back() {
     let dirs = Dirs::new();
@@ -210,9 +211,8 @@ fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_ba
     let c = calls(&mut job);
     assert_eq!(
         (c["create"], c["export"], c["import"], c["map"]),
-        (2, 1, 1, 3),
-        "two runs of its own, its run of shared buffers exported once, the peer's imported \
-         and mapped once: {c:?}"
+        (1, 1, 1, 2),
+        "one run of its own, exported once, the peer's imported and mapped once: {c:?}"
     );
     job.check_all_seeded(1);
     job.all_ok("pcheck 3");
@@ -222,7 +222,7 @@ fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_ba
             let a = job.one(r, "stats");
             serde_json::from_str(a.strip_prefix("ok ").unwrap()).unwrap()
         };
-        assert_eq!(s["runs"], 3, "rank {r}: {s}");
+        assert_eq!(s["runs"], 2, "rank {r}: {s}");
         assert_eq!(
             (s["imported_handles"].as_u64(), s["owned_handles"].as_u64()),
             (Some(3), Some(6))
@@ -231,17 +231,17 @@ fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_ba
     // A second cycle: one unmap and release per run, imports included.
     job.all_ok("pause");
     let c = calls(&mut job);
-    assert_eq!((c["unmap"], c["release"]), (3, 3), "{c:?}");
+    assert_eq!((c["unmap"], c["release"]), (2, 2), "{c:?}");
     job.all_ok("resume");
     job.check_all_seeded(1);
     calls(&mut job);
     // NCCL's free path, imports first: every run goes back once its last buffer is freed;
-    // the import ranges were memsaver's (no driver call), its own ranges NCCL's.
+    // the ranges are memsaver's (no driver call).
     job.all_ok("free");
     let c = calls(&mut job);
     assert_eq!(
         (c["unmap"], c["release"], c["address_free"]),
-        (3, 3, 6),
+        (2, 2, 0),
         "{c:?}"
     );
     assert_eq!(job.used(), before, "nothing held");

@@ -126,16 +126,19 @@ fn main() {
             "allreduce_via_handle_resumed_rc={}",
             all_reduce_from(hn, hn)
         );
-        // Out of memory on resume: the exported buffer is re-created first, the private one's
-        // cuMemCreate fails. Resume reports it, keeps what it restored, and a second resume
-        // finishes the job with the contents intact.
+        // Out of memory on resume, with 5 MiB free: the two buffers, adjacent, do not fit as
+        // one run; retried one at a time, the exported 4 MiB buffer is re-created, the private
+        // 6 MiB one's cuMemCreate fails. Resume reports it, keeps what it restored, and a
+        // second resume (memory free again) finishes the job with the contents intact.
         // SAFETY: as above.
         println!("pause_oom_rc={}", unsafe { pause(c"nccl".as_ptr()) });
-        let fail_create: unsafe extern "C" fn(u32) -> c_int = sym(hc, c"fakecuda_fail_create_at");
-        // SAFETY: a fake-driver test control taking a count.
-        unsafe { fail_create(2) };
+        let limit: unsafe extern "C" fn(u64) -> c_int = sym(hc, c"fakecuda_fail_creates_over");
+        // SAFETY: a fake-driver test control taking a size.
+        unsafe { limit(5 << 20) };
         // SAFETY: as above.
         println!("resume_oom_rc={}", unsafe { resume(c"nccl".as_ptr()) });
+        // SAFETY: as above.
+        unsafe { limit(0) };
         println!("stats_oom={}", nccl_stats());
         println!("allreduce_oom_rc={}", all_reduce(hn));
         // SAFETY: as above.

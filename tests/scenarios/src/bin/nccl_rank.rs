@@ -8,6 +8,10 @@
 //! alloc MIB        allocate this rank's buffer through the fake NCCL and export it
 //! private N MIB    allocate N more buffers of MIB that are never shared (NCCL's metadata)
 //! shared N MIB     allocate N more exported buffers of MIB, sent by the next `exchange`
+//! comms C MIB      set up C communicators over all ranks as NCCL lays them out: per
+//!                  communicator 2 private buffers of 2 MiB (its structures), then per peer one
+//!                  buffer of MIB exported to that peer only (sent to it by the next `exchange`)
+//!                  and one private buffer of 2 MiB (the connection's)
 //! exchange         send the exported fds to every other rank (as NCCL's proxy does) and
 //!                  import and map every peer's buffers
 //! write SEED       fill this rank's buffer with a pattern
@@ -84,6 +88,8 @@ struct Rank {
     /// Buffers of `private` and `shared`, and the imports of peers' `shared` buffers.
     private: Vec<Option<FakeNcclAlloc>>,
     shared: Vec<FakeNcclAlloc>,
+    /// Buffers of `comms` exported to one peer each: (the peer, the buffer).
+    peered: Vec<(usize, FakeNcclAlloc)>,
     extra_imports: Vec<FakeNcclAlloc>,
     counts: CallCounts,
     reset_counts: extern "C" fn(),
@@ -159,6 +165,32 @@ impl Rank {
                         self.private.push(Some(a));
                     }
                 }
+                Ok(String::new())
+            }
+            Some("comms") => {
+                let (comms, mib) = (num(1)?, num(2)?);
+                let alloc = |size: u64, export: i32| {
+                    let mut a = FakeNcclAlloc::default();
+                    // SAFETY: per the fake NCCL's contract.
+                    let rc =
+                        unsafe { (self.alloc)(self.cuda.as_ptr(), size as usize, export, &mut a) };
+                    if rc != 0 {
+                        Err(format!("alloc {rc}"))
+                    } else {
+                        Ok(a)
+                    }
+                };
+                let mut made = Vec::new();
+                for _ in 0..comms {
+                    for _ in 0..2 {
+                        self.private.push(Some(alloc(2 << 20, 0)?));
+                    }
+                    for peer in (0..self.world).filter(|p| *p != self.rank) {
+                        made.push((peer, alloc(mib << 20, 1)?));
+                        self.private.push(Some(alloc(2 << 20, 0)?));
+                    }
+                }
+                self.peered.extend(made);
                 Ok(String::new())
             }
             Some("calls") => {
@@ -398,6 +430,7 @@ impl Rank {
                 let mut all = self.take_imports();
                 all.extend(self.own.take());
                 all.append(&mut self.shared);
+                all.extend(self.peered.drain(..).map(|(_, a)| a));
                 all.extend(self.private.drain(..).flatten());
                 self.free_all(all)
             }
@@ -432,15 +465,30 @@ impl Rank {
         let _ = std::fs::remove_file(&me);
         let listener = UnixListener::bind(&me).map_err(|e| e.to_string())?;
         let (rank, world, dir) = (self.rank, self.world, self.dir.clone());
-        // The main buffer's fd first, then those of `shared` (one message: at most 253 fds).
-        let mine: Vec<FakeNcclAlloc> = std::iter::once(own).chain(self.shared.clone()).collect();
-        if mine.len() > MAX_FDS {
-            return Err(format!("at most {MAX_FDS} exported buffers"));
+        // Per peer: the main buffer's fd first, then those of `shared`, then those of `comms`
+        // for that peer (one message: at most 253 fds).
+        let mut per_peer: Vec<(Vec<RawFd>, Vec<usize>)> = Vec::new();
+        for peer in 0..world {
+            let mine: Vec<FakeNcclAlloc> = std::iter::once(own)
+                .chain(self.shared.clone())
+                .chain(
+                    self.peered
+                        .iter()
+                        .filter(|(p, _)| *p == peer)
+                        .map(|(_, a)| *a),
+                )
+                .collect();
+            if mine.len() > MAX_FDS {
+                return Err(format!("at most {MAX_FDS} exported buffers per peer"));
+            }
+            per_peer.push((
+                mine.iter().map(|a| a.exported_fd).collect(),
+                mine.iter().map(|a| a.size).collect(),
+            ));
         }
-        let fds: Vec<RawFd> = mine.iter().map(|a| a.exported_fd).collect();
-        let sizes: Vec<usize> = mine.iter().map(|a| a.size).collect();
         let sender = std::thread::spawn(move || -> Result<(), String> {
             for peer in (0..world).filter(|p| *p != rank) {
+                let (fds, sizes) = &per_peer[peer];
                 let path = dir.join(format!("{peer}.sock"));
                 let s = loop {
                     match UnixStream::connect(&path) {
@@ -456,7 +504,7 @@ impl Rank {
                 sendmsg::<UnixAddr>(
                     s.as_raw_fd(),
                     &[IoSlice::new(&payload)],
-                    &[ControlMessage::ScmRights(&fds)],
+                    &[ControlMessage::ScmRights(fds)],
                     MsgFlags::empty(),
                     None,
                 )
@@ -512,7 +560,13 @@ impl Rank {
         }
         sender.join().map_err(|_| "sender panicked".to_string())??;
         // NCCL closes its copy of the exported fd once every peer has it.
-        for a in self.own.iter_mut().chain(self.shared.iter_mut()) {
+        let peered = self.peered.iter_mut().map(|(_, a)| a);
+        for a in self
+            .own
+            .iter_mut()
+            .chain(self.shared.iter_mut())
+            .chain(peered)
+        {
             // SAFETY: our own exported fd, closed once.
             unsafe { libc::close(a.exported_fd) };
             a.exported_fd = -1;
@@ -557,6 +611,7 @@ fn main() {
         peers: Vec::new(),
         private: Vec::new(),
         shared: Vec::new(),
+        peered: Vec::new(),
         extra_imports: Vec::new(),
         counts: sym(hc, c"fakecuda_call_counts"),
         reset_counts: sym(hc, c"fakecuda_reset_call_counts"),
