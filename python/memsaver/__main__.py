@@ -4,7 +4,8 @@
 libmemsaver.so (``memsaver_cli_main``); the others are Python. ``memsaver --help`` lists them,
 ``memsaver COMMAND --help`` describes one. The core's commands and their flags are declared
 once, in the core (``torch-shim/src/cli/mod.rs``, ``COMMANDS``): their parsers here are built
-from the table it gives (``memsaver_cli_spec_json``).
+from the table it gives (``memsaver_cli_spec_json``). So are their subcommands (``bench
+nccl``), which run here: the core declares them and refuses to run them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from typing import Any
 #: The core's command that the Python package extends (with a profile); the core's other
 #: commands are run as given, their flags parsed by the core.
 _EXTENDED = "demo"
+
+#: The Python implementations of the core's subcommands (declared in its table), by
+#: (command, subcommand): each takes the parsed flags by name (``--ranks`` -> ``ranks``,
+#: strings; None or False when not given) and returns the exit status.
+_SUBCOMMANDS = {("bench", "nccl"): "_bench_nccl"}
 
 
 def _core_spec() -> list[dict[str, Any]] | None:
@@ -157,7 +163,11 @@ def _parser(spec: list[dict[str, Any]] | None) -> argparse.ArgumentParser:
     # (memsaver_cli_main), these parsers list them for --help.
     for command in spec or []:
         if command["name"] != _EXTENDED:
-            c = sub.add_parser(command["name"], help=command["help"], description=command["help"])
+            subs = "".join(
+                f"; '{command['name']} {s['name']}': {s['help'].split(':')[0]} ({command['name']} {s['name']} --help)"
+                for s in command.get("subcommands", [])
+            )
+            c = sub.add_parser(command["name"], help=command["help"] + subs, description=command["help"] + subs)
             _core_flags(c, command)
     sub.add_parser(
         "diagnostics",
@@ -167,6 +177,27 @@ def _parser(spec: list[dict[str, Any]] | None) -> argparse.ArgumentParser:
         "if something is wrong, with a line saying what to do.",
     )
     return p
+
+
+def _subcommand(spec: list[dict[str, Any]], args: list[str]) -> int | None:
+    """Runs ``args`` when it names a subcommand of one of the core's commands (``bench nccl
+    ...``), in Python; None when it does not."""
+    import importlib
+
+    if len(args) < 2 or (args[0], args[1]) not in _SUBCOMMANDS:
+        return None
+    command = next((c for c in spec if c["name"] == args[0]), None)
+    declared = next((s for s in (command or {}).get("subcommands", []) if s["name"] == args[1]), None)
+    if declared is None:
+        print(f"{_prog()}: error: this libmemsaver.so does not declare '{args[0]} {args[1]}': "
+              "reinstall memsaver", file=sys.stderr)
+        return 2
+    p = argparse.ArgumentParser(prog=f"{_prog()} {args[0]} {args[1]}", description=declared["help"])
+    _core_flags(p, declared)
+    parsed = p.parse_args(args[2:])
+    flags = {k.removeprefix("core_"): v for k, v in vars(parsed).items()}
+    module = importlib.import_module(f"memsaver.{_SUBCOMMANDS[(args[0], args[1])]}")
+    return int(module.main(flags))
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> list[str]:
@@ -401,6 +432,10 @@ def _main(argv: list[str] | None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
     spec = _core_spec()
     parser = _parser(spec)
+    if spec is not None:
+        status = _subcommand(spec, args_list)
+        if status is not None:
+            return status
     if args_list and not args_list[0].startswith("-"):
         core_commands = {c["name"] for c in spec or []} - {_EXTENDED}
         python_commands = set(_subcommands(parser)) - core_commands

@@ -47,7 +47,8 @@ pub mod python {
     }
 }
 
-/// The options of the test suite and of the `memsaver` command's fake-driver fallback
+/// The options of the test suite and of the `memsaver` command's fake-driver fallback (and of
+/// `bench nccl --fake`'s fake NCCL)
 /// (`Reader::Testing`).
 pub mod testing {
     memsaver_allocator::declare_options! {
@@ -62,6 +63,10 @@ pub mod testing {
             /// no GPU (`make test` sets it)
             FAKE_CUDA_LIB = "MEMSAVER_FAKE_CUDA_LIB", path,
                 unset "target/<profile>/../fake-cuda/libcuda.so.1", Testing;
+            /// the fake NCCL (tests/fake-nccl, not in the wheel) that `memsaver bench nccl
+            /// --fake` and the tests load (`make test` sets it)
+            FAKE_NCCL_LIB = "MEMSAVER_FAKE_NCCL_LIB", path,
+                unset "target/fake-nccl/libnccl.so.2 beside the fake driver", Testing;
         }
     }
 }

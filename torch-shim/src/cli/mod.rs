@@ -3,6 +3,11 @@
 //! these through [`crate::memsaver_cli_main`], so they run on the allocator core directly (a
 //! private [`Allocator`](memsaver_allocator::Allocator) over a driver opened here, not the
 //! process-wide one) and print to stdout: they are only ever called by that command.
+//!
+//! A command's subcommands (`bench nccl`) are declared in the same table but run by the Python
+//! package (they start processes under the preload, which the core cannot do): the core's
+//! usage lists them, the Python command builds their parsers from [`spec_json`], and [`main`]
+//! refuses them.
 
 /// `writeln!` into the command's output, turning a write error into the command's error.
 macro_rules! outln {
@@ -46,6 +51,8 @@ pub struct Command {
     /// What it does, in one line (or a few, for the usage text).
     pub help: &'static str,
     pub flags: &'static [Flag],
+    /// `memsaver <name> <subcommand> ...`: run by the Python package, not by [`main`].
+    pub subcommands: &'static [Command],
 }
 
 const fn value(
@@ -85,6 +92,7 @@ pub const COMMANDS: &[Command] = &[
             value("--device", "N", "0", "device to use"),
             switch("--fake", "use the fake driver even if a GPU is present"),
         ],
+        subcommands: &[],
     },
     Command {
         name: "bench",
@@ -99,11 +107,47 @@ pub const COMMANDS: &[Command] = &[
             switch("--no-verify", "do not check the contents after each resume"),
             switch("--fake", "use the fake driver even if a GPU is present"),
         ],
+        subcommands: &[Command {
+            name: "nccl",
+            help: "NCCL's switch time: N rank processes under the preload with C communicators \
+                   pause and resume the nccl tag together K times, checking the collectives \
+                   after each resume; one NCCL_BENCH line of JSON per rank",
+            flags: &[
+                value(
+                    "--ranks",
+                    "N",
+                    "2",
+                    "rank processes, one GPU each (2 or more)",
+                ),
+                value("--comms", "C", "1", "communicators over all ranks"),
+                value("--cycles", "K", "5", "pause/resume cycles"),
+                value(
+                    "--mib",
+                    "M",
+                    "4",
+                    "MiB of each collective's tensor (GPU), of each buffer shared with a peer \
+                     (--fake)",
+                ),
+                value("--timeout", "S", "300", "seconds each rank may take in all"),
+                switch(
+                    "--fake",
+                    "the fake CUDA driver and fake NCCL (no GPU, no torch; the fake NCCL comes \
+                     from a checkout: make fake-cuda)",
+                ),
+                switch(
+                    "--native",
+                    "NCCL's own ncclCommSuspend/ncclCommResume instead of memsaver's pause \
+                     (NCCL 2.29.7 or later)",
+                ),
+            ],
+            subcommands: &[],
+        }],
     },
     Command {
         name: "options",
         help: "the table of MEMSAVER_* options (Markdown, as in docs/options.md)",
         flags: &[],
+        subcommands: &[],
     },
 ];
 
@@ -116,60 +160,70 @@ pub fn command(name: &str) -> Option<&'static Command> {
 pub fn usage() -> String {
     let mut u = String::from("commands of the allocator core (run through `memsaver`):\n");
     for c in COMMANDS {
-        let mut line = format!("  {:<10}", c.name);
-        for word in c.help.split_whitespace() {
-            if line.len() + 1 + word.len() > 92 {
-                u.push_str(line.trim_end());
-                u.push('\n');
-                line = " ".repeat(12);
-            } else if !line.ends_with(' ') {
-                line.push(' ');
-            }
-            line.push_str(word);
-        }
-        u.push_str(&line);
-        u.push('\n');
-        for f in c.flags {
-            let flag = match f.value {
-                Some(v) => format!("{} {v}", f.name),
-                None => f.name.to_owned(),
-            };
-            let default = f
-                .default
-                .map_or_else(String::new, |d| format!(" (default {d})"));
-            u.push_str(&format!("            {flag:<16} {}{default}\n", f.help));
+        command_usage(&mut u, c.name, c);
+        for s in c.subcommands {
+            command_usage(&mut u, &format!("{} {}", c.name, s.name), s);
         }
     }
     u
 }
 
+/// `c`'s lines of [`usage`], under the name `name`.
+fn command_usage(u: &mut String, name: &str, c: &Command) {
+    let mut line = format!("  {name:<10}");
+    for word in c.help.split_whitespace() {
+        if line.len() + 1 + word.len() > 92 {
+            u.push_str(line.trim_end());
+            u.push('\n');
+            line = " ".repeat(12);
+        } else if !line.ends_with(' ') {
+            line.push(' ');
+        }
+        line.push_str(word);
+    }
+    u.push_str(&line);
+    u.push('\n');
+    for f in c.flags {
+        let flag = match f.value {
+            Some(v) => format!("{} {v}", f.name),
+            None => f.name.to_owned(),
+        };
+        let default = f
+            .default
+            .map_or_else(String::new, |d| format!(" (default {d})"));
+        let help = f.help.split_whitespace().collect::<Vec<_>>().join(" ");
+        u.push_str(&format!("            {flag:<16} {help}{default}\n"));
+    }
+}
+
 /// [`COMMANDS`] as JSON, for the Python command's parsers: `{"commands": [{"name", "help",
-/// "flags": [{"name", "value", "default", "help"}]}]}` (`value` and `default` null for a
-/// flag without a value).
+/// "flags": [{"name", "value", "default", "help"}], "subcommands": [...]}]}` (`value` and
+/// `default` null for a flag without a value; subcommands in the shape of commands).
 pub fn spec_json() -> serde_json::Result<String> {
-    let commands: Vec<serde_json::Value> = COMMANDS
+    let commands: Vec<serde_json::Value> = COMMANDS.iter().map(command_json).collect();
+    serde_json::to_string(&serde_json::json!({ "commands": commands }))
+}
+
+/// One command of [`spec_json`], its subcommands nested in the same shape.
+fn command_json(c: &Command) -> serde_json::Value {
+    let flags: Vec<serde_json::Value> = c
+        .flags
         .iter()
-        .map(|c| {
-            let flags: Vec<serde_json::Value> = c
-                .flags
-                .iter()
-                .map(|f| {
-                    serde_json::json!({
-                        "name": f.name,
-                        "value": f.value,
-                        "default": f.default,
-                        "help": f.help,
-                    })
-                })
-                .collect();
+        .map(|f| {
             serde_json::json!({
-                "name": c.name,
-                "help": c.help.split_whitespace().collect::<Vec<_>>().join(" "),
-                "flags": flags,
+                "name": f.name,
+                "value": f.value,
+                "default": f.default,
+                "help": f.help.split_whitespace().collect::<Vec<_>>().join(" "),
             })
         })
         .collect();
-    serde_json::to_string(&serde_json::json!({ "commands": commands }))
+    serde_json::json!({
+        "name": c.name,
+        "help": c.help.split_whitespace().collect::<Vec<_>>().join(" "),
+        "flags": flags,
+        "subcommands": c.subcommands.iter().map(command_json).collect::<Vec<_>>(),
+    })
 }
 
 /// Runs `args` (`["bench", "--cycles", "3"]`); what it prints goes to `out`. Exit status:
@@ -182,6 +236,17 @@ pub fn main(args: &[String], out: &mut dyn Write) -> i32 {
             return 2;
         }
     };
+    if let Some(sub) = command(cmd).and_then(|c| {
+        let first = rest.first()?;
+        c.subcommands.iter().find(|s| s.name == first)
+    }) {
+        eprintln!(
+            "memsaver {cmd} {}: error: a command of the Python package: run it as `memsaver \
+             {cmd} {}` (or `python -m memsaver {cmd} {}`)",
+            sub.name, sub.name, sub.name
+        );
+        return 2;
+    }
     if rest.iter().any(|a| a == "-h" || a == "--help") {
         let _ = write!(out, "{}", usage());
         return 0;
@@ -333,6 +398,20 @@ mod tests {
 
     #[test]
     fn every_flag_is_declared_once_with_a_usable_default() {
+        for s in COMMANDS.iter().flat_map(|c| c.subcommands) {
+            assert!(
+                s.subcommands.is_empty(),
+                "{}: one level of subcommands",
+                s.name
+            );
+            for f in s.flags {
+                assert!(f.name.starts_with("--") && !f.help.is_empty(), "{}", f.name);
+                assert_eq!(f.value.is_some(), f.default.is_some(), "{}", f.name);
+                if let Some(d) = f.default {
+                    d.parse::<f64>().unwrap();
+                }
+            }
+        }
         for c in COMMANDS {
             let mut names: Vec<&str> = c.flags.iter().map(|f| f.name).collect();
             names.sort_unstable();
@@ -369,5 +448,13 @@ mod tests {
             spec["commands"][0]["flags"][1]["value"],
             serde_json::Value::Null
         );
+        assert_eq!(spec["commands"][1]["subcommands"][0]["name"], "nccl");
+        assert!(usage().contains("bench nccl") && usage().contains("--ranks N"));
+    }
+
+    #[test]
+    fn a_subcommand_is_refused_by_the_core() {
+        let args: Vec<String> = ["bench", "nccl", "--ranks", "2"].map(String::from).into();
+        assert_eq!(main(&args, &mut Vec::new()), 2);
     }
 }

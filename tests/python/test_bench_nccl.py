@@ -1,0 +1,92 @@
+"""`memsaver bench nccl --fake`: real rank processes under the preload on the fake driver and
+the fake NCCL (tests/fake-nccl), as a user runs it; its lines, its failures and its flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+FIELDS = {"rank", "ranks", "comms", "pause_ms", "resume_ms", "calls_per_pause", "calls_per_resume", "freed_pct"}
+
+
+@pytest.fixture
+def bench_env(child_env) -> dict[str, str]:
+    nccl = os.environ.get("MEMSAVER_FAKE_NCCL_LIB") or os.path.join(
+        os.path.dirname(os.environ["MEMSAVER_CUDA_LIB"]), "..", "fake-nccl", "libnccl.so.2"
+    )
+    if not os.path.exists(nccl):
+        pytest.skip(f"no fake NCCL at {nccl}: build it with `make fake-cuda`")
+    return dict(child_env, MEMSAVER_FAKE_NCCL_LIB=nccl)
+
+
+def bench(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "memsaver", "bench", "nccl", "--fake", *flags],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+
+
+def lines(r: subprocess.CompletedProcess[str]) -> list[dict[str, object]]:
+    out = [json.loads(line.removeprefix("NCCL_BENCH ")) for line in r.stdout.splitlines()]
+    assert len(out) == len(r.stdout.splitlines()), r.stdout
+    return out
+
+
+def test_pause_calls_do_not_grow_with_communicators(bench_env):
+    calls = {}
+    for comms in (1, 4):
+        r = bench(bench_env, "--ranks", "2", "--comms", str(comms), "--cycles", "2")
+        assert r.returncode == 0, r.stdout + r.stderr
+        got = lines(r)
+        assert [g["rank"] for g in got] == [0, 1], r.stdout
+        for g in got:
+            assert set(g) == FIELDS, g
+            assert (g["ranks"], g["comms"]) == (2, comms)
+            assert len(g["pause_ms"]) == len(g["resume_ms"]) == 2  # type: ignore[arg-type]
+            assert all(t > 0 for t in g["pause_ms"] + g["resume_ms"]), g  # type: ignore[operator]
+            assert g["freed_pct"] > 0, g  # type: ignore[operator]
+            assert g["calls_per_pause"] > 0 and g["calls_per_resume"] > 0, g  # type: ignore[operator]
+        calls[comms] = {g["rank"]: g["calls_per_pause"] for g in got}
+    # After the first resume each rank backs its buffers with one physical allocation and maps
+    # each peer's whole, once: a pause's driver calls do not depend on the communicators.
+    assert calls[1] == calls[4], calls
+
+
+def test_one_rank_is_refused(bench_env):
+    r = bench(bench_env, "--ranks", "1")
+    assert r.returncode == 2 and r.stdout == ""
+    assert "--ranks 1: NCCL's communicators need 2 or more ranks" in r.stderr, r.stderr
+
+
+def test_a_rank_that_fails_fails_the_run_naming_it(bench_env):
+    # Rank 1's driver cannot create memory after its first few allocations: the fake NCCL's
+    # set-up fails there, and the run says which rank and why, with that rank's stderr.
+    env = dict(bench_env, FAKE_CUDA_FAIL_CREATE_AT="3")
+    r = bench(env, "--ranks", "2", "--comms", "2", "--cycles", "1", "--timeout", "30")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stdout == ""
+    assert "memsaver bench nccl: rank " in r.stderr and "the fake NCCL could not allocate" in r.stderr, r.stderr
+    assert "[rank " in r.stderr  # the rank's own stderr, forwarded
+
+
+def test_a_rank_that_does_not_finish_is_killed_and_reported(bench_env):
+    r = bench(bench_env, "--ranks", "2", "--comms", "1", "--cycles", "50", "--timeout", "0.5")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "did not finish within 0.5 s (killed)" in r.stderr or "did not reach barrier" in r.stderr, r.stderr
+
+
+def test_help_and_the_missing_fake_nccl(bench_env):
+    r = subprocess.run([sys.executable, "-m", "memsaver", "bench", "nccl", "--help"],
+                       env=bench_env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for flag in ("--ranks", "--comms", "--fake", "--cycles", "--mib", "--native", "--timeout"):
+        assert flag in r.stdout, r.stdout
+    env = dict(bench_env, MEMSAVER_FAKE_NCCL_LIB="/nonexistent/libnccl.so.2")
+    r = bench(env)
+    assert r.returncode == 1 and "make fake-cuda" in r.stderr, r.stderr
+    r = bench(bench_env, "--native")
+    assert r.returncode == 2 and "--native" in r.stderr and "fake NCCL lacks" in r.stderr, r.stderr
