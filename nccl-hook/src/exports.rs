@@ -86,16 +86,18 @@ impl Exports for Buffers {
         let mut out = Vec::new();
         // The buffers of one run share its memory: exported once, its fd copied for the others.
         let mut exported: HashMap<registry::Real, std::os::fd::OwnedFd> = HashMap::new();
+        let staying = reg.runs_that_stay();
         for r in items {
             let Some(p) = reg.physicals.get(&r.id) else {
                 // Freed by NCCL while this request waited.
                 out.push((Reply::Failed { id: r.id }, None));
                 continue;
             };
-            // A buffer that stays resident through pauses (host memory, given to a NIC, ...)
-            // keeps its generation: serve it as it is. Otherwise wait until the owner has
-            // re-created the generation asked for.
-            let stays = p.pausable().is_err();
+            // A buffer that stays resident through pauses (host memory, given to a NIC, ...,
+            // or in a run with such a buffer, which pauses keep whole) keeps its generation:
+            // serve it as it is. Otherwise wait until the owner has re-created the generation
+            // asked for.
+            let stays = p.pausable().is_err() || p.run.is_some_and(|base| staying.contains(&base));
             if !(stays || p.generation >= r.generation) {
                 break; // not restored yet: answers go out in order, wait
             }

@@ -201,12 +201,7 @@ fn by_device(
 /// released whole or not at all: if one of its buffers must stay (given to a NIC, say), all
 /// stay.
 fn releasable(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>) -> (Vec<u64>, Vec<u64>) {
-    let kept_runs: std::collections::HashSet<u64> = reg
-        .physicals
-        .values()
-        .filter(|p| p.pausable().is_err())
-        .filter_map(|p| p.run)
-        .collect();
+    let staying = reg.runs_that_stay();
     let (mut own, mut imports) = (Vec::new(), Vec::new());
     for (vh, p) in &reg.physicals {
         // A peer's memsaver memory NCCL registered follows its owner's tag, not this one.
@@ -214,7 +209,7 @@ fn releasable(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>) -> (Vec<u64>, V
             || p.pausable().is_err()
             || p.kind == Kind::Registered
             || !ranges.contains_key(vh)
-            || p.run.is_some_and(|base| kept_runs.contains(&base))
+            || p.run.is_some_and(|base| staying.contains(&base))
         {
             continue;
         }

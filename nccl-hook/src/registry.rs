@@ -565,6 +565,16 @@ impl Registry {
         )
     }
 
+    /// The runs that hold a buffer that must stay resident (given to a NIC, bound to
+    /// multicast, ...), by base: pauses keep such a run whole.
+    pub fn runs_that_stay(&self) -> HashSet<CUdeviceptr> {
+        self.physicals
+            .values()
+            .filter(|p| p.pausable().is_err())
+            .filter_map(|p| p.run)
+            .collect()
+    }
+
     /// The address of the first mapping of `vh`, 0 if it has none.
     pub fn place_of(&self, vh: u64) -> u64 {
         self.mappings

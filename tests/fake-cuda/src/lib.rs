@@ -564,6 +564,35 @@ cuda_exports! {
         Ok(())
     }
 
+    /// A dmabuf fd of a mapped range, as a NIC driver would be given it (GPUDirect RDMA):
+    /// a new fd the caller owns; the range must lie inside one mapping.
+    fn cuMemGetHandleForAddressRange(
+        handle: *mut c_void,
+        ptr: CUdeviceptr,
+        size: usize,
+        handle_type: c_uint,
+        flags: c_ulonglong,
+    ) {
+        let out = non_null(handle.cast::<c_int>())?;
+        context::initialised()?;
+        // CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, no flags.
+        if handle_type != 1 || flags != 0 || size == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let (base, len) = state::address_range(ptr)?;
+        if ptr + size as u64 > base + len as u64 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: NUL-terminated name; valid flags.
+        let fd = unsafe { libc::memfd_create(c"fakecuda-dmabuf".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(CUDA_ERROR_UNKNOWN);
+        }
+        // SAFETY: non-null; the caller passes a pointer to an int.
+        unsafe { out.write(fd) };
+        Ok(())
+    }
+
     /// A stream token.
     fn cuStreamCreate(stream: *mut CUstream, flags: c_uint) {
         let out = non_null(stream)?;

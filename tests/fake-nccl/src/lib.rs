@@ -302,6 +302,33 @@ pub unsafe extern "C" fn fake_nccl_export(
     r.unwrap_or_else(|e| -e.abs())
 }
 
+/// Gives `size` bytes at `ptr` to a NIC the way NCCL's network transport does with GPUDirect
+/// RDMA over dmabuf (`cuMemGetHandleForAddressRange`, then the fd goes to the NIC driver; here
+/// it is closed). Returns 0 or an error code.
+///
+/// # Safety
+/// `cuda_lib` is NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_nccl_give_to_nic(
+    cuda_lib: *const c_char,
+    ptr: u64,
+    size: usize,
+) -> c_int {
+    type GetHandle = unsafe extern "C" fn(*mut c_void, u64, usize, u32, u64) -> CUresult;
+    // SAFETY: per this function's contract; the out-pointer is a live local.
+    let r = unsafe {
+        (|| -> Result<(), c_int> {
+            let d = open(cuda_lib)?;
+            let get: GetHandle = d.get(c"cuMemGetHandleForAddressRange")?;
+            let mut fd: c_int = -1;
+            ok(get((&mut fd as *mut c_int).cast(), ptr, size, 1, 0))?;
+            libc::close(fd);
+            Ok(())
+        })()
+    };
+    r.err().unwrap_or(0)
+}
+
 /// Registers the user buffer at `buff` the way NCCL's IPC registration does
 /// (`ncclCommRegister`, and the buffers of collectives captured in a graph, with cuMem on):
 /// asks the driver for the range the buffer lies in, retains the handle at its base, exports

@@ -255,3 +255,47 @@ fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_ba
         );
     }
 }
+
+/// A buffer given to a NIC after it joined a run (NCCL's network transport connecting after a
+/// resume) must stay resident, and with it the whole run: the next pause keeps the run, its
+/// peers still pause and resume, and a peer that asks for the buffers of that run again is
+/// served them as they are, at once (not after its timeout), reading the same contents.
+#[test]
+fn a_run_with_a_buffer_given_to_a_nic_stays_whole_and_its_peers_are_served_as_it_is() {
+    let dirs = Dirs::new();
+    let mut job = Job::start(2, 77, &dirs.fake, &dirs.rt, 10_000);
+    job.all_ok("alloc 4");
+    job.all_ok("shared 1 4");
+    job.all_ok("private 2 2");
+    job.all_ok("exchange");
+    job.write_all(1);
+    job.all_ok("pwrite 3");
+    job.all_ok("pause");
+    job.all_ok("resume");
+    job.one(0, "calls");
+    job.ok(&[0], "pnic 1");
+    let used = job.used();
+    let started = std::time::Instant::now();
+    job.all_ok("pause");
+    let c = calls(&mut job);
+    assert_eq!(
+        (c["unmap"], c["release"]),
+        (1, 1),
+        "rank 0 keeps its run; it lets go of its import of rank 1's: {c:?}"
+    );
+    assert_eq!(
+        used - job.used(),
+        12 * MIB,
+        "rank 1's 12 MiB freed, rank 0's kept"
+    );
+    job.all_ok("resume");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "the peer was served at once, not at its timeout: {:?}",
+        started.elapsed()
+    );
+    job.check_all_seeded(1);
+    job.all_ok("pcheck 3");
+    let s = stats(&mut job);
+    assert!(s["resident_pinned_bytes"].as_u64().unwrap() > 0, "{s}");
+}

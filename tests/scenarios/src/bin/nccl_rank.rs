@@ -32,6 +32,7 @@
 //! pcheck SEED      every private buffer holds what `pwrite SEED` wrote
 //! pfree I          NCCL's free path on private buffer I (the others keep their numbers)
 //! pexport I        NCCL's proxy exports private buffer I as a POSIX fd -> ok | err CODE
+//! pnic I           NCCL's network transport gives private buffer I to a NIC (dmabuf)
 //! stats            memsaver_nccl_stats_json on one line
 //! mstats           memsaver_stats_json on one line
 //! prepared         waits (up to 30 s) until memsaver has prepared every pinned backup it was
@@ -63,6 +64,8 @@ const MAX_FDS: usize = 253;
 type LastError = unsafe extern "C" fn() -> *const c_char;
 /// `fake_nccl_export`: an fd, or minus the driver's error code.
 type Export = unsafe extern "C" fn(*const c_char, *const FakeNcclAlloc) -> c_int;
+/// `fake_nccl_give_to_nic`: 0 or the driver's error code.
+type GiveToNic = unsafe extern "C" fn(*const c_char, u64, usize) -> c_int;
 
 /// The pattern seed of private buffer `a` for `pwrite`/`pcheck SEED`: its own for each buffer.
 fn private_seed(seed: u64, a: &FakeNcclAlloc) -> u64 {
@@ -79,6 +82,7 @@ struct Rank {
     import: Import,
     free: Free,
     export: Export,
+    give_to_nic: GiveToNic,
     pause: TagCall,
     resume: TagCall,
     last_error: LastError,
@@ -410,6 +414,19 @@ impl Rank {
                     .ok_or("no such private buffer")?;
                 self.free_all(vec![a])
             }
+            Some("pnic") => {
+                let a = self
+                    .private
+                    .get(num(1)? as usize)
+                    .copied()
+                    .flatten()
+                    .ok_or("no such private buffer")?;
+                // SAFETY: a buffer of the fake NCCL's.
+                match unsafe { (self.give_to_nic)(self.cuda.as_ptr(), a.ptr, a.size) } {
+                    0 => Ok(String::new()),
+                    rc => Err(rc.to_string()),
+                }
+            }
             Some("pexport") => {
                 let a = self
                     .private
@@ -603,6 +620,7 @@ fn main() {
         import: sym(hn, c"fake_nccl_import"),
         free: sym(hn, c"fake_nccl_free"),
         export: sym(hn, c"fake_nccl_export"),
+        give_to_nic: sym(hn, c"fake_nccl_give_to_nic"),
         pause: sym(libc::RTLD_DEFAULT, c"memsaver_pause"),
         resume: sym(libc::RTLD_DEFAULT, c"memsaver_resume"),
         last_error: sym(libc::RTLD_DEFAULT, c"memsaver_last_error"),
