@@ -266,6 +266,7 @@ fn release_import_run(
     unsafe { steps.unmap(dev, &place) }?;
     let run = reg.runs.remove(&base).expect("seen above");
     steps.release(Handle(run.real), base);
+    free_dead(reg, &run.around);
     for p in reg.physicals.values_mut().filter(|p| p.run == Some(base)) {
         let generation = p.mapped_generation();
         p.release()?;
@@ -603,6 +604,7 @@ fn restore(
                 real: h.0,
                 live: unit.len(),
                 dead: Vec::new(),
+                around: Vec::new(),
             };
             reg.runs.insert(base, run);
         }

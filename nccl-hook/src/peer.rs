@@ -451,7 +451,9 @@ pub(crate) fn map_imports(
 /// Maps memory an owner served for several adjacent buffers (`members`, all released imports
 /// here) whole, once, at `base`, where this process laid out its imports of them as the owner
 /// lays them out ([`registry::MIRROR_BLOCK`]), and records them mapped at `generation`, in one
-/// run. Fails (nothing mapped) when their places here are not the owner's layout.
+/// run. Imports NCCL placed elsewhere (it reserved their addresses other than right after
+/// importing them) get the addresses around them reserved, where free ([`around`]), so that
+/// the run maps whole there too; fails (nothing mapped) when they are taken.
 #[allow(clippy::too_many_arguments)]
 fn map_run(
     a: &'static Allocator,
@@ -463,16 +465,30 @@ fn map_run(
     generation: u64,
     members: &[Fetched],
 ) -> memsaver_allocator::Result<()> {
-    if !reg.in_mirror(base, size) {
-        return Err(Error::InvalidArgument(
-            "NCCL mapped imports of a peer's buffers elsewhere than where memsaver laid them \
-             out, and their owner now backs them together with their neighbours, which maps \
-             only whole; set MEMSAVER_MERGE_MB=0 in the process that exports them so that \
-             every NCCL buffer keeps its own memory"
-                .into(),
-        ));
-    }
     let d = a.driver();
+    let around = if reg.in_mirror(base, size) {
+        Vec::new()
+    } else {
+        let held: Vec<(u64, u64)> = members
+            .iter()
+            .filter_map(|f| ranges.get(&f.vh)?.first().map(|r| (r.0, r.1)))
+            .collect();
+        around(d, base, size, held).map_err(|e| {
+            Error::InvalidArgument(format!(
+                "NCCL mapped imports of a peer's buffers elsewhere than where memsaver laid them \
+                 out, and their owner now backs them together with their neighbours, which maps \
+                 only whole, and the addresses around them are taken ({e}); set \
+                 MEMSAVER_MERGE_MB=0 in the process that exports them so that every NCCL buffer \
+                 keeps its own memory"
+            ))
+        })?
+    };
+    let free_around = |around: &[(u64, u64)]| {
+        for &(ptr, len) in around {
+            // SAFETY: reserved by `around` above, nothing mapped in it.
+            let _ = unsafe { d.address_free(ptr, len as usize) };
+        }
+    };
     let first = members[0].vh;
     let access = &ranges[&first][0].2;
     let dev = a.device(device_of(reg, ranges, first))?;
@@ -485,6 +501,7 @@ fn map_run(
     }];
     steps.map_handle(&dev, h, &place).inspect_err(|_| {
         let _ = d.release(h);
+        free_around(&around);
     })?;
     reg.runs.insert(
         base,
@@ -493,6 +510,7 @@ fn map_run(
             real: h.0,
             live: members.len(),
             dead: Vec::new(),
+            around,
         },
     );
     for f in members {
@@ -502,6 +520,50 @@ fn map_run(
         p.served = f.served;
     }
     Ok(())
+}
+
+/// Reserves, at their exact addresses, the parts of `[base, base + size)` that the ranges
+/// `held` (NCCL's reservations of the imports) do not cover: what a run needs around imports
+/// placed elsewhere than their owner's layout. On a failure (an address taken, the driver's
+/// error) nothing stays reserved.
+fn around(
+    d: &memsaver_allocator::driver::Driver,
+    base: u64,
+    size: u64,
+    mut held: Vec<(u64, u64)>,
+) -> std::result::Result<Vec<(u64, u64)>, String> {
+    held.sort_unstable();
+    let mut gaps = Vec::new();
+    let mut at = base;
+    for (ptr, len) in held.into_iter().chain([(base + size, 0)]) {
+        if ptr > at {
+            gaps.push((at, ptr - at));
+        }
+        at = at.max(ptr + len);
+    }
+    let mut got: Vec<(u64, u64)> = Vec::new();
+    let free = |ranges: &[(u64, u64)]| {
+        for &(p, l) in ranges {
+            // SAFETY: reserved by this function, nothing mapped in it.
+            let _ = unsafe { d.address_free(p, l as usize) };
+        }
+    };
+    for (ptr, len) in gaps {
+        match d.reserve(len as usize, 0, ptr) {
+            Ok(p) if p == ptr => got.push((ptr, len)),
+            r => {
+                if let Ok(p) = r {
+                    free(&[(p, len)]);
+                }
+                free(&got);
+                return Err(match r {
+                    Err(e) => e.to_string(),
+                    Ok(_) => format!("{ptr:#x} is taken"),
+                });
+            }
+        }
+    }
+    Ok(got)
 }
 
 /// The error of a resume that left imports paused.

@@ -483,6 +483,10 @@ pub(crate) struct Run {
     pub live: usize,
     /// Reservations NCCL freed inside the run: freed with the driver once the run is unmapped.
     pub dead: Vec<(CUdeviceptr, u64)>,
+    /// For a run of imports that NCCL placed elsewhere than their owner's layout: the ranges
+    /// memsaver reserved around them so that the run maps whole; freed with the driver once
+    /// the run is unmapped.
+    pub around: Vec<(CUdeviceptr, u64)>,
 }
 
 /// What the driver must still be told once NCCL let go of a buffer ([`Registry::collect`]):

@@ -158,10 +158,11 @@ fn release_real(gone: Option<Gone>) {
             }
             let drivers: Vec<(u64, u64)> = {
                 let mut reg = registry::lock();
-                run.dead
+                let dead = run
+                    .dead
                     .into_iter()
-                    .filter(|(ptr, _)| !reg.free_range(*ptr))
-                    .collect()
+                    .filter(|(ptr, _)| !reg.free_range(*ptr));
+                dead.chain(run.around).collect()
             };
             if let Some(free) = real::FREE() {
                 for (ptr, size) in drivers {

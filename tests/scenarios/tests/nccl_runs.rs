@@ -299,3 +299,42 @@ fn a_run_with_a_buffer_given_to_a_nic_stays_whole_and_its_peers_are_served_as_it
     let s = stats(&mut job);
     assert!(s["resident_pinned_bytes"].as_u64().unwrap() > 0, "{s}");
 }
+
+/// An import NCCL placed elsewhere than its owner's layout (here: the range memsaver reserves
+/// for that layout could not be had when NCCL imported it) still maps its owner's run whole:
+/// the addresses around it are reserved at resume, and freed with the run.
+#[test]
+fn an_import_placed_elsewhere_maps_its_owners_run_with_the_addresses_around_it() {
+    let dirs = Dirs::new();
+    let mut job = Job::start(2, 78, &dirs.fake, &dirs.rt, 10_000);
+    job.all_ok("alloc 4");
+    job.all_ok("shared 1 4");
+    job.all_ok("private 2 2");
+    // Rank 1's first import: its owner's layout cannot be reserved, NCCL's driver reservation
+    // stays; its second import is placed as usual.
+    job.ok(&[1], "failreserve 1");
+    job.all_ok("exchange");
+    job.write_all(1);
+    job.all_ok("pwrite 3");
+    let used = job.used();
+    job.all_ok("pause");
+    job.all_ok("resume");
+    job.check_all_seeded(1);
+    job.all_ok("pcheck 3");
+    assert_eq!(job.used(), used);
+    let s: serde_json::Value = {
+        let a = job.one(1, "stats");
+        serde_json::from_str(a.strip_prefix("ok ").unwrap()).unwrap()
+    };
+    assert_eq!(s["runs"], 3, "its own, and rank 0's run mapped twice: {s}");
+    for _ in 0..2 {
+        job.all_ok("pause");
+        job.all_ok("resume");
+        job.check_all_seeded(1);
+    }
+    job.all("calls");
+    job.all_ok("free");
+    assert_eq!(job.used(), used - 2 * 12 * MIB, "nothing held");
+    let c = job.one(1, "calls");
+    assert!(c.contains("unmap=3 release=3"), "{c}");
+}

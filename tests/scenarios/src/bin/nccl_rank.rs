@@ -33,6 +33,7 @@
 //! pfree I          NCCL's free path on private buffer I (the others keep their numbers)
 //! pexport I        NCCL's proxy exports private buffer I as a POSIX fd -> ok | err CODE
 //! pnic I           NCCL's network transport gives private buffer I to a NIC (dmabuf)
+//! failreserve N    the Nth cuMemAddressReserve of this process from now fails (fake driver)
 //! stats            memsaver_nccl_stats_json on one line
 //! mstats           memsaver_stats_json on one line
 //! prepared         waits (up to 30 s) until memsaver has prepared every pinned backup it was
@@ -96,6 +97,7 @@ struct Rank {
     peered: Vec<(usize, FakeNcclAlloc)>,
     extra_imports: Vec<FakeNcclAlloc>,
     counts: CallCounts,
+    fail_reserve: extern "C" fn(u32) -> i32,
     reset_counts: extern "C" fn(),
     /// The wall time of the last pause or resume.
     last: std::time::Duration,
@@ -414,6 +416,10 @@ impl Rank {
                     .ok_or("no such private buffer")?;
                 self.free_all(vec![a])
             }
+            Some("failreserve") => match (self.fail_reserve)(num(1)? as u32) {
+                0 => Ok(String::new()),
+                rc => Err(rc.to_string()),
+            },
             Some("pnic") => {
                 let a = self
                     .private
@@ -632,6 +638,7 @@ fn main() {
         peered: Vec::new(),
         extra_imports: Vec::new(),
         counts: sym(hc, c"fakecuda_call_counts"),
+        fail_reserve: sym(hc, c"fakecuda_fail_reserve_at"),
         reset_counts: sym(hc, c"fakecuda_reset_call_counts"),
         last: std::time::Duration::ZERO,
         tensors: Vec::new(),
