@@ -618,16 +618,22 @@ impl Registry {
         let Some(base) = p.run else {
             return Some(Gone::Handle(p));
         };
-        let run = self
-            .runs
-            .get_mut(&base)
-            .expect("a buffer's run is recorded");
-        run.live -= 1;
+        // Called from NCCL's wrapped calls: a broken record is logged, never a panic.
+        let Some(run) = self.runs.get_mut(&base) else {
+            tracing::error!(
+                base,
+                "internal: an NCCL buffer names a run memsaver has no record of"
+            );
+            return Some(Gone::Member(p));
+        };
+        run.live = run.live.saturating_sub(1);
         if run.live > 0 {
             return Some(Gone::Member(p));
         }
-        let run = self.runs.remove(&base).expect("just seen");
-        Some(Gone::Run(base, run, p))
+        match self.runs.remove(&base) {
+            Some(run) => Some(Gone::Run(base, run, p)),
+            None => Some(Gone::Member(p)),
+        }
     }
 
     /// The address for an import of `len` bytes of `owner`'s buffer at `place` (aligned to
