@@ -530,7 +530,8 @@ pub(crate) struct Registry {
 }
 
 /// Guards the registry. Held by NCCL's wrapped calls (one call each, bookkeeping and their
-/// driver call), by the `nccl` pause for its whole local step (so NCCL cannot map or unmap
+/// driver call; a reservation NCCL asks for may reserve memsaver's address space for NCCL's
+/// buffers or for an owner's layout, 64 GiB of addresses, under it), by the `nccl` pause for its whole local step (so NCCL cannot map or unmap
 /// memory while it is being paused), by resume per batch of handles (handed over fairly
 /// between batches so the peer server can answer), by the peer server per batch of answers,
 /// and by `stats`; never while waiting for a peer. Under it only the allocator's `devices`
@@ -563,7 +564,14 @@ impl Registry {
         let real = p.real()?;
         Some(
             match p.run.and_then(|base| Some((base, self.runs.get(&base)?))) {
-                Some((base, run)) => (real, self.place_of(vh) - base, run.size),
+                Some((base, run)) => {
+                    // Its mapping, among the run's only (the mappings are keyed by address).
+                    let (at, _) = self
+                        .mappings
+                        .range(base..base + run.size)
+                        .find(|(_, m)| m.vh == vh)?;
+                    (real, at - base, run.size)
+                }
                 None => (real, 0, p.size),
             },
         )
