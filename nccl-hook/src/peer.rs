@@ -483,12 +483,6 @@ fn map_run(
             ))
         })?
     };
-    let free_around = |around: &[(u64, u64)]| {
-        for &(ptr, len) in around {
-            // SAFETY: reserved by `around` above, nothing mapped in it.
-            let _ = unsafe { d.address_free(ptr, len as usize) };
-        }
-    };
     let first = members[0].vh;
     let access = &ranges[&first][0].2;
     let dev = a.device(device_of(reg, ranges, first))?;
@@ -501,7 +495,7 @@ fn map_run(
     }];
     steps.map_handle(&dev, h, &place).inspect_err(|_| {
         let _ = d.release(h);
-        free_around(&around);
+        free_reserved(d, &around);
     })?;
     reg.runs.insert(
         base,
@@ -542,20 +536,14 @@ fn around(
         at = at.max(ptr + len);
     }
     let mut got: Vec<(u64, u64)> = Vec::new();
-    let free = |ranges: &[(u64, u64)]| {
-        for &(p, l) in ranges {
-            // SAFETY: reserved by this function, nothing mapped in it.
-            let _ = unsafe { d.address_free(p, l as usize) };
-        }
-    };
     for (ptr, len) in gaps {
         match d.reserve(len as usize, 0, ptr) {
             Ok(p) if p == ptr => got.push((ptr, len)),
             r => {
                 if let Ok(p) = r {
-                    free(&[(p, len)]);
+                    free_reserved(d, &[(p, len)]);
                 }
-                free(&got);
+                free_reserved(d, &got);
                 return Err(match r {
                     Err(e) => e.to_string(),
                     Ok(_) => format!("{ptr:#x} is taken"),
@@ -564,6 +552,14 @@ fn around(
         }
     }
     Ok(got)
+}
+
+/// Frees ranges [`around`] reserved, with nothing mapped in them.
+fn free_reserved(d: &memsaver_allocator::driver::Driver, ranges: &[(u64, u64)]) {
+    for &(ptr, len) in ranges {
+        // SAFETY: reserved by `around`, nothing mapped in it, nobody else uses it.
+        let _ = unsafe { d.address_free(ptr, len as usize) };
+    }
 }
 
 /// The error of a resume that left imports paused.

@@ -508,6 +508,12 @@ unsafe extern "C" fn mem_export(
         return CUDA_ERROR_NOT_INITIALIZED;
     };
     let mut reg = registry::lock();
+    // Where NCCL maps it here (its token says so to importers); only for one of ours.
+    let place = if reg.physicals.contains_key(&handle) {
+        reg.place_of(handle)
+    } else {
+        0
+    };
     let Some(p) = reg.physicals.get_mut(&handle) else {
         drop(reg);
         // SAFETY: not one of ours: forwarded unchanged.
@@ -519,8 +525,6 @@ unsafe extern "C" fn mem_export(
     if p.run.is_some() {
         return in_run("cuMemExportToShareableHandle");
     }
-    let place = reg.place_of(handle);
-    let p = reg.physicals.get_mut(&handle).expect("seen above");
     if let Some(Registration::Retained { at }) = p.registration {
         drop(reg);
         return answered(|| export_tagged(shareable, h, at, handle_type, flags, f));

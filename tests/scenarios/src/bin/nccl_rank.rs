@@ -421,12 +421,7 @@ impl Rank {
                 rc => Err(rc.to_string()),
             },
             Some("pnic") => {
-                let a = self
-                    .private
-                    .get(num(1)? as usize)
-                    .copied()
-                    .flatten()
-                    .ok_or("no such private buffer")?;
+                let a = self.private_buffer(num(1)?)?;
                 // SAFETY: a buffer of the fake NCCL's.
                 match unsafe { (self.give_to_nic)(self.cuda.as_ptr(), a.ptr, a.size) } {
                     0 => Ok(String::new()),
@@ -434,12 +429,7 @@ impl Rank {
                 }
             }
             Some("pexport") => {
-                let a = self
-                    .private
-                    .get(num(1)? as usize)
-                    .copied()
-                    .flatten()
-                    .ok_or("no such private buffer")?;
+                let a = self.private_buffer(num(1)?)?;
                 // SAFETY: a buffer of the fake NCCL's.
                 let fd = unsafe { (self.export)(self.cuda.as_ptr(), &a) };
                 if fd < 0 {
@@ -459,6 +449,12 @@ impl Rank {
             }
             _ => Err(format!("unknown command {line:?}")),
         }
+    }
+
+    /// Private buffer `i` (of `private` and `comms`), if NCCL has not freed it.
+    fn private_buffer(&self, i: u64) -> Result<FakeNcclAlloc, String> {
+        let found = self.private.get(i as usize).copied().flatten();
+        found.ok_or_else(|| "no such private buffer".into())
     }
 
     /// The imports of peers' buffers, taken out of this rank's records.
