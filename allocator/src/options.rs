@@ -101,9 +101,9 @@ crate::declare_options! {
                pub backup_prepare_limit: u64 =
                 |mb, _| mb.map_or(u64::MAX, |mb| mb as u64 * MIB);
 
-        /// resume backs adjacent allocations of one tag (and adjacent buffers of NCCL's, which
-        /// its peers then map whole) with one physical allocation of up to this size (the
-        /// driver's cost is per call, not per byte); such memory is released as a whole, so an
+        /// resume backs adjacent allocations of one tag with one physical allocation of up to
+        /// this size (the driver's cost is per call, not per byte; NCCL's buffers have their
+        /// own limit, MEMSAVER_NCCL_MERGE_MB); such memory is released as a whole, so an
         /// allocation freed before the tag's next pause stays held until then (stats:
         /// freed_held_bytes). 0: one physical allocation per allocation
         MERGE_MB = "MEMSAVER_MERGE_MB", int(0, 1 << 20, "MiB"), default "1024", Library

@@ -20,13 +20,10 @@ use memsaver_allocator::{Allocator, Backup as HostBackup, Device, Error, Policy,
 use memsaver_ipc::protocol::Buffer;
 
 use crate::graphs::{self, DEFAULT_STACK_SIZE};
+use crate::options::HEADER_BYTES;
 use crate::registry::{self, Kind, Range, Registry};
 
 pub(crate) const TAG: &str = "nccl";
-
-/// Bytes at the start of a shared buffer that `MEMSAVER_NCCL_BACKUP=headers` keeps: NCCL's
-/// control block is 4 KiB (`MEM_ALIGN`); the rest is margin.
-pub(crate) const HEADER_BYTES: u64 = 64 << 10;
 
 /// Resume restores private buffers in batches of this many physical allocations (a run is
 /// one), letting the threads that serve peers in between.
@@ -659,7 +656,7 @@ fn units(
     reg: &Registry,
     ranges: &HashMap<u64, Vec<Range>>,
     vhs: Vec<u64>,
-    limit: usize,
+    limit: u64,
 ) -> Vec<Vec<u64>> {
     // (address, size) of a buffer that may join a run: mapped once, whole.
     let whole = |vh: &u64| -> Option<(u64, u64)> {
@@ -683,8 +680,8 @@ fn units(
                 let (p, q) = (&reg.physicals[&unit[0]], &reg.physicals[&vh]);
                 if ptr != end {
                     Some("not adjacent")
-                } else if ptr + size - start > limit as u64 {
-                    Some("MEMSAVER_MERGE_MB")
+                } else if ptr + size - start > limit {
+                    Some("MEMSAVER_NCCL_MERGE_MB")
                 } else if start / registry::MIRROR_BLOCK
                     != (ptr + size - 1) / registry::MIRROR_BLOCK
                 {
@@ -742,7 +739,7 @@ pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
             .unwrap_or(0);
         steps.expect_disk(largest_disk);
         // Units with a buffer peers import first (in one go), then the others.
-        let limit = steps.plan.merge_limit;
+        let limit = crate::options::get().nccl_merge_limit;
         let mut plan: [Vec<(i32, Vec<Vec<u64>>)>; 2] = Default::default();
         for (dev, vhs) in by_device(&reg, &ranges, claimed) {
             let (shared, private): (Vec<_>, Vec<_>) = units(&reg, &ranges, vhs, limit)
@@ -899,12 +896,12 @@ mod tests {
         let ranges = reg.ranges_by_handle();
         let all = vec![i, h, f, e, d, c, b, a];
         assert_eq!(
-            units(&reg, &ranges, all.clone(), usize::MAX),
+            units(&reg, &ranges, all.clone(), u64::MAX),
             vec![vec![a, b, c, d, e], vec![f], vec![h], vec![i]]
         );
         // The limit cuts too; 0 keeps every buffer alone.
         assert_eq!(
-            units(&reg, &ranges, vec![a, b, c, d], (2 * MIB) as usize)
+            units(&reg, &ranges, vec![a, b, c, d], 2 * MIB)
                 .into_iter()
                 .map(|u| u.len())
                 .collect::<Vec<_>>(),
@@ -932,7 +929,7 @@ mod tests {
         );
         let ranges = reg.ranges_by_handle();
         assert_eq!(
-            units(&reg, &ranges, vec![a, b, c], usize::MAX),
+            units(&reg, &ranges, vec![a, b, c], u64::MAX),
             vec![vec![a], vec![b], vec![c]]
         );
     }

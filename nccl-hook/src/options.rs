@@ -19,13 +19,14 @@ memsaver_allocator::declare_options! {
     pub struct Options {}
 
     options {
-        /// the nccl tag's backup policy, as a region's: cpu (pinned host memory, prepared in the
-        /// background when NCCL allocates), mmap, disk or discard; or headers: cpu, but of the
-        /// buffers NCCL shares with peers only their first 64 KiB (the control block before the
-        /// LL/LL128/Simple staging area, whose contents live only within one collective; see
-        /// docs/nccl.md). all is the older name of cpu
+        /// the nccl tag's backup policy. headers (the default): pinned host memory, prepared
+        /// in the background when NCCL allocates, holding every byte of NCCL's private buffers
+        /// and of the buffers it shares with peers only their first 64 KiB (the control block
+        /// before the LL/LL128/Simple staging area, whose contents live only within one
+        /// collective; see docs/nccl.md). Or, as a region's: cpu (every byte, pinned), mmap,
+        /// disk or discard. all is the older name of cpu
         NCCL_BACKUP = "MEMSAVER_NCCL_BACKUP", one_of(NcclBackup {
-                /// Every byte, in pinned host memory (the default).
+                /// Every byte, in pinned host memory.
                 Cpu = "cpu",
                 /// Every byte, in pageable host memory.
                 Mmap = "mmap",
@@ -33,12 +34,24 @@ memsaver_allocator::declare_options! {
                 Disk = "disk",
                 /// Nothing: resumed memory holds arbitrary bytes.
                 Discard = "discard",
-                /// Pinned, the first 64 KiB of buffers shared with peers; all of the others.
+                /// Pinned, the first 64 KiB of buffers shared with peers; all of the others
+                /// (the default).
                 Headers = "headers",
                 /// The older name of `cpu`.
                 All = "all",
-            }), default "cpu", Library
+            }), default "headers", Library
             => pub nccl_backup: NcclBackup;
+
+        /// a resume backs adjacent NCCL buffers with one physical allocation of up to this size,
+        /// which each peer importing any of them then maps whole: a process's buffers come back
+        /// in as few driver calls as their properties allow (65536, one 64 GiB block, is no cap
+        /// in practice); a buffer NCCL frees inside one is held until the next pause (stats:
+        /// freed_held_bytes). 0: every buffer its own physical allocation, imported alone
+        NCCL_MERGE_MB = "MEMSAVER_NCCL_MERGE_MB", int(0, 65_536, "MiB"), default "65536",
+            Library
+            => /// Bytes: the largest physical allocation a resume makes for adjacent NCCL
+               /// buffers (the variable is in MiB; 0 turns runs off).
+               pub nccl_merge_limit: u64 = |mb| mb as u64 * (1 << 20);
 
         // ---- the nccl tag's peers ----
         /// how long pause('nccl') waits for peers to release their imports, and resume for
@@ -54,6 +67,10 @@ memsaver_allocator::declare_options! {
             => pub nccl_tokens: bool;
     }
 }
+
+/// Bytes at the start of a shared buffer that `MEMSAVER_NCCL_BACKUP=headers` keeps: NCCL's
+/// control block is 4 KiB (`MEM_ALIGN`); the rest is margin.
+pub(crate) const HEADER_BYTES: u64 = 64 << 10;
 
 #[linkme::distributed_slice(memsaver_allocator::OPTION_LAYERS)]
 static CHECKED: &memsaver_allocator::options::Layer = &LAYER;
@@ -75,8 +92,9 @@ mod tests {
     fn defaults() {
         let o = opts(&[]);
         assert_eq!(o.nccl_timeout, Duration::from_secs(30));
-        assert_eq!(o.nccl_backup, NcclBackup::Cpu);
+        assert_eq!(o.nccl_backup, NcclBackup::Headers);
         assert!(o.nccl_tokens);
+        assert_eq!(o.nccl_merge_limit, 64 << 30);
         assert!(o.errors.is_empty());
         assert!(o.check().is_ok());
     }
@@ -85,13 +103,15 @@ mod tests {
     fn each_type_parses() {
         let o = opts(&[
             ("MEMSAVER_NCCL_TIMEOUT_MS", "250"),
-            ("MEMSAVER_NCCL_BACKUP", "headers"),
+            ("MEMSAVER_NCCL_BACKUP", "cpu"),
             ("MEMSAVER_NCCL_TOKENS", "0"),
+            ("MEMSAVER_NCCL_MERGE_MB", "0"),
         ]);
         assert!(o.errors.is_empty(), "{:?}", o.errors);
         assert_eq!(o.nccl_timeout, Duration::from_millis(250));
-        assert_eq!(o.nccl_backup, NcclBackup::Headers);
+        assert_eq!(o.nccl_backup, NcclBackup::Cpu);
         assert!(!o.nccl_tokens);
+        assert_eq!(o.nccl_merge_limit, 0);
         // Blank is unset.
         assert!(opts(&[("MEMSAVER_NCCL_TOKENS", " ")]).nccl_tokens);
         assert_eq!(
@@ -121,6 +141,11 @@ mod tests {
                 "MEMSAVER_NCCL_TIMEOUT_MS",
                 "0",
                 "MEMSAVER_NCCL_TIMEOUT_MS='0': expected a whole number from 1 to 86400000 (ms)",
+            ),
+            (
+                "MEMSAVER_NCCL_MERGE_MB",
+                "65537",
+                "MEMSAVER_NCCL_MERGE_MB='65537': expected a whole number from 0 to 65536 (MiB)",
             ),
             (
                 "MEMSAVER_NCCL_BACKUP",

@@ -478,7 +478,7 @@ fn map_run(
                 "NCCL mapped imports of a peer's buffers elsewhere than where memsaver laid them \
                  out, and their owner now backs them together with their neighbours, which maps \
                  only whole, and the addresses around them are taken ({e}); set \
-                 MEMSAVER_MERGE_MB=0 in the process that exports them so that every NCCL buffer \
+                 MEMSAVER_NCCL_MERGE_MB=0 in the process that exports them so that every NCCL buffer \
                  keeps its own memory"
             ))
         })?

@@ -117,17 +117,27 @@ fn answered(f: impl FnOnce() -> CUresult) -> CUresult {
 
 /// Asks for the pinned backup of NCCL's new buffer `vh` (`size` bytes on `device`) to be
 /// prepared in the background, as for any `cpu` allocation, so that the first pause of `nccl`
-/// only copies; with `MEMSAVER_NCCL_BACKUP=cpu` (or `all`) only (with `headers`, most buffers
-/// need far less than their size, known only once they are exported). Bounded by the prepare budget
-/// and off with retention, like every tag's. Starts the allocator: call with no lock held.
+/// only copies (with `headers` too: whole until NCCL shares the buffer, see
+/// [`prepare_header`]). Bounded by the prepare budget and off with retention, like every tag's.
+/// Starts the allocator: call with no lock held.
 fn prepare_backup(vh: u64, device: i32, size: usize) {
-    if matches!(
+    if !matches!(
         options::get().nccl_backup,
-        NcclBackup::Cpu | NcclBackup::All
+        NcclBackup::Discard | NcclBackup::Mmap | NcclBackup::Disk
     ) && let Ok(a) = memsaver_allocator::global()
         && a.retain_backups()
     {
         a.prepare_backup(external_key(vh), device, size);
+    }
+}
+
+/// NCCL shares its buffer `vh` for the first time: with `headers`, its backup is its header
+/// only, so what was prepared for the whole buffer is given back and the header prepared
+/// instead. Call with no lock held.
+fn prepare_header(vh: u64, device: i32, size: u64) {
+    if options::get().nccl_backup == NcclBackup::Headers {
+        forget_backup(vh);
+        prepare_backup(vh, device, size.min(options::HEADER_BYTES) as usize);
     }
 }
 
@@ -191,7 +201,7 @@ fn in_run(what: &str) -> CUresult {
     tracing::error!(
         "NCCL called {what} on a buffer that memsaver's resume backed together with its \
          neighbours (one physical allocation for several buffers), which the driver cannot \
-         hand out in part; set MEMSAVER_MERGE_MB=0 so that every NCCL buffer keeps its own"
+         hand out in part; set MEMSAVER_NCCL_MERGE_MB=0 so that every NCCL buffer keeps its own"
     );
     CUDA_ERROR_NOT_SUPPORTED
 }
@@ -347,7 +357,7 @@ unsafe extern "C" fn mem_map(
         // and imported after the owner's resume).
         tracing::error!(
             "memsaver: NCCL imports a buffer that its owner backs together with its neighbours \
-             since a resume; set MEMSAVER_MERGE_MB=0 in the owner so that every NCCL buffer \
+             since a resume; set MEMSAVER_NCCL_MERGE_MB=0 in the owner so that every NCCL buffer \
              keeps its own memory"
         );
         return CUDA_ERROR_NOT_SUPPORTED;
@@ -534,9 +544,14 @@ unsafe extern "C" fn mem_export(
         && !shareable.is_null()
         && let Some(fd) = tokens::for_buffer(handle, p, place)
     {
-        p.exported = true;
+        let first = !std::mem::replace(&mut p.exported, true);
+        let (device, size) = (p.device(), p.size);
+        drop(reg);
         // SAFETY: for POSIX fds the out-pointer holds one int; NCCL owns the fd now.
         unsafe { *shareable.cast::<c_int>() = fd.into_raw_fd() };
+        if first {
+            prepare_header(handle, device, size);
+        }
         return CUDA_SUCCESS;
     }
     // SAFETY: the caller's arguments with the driver's handle.

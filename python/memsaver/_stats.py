@@ -100,7 +100,8 @@ class Stats:
     ``copy``, ``reserve``, ``address_free``, ``host_alloc``, ``host_free``): the difference
     across a pause or resume is what it asked of the driver. ``freed_held_bytes`` is
     device memory of freed allocations still held because a resume backed them together with
-    their neighbours (``MEMSAVER_MERGE_MB``); it is released at the tag's next pause.
+    their neighbours (``MEMSAVER_MERGE_MB``, ``MEMSAVER_NCCL_MERGE_MB`` for ``nccl``); it is
+    released at the tag's next pause.
     ``shared_exports`` (by tag) and ``shared_imports`` are the memory shared with other
     processes through CUDA IPC handles (``cudaIpcGetMemHandle`` under the preload, e.g.
     torch.multiprocessing's CUDA tensors).

@@ -217,6 +217,38 @@ fn the_counts_do_not_grow_with_communicators() {
     }
 }
 
+/// With `MEMSAVER_NCCL_BACKUP=headers`, the backup prepared in the background for a buffer NCCL
+/// shares is its header (64 KiB) once NCCL has shared it, the others' stay whole, and all are
+/// ready before the first pause as with the full backup: that pause pins nothing, and its
+/// copies go to what was prepared.
+#[test]
+fn with_headers_the_first_pause_finds_the_headers_prepared() {
+    let dirs = Dirs::new();
+    let env = [("MEMSAVER_NCCL_BACKUP", "headers")];
+    let mut job = Job::start_with(2, 67, &dirs.fake, &dirs.rt, 30_000, &env);
+    job.all_ok("alloc 4");
+    job.all_ok("shared 2 4");
+    job.all_ok("private 5 2");
+    job.all_ok("exchange");
+    job.write_all(1);
+    let want = (10 << 20) + 3 * (64 << 10); // 5 private buffers of 2 MiB, 3 headers
+    for (r, a) in job.all("prepared").iter().enumerate() {
+        assert_eq!(*a, format!("ok {want}"), "rank {r}: bytes prepared");
+    }
+    job.all("calls");
+    job.all_ok("pause");
+    for (r, a) in job.all("calls").iter().enumerate() {
+        let (c, _) = parse(a);
+        assert_eq!(
+            (c["host_alloc"], c["host_register"]),
+            (0, 0),
+            "rank {r}: {c:?}"
+        );
+        assert_eq!(c["copy"], 8, "rank {r}: one copy per own buffer");
+    }
+    job.all_ok("resume");
+}
+
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name).map_or(default, |v| v.parse().expect(name))
 }

@@ -182,7 +182,7 @@ fn a_buffer_inside_a_run_cannot_be_exported_and_the_merge_limit_turns_runs_off()
     );
     job.all_ok("pcheck 5");
     // With runs off every buffer keeps its own physical allocation, and can be exported.
-    let (_dirs, mut job) = one_rank_with_a_run(75, 2, &[("MEMSAVER_MERGE_MB", "0")]);
+    let (_dirs, mut job) = one_rank_with_a_run(75, 2, &[("MEMSAVER_NCCL_MERGE_MB", "0")]);
     job.all_ok("pexport 0");
     assert_eq!(stats(&mut job)["runs"], 0);
     job.all_ok("pause");

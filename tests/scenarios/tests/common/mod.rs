@@ -104,7 +104,10 @@ fn rank_commands(
                 .env("FAKE_CUDA_DIR", fake_dir)
                 .env("MEMSAVER_RUNTIME_DIR", runtime_dir)
                 .env("MEMSAVER_GROUP", group.to_string())
-                .env("MEMSAVER_NCCL_TIMEOUT_MS", timeout_ms.to_string());
+                .env("MEMSAVER_NCCL_TIMEOUT_MS", timeout_ms.to_string())
+                // Every byte of every buffer comes back, so that a test can check them all;
+                // a test of the default (headers) says so in its `env`.
+                .env("MEMSAVER_NCCL_BACKUP", "cpu");
             c
         })
         .collect();
