@@ -56,6 +56,19 @@ def test_pause_calls_do_not_grow_with_communicators(bench_env):
     assert calls[1] == calls[4], calls
 
 
+def test_every_byte_comes_back_with_cpu_and_the_headers_with_the_default(bench_env):
+    # The ranks read every byte of each peer's shared buffers after each resume with `cpu`, and
+    # their first 64 KiB with `headers` (the default): what NCCL keeps across collectives.
+    for policy in ("cpu", "headers"):
+        env = dict(bench_env, MEMSAVER_NCCL_BACKUP=policy)
+        r = bench(env, "--ranks", "2", "--comms", "2", "--cycles", "2")
+        assert r.returncode == 0, policy + r.stdout + r.stderr
+        assert len(lines(r)) == 2, r.stdout
+    # `discard` keeps nothing of them, and the bench sees it does not check what is not kept.
+    r = bench(dict(bench_env, MEMSAVER_NCCL_BACKUP="discard"), "--ranks", "2", "--cycles", "1")
+    assert r.returncode == 1 and "private buffer 0" in r.stderr, r.stdout + r.stderr
+
+
 def test_one_rank_is_refused(bench_env):
     r = bench(bench_env, "--ranks", "1")
     assert r.returncode == 2 and r.stdout == ""
