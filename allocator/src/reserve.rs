@@ -112,12 +112,6 @@ pub(crate) struct Reserve {
     state: Mutex<State>,
 }
 
-// SAFETY: the segments' memory is plain host memory owned by their `PinnedBuffer`s, reached only
-// under `state`; no state is thread-affine.
-unsafe impl Send for Reserve {}
-// SAFETY: as above.
-unsafe impl Sync for Reserve {}
-
 impl Reserve {
     pub(crate) fn new(driver: Arc<Driver>, target: u64) -> Arc<Self> {
         Arc::new(Self {
