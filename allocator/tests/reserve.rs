@@ -243,3 +243,53 @@ fn a_reserve_larger_than_the_host_is_refused() {
     );
     assert_eq!(reserve_figures(&a), (0, 0, 0));
 }
+
+/// A pause never waits for the reserve: while its pinning is held (one step pinned, the next
+/// held at its entry), a backup that fits in the pinned part is carved from it, and one that
+/// does not is copied as pageable memory into an empty reservation, as without a reserve; the
+/// pause completes while the hold lasts. Once let go, the reserve is pinned whole.
+#[test]
+fn a_pause_while_the_reserve_is_being_pinned_never_waits_for_it() {
+    let a = with_reserve(RESERVE, true);
+    let held = HeldPinning::new(PinHold::AtEntry);
+    a.device(0).unwrap();
+    assert_eq!(wait_pinning_held(1), 1, "the reserve's first step waits");
+    held.pass(1);
+    assert!(
+        wait_until(|| reserve_figures(&a).1 == PIN_CHUNK as u64),
+        "one step pinned"
+    );
+    assert_eq!(wait_pinning_held(1), 1, "the second step waits");
+
+    let p = a.malloc(SIZE, 0, "early", Policy::Cpu).unwrap();
+    let q = a.malloc(4 * MIB, 0, "early", Policy::Cpu).unwrap();
+    fill(p, SIZE, 4);
+    fill(q, 4 * MIB, 5);
+    assert_eq!(
+        reserve_figures(&a).2,
+        4 * MIB as u64,
+        "q carved from the pinned step"
+    );
+    let copies = fake_host_copies();
+    a.pause(&["early"]).unwrap();
+    assert_eq!(
+        copies_since(copies),
+        (1, 3),
+        "q through its registration, p's three steps as pageable memory"
+    );
+    assert_eq!(
+        fake_pin_hold(),
+        [1, 0],
+        "still held: the pause waited for no pinning"
+    );
+    drop(held);
+    a.wait_backups_prepared();
+    assert_eq!(
+        reserve_figures(&a),
+        (RESERVE as u64, RESERVE as u64, 4 * MIB as u64)
+    );
+    a.resume(&["early"]).unwrap();
+    assert!(check(p, SIZE, 4) && check(q, 4 * MIB, 5));
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+}
