@@ -103,7 +103,11 @@ impl Allocator {
 
     pub fn with_options(driver: Arc<Driver>, opts: &Options) -> Self {
         Self {
-            preparer: Preparer::new(driver.clone(), opts.backup_prepare_limit),
+            preparer: Preparer::new(
+                driver.clone(),
+                opts.backup_prepare_limit,
+                opts.backup_reserve,
+            ),
             driver,
             devices: Mutex::new(HashMap::new()),
             table: Mutex::new(Table::default()),
@@ -162,8 +166,56 @@ impl Allocator {
         self.preparer.set_limit(bytes);
     }
 
-    /// Waits until every requested backup buffer is prepared (or failed): for benchmarks and
-    /// tests that need the first pause to find them ready.
+    /// The bytes of the backup reserve asked for (see [`Allocator::reserve_backups`]).
+    pub fn backup_reserve(&self) -> u64 {
+        self.preparer.reserve_target()
+    }
+
+    /// Keeps `bytes` of pinned host memory (rounded up to 2 MiB) that the pinned backups of
+    /// `cpu` allocations are carved from at once, before their preparation would start
+    /// (`reserve.rs`): a background thread maps and pins it in 16 MiB steps, starting now in
+    /// the calling thread's current device's context if it has one, else in that of the first
+    /// device memsaver opens. Backups released go back to it. A smaller value releases the
+    /// free part beyond it (memory lent to backups stays until a later call finds it free); 0
+    /// releases all that is free. `bytes` above the host's memory is
+    /// [`Error::InvalidArgument`]. A reserve that cannot be pinned whole keeps what it got and
+    /// says so in the log.
+    pub fn reserve_backups(&self, bytes: u64) -> Result<()> {
+        let host = crate::options::host_memory();
+        if host.is_some_and(|h| bytes > h) {
+            return Err(Error::InvalidArgument(format!(
+                "a backup reserve of {bytes} bytes is more than this host's memory: expected \
+                 0 to {} bytes",
+                host.unwrap_or(0)
+            )));
+        }
+        let ctx = match self.driver.current_device() {
+            Some(d) => Some(self.device(d)?.ctx),
+            None => None,
+        };
+        self.preparer.set_reserve(bytes, ctx);
+        tracing::info!(bytes, "backup reserve set");
+        Ok(())
+    }
+
+    /// Starts pinning the backup reserve of `MEMSAVER_BACKUP_RESERVE_MB` in the calling
+    /// thread's current device's context, if it has one (else the first device memsaver opens
+    /// starts it): for the process-wide allocator's start, so that the reserve overlaps with
+    /// what the process does before it allocates.
+    pub fn start_backup_reserve(&self) {
+        if self.preparer.reserve_target() == 0 {
+            return;
+        }
+        if let Some(d) = self.driver.current_device()
+            && let Err(e) = self.device(d)
+        {
+            tracing::info!(device = d, error = %e, "backup reserve: cannot open the current device; the reserve waits for the first device memsaver opens");
+        }
+    }
+
+    /// Waits until every requested backup buffer is prepared (or failed), and the backup
+    /// reserve is pinned: for benchmarks and tests that need the first pause to find them
+    /// ready.
     pub fn wait_backups_prepared(&self) {
         self.preparer.wait_idle();
     }
@@ -316,6 +368,9 @@ impl Allocator {
             }
         })?);
         devices.insert(ordinal, d.clone());
+        drop(devices);
+        // The backup reserve pins in the first device's context, if it waits for one.
+        self.preparer.offer_context(d.ctx);
         Ok(d)
     }
 
@@ -603,6 +658,10 @@ impl Allocator {
             s
         };
         s.backups_preparing = self.preparer.pending();
+        let r = self.preparer.reserve_figures();
+        s.backup_reserve_bytes = r.target;
+        s.backup_reserve_pinned_bytes = r.pinned;
+        s.backup_reserve_used_bytes = r.used;
         s.driver_calls = crate::driver::CALL_KINDS
             .iter()
             .zip(self.driver.calls())

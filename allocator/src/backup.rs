@@ -279,6 +279,21 @@ struct Shared {
     /// Set (under `state`) when the owner is dropped: readable without the lock, so the
     /// preparer never takes `state` under its own lock.
     released: AtomicBool,
+    /// Where the buffer's registrations start, before `ptr`: byte `o` of the buffer lies in the
+    /// registration that starts at `(o + phase)` rounded down to [`PIN_CHUNK`]. 0 but for a
+    /// buffer carved from a larger one ([`PinnedBuffer::lent`]).
+    phase: usize,
+    /// The owner of the memory of a carved buffer, which takes it back when the buffer is
+    /// dropped (the memory stays mapped and pinned); `None` for a buffer that owns its steps.
+    lender: Option<Arc<dyn Lender>>,
+}
+
+/// The owner of memory that [`PinnedBuffer`]s are carved from (the backup reserve,
+/// `reserve.rs`): it gets the range back, still mapped and pinned, when such a buffer is
+/// dropped.
+pub(crate) trait Lender: Send + Sync {
+    /// `ptr..ptr+len`, carved from this lender, is no longer used.
+    fn give_back(&self, ptr: *mut u8, len: usize);
 }
 
 // SAFETY: the memory is plain host memory owned by the `PinnedBuffer`; every change of its
@@ -383,7 +398,63 @@ impl PinnedBuffer {
             }),
             step_done: Condvar::new(),
             released: AtomicBool::new(false),
+            phase: 0,
+            lender: None,
         })))
+    }
+
+    /// A buffer over `ptr..ptr+len`, memory that `lender` owns, already mapped and pinned in
+    /// registrations of [`PIN_CHUNK`] bytes that start `phase` bytes before `ptr` (and every
+    /// `PIN_CHUNK` after). Copies split at those registrations; dropping the buffer gives the
+    /// range back to `lender` instead of unpinning it.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` is mapped read-write and registered as said, stays so while the buffer
+    /// lives, and nothing else uses it meanwhile.
+    pub(crate) unsafe fn lent(
+        driver: &Arc<Driver>,
+        ctx: Context,
+        ptr: *mut u8,
+        len: usize,
+        phase: usize,
+        lender: Arc<dyn Lender>,
+    ) -> Self {
+        Self(Arc::new(Shared {
+            ptr,
+            len,
+            driver: driver.clone(),
+            ctx,
+            state: Mutex::new(Progress {
+                pinned: len,
+                mapped: len,
+                busy: false,
+                released: false,
+            }),
+            step_done: Condvar::new(),
+            released: AtomicBool::new(false),
+            phase: phase % PIN_CHUNK,
+            lender: Some(lender),
+        }))
+    }
+
+    #[allow(clippy::len_without_is_empty)]
+    pub(crate) fn len(&self) -> usize {
+        self.0.len
+    }
+
+    /// The start of the buffer.
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.0.ptr
+    }
+
+    /// Bytes pinned so far, from the start.
+    pub(crate) fn pinned_bytes(&self) -> usize {
+        self.0.state.lock().pinned
+    }
+
+    /// A handle that pins the buffer's remaining steps, one per call (`None` once all are).
+    pub(crate) fn job(&self) -> Option<PinJob> {
+        (!self.fully_pinned()).then(|| PinJob(self.0.clone()))
     }
 
     fn fully_pinned(&self) -> bool {
@@ -420,7 +491,7 @@ impl PinnedBuffer {
         }
         let busy = g.busy.then_some(g.pinned);
         let (mut pinned, mut pageable, mut deferred) = (Vec::new(), Vec::new(), Vec::new());
-        for (at, len) in steps_of(off, n) {
+        for (at, len) in steps_of(sh.phase, off, n) {
             if Some(at - at % PIN_CHUNK) == busy {
                 deferred.push((at, len));
             } else if at < g.pinned {
@@ -606,13 +677,14 @@ fn host_oom() -> DriverError {
     }
 }
 
-/// `[off, off + n)` in pieces that each lie in one step: (offset, length) each.
-fn steps_of(off: usize, n: usize) -> impl Iterator<Item = (usize, usize)> {
+/// `[off, off + n)` in pieces that each lie in one step, the steps starting `phase` bytes
+/// before offset 0 and every [`PIN_CHUNK`] after: (offset, length) each.
+fn steps_of(phase: usize, off: usize, n: usize) -> impl Iterator<Item = (usize, usize)> {
     let end = off + n;
     let mut at = off;
     std::iter::from_fn(move || {
         (at < end).then(|| {
-            let piece = (at, (end - at).min(PIN_CHUNK - at % PIN_CHUNK));
+            let piece = (at, (end - at).min(PIN_CHUNK - (at + phase) % PIN_CHUNK));
             at += piece.1;
             piece
         })
@@ -750,6 +822,14 @@ impl Drop for PinnedBuffer {
     /// registration ends: dropping never waits for pinning.
     fn drop(&mut self) {
         let sh = &*self.0;
+        if let Some(lender) = &sh.lender {
+            // Carved memory: every copy into it is done (the engine waits for them before a
+            // backup is dropped), and it goes back mapped and pinned.
+            sh.state.lock().released = true;
+            sh.released.store(true, Ordering::Release);
+            lender.give_back(sh.ptr, sh.len);
+            return;
+        }
         let (pinned, busy) = {
             let mut g = sh.state.lock();
             g.released = true;

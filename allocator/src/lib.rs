@@ -11,7 +11,8 @@
 //! * `allocator`: malloc, free, stats; `engine`: pause and resume; `table`: the allocation
 //!   table; `device`: per-device context and copy stream; `backup`: host backups (pinned,
 //!   mmap) and the backup enum; `disk`: disk backup files; `prepare`: pinned backups allocated
-//!   ahead of the first pause, on a background thread; [`steps`]: the steps of a pause and a
+//!   ahead of the first pause, on a background thread; `reserve`: the backup reserve, pinned
+//!   host memory made before any allocation that those backups are carved from; [`steps`]: the steps of a pause and a
 //!   resume on one piece of memory, used by every tag (the table's and the external ones).
 //! * [`options`]: [`declare_options!`], with which every layer declares its `MEMSAVER_*`
 //!   options in one list, and the core's list.
@@ -49,6 +50,7 @@ mod export;
 mod external;
 mod guard;
 mod prepare;
+mod reserve;
 mod sharing;
 mod start;
 pub mod steps;

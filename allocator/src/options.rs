@@ -101,6 +101,20 @@ crate::declare_options! {
                pub backup_prepare_limit: u64 =
                 |mb, _| mb.map_or(u64::MAX, |mb| mb as u64 * MIB);
 
+        /// pinned host memory kept for the backups of cpu allocations, mapped and pinned on a
+        /// background thread as soon as memsaver starts (in 16 MiB steps, like prepared
+        /// backups, so the application's CUDA calls are not held up), i.e. while the process
+        /// loads its model: a cpu backup is carved from it at once, so a first pause right
+        /// after allocating copies into pinned memory only. Backups released go back to it;
+        /// backups beyond it are prepared as MEMSAVER_BACKUP_PREPARE_MB says, which does not
+        /// count the reserve. At most the host's memory; a reserve the host cannot pin whole
+        /// keeps what it got (one log line). Stats: backup_reserve_bytes, _pinned_bytes,
+        /// _used_bytes. Also memsaver.reserve_backups (in bytes)
+        BACKUP_RESERVE_MB = "MEMSAVER_BACKUP_RESERVE_MB", int(0, 1 << 30, "MiB"), default "0",
+            Library
+            => /// Bytes of the backup reserve (the variable is in MiB; 0: none).
+               pub backup_reserve: u64 = |mb| mb as u64 * MIB;
+
         /// resume backs adjacent allocations of one tag with one physical allocation of up to
         /// this size (the driver's cost is per call, not per byte; NCCL's buffers have their
         /// own limit, MEMSAVER_NCCL_MERGE_MB); such memory is released as a whole, so an
@@ -172,7 +186,30 @@ fn torch_memory_saver_set(env: &Env<'_>) -> bool {
 /// and torch_memory_saver's three, of kinds of their own) and the log filter's warning.
 fn cross_option_rules(o: &mut Options, env: &mut Env<'_>) {
     o.process = whole_process_mode(env);
+    if let Some(host) = host_memory()
+        && o.backup_reserve > host
+        && let Some((var, v)) = env.var(BACKUP_RESERVE_MB.env)
+    {
+        env.error(format!(
+            "{var}='{v}': more than this host's memory; expected a whole number from 0 to {} \
+             (MiB)",
+            host / MIB
+        ));
+        o.backup_reserve = 0;
+    }
     o.log_warning = env.warnings().first().cloned();
+}
+
+/// The host's physical memory in bytes, if the system says.
+pub(crate) fn host_memory() -> Option<u64> {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    (pages > 0 && page > 0).then(|| pages as u64 * page as u64)
 }
 
 /// The whole-process tag and policy: `MEMSAVER_PROCESS_TAG`/`MEMSAVER_PROCESS_BACKUP`, else
@@ -263,6 +300,7 @@ mod tests {
         assert_eq!(o.process, None);
         assert_eq!(o.log, "warn");
         assert_eq!(o.backup_prepare_limit, u64::MAX, "no limit unless set");
+        assert_eq!(o.backup_reserve, 0, "no reserve unless set");
         assert_eq!(o.merge_limit, 1 << 30);
         assert!(o.errors.is_empty() && o.log_warning.is_none());
         assert!(o.check().is_ok());
@@ -279,6 +317,7 @@ mod tests {
             ("MEMSAVER_PROCESS_TAG", "train"),
             ("MEMSAVER_PROCESS_BACKUP", "mmap"),
             ("MEMSAVER_BACKUP_PREPARE_MB", "3"),
+            ("MEMSAVER_BACKUP_RESERVE_MB", "5"),
             ("MEMSAVER_MERGE_MB", "0"),
             ("MEMSAVER_LOG", "memsaver_allocator=debug,warn"),
         ]);
@@ -290,6 +329,7 @@ mod tests {
         assert_eq!(o.disk_chunk, 8 << 20);
         assert_eq!(o.process, Some(("train".into(), Policy::Mmap)));
         assert_eq!(o.backup_prepare_limit, 3 << 20);
+        assert_eq!(o.backup_reserve, 5 << 20);
         assert_eq!(o.merge_limit, 0);
         assert_eq!(o.log, "memsaver_allocator=debug,warn");
         // Blank is unset.
@@ -402,6 +442,11 @@ mod tests {
                 "MEMSAVER_BACKUP_PREPARE_MB='lots': expected a whole number from 0 to 1073741824 (MiB)",
             ),
             (
+                "MEMSAVER_BACKUP_RESERVE_MB",
+                "8.5",
+                "MEMSAVER_BACKUP_RESERVE_MB='8.5': expected a whole number from 0 to 1073741824 (MiB)",
+            ),
+            (
                 "TMS_INIT_ENABLE",
                 "on",
                 "TMS_INIT_ENABLE='on': expected 0 or 1",
@@ -455,6 +500,25 @@ mod tests {
                 && e.contains("; MEMSAVER_DISK_CHUNK_MB='y'"),
             "{e}"
         );
+    }
+
+    /// A reserve larger than the host's memory is an error naming the variable and the range
+    /// this host accepts (and no reserve meanwhile).
+    #[test]
+    fn a_backup_reserve_larger_than_the_host_is_an_error() {
+        let host_mb = host_memory().expect("sysconf knows the host's memory") / MIB;
+        let v = (host_mb + 1).to_string();
+        let o = opts(&[("MEMSAVER_BACKUP_RESERVE_MB", &v)]);
+        assert_eq!(o.backup_reserve, 0);
+        assert_eq!(
+            o.errors,
+            [format!(
+                "MEMSAVER_BACKUP_RESERVE_MB='{v}': more than this host's memory; expected a \
+                 whole number from 0 to {host_mb} (MiB)"
+            )]
+        );
+        let o = opts(&[("MEMSAVER_BACKUP_RESERVE_MB", "16")]);
+        assert!(o.errors.is_empty() && o.backup_reserve == 16 << 20);
     }
 
     #[test]

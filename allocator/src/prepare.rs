@@ -20,6 +20,13 @@
 //! finish jobs are backups already and do not count) and reported in the stats
 //! (`prepared_backup_bytes`; `backups_preparing` counts requests and finish jobs).
 //!
+//! With a backup reserve (`reserve.rs`), a request is carved from the reserve's pinned memory
+//! first, at once, and only what does not fit is prepared as above. The same thread pins the
+//! reserve, before any request it cannot carve yet (requests wait for the reserve rather than
+//! pin memory of their own beside it), and carves queued requests from it as it grows.
+//! Buffers carved from the reserve are not bounded by the limit (the reserve is its own bound)
+//! and go back to the reserve when they are dropped.
+//!
 //! Keys are the allocator's allocation ids, never addresses, so a freed and reused address
 //! never receives the buffer of its previous owner. The preparer's lock is a leaf: no other
 //! lock is taken under it, and no driver call is made under it (the thread reserves a
@@ -33,6 +40,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::backup::{HostBuffer, PinJob, PinnedBuffer, Staging, Step};
 use crate::driver::{Context, Driver, DriverError};
+use crate::reserve::{Reserve, ReserveFigures};
 
 /// One buffer to prepare.
 struct Request {
@@ -70,6 +78,8 @@ struct State {
     finishing: VecDeque<Finish>,
     in_flight: Option<InFlight>,
     ready: HashMap<u64, HostBuffer>,
+    /// Buffers carved from the reserve for requests, ready to be taken (not in `committed`).
+    carved: HashMap<u64, HostBuffer>,
     /// Bytes queued, in flight and ready: what the limit bounds (not finish jobs: their
     /// buffers are backups already).
     committed: u64,
@@ -87,6 +97,8 @@ const STAGING_FROM: u64 = 1 << 30;
 
 pub(crate) struct Preparer {
     driver: Arc<Driver>,
+    /// The backup reserve, pinned by this thread. Its lock is a leaf, taken under `state`.
+    reserve: Arc<Reserve>,
     /// Pinned staging buffers for the copies of backups not pinned yet, made by the thread
     /// before its first buffer once `STAGING_FROM` bytes are to be prepared.
     staging: Staging,
@@ -94,6 +106,16 @@ pub(crate) struct Preparer {
     /// Signalled when a request is queued, when one completes, and on stop.
     changed: Condvar,
     thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What the thread does next.
+enum Work {
+    /// Make the staging buffers, in this context.
+    Staging(Context),
+    /// Pin one step of the reserve's segment.
+    Reserve(u64, PinJob),
+    /// Prepare a buffer (`finish`: pin the rest of a backup) for `key`.
+    Buffer { key: u64, finish: bool, job: PinJob },
 }
 
 /// How a job ended.
@@ -104,8 +126,9 @@ enum Outcome {
 }
 
 impl Preparer {
-    pub(crate) fn new(driver: Arc<Driver>, limit: u64) -> Arc<Self> {
+    pub(crate) fn new(driver: Arc<Driver>, limit: u64, reserve: u64) -> Arc<Self> {
         Arc::new(Self {
+            reserve: Reserve::new(driver.clone(), reserve),
             driver,
             state: Mutex::new(State {
                 limit,
@@ -132,12 +155,63 @@ impl Preparer {
         self.state.lock().limit = bytes;
     }
 
-    /// Queues a buffer of `len` bytes for `key`, unless that would take the prepared bytes over
-    /// the limit (the first pause then allocates it, as without a preparer). Starts the thread on
-    /// first use.
+    /// The bytes the backup reserve should hold.
+    pub(crate) fn reserve_target(&self) -> u64 {
+        self.reserve.target()
+    }
+
+    /// Sets the bytes the backup reserve should hold (`reserve.rs`), with the context to pin
+    /// in if the caller knows one; the thread pins what is missing.
+    pub(crate) fn set_reserve(self: &Arc<Self>, bytes: u64, ctx: Option<Context>) {
+        if let Some(ctx) = ctx {
+            self.reserve.offer_context(ctx);
+        }
+        if self.reserve.set_target(bytes) {
+            self.wake(self.state.lock());
+        }
+    }
+
+    /// Offers a context for the reserve to pin in (the first device the process uses); starts
+    /// its pinning if it waited for one.
+    pub(crate) fn offer_context(self: &Arc<Self>, ctx: Context) {
+        if self.reserve.offer_context(ctx) {
+            let s = self.state.lock();
+            if !s.stopping {
+                self.wake(s);
+            }
+        }
+    }
+
+    /// The reserve's figures, for the stats.
+    pub(crate) fn reserve_figures(&self) -> ReserveFigures {
+        self.reserve.figures()
+    }
+
+    /// A buffer of `len` bytes carved from the reserve's pinned memory, if it has that much
+    /// free now (for a backup with no prepared buffer).
+    pub(crate) fn carve(&self, len: usize) -> Option<HostBuffer> {
+        self.reserve.carve(len).map(HostBuffer::Pinned)
+    }
+
+    /// Takes a buffer of `len` bytes for `key` from the reserve if it can, at once; else
+    /// queues one, unless that would take the prepared bytes over the limit (the first pause
+    /// then allocates it, as without a preparer). Starts the thread on first use.
     pub(crate) fn request(self: &Arc<Self>, key: u64, ctx: Context, len: usize) {
+        self.offer_context(ctx);
         let mut s = self.state.lock();
-        if s.stopping || s.committed + len as u64 > s.limit {
+        if s.stopping {
+            return;
+        }
+        if let Some(buf) = self.reserve.carve(len) {
+            if let Some(old) = s.carved.insert(key, HostBuffer::Pinned(buf)) {
+                // Never: keys are not reused. Dropped outside the lock (it takes the
+                // reserve's).
+                drop(s);
+                drop(old);
+            }
+            return;
+        }
+        if s.committed + len as u64 > s.limit {
             return;
         }
         s.committed += len as u64;
@@ -205,8 +279,14 @@ impl Preparer {
             s.committed -= buf.len() as u64;
             return Some(buf);
         }
+        if let Some(buf) = s.carved.remove(&key) {
+            return Some(buf);
+        }
         let r = Self::unqueue(&mut s, key)?;
         drop(s);
+        if let Some(buf) = self.reserve.carve(r.len) {
+            return Some(HostBuffer::Pinned(buf));
+        }
         match PinnedBuffer::reserve(&self.driver, r.ctx, r.len) {
             Ok(b) => Some(HostBuffer::Pinned(b)),
             Err(e) => {
@@ -238,6 +318,9 @@ impl Preparer {
             s.committed -= buf.len() as u64;
             gone = Some(buf);
         }
+        if let Some(buf) = s.carved.remove(&key) {
+            gone = Some(buf);
+        }
         gone
     }
 
@@ -248,9 +331,13 @@ impl Preparer {
         Some(r)
     }
 
-    /// The bytes prepared for `key`, ready to be taken.
+    /// The bytes prepared for `key` (or carved from the reserve for it), ready to be taken.
     pub(crate) fn ready_bytes(&self, key: u64) -> Option<usize> {
-        self.state.lock().ready.get(&key).map(HostBuffer::len)
+        let s = self.state.lock();
+        s.ready
+            .get(&key)
+            .or_else(|| s.carved.get(&key))
+            .map(HostBuffer::len)
     }
 
     /// Buffers queued or in flight, and backups whose rest is still to pin.
@@ -260,11 +347,15 @@ impl Preparer {
         (s.queue.len() + finishing) as u64 + u64::from(s.in_flight.is_some())
     }
 
-    /// Waits until nothing is queued or in flight.
+    /// Waits until nothing is queued or in flight, and the reserve is pinned (as far as it
+    /// goes; not while it waits for a context).
     pub(crate) fn wait_idle(&self) {
         let mut s = self.state.lock();
         while !s.stopping
-            && (!s.queue.is_empty() || !s.finishing.is_empty() || s.in_flight.is_some())
+            && (!s.queue.is_empty()
+                || !s.finishing.is_empty()
+                || s.in_flight.is_some()
+                || self.reserve.has_work())
         {
             self.changed.wait(&mut s);
         }
@@ -272,13 +363,14 @@ impl Preparer {
 
     /// Stops the thread and frees every prepared buffer; for the owner's drop.
     pub(crate) fn stop(&self) {
-        let (ready, finishing) = {
+        let (ready, carved, finishing) = {
             let mut s = self.state.lock();
             s.stopping = true;
             s.queue.clear();
             self.changed.notify_all();
             (
                 std::mem::take(&mut s.ready),
+                std::mem::take(&mut s.carved),
                 std::mem::take(&mut s.finishing),
             )
         };
@@ -286,7 +378,100 @@ impl Preparer {
             let _ = h.join();
         }
         drop(ready);
+        drop(carved);
         drop(finishing);
+    }
+
+    /// What the thread does next, waiting until there is something (`None`: stop): the
+    /// staging buffers once the backlog is large enough, requests the reserve can take now
+    /// (carved at once), a step of the reserve, a request to prepare, a backup to finish.
+    fn next_work(&self) -> Option<Work> {
+        let mut s = self.state.lock();
+        loop {
+            if s.stopping {
+                return None;
+            }
+            // Before the first buffer of a large enough backlog.
+            if !s.staging_made
+                && s.committed >= STAGING_FROM
+                && let Some(ctx) = s.queue.front().map(|r| r.ctx)
+            {
+                s.staging_made = true;
+                return Some(Work::Staging(ctx));
+            }
+            self.carve_queued(&mut s);
+            if let Some((id, job)) = self.reserve.next_step() {
+                return Some(Work::Reserve(id, job));
+            }
+            if let Some(r) = s.queue.pop_front() {
+                if let Some(buf) = self.reserve.carve(r.len) {
+                    s.committed -= r.len as u64;
+                    s.carved.insert(r.key, HostBuffer::Pinned(buf));
+                    self.changed.notify_all();
+                    continue;
+                }
+                // Reserving is one mmap, no driver call: under the lock, so the request is
+                // never out of sight of `take` (which would then pin it).
+                match PinnedBuffer::reserve(&self.driver, r.ctx, r.len) {
+                    Ok(b) => {
+                        let buf = HostBuffer::Pinned(b);
+                        let job = buf.pin_job().expect("nothing pinned yet");
+                        s.in_flight = Some(InFlight {
+                            key: r.key,
+                            len: r.len,
+                            buf: Some(buf),
+                            finish: false,
+                            cancelled: false,
+                        });
+                        return Some(Work::Buffer {
+                            key: r.key,
+                            finish: false,
+                            job,
+                        });
+                    }
+                    Err(e) => {
+                        s.committed -= r.len as u64;
+                        tracing::info!(bytes = r.len, error = %e, "could not prepare a pinned backup; the first pause will allocate it");
+                        continue;
+                    }
+                }
+            }
+            if let Some(f) = s.finishing.pop_front() {
+                if f.job.released() {
+                    continue;
+                }
+                s.in_flight = Some(InFlight {
+                    key: f.key,
+                    len: f.job.len(),
+                    buf: None,
+                    finish: true,
+                    cancelled: false,
+                });
+                return Some(Work::Buffer {
+                    key: f.key,
+                    finish: true,
+                    job: f.job,
+                });
+            }
+            self.changed.wait(&mut s);
+        }
+    }
+
+    /// Carves the queued requests that the reserve's pinned memory can take now.
+    fn carve_queued(&self, s: &mut State) {
+        let mut i = 0;
+        while i < s.queue.len() {
+            let len = s.queue[i].len;
+            match self.reserve.carve(len) {
+                Some(buf) => {
+                    let r = s.queue.remove(i).expect("in range");
+                    s.committed -= len as u64;
+                    s.carved.insert(r.key, HostBuffer::Pinned(buf));
+                    self.changed.notify_all();
+                }
+                None => i += 1,
+            }
+        }
     }
 
     /// The thread: prepares the requests in order, then pins the rest of the backups pauses
@@ -300,58 +485,19 @@ impl Preparer {
             tracing::info!(error = %e, "cannot relax the preparation thread's capture mode; a CUDA graph captured while backups are prepared may fail");
         }
         loop {
-            let (key, finish, job, stage) = {
-                let mut s = self.state.lock();
-                loop {
-                    if s.stopping {
-                        return;
-                    }
-                    if let Some(r) = s.queue.pop_front() {
-                        // Reserving is one mmap, no driver call: under the lock, so the
-                        // request is never out of sight of `take` (which would then pin it).
-                        match PinnedBuffer::reserve(&self.driver, r.ctx, r.len) {
-                            Ok(b) => {
-                                let buf = HostBuffer::Pinned(b);
-                                let job = buf.pin_job().expect("nothing pinned yet");
-                                s.in_flight = Some(InFlight {
-                                    key: r.key,
-                                    len: r.len,
-                                    buf: Some(buf),
-                                    finish: false,
-                                    cancelled: false,
-                                });
-                                // Before the first buffer of a large enough backlog.
-                                let stage = (!s.staging_made && s.committed >= STAGING_FROM)
-                                    .then_some(r.ctx);
-                                s.staging_made |= stage.is_some();
-                                break (r.key, false, job, stage);
-                            }
-                            Err(e) => {
-                                s.committed -= r.len as u64;
-                                tracing::info!(bytes = r.len, error = %e, "could not prepare a pinned backup; the first pause will allocate it");
-                                continue;
-                            }
-                        }
-                    }
-                    if let Some(f) = s.finishing.pop_front() {
-                        if f.job.released() {
-                            continue;
-                        }
-                        s.in_flight = Some(InFlight {
-                            key: f.key,
-                            len: f.job.len(),
-                            buf: None,
-                            finish: true,
-                            cancelled: false,
-                        });
-                        break (f.key, true, f.job, None);
-                    }
-                    self.changed.wait(&mut s);
+            let (key, finish, job) = match self.next_work() {
+                None => return,
+                Some(Work::Staging(ctx)) => {
+                    self.staging.prepare(&self.driver, ctx);
+                    continue;
                 }
+                Some(Work::Reserve(id, job)) => {
+                    self.reserve.pin_step(id, job);
+                    self.changed.notify_all();
+                    continue;
+                }
+                Some(Work::Buffer { key, finish, job }) => (key, finish, job),
             };
-            if let Some(ctx) = stage {
-                self.staging.prepare(&self.driver, ctx);
-            }
             let outcome = loop {
                 {
                     let s = self.state.lock();

@@ -103,6 +103,9 @@ pub fn start_global() -> Result<&'static Allocator> {
         .as_ref()
         .map_err(|e| Error::Load(e.clone()))?;
     HOOKS_RUN.call_once(|| {
+        // The backup reserve starts pinning now if the starting thread has a device, so that
+        // it overlaps with whatever the process does before it allocates.
+        a.start_backup_reserve();
         let mut hooks: Vec<&StartHook> = START_HOOKS.iter().collect();
         hooks.sort_by_key(|h| h.order);
         for h in hooks {

@@ -96,6 +96,15 @@ pub struct Stats {
     /// `cpu` allocations whose backup the background thread has still to prepare, or to pin
     /// the rest of (a pause that came before it was prepared took it partly pinned).
     pub backups_preparing: u64,
+    /// The pinned backup reserve (`MEMSAVER_BACKUP_RESERVE_MB`, `reserve_backups`): the bytes
+    /// asked for, rounded up to 2 MiB.
+    pub backup_reserve_bytes: u64,
+    /// Of the reserve, the bytes pinned so far (below `backup_reserve_bytes` while it is being
+    /// pinned, or when the host refused to pin more).
+    pub backup_reserve_pinned_bytes: u64,
+    /// Of the pinned reserve, the bytes carved out for backups (prepared ones, counted in
+    /// `prepared_backup_bytes` too, and backups, in `pinned_backup_bytes`).
+    pub backup_reserve_used_bytes: u64,
     /// Device memory of freed allocations that is still held: a resume backs adjacent
     /// allocations of a tag with one physical allocation, which is released only as a whole
     /// (at the tag's next pause, or once all of them are freed).

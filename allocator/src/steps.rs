@@ -14,8 +14,8 @@
 //!
 //! The settings they follow (retention, memory margin, disk directory, staging chunk) are
 //! read once per transition ([`Plan`]); backups come from the same place for every tag (the
-//! buffer prepared in the background for the piece's key, else a new one of the piece's
-//! policy).
+//! buffer prepared in the background for the piece's key, else one carved from the backup
+//! reserve, else a new one of the piece's policy).
 //!
 //! The steps see of the allocator only what they need: the driver, the prepared backups and
 //! the [`Plan`] (`Steps::new`, called by `Allocator::steps`). They never name `Allocator`,
@@ -434,6 +434,12 @@ impl Steps<'_> {
         if policy == Policy::Cpu
             && let Some(buf) = self.preparer.take(key)
             && buf.len() >= len
+        {
+            return Ok(Backup::Host(buf));
+        }
+        // Pinned memory of the backup reserve, if it has that much free now.
+        if policy == Policy::Cpu
+            && let Some(buf) = self.preparer.carve(len)
         {
             return Ok(Backup::Host(buf));
         }

@@ -304,6 +304,27 @@ def set_backup_prepare_limit(bytes: int) -> None:
     _memsaver.set_backup_prepare_limit(int(bytes))
 
 
+def reserve_backups(bytes: int) -> None:
+    """Keeps ``bytes`` of pinned host memory (rounded up to 2 MiB) that the pinned backups of
+    ``backup="cpu"`` allocations are carved from at once (``MEMSAVER_BACKUP_RESERVE_MB``, default
+    0). A background thread maps and pins it in 16 MiB steps, starting now in the current
+    device's context (or once memsaver first uses a device), so that it overlaps with loading
+    the model: a first pause right after allocating then copies into pinned memory only, at the
+    speed of a later pause. Call it before allocating; ``stats()`` reports
+    ``backup_reserve_bytes``, ``backup_reserve_pinned_bytes`` and ``backup_reserve_used_bytes``.
+    Backups released (retention off, or freed) go back to it; backups beyond it are prepared
+    as ``set_backup_prepare_limit`` says, which does not count the reserve. A smaller value
+    releases the free part beyond it; 0 releases all that is free. More than the host's memory
+    raises ``InvalidArgumentError``; a reserve the host cannot pin whole keeps what it got (a
+    warning in memsaver's log)."""
+    if isinstance(bytes, bool) or not isinstance(bytes, int) or bytes < 0 or bytes >= 2**64:
+        raise ValueError(
+            f"memsaver.reserve_backups() takes a byte count from 0 to this host's memory, got {bytes!r}"
+        )
+    _core.ensure_loaded()
+    _memsaver.reserve_backups(bytes)
+
+
 def set_memory_margin(bytes: int) -> None:
     """Resume keeps at least ``bytes`` free on each device (``MEMSAVER_MEMORY_MARGIN_MB``,
     default 0): an allocation that would leave less stays paused and resume raises

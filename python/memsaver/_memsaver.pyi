@@ -29,6 +29,7 @@ __all__ = [
     "set_disk_dir",
     "set_memory_margin",
     "set_backup_prepare_limit",
+    "reserve_backups",
     "malloc",
     "free",
     "MemsaverError",
@@ -130,6 +131,9 @@ def set_memory_margin(bytes: int) -> None:
 
 def set_backup_prepare_limit(bytes: int) -> None:
     """The most pinned host memory prepared ahead of first pauses, in bytes (0: none)."""
+
+def reserve_backups(bytes: int) -> None:
+    """Keeps this many bytes of pinned host memory for cpu backups, pinned in the background."""
 
 def malloc(size: int, device: int, tag: str, policy: str) -> int:
     """Allocates tagged device memory directly; returns the device address."""

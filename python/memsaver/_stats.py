@@ -95,6 +95,11 @@ class Stats:
 
     ``backups_preparing`` counts ``cpu`` allocations whose pinned backup a background thread is
     still preparing, or still pinning the rest of after a pause that came first.
+    ``backup_reserve_bytes`` is the pinned backup reserve asked for
+    (``MEMSAVER_BACKUP_RESERVE_MB``, ``memsaver.reserve_backups``), ``backup_reserve_pinned_bytes``
+    how much of it is pinned so far (less while it is being pinned, or when the host refused to
+    pin more), and ``backup_reserve_used_bytes`` how much of that is lent to ``cpu`` backups
+    (prepared ones, also in ``prepared_backup_bytes``, and backups, in ``pinned_backup_bytes``).
     ``driver_calls`` counts the CUDA driver calls memsaver has made in this process by kind
     (``create``, ``map``, ``set_access``, ``unmap``, ``release``, ``export``, ``import``,
     ``copy``, ``reserve``, ``address_free``, ``host_alloc``, ``host_free``): the difference
@@ -110,6 +115,9 @@ class Stats:
     tags: dict[str, TagStats]
     total: Usage
     backups_preparing: int = 0
+    backup_reserve_bytes: int = 0
+    backup_reserve_pinned_bytes: int = 0
+    backup_reserve_used_bytes: int = 0
     freed_held_bytes: int = 0
     driver_calls: dict[str, int] = field(default_factory=dict)
     shared_exports: dict[str, SharedExport] = field(default_factory=dict)
@@ -178,6 +186,9 @@ def parse(text: str) -> Stats:
         tags=tags,
         total=_usage(doc["total"]),
         backups_preparing=int(doc.get("backups_preparing", 0)),
+        backup_reserve_bytes=int(doc.get("backup_reserve_bytes", 0)),
+        backup_reserve_pinned_bytes=int(doc.get("backup_reserve_pinned_bytes", 0)),
+        backup_reserve_used_bytes=int(doc.get("backup_reserve_used_bytes", 0)),
         freed_held_bytes=int(doc.get("freed_held_bytes", 0)),
         driver_calls={str(k): int(v) for k, v in doc.get("driver_calls", {}).items()},
         shared_exports={

@@ -101,6 +101,7 @@ macro_rules! with_functions {
             memsaver_set_disk_dir: unsafe extern "C" fn(*const c_char) -> c_int,
             memsaver_set_memory_margin: unsafe extern "C" fn(usize) -> c_int,
             memsaver_set_backup_prepare_limit: unsafe extern "C" fn(u64) -> c_int,
+            memsaver_reserve_backups: unsafe extern "C" fn(u64) -> c_int,
             memsaver_region_current_json: unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int,
             memsaver_profile_load: unsafe extern "C" fn(*const c_char, *mut c_char, usize, *mut usize) -> c_int,
             memsaver_cli_main: unsafe extern "C" fn(c_int, *const *const c_char) -> c_int,

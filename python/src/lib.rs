@@ -398,6 +398,14 @@ fn set_backup_prepare_limit(bytes: u64) -> PyResult<()> {
     check(l, unsafe { (l.memsaver_set_backup_prepare_limit)(bytes) })
 }
 
+/// Keeps this many bytes of pinned host memory for cpu backups, pinned in the background.
+#[pyfunction]
+fn reserve_backups(bytes: u64) -> PyResult<()> {
+    let l = lib()?;
+    // SAFETY: plain value argument.
+    check(l, unsafe { (l.memsaver_reserve_backups)(bytes) })
+}
+
 /// Allocates tagged device memory directly (no torch); returns the device address.
 #[pyfunction]
 fn malloc(size: usize, device: i32, tag: &str, policy: &str) -> PyResult<u64> {
@@ -623,6 +631,7 @@ fn _memsaver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_disk_dir, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_margin, m)?)?;
     m.add_function(wrap_pyfunction!(set_backup_prepare_limit, m)?)?;
+    m.add_function(wrap_pyfunction!(reserve_backups, m)?)?;
     m.add_function(wrap_pyfunction!(malloc, m)?)?;
     m.add_function(wrap_pyfunction!(free, m)?)?;
     m.add_function(wrap_pyfunction!(control_serve, m)?)?;

@@ -356,6 +356,65 @@ def test_backup_prepare_limit_bounds_what_is_prepared(child_env):
     assert "takes a byte count >= 0, got -1" in out["-1"] and "got True" in out["True"]
 
 
+BACKUP_RESERVE = r"""
+import json, time
+import memsaver
+from memsaver import _memsaver
+
+def settled(want_pinned):
+    # The reserve pinned as far as asked and the request carved from it.
+    for _ in range(2000):
+        s = memsaver.stats()
+        if s.backup_reserve_pinned_bytes == want_pinned and s.backups_preparing == 0:
+            return s
+        time.sleep(0.005)
+    raise SystemExit(f"the reserve did not settle: {memsaver.stats()!r}")
+
+out = {}
+s = memsaver.stats()                                      # memsaver starts; no device used yet
+out["before"] = [s.backup_reserve_bytes, s.backup_reserve_pinned_bytes]
+_memsaver.malloc(4 << 20, 0, "loaded", "cpu")             # opens the device: the reserve starts
+s = settled(8 << 20)
+out["first"] = [s.backup_reserve_bytes, s.backup_reserve_used_bytes,
+                s.tags["loaded"].prepared_backup_bytes]
+registered = s.driver_calls["host_register"]
+memsaver.pause("loaded")
+s = memsaver.stats()
+out["pause_pinned"] = s.driver_calls["host_register"] - registered
+out["backup"] = s.tags["loaded"].pinned_backup_bytes
+memsaver.resume("loaded")
+memsaver.reserve_backups(16 << 20)
+s = settled(16 << 20)
+out["grown"] = [s.backup_reserve_bytes, s.backup_reserve_used_bytes]
+for bad in (-1, True, 2**64):
+    try:
+        memsaver.reserve_backups(bad)
+    except ValueError as e:
+        out[repr(bad)] = str(e)
+try:
+    memsaver.reserve_backups(2**63)
+except memsaver.InvalidArgumentError as e:
+    out["huge"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_backup_reserve_is_pinned_and_lent_to_cpu_backups(child_env):
+    """MEMSAVER_BACKUP_RESERVE_MB pins a reserve once the process uses a device, a cpu backup
+    is carved from it (so the pause pins nothing), memsaver.reserve_backups grows it, the stats
+    report it, and bad sizes are refused with the accepted range."""
+    r = run_python(BACKUP_RESERVE, {**child_env, "MEMSAVER_BACKUP_RESERVE_MB": "8"})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["before"] == [8 * MiB, 0], "the reserve waits for a device"
+    assert out["first"] == [8 * MiB, 4 * MiB, 4 * MiB]
+    assert (out["pause_pinned"], out["backup"]) == (0, 4 * MiB)
+    assert out["grown"] == [16 * MiB, 4 * MiB]
+    for bad in ("-1", "True", str(2**64)):
+        assert f"takes a byte count from 0 to this host's memory, got {bad}" in out[bad]
+    assert "more than this host's memory: expected 0 to" in out["huge"]
+
+
 # A preloaded child under the torch stand-in: `malloc()` is the preloaded cudaMalloc of 2 MiB,
 # as libc10_cuda reaches it, giving (status, pointer).
 UNDER_FAKE_TORCH = r"""

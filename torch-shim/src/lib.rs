@@ -557,6 +557,23 @@ pub extern "C" fn memsaver_set_backup_prepare_limit(bytes: u64) -> c_int {
     })
 }
 
+/// Keeps `bytes` of pinned host memory (rounded up to 2 MiB) that the pinned backups of `cpu`
+/// allocations are carved from at once: a background thread maps and pins it in 16 MiB steps,
+/// starting now in the calling thread's current device's context (else once memsaver opens a
+/// device), so that a first pause right after allocating copies into pinned memory only.
+/// Backups released go back to it; backups beyond it are prepared as
+/// `memsaver_set_backup_prepare_limit` says, which does not count the reserve. Less than
+/// before releases the free part beyond `bytes` (memory lent to backups stays until a later
+/// call finds it free); 0 releases all that is free. Returns at once. More than the host's
+/// memory is `MEMSAVER_ERR_INVALID_ARGUMENT`; a reserve the host cannot pin whole keeps what it
+/// got (a warning in the log; `memsaver_stats_json`: `backup_reserve_bytes`,
+/// `backup_reserve_pinned_bytes`, `backup_reserve_used_bytes`). `MEMSAVER_BACKUP_RESERVE_MB`
+/// sets it at start (default 0: none).
+#[unsafe(no_mangle)]
+pub extern "C" fn memsaver_reserve_backups(bytes: u64) -> c_int {
+    ffi(|| allocator()?.reserve_backups(bytes))
+}
+
 /// Writes what applies to an allocation on the calling thread now, as JSON like
 /// `memsaver_stats_json`: {"tag","policy","disabled","process","depth","process_tag"} (tag and
 /// policy are null when allocations are not tagged; process: the whole-process tag of

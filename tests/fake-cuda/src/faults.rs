@@ -36,6 +36,11 @@ pub static RESERVE: Fault = Fault::new();
 /// much memory free, while smaller ones succeed.
 pub static CREATE_LIMIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// Run-time control only (`fakecuda_fail_registers_over`): a `cuMemHostRegister` that would
+/// take the bytes registered in this process over this many fails with
+/// `CUDA_ERROR_OUT_OF_MEMORY` (0: none), as on a host that cannot lock more memory.
+pub static REGISTER_LIMIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Whether a `cuMemCreate` of `size` bytes is over [`CREATE_LIMIT`].
 pub fn over_create_limit(size: u64) -> bool {
     let limit = CREATE_LIMIT.load(std::sync::atomic::Ordering::Relaxed);

@@ -18,7 +18,8 @@
 //! Run-time controls, exported as C functions: `fakecuda_fail_create_at(n)` and
 //! `fakecuda_fail_map_at(n)`, `fakecuda_fail_unmap_at(n)`, `fakecuda_fail_reserve_at(n)` (the
 //! nth call from now fails; 0
-//! disarms; replaces the knob),
+//! disarms; replaces the knob), `fakecuda_fail_registers_over(bytes)` (a `cuMemHostRegister`
+//! that would take the bytes registered over `bytes` fails with `CUDA_ERROR_OUT_OF_MEMORY`),
 //! `fakecuda_reset_faults()`, and `fakecuda_live_handles()` (handle values of this process not
 //! yet released). `fakecuda_launch_kernel_needing_stack(bytes)` stands for a kernel launch whose
 //! kernel needs `bytes` of stack per thread (the limit grows if below, as the driver grows it;
@@ -1103,6 +1104,17 @@ pub extern "C" fn fakecuda_fail_creates_over(bytes: u64) -> CUresult {
     })
 }
 
+/// Test control: a `cuMemHostRegister` that would take the bytes registered in this process
+/// over `bytes` fails with `CUDA_ERROR_OUT_OF_MEMORY` from now on (0 disarms): a host that
+/// cannot lock more memory.
+#[unsafe(no_mangle)]
+pub extern "C" fn fakecuda_fail_registers_over(bytes: u64) -> CUresult {
+    guard("fakecuda test control", || {
+        faults::REGISTER_LIMIT.store(bytes, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    })
+}
+
 /// Test control: disarms every fault trigger, the knobs' included.
 #[unsafe(no_mangle)]
 pub extern "C" fn fakecuda_reset_faults() -> CUresult {
@@ -1112,6 +1124,7 @@ pub extern "C" fn fakecuda_reset_faults() -> CUresult {
         faults::UNMAP.reset();
         faults::RESERVE.reset();
         faults::CREATE_LIMIT.store(0, std::sync::atomic::Ordering::Relaxed);
+        faults::REGISTER_LIMIT.store(0, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     })
 }

@@ -300,6 +300,10 @@ pub fn register(p: *mut c_void, bytes: usize) -> Result<(), CUresult> {
     if before.is_some_and(|(&s, &n)| s + n > start) {
         return Err(ALREADY_REGISTERED);
     }
+    let limit = crate::faults::REGISTER_LIMIT.load(Ordering::Relaxed);
+    if limit > 0 && r.values().sum::<usize>() as u64 + bytes as u64 > limit {
+        return Err(memsaver_allocator::driver::sys::CUDA_ERROR_OUT_OF_MEMORY);
+    }
     r.insert(start, bytes);
     Ok(())
 }
