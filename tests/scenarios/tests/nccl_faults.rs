@@ -273,6 +273,29 @@ fn a_dead_importer_counts_as_released() {
     assert_eq!(job.used(), 0);
 }
 
+/// An importer that dies while its owner's pause waits for it has let go: the owner's ledger
+/// forgets it and the pause completes, long before its timeout. (Rank 0 is patient: waiting for
+/// the dead rank would end in a Peer error after 60 s, not "ok"; whether rank 1 dies before the
+/// pause starts waiting or during the wait, the answer is the same.)
+#[test]
+fn an_importer_that_dies_during_the_owners_pause_is_forgotten() {
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 28, false);
+    job.setup(4);
+    let t = std::time::Instant::now();
+    job.send(&[0], "pause");
+    // Rank 1 does not pause: rank 0 waits for it until it dies.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    job.kill(1, true);
+    let a = job.answers(&[0], "pause").remove(0);
+    println!(
+        "pause with an importer killed after 300 ms: {:?}",
+        t.elapsed()
+    );
+    assert_eq!(a, "ok");
+    assert_eq!(job.used(), 0);
+}
+
 /// A zombie (dead, not yet reaped by its parent) has let go too: the kernel closed
 /// its files and dropped its mappings.
 #[test]
