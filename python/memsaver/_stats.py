@@ -61,8 +61,9 @@ class TagStats:
 
 @dataclass(frozen=True)
 class SharedExport:
-    """One tag's memory this process gave CUDA IPC handles of: ``handles`` allocations shared,
-    ``bytes`` their size, ``importers`` the processes that have them open now, and
+    """One tag's memory this process exported to other processes (CUDA IPC handles, NCCL's
+    registration of it, and NCCL's own buffers under ``nccl``): ``handles`` allocations or
+    buffers shared, ``bytes`` their size, ``importers`` the processes that import them, and
     ``held_while_paused`` the bytes of them that are paused here but still mapped by some
     importer that did not let go (so not free on the device), ``imports_behind`` the imports
     not yet released or mapped again as this process's last pause or resume asked."""
