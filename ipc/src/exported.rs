@@ -120,7 +120,7 @@ struct Export {
     generation: u64,
     memory: Memory,
     importers: BTreeMap<Identity, Importer>,
-    /// The current generation's memory, exported once ([`cached_export`]): the driver takes
+    /// The current generation's memory, exported once ([`Allocations::export_kept`]): the driver takes
     /// about 1.5 ms to export a 1 GiB handle the first time and tens of microseconds after, so
     /// the fd is made when the handle is given and copies of it are handed out (for at most
     /// [`MAX_KEPT_FDS`] exports at a time). An exported fd keeps the memory alive: it is dropped
@@ -254,11 +254,17 @@ impl Ledger {
 
     /// The importers that map the current generation of a paused [`Delivery::Collective`]
     /// export, with those exports' ids (what a collective pause waits for), less the importers
-    /// that `running` says exited, which come second.
+    /// that `running` says exited; second, every importer of a collective export that exited
+    /// (nobody else finds those: no courier reaches them).
     fn holders(&self, running: impl Fn(&Identity) -> bool) -> (Holders, Vec<Identity>) {
         let mut holders = Holders::new();
+        let mut importers = BTreeSet::new();
         for ((delivery, id), e) in &self.exports {
-            if *delivery != Delivery::Collective || e.memory != Memory::Paused {
+            if *delivery != Delivery::Collective {
+                continue;
+            }
+            importers.extend(e.importers.keys().copied());
+            if e.memory != Memory::Paused {
                 continue;
             }
             for (who, i) in &e.importers {
@@ -267,7 +273,7 @@ impl Ledger {
                 }
             }
         }
-        let exited: Vec<Identity> = holders.keys().filter(|w| !running(w)).copied().collect();
+        let exited: Vec<Identity> = importers.into_iter().filter(|w| !running(w)).collect();
         for who in &exited {
             holders.remove(who);
         }
@@ -527,12 +533,12 @@ pub fn serve_released(conn: &Connection, from: &Identity, items: &[Buffer]) {
 }
 
 /// Whether `key` is the key `b` carries (compared without branching on its bits).
-pub fn same_key(key: u64, b: &Buffer) -> bool {
+fn same_key(key: u64, b: &Buffer) -> bool {
     std::hint::black_box(key ^ b.key) == 0
 }
 
 /// One answer of an owner to an open: the reply, with the fd it carries.
-pub type Answer = (Reply, Option<OwnedFd>);
+type Answer = (Reply, Option<OwnedFd>);
 
 /// The memory behind a layer's exports, as the owner's one serve path reads it for one batch
 /// of answers: held under the layer's lock, if it has one, which comes before [`LEDGER`].
@@ -540,7 +546,9 @@ pub trait Backing {
     /// Export `id`'s memory now: an fd of it, with where the export lies in it (`offset`) and
     /// the size of the memory the fd is (`handle_size`); `Ok(None)` while it is not there
     /// (released, being restored). `kept` is the export's slot for an fd kept across answers
-    /// ([`Export::fd`]), which the ledger drops before a pause releases the memory.
+    /// ([`Export::fd`]): the ledger drops it when a pause marks the export paused, so only a
+    /// layer whose pause marks its exports before releasing them (the couriers' allocations)
+    /// may keep one.
     fn export(
         &mut self,
         id: u64,
@@ -1414,15 +1422,16 @@ mod tests {
         // Nothing paused yet: nobody holds anything a pause waits for.
         assert_eq!(l.holders(|_| true), (Holders::new(), vec![]));
         l.mark(C, &[1, 2], Memory::Paused);
-        // 6 released both, 7 released one, 8 exited.
+        // 6 released both, 7 released one, 8 exited; 6 exited too: found, to be forgotten.
+        // (9, the courier export's importer, is its courier's to find.)
         l.released(&importer(6), &items);
         l.released(&importer(7), &items[..1]);
-        let (holders, exited) = l.holders(|who| who.pid != 8);
+        let (holders, exited) = l.holders(|who| ![6, 8, 9].contains(&who.pid));
         assert_eq!(
             holders,
             Holders::from([(importer(5), vec![1, 2]), (importer(7), vec![2])])
         );
-        assert_eq!(exited, vec![importer(8)]);
+        assert_eq!(exited, vec![importer(6), importer(8)]);
         // The owner resumed without them (a pause that failed): they map an older generation,
         // which the next pause cannot free, so it waits for nobody.
         l.mark(C, &[1, 2], Memory::Resident);
