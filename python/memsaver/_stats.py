@@ -104,7 +104,8 @@ class Stats:
     their neighbours (``MEMSAVER_MERGE_MB``); it is released at the tag's next pause.
     ``shared_exports`` (by tag) and ``shared_imports`` are the memory shared with other
     processes through CUDA IPC handles (``cudaIpcGetMemHandle`` under the preload, e.g.
-    torch.multiprocessing's CUDA tensors).
+    torch.multiprocessing's CUDA tensors) and NCCL's registration of it; ``shared_exports``
+    also counts NCCL's own buffers that peers import, under ``nccl``.
     """
 
     tags: dict[str, TagStats]
