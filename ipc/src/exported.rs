@@ -120,12 +120,13 @@ struct Export {
     generation: u64,
     memory: Memory,
     importers: BTreeMap<Identity, Importer>,
-    /// The current generation's memory, exported once ([`Allocations::export_kept`]): the driver takes
-    /// about 1.5 ms to export a 1 GiB handle the first time and tens of microseconds after, so
-    /// the fd is made when the handle is given and copies of it are handed out (for at most
-    /// [`MAX_KEPT_FDS`] exports at a time). An exported fd keeps the memory alive: it is dropped
-    /// before a pause releases the memory and when the allocation is freed. Only a
-    /// [`Delivery::Courier`] export keeps one (its pause marks it paused before the release).
+    /// The current generation's memory, exported once ([`Allocations::export_kept`]): the
+    /// driver takes about 1.5 ms to export a 1 GiB handle the first time and tens of
+    /// microseconds after, so the fd is made when the handle is given and copies of it are
+    /// handed out (for at most [`MAX_KEPT_FDS`] exports at a time). An exported fd keeps the
+    /// memory alive: it is dropped before a pause releases the memory and when the allocation
+    /// is freed. Only a [`Delivery::Courier`] export keeps one (its pause marks it paused
+    /// before the release).
     fd: Option<ExportedMemory>,
 }
 
