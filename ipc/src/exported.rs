@@ -68,8 +68,9 @@ pub fn timeout() -> Duration {
 pub enum Delivery {
     /// The owner's couriers bring every importer to the owner's state ([`Share::Release`],
     /// [`Share::Rebuild`]), and the owner's pause and resume wait for them: the allocator's
-    /// allocations (CUDA IPC handles, NCCL's registration of them), opened and closed with
-    /// [`Request::Shared`], answered [`Reply::Shared`]. The ids are the allocator's.
+    /// allocations (given as CUDA IPC handles, or as tokens to layers that map them
+    /// themselves), opened and closed with [`Request::Shared`], answered [`Reply::Shared`]. The
+    /// ids are the allocator's.
     Courier,
     /// Importers release their imports in their own pause, which every process of the group
     /// makes, and tell the owner ([`Request::Released`]); at their resume they open the next
