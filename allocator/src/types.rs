@@ -22,8 +22,8 @@
 //!   the sharing layer hears of its pauses and resumes (`sharing.rs`).
 //! * **generation**: how many times an exported buffer's physical memory has been re-created by
 //!   a resume; it names which incarnation a cross-process reference points at. The core does
-//!   not count it: the owner's ledger does for shared allocations (memsaver-ipc's `exported`),
-//!   and the `nccl` tag's registry for NCCL's buffers (per handle, in nccl-hook).
+//!   not count it: the owner's ledger does (memsaver-ipc's `exported`), for every export,
+//!   shared allocations and the buffers a layer above exports of its own alike.
 //! * **pause**: unmap and release an allocation's physical memory, keeping its virtual range
 //!   reserved (after backing up its contents if its policy says so).
 //! * **resume**: create fresh physical memory, map it at the same address, and restore the

@@ -1,18 +1,27 @@
 //! The owner's side of memory shared with other processes: the **ledger** of what this process
-//! exported and who imports it, the answers to importers' opens and closes, and the
-//! **couriers** that carry the owner's pauses and resumes to every importer.
+//! exported and who imports it, the owner's one serve path for opens, and the two ways
+//! importers follow the owner's pauses and resumes ([`Delivery`]): the **couriers** that carry
+//! them to every importer, or the importers' own **collective** pause, which the owner waits
+//! for.
 //!
 //! The ledger keeps, per export, the owner's state (generation, resident or paused) and per
 //! importer (keyed by its full identity: a reused pid is another process) how many imports it
 //! holds and what it was last known to hold: [`Has::Mapped`] or [`Has::Released`] of a
-//! generation. What an importer *should* hold follows from the export's state; a courier sends
-//! the difference, one request per kind carrying every buffer, and records the importer's
-//! acknowledgement. Because the courier always sends what the ledger says *now*, the last word
-//! cannot be lost: an importer that missed a pause and its resume (stopped, slow) is sent the
-//! resume's state when it can take it, and importers ignore anything older than what they map.
-//! A pause or resume waits for its importers until the deadline (`MEMSAVER_IPC_TIMEOUT_MS`) and
-//! then returns what is still behind; the couriers carry on until each importer converges or
-//! exits.
+//! generation. What an importer *should* hold follows from the export's state.
+//!
+//! [`Delivery::Courier`]: a courier sends the difference, one request per kind carrying every
+//! buffer, and records the importer's acknowledgement. Because the courier always sends what
+//! the ledger says *now*, the last word cannot be lost: an importer that missed a pause and its
+//! resume (stopped, slow) is sent the resume's state when it can take it, and importers ignore
+//! anything older than what they map. A pause or resume waits for its importers until the
+//! deadline (`MEMSAVER_IPC_TIMEOUT_MS`) and then returns what is still behind; the couriers
+//! carry on until each importer converges or exits.
+//!
+//! [`Delivery::Collective`]: nobody carries anything; every importer releases its imports in
+//! its own pause and says so ([`Request::Released`]), and opens the next generation at its
+//! resume. The owner's pause marks what it released ([`paused`]) and waits until the ledger
+//! says every importer of the current generation has released it or is gone
+//! ([`wait_released`]); its resume starts the next generation ([`resumed`]).
 //!
 //! At most [`MAX_COURIERS`] courier threads run in the process, only while some importer is
 //! behind. Each importer behind has an [`Errand`]: queued (for a free courier, in turn, not
@@ -53,6 +62,28 @@ pub fn timeout() -> Duration {
     options::get().ipc_timeout
 }
 
+/// How the importers of an export follow the owner's pauses and resumes. Each delivery has its
+/// own ids (an export is named by its delivery and its id) and its own requests on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Delivery {
+    /// The owner's couriers bring every importer to the owner's state ([`Share::Release`],
+    /// [`Share::Rebuild`]), and the owner's pause and resume wait for them: the allocator's
+    /// allocations (given as CUDA IPC handles, or as tokens to layers that map them
+    /// themselves), opened and closed with [`Request::Shared`], answered [`Reply::Shared`]. The
+    /// ids are the allocator's.
+    Courier,
+    /// Importers release their imports in their own pause, which every process of the group
+    /// makes, and tell the owner ([`Request::Released`]); at their resume they open the next
+    /// generation ([`Request::Import`], answered [`Reply::Export`]). The owner's pause waits
+    /// until every importer of the current generation has released or is gone
+    /// ([`wait_released`]). A layer's own buffers, served through
+    /// [`crate::server::Service::Buffers`]; the ids are the layer's.
+    Collective,
+}
+
+/// An export: its delivery and its id there.
+type Id = (Delivery, u64);
+
 /// The owner's memory of one export.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Memory {
@@ -72,15 +103,16 @@ enum Has {
 }
 
 /// One importer of one export.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Importer {
     /// Its imports not closed yet: each new import (an open of [`Buffer::generation`] 0) counts
-    /// one, each `Close` one less; a rebuild's open counts none.
+    /// one, each `Close` one less; a rebuild's open counts none. (Collective imports are never
+    /// closed: the importer is forgotten with the export, or when it exits.)
     imports: u32,
     has: Has,
 }
 
-/// One allocation this process exported.
+/// One allocation or buffer this process exported.
 struct Export {
     key: u64,
     tag: String,
@@ -89,11 +121,13 @@ struct Export {
     generation: u64,
     memory: Memory,
     importers: BTreeMap<Identity, Importer>,
-    /// The current generation's memory, exported once ([`cached_export`]): the driver takes
-    /// about 1.5 ms to export a 1 GiB handle the first time and tens of microseconds after, so
-    /// the fd is made when the handle is given and copies of it are handed out (for at most
-    /// [`MAX_KEPT_FDS`] exports at a time). An exported fd keeps the memory alive: it is dropped
-    /// before a pause releases the memory and when the allocation is freed.
+    /// The current generation's memory, exported once ([`Allocations::export_kept`]): the
+    /// driver takes about 1.5 ms to export a 1 GiB handle the first time and tens of
+    /// microseconds after, so the fd is made when the handle is given and copies of it are
+    /// handed out (for at most [`MAX_KEPT_FDS`] exports at a time). An exported fd keeps the
+    /// memory alive: it is dropped before a pause releases the memory and when the allocation
+    /// is freed. Only a [`Delivery::Courier`] export keeps one (its pause marks it paused
+    /// before the release).
     fd: Option<ExportedMemory>,
 }
 
@@ -147,7 +181,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// Everything the owner side keeps, under one lock ([`LEDGER`]).
 #[derive(Default)]
 struct Ledger {
-    exports: HashMap<u64, Export>,
+    exports: HashMap<Id, Export>,
     /// The importers a courier works for (queued or carried), each with its [`Errand`].
     errands: BTreeMap<Identity, Errand>,
     /// The last `turn` given to a queued importer ([`Errand::Queued`]).
@@ -159,10 +193,14 @@ struct Ledger {
 }
 
 impl Ledger {
-    /// What `who` holds that differs from what it should: buffers to release and to map.
+    /// What `who` holds of the [`Delivery::Courier`] exports that differs from what it should:
+    /// buffers for its courier to release and to map.
     fn behind(&self, who: &Identity) -> (Vec<Buffer>, Vec<Buffer>) {
         let (mut release, mut map) = (Vec::new(), Vec::new());
-        for (id, e) in &self.exports {
+        for ((delivery, id), e) in &self.exports {
+            if *delivery != Delivery::Courier {
+                continue;
+            }
             let Some(i) = e.importers.get(who) else {
                 continue;
             };
@@ -175,6 +213,91 @@ impl Ledger {
         release.sort_by_key(|b| b.id);
         map.sort_by_key(|b| b.id);
         (release, map)
+    }
+
+    /// Export `id`, recorded (resident, generation 0, a new key) if it is not yet.
+    fn add(&mut self, id: Id, tag: &str, size: u64) -> Result<&mut Export> {
+        Ok(match self.exports.entry(id) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let key = identity::new_key()
+                    .map_err(|e| Error::Other(format!("cannot draw a key for an export: {e}")))?;
+                v.insert(Export {
+                    key,
+                    tag: tag.to_owned(),
+                    size,
+                    generation: 0,
+                    memory: Memory::Resident,
+                    importers: BTreeMap::new(),
+                    fd: None,
+                })
+            }
+        })
+    }
+
+    /// Moves the exports `ids` of `delivery` to `memory` (a resume: their next generation);
+    /// returns their importers.
+    fn mark(&mut self, delivery: Delivery, ids: &[u64], memory: Memory) -> BTreeSet<Identity> {
+        let mut importers = BTreeSet::new();
+        for id in ids {
+            let Some(e) = self.exports.get_mut(&(delivery, *id)) else {
+                continue;
+            };
+            match memory {
+                // The memory is about to be released: no fd may keep it.
+                Memory::Paused => drop_kept_fd(e),
+                Memory::Resident => e.generation += 1,
+            }
+            e.memory = memory;
+            importers.extend(e.importers.keys().copied());
+        }
+        importers
+    }
+
+    /// The importers that map the current generation of a paused [`Delivery::Collective`]
+    /// export, with those exports' ids (what a collective pause waits for), less the importers
+    /// that `running` says exited; second, every importer of a collective export that exited
+    /// (nobody else finds those: no courier reaches them).
+    fn holders(&self, running: impl Fn(&Identity) -> bool) -> (Holders, Vec<Identity>) {
+        let mut holders = Holders::new();
+        let mut importers = BTreeSet::new();
+        for ((delivery, id), e) in &self.exports {
+            if *delivery != Delivery::Collective {
+                continue;
+            }
+            importers.extend(e.importers.keys().copied());
+            if e.memory != Memory::Paused {
+                continue;
+            }
+            for (who, i) in &e.importers {
+                if i.has == Has::Mapped(e.generation) {
+                    holders.entry(*who).or_default().push(*id);
+                }
+            }
+        }
+        let exited: Vec<Identity> = importers.into_iter().filter(|w| !running(w)).collect();
+        for who in &exited {
+            holders.remove(who);
+        }
+        for ids in holders.values_mut() {
+            ids.sort_unstable();
+        }
+        (holders, exited)
+    }
+
+    /// `from` says it released its imports `items` of [`Delivery::Collective`] exports: each
+    /// one named with its key whose generation it is recorded to map is now released. Anything
+    /// else (another generation, a wrong key) changes nothing.
+    fn released(&mut self, from: &Identity, items: &[Buffer]) {
+        for b in items {
+            if let Some(e) = self.exports.get_mut(&(Delivery::Collective, b.id))
+                && same_key(e.key, b)
+                && let Some(i) = e.importers.get_mut(from)
+                && i.has == Has::Mapped(b.generation)
+            {
+                i.has = Has::Released(b.generation);
+            }
+        }
     }
 
     /// Forgets `who` as an importer of everything: it exited, so its mappings went with it.
@@ -293,30 +416,6 @@ fn drop_kept_fd(e: &mut Export) {
     }
 }
 
-/// A copy of export `id`'s fd, exporting it first if it is not kept (`Ok(None)` while the
-/// allocation is not resident). Called under [`LEDGER`].
-fn cached_export(a: &Allocator, id: u64, e: &mut Export) -> Result<Option<ExportedMemory>, String> {
-    if e.fd.is_none() {
-        let Some(m) = a.export_shared(id).map_err(|e| e.to_string())? else {
-            return Ok(None);
-        };
-        if KEPT_FDS.load(Ordering::Relaxed) >= MAX_KEPT_FDS {
-            return Ok(Some(m));
-        }
-        KEPT_FDS.fetch_add(1, Ordering::Relaxed);
-        e.fd = Some(m);
-    }
-    let Some(m) = &e.fd else { return Ok(None) };
-    let fd =
-        m.fd.try_clone()
-            .map_err(|err| format!("cannot copy an exported fd: {err}"))?;
-    Ok(Some(ExportedMemory {
-        fd,
-        offset: m.offset,
-        handle_size: m.handle_size,
-    }))
-}
-
 /// The handle of the memsaver allocation holding `ptr`, or `Ok(None)` when memsaver did not
 /// allocate it (the caller forwards to the real runtime).
 pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>> {
@@ -337,27 +436,15 @@ pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>> {
     })?;
     let key = {
         let mut l = LEDGER.lock();
-        let e = match l.exports.entry(shared.id) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => {
-                let key = identity::new_key().map_err(|e| {
-                    Error::Other(format!("cannot draw a key for a CUDA IPC handle: {e}"))
-                })?;
-                v.insert(Export {
-                    key,
-                    tag: shared.tag.clone(),
-                    size: shared.size as u64,
-                    generation: 0,
-                    memory: Memory::Resident,
-                    importers: BTreeMap::new(),
-                    fd: None,
-                })
-            }
-        };
+        let e = l.add(
+            (Delivery::Courier, shared.id),
+            &shared.tag,
+            shared.size as u64,
+        )?;
         // Exported now, so that the receiver's open only copies the fd (a failure here is
         // the open's to report).
         if e.memory == Memory::Resident {
-            let _ = cached_export(a, shared.id, e);
+            let _ = Allocations::export_kept(a, shared.id, &mut e.fd);
         }
         e.key
     };
@@ -370,34 +457,139 @@ pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>> {
     }))
 }
 
+/// Records export `id` of `delivery`, memory of tag `tag` of `size` bytes, if it is not
+/// recorded yet (resident, generation 0, a new key): returns its key and generation, which the
+/// token or handle given to importers carries.
+pub fn add(delivery: Delivery, id: u64, tag: &str, size: u64) -> Result<(u64, u64)> {
+    let mut l = LEDGER.lock();
+    let e = l.add((delivery, id), tag, size)?;
+    Ok((e.key, e.generation))
+}
+
+/// The memory of export `id` of `delivery` is gone for good (freed): the export is forgotten
+/// with any fd kept of it, so its token or handle opens nothing any more; its importers keep
+/// what they map.
+pub fn forget(delivery: Delivery, id: u64) {
+    let removed = LEDGER.lock().exports.remove(&(delivery, id));
+    if let Some(mut e) = removed {
+        drop_kept_fd(&mut e);
+        SETTLED.notify_all();
+    }
+}
+
+/// The owner's pause released the memory of its [`Delivery::Collective`] exports `ids`: they
+/// are paused (opens wait for the resume), and [`wait_released`] waits for their importers.
+pub fn paused(ids: &[u64]) {
+    LEDGER
+        .lock()
+        .mark(Delivery::Collective, ids, Memory::Paused);
+}
+
+/// The owner's resume re-created the memory of its [`Delivery::Collective`] exports `ids`:
+/// each starts its next generation, which importers open at their resume.
+pub fn resumed(ids: &[u64]) {
+    LEDGER
+        .lock()
+        .mark(Delivery::Collective, ids, Memory::Resident);
+}
+
+/// Importers that still map the current generation of paused exports, by identity, with the
+/// ids of those exports.
+pub type Holders = BTreeMap<Identity, Vec<u64>>;
+
+/// How often [`wait_released`] looks for importers that exited (a release wakes it at once).
+const EXIT_POLL: Duration = Duration::from_millis(2);
+
+/// A collective pause's wait: until no live importer maps the current generation of a paused
+/// [`Delivery::Collective`] export (also those paused by an earlier pause that did not
+/// complete), or `deadline`. Importers that exited are forgotten (their mappings went with
+/// them). Returns those still holding at the deadline; progress lines (naming `setting`) say
+/// `describe(holders)`, called with no lock of this module held.
+pub fn wait_released(
+    deadline: Instant,
+    setting: &'static str,
+    describe: &dyn Fn(&Holders) -> String,
+) -> Holders {
+    let mut progress = Progress::new(deadline, setting);
+    let mut l = LEDGER.lock();
+    loop {
+        let (holders, exited) = l.holders(identity::is_running);
+        for who in &exited {
+            l.forget(who);
+        }
+        if holders.is_empty() || Instant::now() >= deadline {
+            return holders;
+        }
+        parking_lot::MutexGuard::unlocked(&mut l, || progress.say(|| describe(&holders)));
+        let poll = Instant::now() + EXIT_POLL;
+        SETTLED.wait_until(&mut l, progress.next().min(poll));
+    }
+}
+
+/// The owner's answer to `from`'s notice that it released its imports `items` of
+/// [`Delivery::Collective`] exports ([`Request::Released`]).
+pub fn serve_released(conn: &Connection, from: &Identity, items: &[Buffer]) {
+    LEDGER.lock().released(from, items);
+    SETTLED.notify_all();
+    let _ = conn.send(&Reply::Done, None, Instant::now() + WRITE_TIMEOUT);
+}
+
 /// Whether `key` is the key `b` carries (compared without branching on its bits).
-pub fn same_key(key: u64, b: &Buffer) -> bool {
+fn same_key(key: u64, b: &Buffer) -> bool {
     std::hint::black_box(key ^ b.key) == 0
 }
 
 /// One answer of an owner to an open: the reply, with the fd it carries.
-pub type Answer = (Reply, Option<OwnedFd>);
+type Answer = (Reply, Option<OwnedFd>);
 
-/// A layer's exports, as the owner's one serve path ([`serve_opens`]) sees them: this module's
-/// ledger (allocations, through CUDA IPC handles and NCCL's registration) and nccl-hook's
-/// registry (NCCL's own buffers).
-pub trait Exports {
-    /// Whether every buffer of `items` is one of these exports, with its key. Look at every
-    /// item (the time taken must not say where the first wrong one is).
-    fn known(&self, items: &[Buffer]) -> bool;
-    /// Answers `items` in order under one hold of the layer's lock, as many as can be answered
-    /// now (each at least the generation asked; an answer that must wait for the owner's resume
-    /// ends the list), recording `from` as an importer of each one given.
-    fn answer_ready(&self, from: &Identity, items: &[Buffer]) -> Vec<Answer>;
-    /// `from` did not receive `answers` (to `items`, in order: it is gone, or gave up): it holds
-    /// none of them.
-    fn undelivered(&self, from: &Identity, items: &[Buffer], answers: &[Answer]);
+/// The memory behind a layer's exports, as the owner's one serve path reads it for one batch
+/// of answers: held under the layer's lock, if it has one, which comes before [`LEDGER`].
+pub trait Backing {
+    /// Export `id`'s memory now: an fd of it, with where the export lies in it (`offset`) and
+    /// the size of the memory the fd is (`handle_size`); `Ok(None)` while it is not there
+    /// (released, being restored). `kept` is the export's slot for an fd kept across answers
+    /// ([`Export::fd`]): the ledger drops it when a pause marks the export paused, so only a
+    /// layer whose pause marks its exports before releasing them (the couriers' allocations)
+    /// may keep one.
+    fn export(
+        &mut self,
+        id: u64,
+        kept: &mut Option<ExportedMemory>,
+    ) -> Result<Option<ExportedMemory>, String>;
+
+    /// Whether export `id` stays resident whatever the owner's pauses ask: it keeps its
+    /// generation, and is served as it is whatever generation an importer asks.
+    fn stays(&self, _id: u64) -> bool {
+        false
+    }
 }
 
-/// The owner's one serve path for opens: every item must name one of `exports` with its key,
-/// or the whole request is refused (saying nothing of which item or which part was wrong);
-/// then one reply per item, in order, each as soon as it can be answered, until `wait` has
-/// passed (the rest are answered `NotReady`). A reply that cannot be delivered is undone.
+/// A layer's exports as the owner's one serve path ([`serve_opens`]) sees them: which of the
+/// ledger's exports they are, and the memory behind them. The ledger's allocations
+/// ([`Delivery::Courier`]) are one; a layer that exports memory of its own
+/// ([`Delivery::Collective`]) is another.
+pub trait Exports {
+    fn delivery(&self) -> Delivery;
+    /// The memory behind the exports, for one batch of answers (holding the layer's lock).
+    fn backing(&self) -> Box<dyn Backing + '_>;
+}
+
+/// Whether every buffer of `items` is an export of `delivery`, with its key. Looks at every
+/// item (the time taken must not say where the first wrong one is).
+fn known(delivery: Delivery, items: &[Buffer]) -> bool {
+    let l = LEDGER.lock();
+    items.iter().fold(true, |ok, b| {
+        ok & l
+            .exports
+            .get(&(delivery, b.id))
+            .is_some_and(|e| same_key(e.key, b))
+    })
+}
+
+/// The owner's one serve path for opens: every item must name an export of `exports` with its
+/// key, or the whole request is refused (saying nothing of which item or which part was
+/// wrong); then one reply per item, in order, each as soon as it can be answered, until `wait`
+/// has passed (the rest are answered `NotReady`). A reply that cannot be delivered is undone.
 pub fn serve_opens(
     conn: &Connection,
     from: &Identity,
@@ -405,7 +597,8 @@ pub fn serve_opens(
     wait: Duration,
     exports: &dyn Exports,
 ) {
-    if !exports.known(items) {
+    let delivery = exports.delivery();
+    if !known(delivery, items) {
         conn.refuse(NO_BUFFER);
         return;
     }
@@ -413,13 +606,22 @@ pub fn serve_opens(
     let write_by = deadline + WRITE_TIMEOUT;
     let mut next = 0;
     while next < items.len() {
-        let answers = exports.answer_ready(from, &items[next..]);
+        let answers = {
+            let mut backing = exports.backing();
+            answer(
+                &mut LEDGER.lock(),
+                delivery,
+                from,
+                &items[next..],
+                &mut *backing,
+            )
+        };
         for (i, (reply, fd)) in answers.iter().enumerate() {
             if conn
                 .send(reply, fd.as_ref().map(|f| f.as_fd()), write_by)
                 .is_err()
             {
-                exports.undelivered(from, &items[next + i..], &answers[i..]);
+                undelivered(delivery, from, &items[next + i..], &answers[i..]);
                 return;
             }
         }
@@ -441,45 +643,159 @@ pub fn serve_opens(
     }
 }
 
-/// The ledger's allocations as [`Exports`].
+/// Answers `items` in order (under [`LEDGER`] and the layer's lock, held by `backing`), as many
+/// as can be answered now: each once its export is resident at least at the generation asked
+/// (or stays resident), an answer that must wait for the owner's resume ending the list;
+/// records `from` as an importer of each one given.
+fn answer(
+    l: &mut Ledger,
+    delivery: Delivery,
+    from: &Identity,
+    items: &[Buffer],
+    backing: &mut dyn Backing,
+) -> Vec<Answer> {
+    let mut out = Vec::with_capacity(items.len());
+    for b in items {
+        let Some(e) = l.exports.get_mut(&(delivery, b.id)) else {
+            // Its memory was freed (and the export forgotten) since it was checked.
+            out.push((Reply::Failed { id: b.id }, None));
+            continue;
+        };
+        let ready = e.memory == Memory::Resident && e.generation >= b.generation;
+        if !(ready || backing.stays(b.id)) {
+            break;
+        }
+        let m = match backing.export(b.id, &mut e.fd) {
+            Ok(Some(m)) => m,
+            Ok(None) => break,
+            Err(err) => {
+                note(format!(
+                    "cannot export memsaver memory to process {}: {err}",
+                    from.pid
+                ));
+                out.push((Reply::Failed { id: b.id }, None));
+                continue;
+            }
+        };
+        let generation = e.generation;
+        let i = e.importers.entry(*from).or_insert(Importer {
+            imports: 0,
+            has: Has::Mapped(generation),
+        });
+        if b.generation == 0 || i.imports == 0 {
+            i.imports += 1;
+        }
+        // A new import maps what it is given, and so does a collective one (it acknowledges
+        // nothing else); a courier's rebuild is acknowledged by the rebuild's answer.
+        if b.generation == 0 || delivery == Delivery::Collective {
+            i.has = Has::Mapped(generation);
+        }
+        tracing::debug!(
+            importer = from.pid,
+            imports = i.imports,
+            id = b.id,
+            generation,
+            "served an open"
+        );
+        let reply = match delivery {
+            Delivery::Courier => Reply::Shared {
+                id: b.id,
+                generation,
+                size: e.size,
+                offset: m.offset,
+                handle_size: m.handle_size as u64,
+            },
+            Delivery::Collective => Reply::Export {
+                id: b.id,
+                generation,
+                offset: m.offset,
+                size: m.handle_size as u64,
+            },
+        };
+        out.push((reply, Some(m.fd)));
+    }
+    out
+}
+
+/// `from` did not receive `answers` (to `items`, in order: it is gone, or gave up): it holds
+/// none of them.
+fn undelivered(delivery: Delivery, from: &Identity, items: &[Buffer], answers: &[Answer]) {
+    let mut l = LEDGER.lock();
+    for (b, (reply, fd)) in items.iter().zip(answers) {
+        let (Some(_), Some(e)) = (fd, l.exports.get_mut(&(delivery, b.id))) else {
+            continue;
+        };
+        match (delivery, reply) {
+            // A new import that was not delivered was not made (a rebuild's counted nothing).
+            (Delivery::Courier, _) if b.generation == 0 => forget_import(e, from),
+            (Delivery::Collective, Reply::Export { generation, .. })
+                if e.importers.get(from).map(|i| i.has) == Some(Has::Mapped(*generation)) =>
+            {
+                e.importers.remove(from);
+            }
+            _ => {}
+        }
+    }
+    drop(l);
+    SETTLED.notify_all();
+}
+
+/// The ledger's allocations as [`Exports`]: their memory is the allocator's.
 struct Allocations;
 
 impl Exports for Allocations {
-    fn known(&self, items: &[Buffer]) -> bool {
-        // A freed allocation's export is forgotten (`Sharing::freed`): its handles open nothing.
-        let l = LEDGER.lock();
-        items.iter().fold(true, |ok, b| {
-            ok & l.exports.get(&b.id).is_some_and(|e| same_key(e.key, b))
-        })
+    fn delivery(&self) -> Delivery {
+        Delivery::Courier
     }
 
-    fn answer_ready(&self, from: &Identity, items: &[Buffer]) -> Vec<Answer> {
-        let allocator = memsaver_allocator::start_global();
-        // Under LEDGER: a pause marks the export paused under it before it releases anything,
-        // so the handle read here stays valid until the fd is made. A paused export is
-        // answered `NotReady` at once: the importer's rebuild comes after the resume.
-        let mut l = LEDGER.lock();
-        items
-            .iter()
-            .map(|b| match l.exports.get_mut(&b.id) {
-                // Its allocation was freed (and the export forgotten) since it was checked.
-                None => (Reply::Failed { id: b.id }, None),
-                Some(e) => open(&allocator, *from, e, b),
-            })
-            .collect()
+    fn backing(&self) -> Box<dyn Backing + '_> {
+        Box::new(AllocationBacking(memsaver_allocator::start_global()))
     }
+}
 
-    fn undelivered(&self, from: &Identity, items: &[Buffer], answers: &[Answer]) {
-        let mut l = LEDGER.lock();
-        for (b, (_, fd)) in items.iter().zip(answers) {
-            // A new import that was not delivered was not made (a rebuild's counted nothing).
-            if fd.is_some()
-                && b.generation == 0
-                && let Some(e) = l.exports.get_mut(&b.id)
-            {
-                forget_import(e, from);
+/// The allocator's memory behind the ledger's allocations. Read under [`LEDGER`]: a pause marks
+/// the export paused under it before it releases anything, so the handle read here stays
+/// valid until the fd is made.
+struct AllocationBacking(memsaver_allocator::Result<&'static Allocator>);
+
+impl Allocations {
+    /// A copy of allocation `id`'s exported fd, exporting it first if it is not kept in `kept`
+    /// (`Ok(None)` while the allocation is not resident). Called under [`LEDGER`].
+    fn export_kept(
+        a: &Allocator,
+        id: u64,
+        kept: &mut Option<ExportedMemory>,
+    ) -> Result<Option<ExportedMemory>, String> {
+        if kept.is_none() {
+            let Some(m) = a.export_shared(id).map_err(|e| e.to_string())? else {
+                return Ok(None);
+            };
+            if KEPT_FDS.load(Ordering::Relaxed) >= MAX_KEPT_FDS {
+                return Ok(Some(m));
             }
+            KEPT_FDS.fetch_add(1, Ordering::Relaxed);
+            *kept = Some(m);
         }
+        let Some(m) = kept else { return Ok(None) };
+        let fd =
+            m.fd.try_clone()
+                .map_err(|err| format!("cannot copy an exported fd: {err}"))?;
+        Ok(Some(ExportedMemory {
+            fd,
+            offset: m.offset,
+            handle_size: m.handle_size,
+        }))
+    }
+}
+
+impl Backing for AllocationBacking {
+    fn export(
+        &mut self,
+        id: u64,
+        kept: &mut Option<ExportedMemory>,
+    ) -> Result<Option<ExportedMemory>, String> {
+        let a = self.0.as_ref().map_err(|e| e.to_string())?;
+        Allocations::export_kept(a, id, kept)
     }
 }
 
@@ -488,13 +804,13 @@ pub(crate) fn serve(conn: &Connection, from: Identity, op: Share, buffers: &[Buf
     if op != Share::Close {
         return serve_opens(conn, &from, buffers, Duration::ZERO, &Allocations);
     }
-    if !Allocations.known(buffers) {
+    if !known(Delivery::Courier, buffers) {
         conn.refuse(NO_BUFFER);
         return;
     }
     let mut l = LEDGER.lock();
     for b in buffers {
-        if let Some(e) = l.exports.get_mut(&b.id) {
+        if let Some(e) = l.exports.get_mut(&(Delivery::Courier, b.id)) {
             forget_import(e, &from);
             tracing::debug!(importer = from.pid, id = b.id, "served a close");
         }
@@ -502,60 +818,6 @@ pub(crate) fn serve(conn: &Connection, from: Identity, op: Share, buffers: &[Buf
     drop(l);
     SETTLED.notify_all();
     let _ = conn.send(&Reply::Done, None, Instant::now() + WRITE_TIMEOUT);
-}
-
-/// The answer to `from`'s open of `b` (export `e`, under [`LEDGER`]).
-fn open(
-    allocator: &memsaver_allocator::Result<&'static Allocator>,
-    from: Identity,
-    e: &mut Export,
-    b: &Buffer,
-) -> (Reply, Option<OwnedFd>) {
-    if e.memory == Memory::Paused || e.generation < b.generation {
-        return (Reply::NotReady { id: b.id }, None);
-    }
-    let exported = allocator
-        .as_ref()
-        .map_err(|e| e.to_string())
-        .and_then(|a| cached_export(a, b.id, e));
-    let m = match exported {
-        Ok(Some(m)) => m,
-        Ok(None) => return (Reply::NotReady { id: b.id }, None),
-        Err(err) => {
-            note(format!(
-                "cannot export memsaver memory to process {}: {err}",
-                from.pid
-            ));
-            return (Reply::Failed { id: b.id }, None);
-        }
-    };
-    let generation = e.generation;
-    let i = e.importers.entry(from).or_insert(Importer {
-        imports: 0,
-        has: Has::Mapped(generation),
-    });
-    if b.generation == 0 || i.imports == 0 {
-        i.imports += 1;
-    }
-    if b.generation == 0 {
-        // A new import maps what it is given; a rebuild's is acknowledged by its answer.
-        i.has = Has::Mapped(generation);
-    }
-    tracing::debug!(
-        importer = from.pid,
-        imports = i.imports,
-        id = b.id,
-        generation,
-        "served an open"
-    );
-    let reply = Reply::Shared {
-        id: b.id,
-        generation,
-        size: e.size,
-        offset: m.offset,
-        handle_size: m.handle_size as u64,
-    };
-    (reply, Some(m.fd))
 }
 
 /// One import fewer of `e` by `who`.
@@ -701,7 +963,7 @@ fn deliver(group: i64, who: &Identity, op: Share, buffers: &[Buffer]) -> Result<
         // Only what was sent is acknowledged: a newer state waits for the next round.
         if let Some(i) = l
             .exports
-            .get_mut(&b.id)
+            .get_mut(&(Delivery::Courier, b.id))
             .and_then(|e| e.importers.get_mut(who))
         {
             i.has = match op {
@@ -724,19 +986,7 @@ impl Owner {
     /// `Err` says which processes are behind, what they hold, and why.
     fn transition(&self, ids: &[u64], memory: Memory) -> Result<(), String> {
         let mut l = LEDGER.lock();
-        let mut importers = BTreeSet::new();
-        for id in ids {
-            let Some(e) = l.exports.get_mut(id) else {
-                continue;
-            };
-            match memory {
-                // The memory is about to be released: no fd may keep it.
-                Memory::Paused => drop_kept_fd(e),
-                Memory::Resident => e.generation += 1,
-            }
-            e.memory = memory;
-            importers.extend(e.importers.keys().copied());
-        }
+        let importers = l.mark(Delivery::Courier, ids, memory);
         for who in &importers {
             dispatch(&mut l, *who);
         }
@@ -749,7 +999,7 @@ impl Owner {
                 .copied()
                 .filter(|who| {
                     ids.iter().any(|id| {
-                        l.exports.get(id).is_some_and(|e| {
+                        l.exports.get(&(Delivery::Courier, *id)).is_some_and(|e| {
                             e.importers.get(who).is_some_and(|i| i.has != e.wanted())
                         })
                     })
@@ -791,7 +1041,7 @@ fn report(l: &Ledger, ids: &[u64], behind: &[Identity], memory: Memory, group: i
         .map(|who| {
             let (mut n, mut bytes, mut tags) = (0, 0, BTreeSet::new());
             for id in ids {
-                if let Some(e) = l.exports.get(id)
+                if let Some(e) = l.exports.get(&(Delivery::Courier, *id))
                     && e.importers.get(who).is_some_and(|i| i.has != e.wanted())
                 {
                     n += 1;
@@ -842,11 +1092,7 @@ impl memsaver_allocator::Sharing for Owner {
     }
 
     fn freed(&self, id: u64) {
-        // Forgotten with its fd: a handle of a freed allocation opens nothing, and the importers
-        // keep what they map.
-        if let Some(mut e) = LEDGER.lock().exports.remove(&id) {
-            drop_kept_fd(&mut e);
-        }
+        forget(Delivery::Courier, id);
     }
 }
 
@@ -873,11 +1119,13 @@ pub struct ExportStats {
     /// free them).
     pub held_while_paused: u64,
     /// Imports of this tag's exports that do not hold what the owner's state says (not yet
-    /// released, or not yet mapped again): their importers' couriers are still at work.
+    /// released, or not yet mapped again): their importers' couriers are still at work, or
+    /// (collective exports) the importers have not paused or resumed yet.
     pub imports_behind: u64,
 }
 
-/// This process's exports, per tag (allocations freed since are forgotten here).
+/// This process's exports, per tag, of either delivery (exports whose memory was freed are
+/// forgotten here).
 pub fn exports() -> BTreeMap<String, ExportStats> {
     let mut out: BTreeMap<String, ExportStats> = BTreeMap::new();
     let l = LEDGER.lock();
@@ -980,5 +1228,254 @@ mod tests {
             t = not_before;
         }
         assert!(t >= t0 + 10 * MAX_BACKOFF);
+    }
+
+    /// A layer's memory for [`answer`]: every export there (an fd of `/dev/null`), those in
+    /// `stays` staying resident through pauses, those in `away` not there (being restored).
+    #[derive(Default)]
+    struct Layer {
+        stays: Vec<u64>,
+        away: Vec<u64>,
+    }
+
+    impl Backing for Layer {
+        fn export(
+            &mut self,
+            id: u64,
+            _kept: &mut Option<ExportedMemory>,
+        ) -> Result<Option<ExportedMemory>, String> {
+            if self.away.contains(&id) {
+                return Ok(None);
+            }
+            let f = std::fs::File::open("/dev/null").map_err(|e| e.to_string())?;
+            Ok(Some(ExportedMemory {
+                fd: f.into(),
+                offset: 4096,
+                handle_size: 3 << 20,
+            }))
+        }
+
+        fn stays(&self, id: u64) -> bool {
+            self.stays.contains(&id)
+        }
+    }
+
+    const C: Delivery = Delivery::Collective;
+
+    /// A ledger with collective exports `ids` (1 MiB each), and each one's item at generation 0.
+    fn collective(ids: &[u64]) -> (Ledger, Vec<Buffer>) {
+        let mut l = Ledger::default();
+        let items = ids
+            .iter()
+            .map(|&id| {
+                let key = l.add((C, id), "t", 1 << 20).unwrap().key;
+                Buffer {
+                    id,
+                    key,
+                    generation: 0,
+                }
+            })
+            .collect();
+        (l, items)
+    }
+
+    fn has(l: &Ledger, id: Id, who: u32) -> Option<Has> {
+        l.exports[&id].importers.get(&importer(who)).map(|i| i.has)
+    }
+
+    #[test]
+    fn a_collective_open_is_served_at_the_generation_asked_or_later_and_recorded_mapped() {
+        let (mut l, items) = collective(&[1, 2]);
+        let mut layer = Layer::default();
+        let a = answer(&mut l, C, &importer(5), &items, &mut layer);
+        assert!(matches!(
+            a.as_slice(),
+            [
+                (Reply::Export { id: 1, generation: 0, offset: 4096, size }, Some(_)),
+                (Reply::Export { id: 2, generation: 0, .. }, Some(_)),
+            ] if *size == 3 << 20
+        ));
+        assert_eq!(has(&l, (C, 1), 5), Some(Has::Mapped(0)));
+        // Paused: nothing is answered (the serve path waits), nothing is recorded.
+        l.mark(C, &[1, 2], Memory::Paused);
+        assert!(answer(&mut l, C, &importer(6), &items, &mut layer).is_empty());
+        assert_eq!(has(&l, (C, 1), 6), None);
+        // Its resume overtook the owner's pause: it asks generation 1, the owner is at 0.
+        l.mark(C, &[1, 2], Memory::Resident);
+        l.mark(C, &[2], Memory::Paused);
+        let next: Vec<Buffer> = items
+            .iter()
+            .map(|b| Buffer {
+                generation: 1,
+                ..*b
+            })
+            .collect();
+        // Export 1 is at generation 1 now and answered; export 2 (paused again) ends the list.
+        let a = answer(&mut l, C, &importer(5), &next, &mut layer);
+        assert!(matches!(
+            a.as_slice(),
+            [(
+                Reply::Export {
+                    id: 1,
+                    generation: 1,
+                    ..
+                },
+                _
+            )]
+        ));
+        assert_eq!(
+            has(&l, (C, 1), 5),
+            Some(Has::Mapped(1)),
+            "its fetch maps it"
+        );
+        // A buffer the owner's pauses keep is served as it is, whatever generation is asked.
+        layer.stays.push(2);
+        let a = answer(&mut l, C, &importer(5), &next[1..], &mut layer);
+        assert!(matches!(
+            a.as_slice(),
+            [(
+                Reply::Export {
+                    id: 2,
+                    generation: 1,
+                    ..
+                },
+                _
+            )]
+        ));
+        // Memory not there yet (being restored): waited for too.
+        layer.away.push(1);
+        assert!(answer(&mut l, C, &importer(7), &next[..1], &mut layer).is_empty());
+        // An export forgotten since the request was checked: failed, the rest answered.
+        l.exports.remove(&(C, 1));
+        layer.away.clear();
+        let a = answer(&mut l, C, &importer(5), &next, &mut layer);
+        assert!(matches!(
+            a.as_slice(),
+            [
+                (Reply::Failed { id: 1 }, None),
+                (Reply::Export { id: 2, .. }, Some(_))
+            ]
+        ));
+    }
+
+    #[test]
+    fn a_courier_rebuild_is_recorded_by_its_acknowledgement_not_by_the_open() {
+        let mut l = Ledger::default();
+        let key = l.add((Delivery::Courier, 1), "t", 1 << 20).unwrap().key;
+        let mut layer = Layer::default();
+        let open = Buffer {
+            id: 1,
+            key,
+            generation: 0,
+        };
+        let a = answer(&mut l, Delivery::Courier, &importer(5), &[open], &mut layer);
+        assert!(
+            matches!(a.as_slice(), [(Reply::Shared { id: 1, size, .. }, Some(_))] if *size == 1 << 20)
+        );
+        l.mark(Delivery::Courier, &[1], Memory::Paused);
+        l.exports
+            .get_mut(&(Delivery::Courier, 1))
+            .unwrap()
+            .importers
+            .get_mut(&importer(5))
+            .unwrap()
+            .has = Has::Released(0);
+        l.mark(Delivery::Courier, &[1], Memory::Resident);
+        let rebuild = Buffer {
+            generation: 1,
+            ..open
+        };
+        answer(
+            &mut l,
+            Delivery::Courier,
+            &importer(5),
+            &[rebuild],
+            &mut layer,
+        );
+        assert_eq!(has(&l, (Delivery::Courier, 1), 5), Some(Has::Released(0)));
+        assert_eq!(
+            l.exports[&(Delivery::Courier, 1)].importers[&importer(5)].imports,
+            1
+        );
+    }
+
+    #[test]
+    fn a_collective_pause_waits_for_live_importers_of_the_current_generation_only() {
+        let (mut l, items) = collective(&[1, 2]);
+        let mut layer = Layer::default();
+        for who in [5, 6, 7, 8] {
+            answer(&mut l, C, &importer(who), &items, &mut layer);
+        }
+        // A courier export paused with an importer mapping it: the couriers' business.
+        let key = l.add((Delivery::Courier, 1), "t", 1).unwrap().key;
+        let courier = Buffer {
+            id: 1,
+            key,
+            generation: 0,
+        };
+        answer(
+            &mut l,
+            Delivery::Courier,
+            &importer(9),
+            &[courier],
+            &mut layer,
+        );
+        l.mark(Delivery::Courier, &[1], Memory::Paused);
+        // Nothing paused yet: nobody holds anything a pause waits for.
+        assert_eq!(l.holders(|_| true), (Holders::new(), vec![]));
+        l.mark(C, &[1, 2], Memory::Paused);
+        // 6 released both, 7 released one, 8 exited; 6 exited too: found, to be forgotten.
+        // (9, the courier export's importer, is its courier's to find.)
+        l.released(&importer(6), &items);
+        l.released(&importer(7), &items[..1]);
+        let (holders, exited) = l.holders(|who| ![6, 8, 9].contains(&who.pid));
+        assert_eq!(
+            holders,
+            Holders::from([(importer(5), vec![1, 2]), (importer(7), vec![2])])
+        );
+        assert_eq!(exited, vec![importer(6), importer(8)]);
+        // The owner resumed without them (a pause that failed): they map an older generation,
+        // which the next pause cannot free, so it waits for nobody.
+        l.mark(C, &[1, 2], Memory::Resident);
+        l.mark(C, &[1, 2], Memory::Paused);
+        assert_eq!(l.holders(|_| true).0, Holders::new());
+    }
+
+    #[test]
+    fn a_release_notice_counts_only_for_the_generation_mapped_and_with_the_key() {
+        let (mut l, items) = collective(&[1]);
+        answer(&mut l, C, &importer(5), &items, &mut Layer::default());
+        l.mark(C, &[1], Memory::Paused);
+        let wrong_key = Buffer {
+            key: items[0].key ^ 1,
+            ..items[0]
+        };
+        let other_generation = Buffer {
+            generation: 1,
+            ..items[0]
+        };
+        l.released(&importer(5), &[wrong_key, other_generation]);
+        l.released(&importer(6), &items);
+        assert_eq!(has(&l, (C, 1), 5), Some(Has::Mapped(0)));
+        assert_eq!(
+            has(&l, (C, 1), 6),
+            None,
+            "not an importer: nothing recorded"
+        );
+        l.released(&importer(5), &items);
+        assert_eq!(has(&l, (C, 1), 5), Some(Has::Released(0)));
+    }
+
+    #[test]
+    fn couriers_never_carry_a_collective_export() {
+        let (mut l, items) = collective(&[1]);
+        answer(&mut l, C, &importer(5), &items, &mut Layer::default());
+        l.mark(C, &[1], Memory::Paused);
+        assert_eq!(l.behind(&importer(5)), (vec![], vec![]));
+        assert_eq!(
+            l.mark(C, &[1], Memory::Resident),
+            BTreeSet::from([importer(5)])
+        );
+        assert_eq!(l.behind(&importer(5)), (vec![], vec![]));
     }
 }

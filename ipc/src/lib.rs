@@ -23,9 +23,11 @@
 //!   buffers;
 //! * [`control`]: pause, resume, stats and profile stages of one process run for another;
 //! * [`handle`]: the CUDA IPC handle of memsaver memory;
-//! * [`exported`] and [`imported`]: memory shared with other processes, the owner's ledger and
-//!   couriers and the importer's imports, which [`shared`] puts together: released and rebuilt
-//!   in the importers around the owner's pauses and resumes.
+//! * [`exported`] and [`imported`]: memory shared with other processes, the owner's ledger of
+//!   every export (whether couriers carry the owner's pauses and resumes to its importers, or
+//!   the importers follow in a pause of their own that the owner waits for) and the importer's
+//!   imports, which [`shared`] puts together: released and rebuilt in the importers around the
+//!   owner's pauses and resumes.
 //!
 //! Who may talk to whom, and what enforces it, is docs/security.md.
 

@@ -79,7 +79,7 @@ pub extern "C" fn ncclResume(_comm: *mut c_void) -> c_int {
 #[unsafe(no_mangle)]
 pub extern "C" fn ncclMemStats() -> c_int {
     let r = std::panic::catch_unwind(|| {
-        // The ledger's figures (what the line shows), as `memsaver.nccl_stats()` gives them.
+        // The registry's figures (what the line shows), as `memsaver.nccl_stats()` gives them.
         let s = registry::stats(procaddr::installed(), false, guard::is_paused());
         eprintln!(
             "memsaver nccl group:{} pid:{} owned:{} B exported:{} B imported:{} B paused:{} B hooked:{}",

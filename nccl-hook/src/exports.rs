@@ -1,21 +1,23 @@
 //! The owner's side of NCCL's shared buffers: the handler that `memsaver_ipc`'s server routes
-//! peers' imports and releases to ([`Service::Buffers`]). It serves the real fds of this
-//! process's exported buffers from the registry, under its lock, and records who imports what.
+//! peers' imports and release notices to ([`Service::Buffers`]), and the memory behind them.
 //!
-//! An import names each buffer by its virtual handle and must carry the buffer's key, which
-//! only the buffer's token gives (`crate::vmm`'s export wrapper hands out tokens). The opens
-//! go through the owner's one serve path (`memsaver_ipc::exported::serve_opens`), as the opens
-//! of allocations shared through CUDA IPC handles do.
+//! Who imports what, each buffer's key and generation, and whether it is paused are the
+//! owner's ledger's (`memsaver_ipc::exported`, [`Delivery::Collective`], each buffer by its
+//! virtual handle): the opens go through the ledger's one serve path
+//! ([`memsaver_ipc::exported::serve_opens`]), as the opens of allocations shared through CUDA
+//! IPC handles do, and the notices are recorded there. This module only says what the ledger
+//! cannot know: the fd of a buffer's memory now (its own handle's, or its run's, with where
+//! the buffer lies in it), read from the registry under its lock, and which buffers stay
+//! resident through pauses.
 
-use std::collections::HashMap;
-use std::time::Instant;
+use std::collections::{HashMap, HashSet};
+use std::os::fd::OwnedFd;
 
-use memsaver_allocator::driver::Handle;
-use memsaver_ipc::exported::{Answer, Exports, same_key, serve_opens};
-use memsaver_ipc::identity::Identity;
-use memsaver_ipc::log::note;
-use memsaver_ipc::protocol::{Buffer, Reply, Request};
-use memsaver_ipc::server::{self, Connection, Handler, Route, Service, WRITE_TIMEOUT};
+use memsaver_allocator::ExportedMemory;
+use memsaver_allocator::driver::{Driver, Handle};
+use memsaver_ipc::exported::{self, Backing, Delivery, Exports};
+use memsaver_ipc::protocol::Request;
+use memsaver_ipc::server::{self, Connection, Handler, Route, Service};
 
 use crate::{peer, registry};
 
@@ -35,20 +37,10 @@ impl Handler for Served {
                 let exports = Buffers {
                     driver: memsaver_allocator::global_driver(),
                 };
-                serve_opens(&conn, &from, &buffers, peer::timeout(), &exports);
+                exported::serve_opens(&conn, &from, &buffers, peer::timeout(), &exports);
             }
             Request::Released { from, buffers, .. } => {
-                let mut reg = registry::lock();
-                for i in &buffers {
-                    if let Some(p) = reg.physicals.get_mut(&i.id)
-                        && names(p, i)
-                        && p.generation == i.generation
-                    {
-                        p.importers.remove(&from);
-                    }
-                }
-                drop(reg);
-                let _ = conn.send(&Reply::Done, None, Instant::now() + WRITE_TIMEOUT);
+                exported::serve_released(&conn, &from, &buffers);
             }
             Request::Control { .. } | Request::Shared { .. } => {
                 conn.refuse("not a request for buffers")
@@ -57,99 +49,74 @@ impl Handler for Served {
     }
 }
 
-/// Whether `i` names buffer `p`: `p` was exported with a token, whose key `i` carries.
-fn names(p: &registry::Physical, i: &Buffer) -> bool {
-    p.key.is_some_and(|key| same_key(key, i))
-}
-
-/// NCCL's buffers as the owner's one serve path sees them ([`serve_opens`]): each answered
-/// with the real fd of its memory once its generation is at least the one asked for (a buffer
-/// still being restored is waited for, up to the `nccl` timeout), every item answerable now
-/// under one hold of the registry lock, so that a process busy resuming serves a peer's
-/// hundreds of buffers in one go.
+/// NCCL's buffers as the ledger's serve path sees them: a buffer still being restored is
+/// waited for (up to the `nccl` timeout), every item answerable now under one hold of the
+/// registry lock, so that a process busy resuming serves a peer's hundreds of buffers in one go.
 struct Buffers {
     /// The driver whatever the options say: a peer's import must be served (taken before the
     /// registry lock: this may start the allocator).
-    driver: memsaver_allocator::Result<&'static memsaver_allocator::driver::Driver>,
+    driver: memsaver_allocator::Result<&'static Driver>,
 }
 
 impl Exports for Buffers {
-    fn known(&self, items: &[Buffer]) -> bool {
+    fn delivery(&self) -> Delivery {
+        Delivery::Collective
+    }
+
+    fn backing(&self) -> Box<dyn Backing + '_> {
         let reg = registry::lock();
-        items.iter().fold(true, |ok, i| {
-            ok & reg.physicals.get(&i.id).is_some_and(|p| names(p, i))
+        let staying = reg.runs_that_stay();
+        Box::new(Held {
+            reg,
+            staying,
+            exported: HashMap::new(),
+            driver: &self.driver,
         })
     }
+}
 
-    fn answer_ready(&self, from: &Identity, items: &[Buffer]) -> Vec<Answer> {
-        let mut reg = registry::lock();
-        let mut out = Vec::new();
-        // The buffers of one run share its memory: exported once, its fd copied for the others.
-        let mut exported: HashMap<registry::Real, std::os::fd::OwnedFd> = HashMap::new();
-        let staying = reg.runs_that_stay();
-        for r in items {
-            let Some(p) = reg.physicals.get(&r.id) else {
-                // Freed by NCCL while this request waited.
-                out.push((Reply::Failed { id: r.id }, None));
-                continue;
-            };
-            // A buffer that stays resident through pauses (host memory, given to a NIC, ...,
-            // or in a run with such a buffer, which pauses keep whole) keeps its generation:
-            // serve it as it is. Otherwise wait until the owner has re-created the generation
-            // asked for.
-            let stays = p.pausable().is_err() || p.run.is_some_and(|base| staying.contains(&base));
-            if !(stays || p.generation >= r.generation) {
-                break; // not restored yet: answers go out in order, wait
+/// The registry, held for one batch of answers.
+struct Held<'a> {
+    reg: parking_lot::MappedMutexGuard<'static, registry::Registry>,
+    /// The runs that pauses keep whole ([`registry::Registry::runs_that_stay`]).
+    staying: HashSet<u64>,
+    /// The buffers of one run share its memory: exported once per batch, its fd copied for the
+    /// others.
+    exported: HashMap<registry::Real, OwnedFd>,
+    driver: &'a memsaver_allocator::Result<&'static Driver>,
+}
+
+impl Backing for Held<'_> {
+    fn export(
+        &mut self,
+        vh: u64,
+        _kept: &mut Option<ExportedMemory>,
+    ) -> Result<Option<ExportedMemory>, String> {
+        let Some((h, offset, size)) = self.reg.served_layout(vh) else {
+            return Ok(None); // released, or not restored yet
+        };
+        let fd = match self.exported.get(&h) {
+            Some(fd) => fd.try_clone().map_err(|e| e.to_string())?,
+            None => {
+                let d = self.driver.as_ref().map_err(|e| e.to_string())?;
+                let fd = d.export_fd(Handle(h)).map_err(|e| e.to_string())?;
+                let copy = fd.try_clone().map_err(|e| e.to_string())?;
+                self.exported.insert(h, fd);
+                copy
             }
-            let Some((h, offset, size)) = reg.served_layout(r.id) else {
-                break; // not restored yet
-            };
-            let fd = match exported.get(&h) {
-                Some(fd) => fd.try_clone().map_err(|e| e.to_string()),
-                None => self
-                    .driver
-                    .as_ref()
-                    .map_err(|e| e.to_string())
-                    .and_then(|d| d.export_fd(Handle(h)).map_err(|e| e.to_string()))
-                    .and_then(|fd| {
-                        let copy = fd.try_clone().map_err(|e| e.to_string());
-                        exported.insert(h, fd);
-                        copy
-                    }),
-            };
-            let p = reg.physicals.get_mut(&r.id).expect("seen above");
-            match fd {
-                Ok(fd) => {
-                    p.importers.insert(*from);
-                    let reply = Reply::Export {
-                        id: r.id,
-                        generation: p.generation,
-                        offset,
-                        size,
-                    };
-                    out.push((reply, Some(fd)));
-                }
-                Err(e) => {
-                    note(format!(
-                        "cannot export an NCCL buffer to process {}: {e}",
-                        from.pid
-                    ));
-                    out.push((Reply::Failed { id: r.id }, None));
-                }
-            }
-        }
-        out
+        };
+        Ok(Some(ExportedMemory {
+            fd,
+            offset,
+            handle_size: size as usize,
+        }))
     }
 
-    fn undelivered(&self, from: &Identity, _items: &[Buffer], answers: &[Answer]) {
-        let mut reg = registry::lock();
-        for (reply, _) in answers {
-            if let Reply::Export { id, generation, .. } = reply
-                && let Some(p) = reg.physicals.get_mut(id)
-                && p.generation == *generation
-            {
-                p.importers.remove(from);
-            }
-        }
+    /// A buffer that stays resident through pauses (host memory, given to a NIC, ..., or in a
+    /// run with such a buffer, which pauses keep whole) keeps its generation.
+    fn stays(&self, vh: u64) -> bool {
+        self.reg.physicals.get(&vh).is_some_and(|p| {
+            p.pausable().is_err() || p.run.is_some_and(|base| self.staying.contains(&base))
+        })
     }
 }

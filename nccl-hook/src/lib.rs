@@ -17,8 +17,10 @@
 //!    lookups in libnccl's handle.
 //!
 //! 6. `peer`, `exports`: cross-process references of NCCL's buffers (token exports, imports,
-//!    the owner's answers), over the cross-process layer `memsaver_ipc`, so pause and resume
-//!    release and rebuild exported buffers and imports together with the peer processes.
+//!    the memory behind the owner's answers), over the cross-process layer `memsaver_ipc`,
+//!    whose owner's ledger records each exported buffer's key, generation and importers (its
+//!    collective delivery), so pause and resume release and rebuild exported buffers and
+//!    imports together with the peer processes.
 //!    `registered`: peers' memsaver memory that NCCL registered and mapped here, released and
 //!    rebuilt when its owner pauses and resumes its tag (`memsaver_ipc::shared`).
 //! 7. `guard`: NCCL's collectives and send/recv, interposed, return `ncclInvalidUsage` while the
@@ -31,12 +33,12 @@
 //!
 //! Layers, each module importing only those below it (`tests/layers.rs` checks):
 //! * this crate root: [`stats`], [`diagnose`], the start hook that registers the `nccl` tag;
-//! * the NCCL memory model: `provider` (the tag's pause and resume), `exports` (the owner's
-//!   answers to peers, routed to it by `memsaver_ipc`'s server), `peer` (requests to owners),
+//! * the NCCL memory model: `provider` (the tag's pause and resume), `exports` (the memory
+//!   behind the owner's answers to peers, routed to it by `memsaver_ipc`'s server), `peer` (requests to owners),
 //!   `registered` (registered imports, reached through `memsaver_ipc::shared::HOLDERS`);
 //! * interposition: `interpose` -> `amem`, `procaddr` -> `vmm` -> `tokens`, `graphs`, `guard`:
 //!   it records what NCCL does and never calls up into what a pause does;
-//! * the base: `registry` (the ledger of NCCL's handles and mappings, which both sides share)
+//! * the base: `registry` (the records of NCCL's handles and mappings, which both sides share)
 //!   and `dl` (the loader's real `dlsym`).
 //!
 //! Below the crate: `memsaver_ipc` (everything between processes) and `memsaver_allocator`

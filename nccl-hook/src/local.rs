@@ -21,9 +21,7 @@ use memsaver_ipc::protocol::Buffer;
 
 use crate::graphs::{self, DEFAULT_STACK_SIZE};
 use crate::options::HEADER_BYTES;
-use crate::registry::{self, Kind, Range, Registry};
-
-pub(crate) const TAG: &str = "nccl";
+use crate::registry::{self, Kind, Range, Registry, TAG};
 
 /// Resume restores private buffers in batches of this many physical allocations (a run is
 /// one), letting the threads that serve peers in between.
@@ -410,7 +408,13 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
     steps.expect_disk(largest_disk);
     let mut first_error = None;
     for dev in devices {
-        let device = a.device(dev)?;
+        let device = match a.device(dev) {
+            Ok(d) => d,
+            Err(e) => {
+                first_error.get_or_insert(e);
+                continue;
+            }
+        };
         let own = own.get(&dev).map_or(&[][..], Vec::as_slice);
         let imports = imports.get(&dev).map_or(&[][..], Vec::as_slice);
         // NCCL's kernels (here) may still use the memory.
@@ -490,6 +494,15 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
             first_error.get_or_insert(e);
         }
     }
+    // Exported buffers released (now or by an earlier pause that failed): paused in the
+    // owner's ledger, whose importers step 3 waits for.
+    let exports: Vec<u64> = reg
+        .physicals
+        .iter()
+        .filter(|(_, p)| p.exported && p.is_paused_own())
+        .map(|(vh, _)| *vh)
+        .collect();
+    memsaver_ipc::exported::paused(&exports);
     match first_error {
         None => Ok(out),
         Some(e) => {
@@ -591,7 +604,9 @@ fn restore(
         }
     }
     // Whatever happened, the queued copies finish before anyone may use the memory.
-    let r = steps.finish(&dev).and(r);
+    let mut r = steps.finish(&dev).and(r);
+    // Exported buffers restored: each starts its next generation in the owner's ledger.
+    let mut exports = Vec::new();
     for (unit, h, pieces) in made {
         let base = pieces[0].ptr;
         if unit.len() > 1 {
@@ -607,7 +622,13 @@ fn restore(
         }
         for (vh, piece) in unit.iter().zip(pieces) {
             let p = reg.physicals.get_mut(vh).expect("listed by the caller");
-            p.resumed(h.0)?;
+            if let Err(e) = p.resumed(h.0) {
+                r = r.and(Err(e.into()));
+                continue;
+            }
+            if p.exported {
+                exports.push(*vh);
+            }
             p.run = (unit.len() > 1).then_some(base);
             total.handles += 1;
             total.bytes += p.size;
@@ -622,6 +643,7 @@ fn restore(
             }
         }
     }
+    memsaver_ipc::exported::resumed(&exports);
     match r {
         Ok(()) => Ok(()),
         Err(e) if is_out_of_memory(&e) => {

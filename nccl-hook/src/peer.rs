@@ -17,13 +17,13 @@ use std::time::{Duration, Instant};
 use memsaver_allocator::steps::Op;
 use memsaver_allocator::{Allocator, Error};
 use memsaver_ipc::client;
-use memsaver_ipc::deadline::{Outcome, PerPeer, Progress, listed};
-use memsaver_ipc::identity::{self, Identity};
+use memsaver_ipc::deadline::{Outcome, PerPeer, listed};
+use memsaver_ipc::exported::{self, Holders};
 use memsaver_ipc::protocol::Buffer;
 
-use crate::local::{Holding, Notices, TAG, device_of, places};
+use crate::local::{Holding, Notices, device_of, places};
 use crate::options;
-use crate::registry;
+use crate::registry::{self, TAG};
 
 pub(crate) use memsaver_ipc::identity::alive;
 
@@ -148,50 +148,39 @@ pub(crate) fn unacknowledged(
 }
 
 /// Pause step 3: waits until every importer of this process's paused exported buffers (also
-/// those paused by an earlier, failed call) has let go, or `deadline`. Returns what the
-/// processes that did not still hold (a dead process has let go of everything).
+/// those paused by an earlier, failed call) has let go, or `deadline`: the owner's ledger
+/// (`memsaver_ipc::exported`) records the importers and their notices, and forgets those that
+/// exited (a dead process has let go of everything). Returns what the processes that did not
+/// let go still hold.
 pub(crate) fn wait_importers(group: i64, deadline: Instant) -> BTreeMap<u32, Holding> {
-    let mut progress = Progress::new(deadline, TIMEOUT_SETTING);
-    loop {
-        let holders = {
-            let mut reg = registry::lock();
-            let mut paused: Vec<&mut registry::Physical> = reg
-                .physicals
-                .values_mut()
-                .filter(|p| p.exported && p.is_paused_own())
-                .collect();
-            // Each importer asked once; a dead one (its pid reused or not) has let go.
-            let mut live: Vec<Identity> = paused
-                .iter()
-                .flat_map(|p| p.importers.iter().copied())
-                .collect();
-            live.sort_unstable();
-            live.dedup();
-            live.retain(identity::is_running);
-            let mut holders = BTreeMap::<u32, Holding>::new();
-            for p in &mut paused {
-                p.importers.retain(|who| live.binary_search(who).is_ok());
-                for who in &p.importers {
-                    holders.entry(who.pid).or_default().add(p);
-                }
-            }
-            holders
-        };
-        if holders.is_empty() || Instant::now() >= deadline {
-            return holders;
+    let describe = |holders: &Holders| {
+        let who: Vec<String> = holding(holders)
+            .iter()
+            .map(|(pid, h)| format!("process {pid} (group {group}) holds {h}"))
+            .collect();
+        format!(
+            "pause('nccl') waits for peers to release their imports of this process's memory: {}",
+            listed(&who)
+        )
+    };
+    holding(&exported::wait_released(
+        deadline,
+        TIMEOUT_SETTING,
+        &describe,
+    ))
+}
+
+/// What `holders` hold, per pid, as the registry describes the buffers.
+fn holding(holders: &Holders) -> BTreeMap<u32, Holding> {
+    let reg = registry::lock();
+    let mut out = BTreeMap::<u32, Holding>::new();
+    for (who, vhs) in holders {
+        let h = out.entry(who.pid).or_default();
+        for p in vhs.iter().filter_map(|vh| reg.physicals.get(vh)) {
+            h.add(p);
         }
-        progress.say(|| {
-            let who: Vec<String> = holders
-                .iter()
-                .map(|(pid, h)| format!("process {pid} (group {group}) holds {h}"))
-                .collect();
-            format!(
-                "pause('nccl') waits for peers to release their imports of this process's memory: {}",
-                listed(&who)
-            )
-        });
-        std::thread::sleep(Duration::from_micros(200));
     }
+    out
 }
 
 /// `, whose imports of <holding> this process released`, for an owner told so.

@@ -37,9 +37,9 @@ use memsaver_allocator::steps::external_key;
 use memsaver_allocator::{Allocator, DeviceUsage, ExternalTag, Report, Result, Usage};
 use memsaver_ipc::group;
 
-use crate::local::{self, TAG};
+use crate::local;
 use crate::peer;
-use crate::registry::{self, Kind};
+use crate::registry::{self, Kind, TAG};
 
 pub struct NcclTag {
     allocator: &'static Allocator,

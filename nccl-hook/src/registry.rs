@@ -7,9 +7,11 @@
 //! about a paused range (`cuMemRetainAllocationHandle`, `cuMemGetAddressRange`) are answered
 //! from here, so destroying a communicator while paused works.
 //!
-//! This is the ledger the interposition writes ([`crate::vmm`]) and the `nccl` tag's pause and
-//! resume ([`crate::provider`]) and the owner's server ([`crate::exports`]) work on: records and
-//! their lock only, below everything else in this crate (it imports no module of it).
+//! These are the records the interposition writes ([`crate::vmm`]) and the `nccl` tag's pause
+//! and resume ([`crate::provider`]) and the memory it serves to peers ([`crate::exports`]) work
+//! on: records and their lock only, below everything else in this crate (it imports no module
+//! of it). Who imports an exported buffer, its key and its generation are not NCCL's: the
+//! owner's ledger (`memsaver_ipc::exported`) keeps them, as it does for every export.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -17,6 +19,9 @@ use parking_lot::{Mutex, MutexGuard};
 use serde::Serialize;
 
 use memsaver_allocator::driver::sys::*;
+
+/// The tag of NCCL's memory.
+pub(crate) const TAG: &str = "nccl";
 
 /// Virtual handles are `VH_BASE | n`: never 0, and recognisable in logs.
 const VH_BASE: u64 = 0x6d73_0000_0000_0000;
@@ -182,21 +187,15 @@ pub(crate) struct Physical {
     /// References NCCL holds (create/import = 1, each retain + 1, each release - 1).
     pub refs: u32,
     /// Exported to another process at least once (through a token, see
-    /// `memsaver_ipc::token`, or raw).
+    /// `memsaver_ipc::token`, or raw). A buffer exported through a token is also an export of
+    /// the owner's ledger (`memsaver_ipc::exported`, [`Delivery::Collective`], by its virtual
+    /// handle), which holds its key, its generation and its importers.
+    ///
+    /// [`Delivery::Collective`]: memsaver_ipc::exported::Delivery::Collective
     pub exported: bool,
-    /// The key a request must carry to be given this buffer (owner side): 64 random bits
-    /// drawn when it is first exported through a token, which carries it (see
-    /// `memsaver_ipc::token`). `None`: never exported so, and never handed out.
-    pub key: Option<u64>,
-    /// Processes holding an import of the current generation (owner side), by full identity:
-    /// a process that got a dead importer's pid is another process.
-    pub importers: HashSet<memsaver_ipc::identity::Identity>,
     /// For an import: where the buffer lies in the memory its owner served (offset, size of
     /// that memory): (0, the buffer's size) when the owner backs it alone.
     pub served: (u64, u64),
-    /// Incremented each time the memory is re-created by a resume (owner side, exported
-    /// buffers).
-    pub generation: u64,
     /// For an import: the owner and its buffer (`None` when imported from a plain fd).
     pub source: Option<Source>,
     /// Contents while paused (its first `backup_len` bytes), kept for reuse across cycles
@@ -239,10 +238,7 @@ impl Physical {
             kind,
             refs: 1,
             exported: false,
-            key: None,
-            importers: HashSet::new(),
             served: (0, 0),
-            generation: 0,
             source: None,
             backup: None,
             backup_len: 0,
@@ -381,16 +377,12 @@ impl Physical {
         }
     }
 
-    /// Resume restored it in new memory `real`: `Resuming` → `Resident`. An exported buffer
-    /// starts a new generation: its importers must fetch it again.
+    /// Resume restored it in new memory `real`: `Resuming` → `Resident`. (An exported buffer
+    /// starts a new generation in the owner's ledger: the resume tells it.)
     pub fn resumed(&mut self, real: Real) -> Result<(), BadTransition> {
         match self.state {
             State::Resuming => {
                 self.state = State::Resident(real);
-                if self.exported {
-                    self.generation += 1;
-                    self.importers.clear();
-                }
                 Ok(())
             }
             _ => Err(self.bad("resumed")),
@@ -966,14 +958,9 @@ mod tests {
     }
 
     #[test]
-    fn an_own_handle_pauses_resumes_and_starts_a_new_generation_when_exported() {
+    fn an_own_handle_pauses_and_resumes_in_new_memory() {
         let mut p = own();
         p.exported = true;
-        p.importers.insert(memsaver_ipc::identity::Identity {
-            pid: 5,
-            start: 1,
-            nonce: 2,
-        });
         assert_eq!(p.release(), Ok(7));
         assert_eq!(p.state(), State::Paused);
         assert_eq!(p.real(), None);
@@ -987,14 +974,6 @@ mod tests {
         assert_eq!(p.resumed(11), Ok(()));
         assert_eq!(p.state(), State::Resident(11));
         assert_eq!(p.real(), Some(11));
-        assert_eq!(p.generation, 1, "importers must fetch the new memory");
-        assert!(p.importers.is_empty());
-        // A private handle keeps generation 0.
-        let mut q = own();
-        q.release().unwrap();
-        q.claim().unwrap();
-        q.resumed(12).unwrap();
-        assert_eq!(q.generation, 0);
     }
 
     #[test]

@@ -23,9 +23,10 @@ use crate::registry::{self, Physical, Registration, Source};
 use memsaver_allocator::driver::sys::{
     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CUmemAllocationProp, CUmemGenericAllocationHandle,
 };
+use memsaver_ipc::exported::{self, Delivery};
 use memsaver_ipc::shared::Opened;
 use memsaver_ipc::token::{self, Names, Token};
-use memsaver_ipc::{client, group, identity, server};
+use memsaver_ipc::{client, group, server};
 
 /// Whether exports hand out tokens (every process of the job must then be preloaded).
 /// `MEMSAVER_NCCL_TOKENS=0` turns them off: NCCL gets driver fds, and exported buffers and
@@ -37,26 +38,28 @@ pub(crate) fn enabled() -> bool {
 
 /// A token for NCCL's buffer `vh` (the physical `p`, mapped at `place` here), whose importers
 /// then trade it with this process for the real fd, and lay it out as this process does
-/// ([`registry::MIRROR_BLOCK`]); sets the buffer's key. `None` when none can be made (this
-/// process cannot serve its peers): recorded ([`fallback_reason`]), and the caller exports a
-/// plain fd.
+/// ([`registry::MIRROR_BLOCK`]); the buffer is an export of the owner's ledger
+/// (`memsaver_ipc::exported`, [`Delivery::Collective`]), which gives its key and generation.
+/// `None` when none can be made (this process cannot serve its peers): recorded
+/// ([`fallback_reason`]), and the caller exports a plain fd.
 pub(crate) fn for_buffer(
     vh: CUmemGenericAllocationHandle,
-    p: &mut Physical,
+    p: &Physical,
     place: u64,
 ) -> Option<OwnedFd> {
     let made = server::ensure_server()
-        .and_then(|()| p.key.map_or_else(identity::new_key, Ok))
-        .and_then(|key| {
+        .map_err(|e| e.to_string())
+        .and_then(|()| {
+            exported::add(Delivery::Collective, vh, registry::TAG, p.size)
+                .map_err(|e| e.to_string())
+        })
+        .and_then(|(key, generation)| {
             let token =
-                Token::own(Names::Buffer, group::id(), vh, key, p.generation).at(place, p.size);
-            Ok((key, token::make(token)?))
+                Token::own(Names::Buffer, group::id(), vh, key, generation).at(place, p.size);
+            token::make(token).map_err(|e| e.to_string())
         });
     match made {
-        Ok((key, fd)) => {
-            p.key = Some(key);
-            Some(fd)
-        }
+        Ok(fd) => Some(fd),
         Err(e) => {
             // Recorded: stats show it, and pause says so (it cannot free this buffer).
             record_fallback(&e.to_string());

@@ -148,6 +148,17 @@ fn forget_backup(vh: u64) {
     }
 }
 
+/// Forgets `vh` if NCCL no longer references or maps it ([`registry::Registry::collect`]); an
+/// exported buffer that goes is forgotten by the owner's ledger too (under the registry lock:
+/// no peer is served it meanwhile, and its token opens nothing any more).
+fn collect(reg: &mut registry::Registry, vh: u64) -> Option<Gone> {
+    let gone = reg.collect(vh);
+    if gone.as_ref().is_some_and(|g| g.physical().exported) {
+        memsaver_ipc::exported::forget(memsaver_ipc::exported::Delivery::Collective, vh);
+    }
+    gone
+}
+
 /// Tells the driver what the registry just forgot: releases the driver handle of a physical
 /// object, or unmaps and releases a run NCCL no longer uses and frees the reservations NCCL
 /// freed inside it; the import of a peer's registered buffer also tells its owner
@@ -265,7 +276,7 @@ unsafe extern "C" fn mem_release(handle: CUmemGenericAllocationHandle) -> CUresu
         return unsafe { f(handle) };
     };
     p.refs = p.refs.saturating_sub(1);
-    let gone = reg.collect(handle);
+    let gone = collect(&mut reg, handle);
     let forgotten = !reg.physicals.contains_key(&handle);
     drop(reg);
     release_real(gone);
@@ -430,7 +441,7 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     }
     // Only the record goes.
     reg.mappings.remove(&ptr);
-    let gone = reg.collect(vh);
+    let gone = collect(&mut reg, vh);
     drop(reg);
     release_real(gone);
     CUDA_SUCCESS

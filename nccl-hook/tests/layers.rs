@@ -48,7 +48,7 @@ fn interposition_depends_on_nothing_above_it() {
     }
     assert!(
         g["registry"].is_empty(),
-        "the ledger imports no module: {g:#?}"
+        "the registry imports no module: {g:#?}"
     );
 }
 

@@ -61,8 +61,9 @@ class TagStats:
 
 @dataclass(frozen=True)
 class SharedExport:
-    """One tag's memory this process gave CUDA IPC handles of: ``handles`` allocations shared,
-    ``bytes`` their size, ``importers`` the processes that have them open now, and
+    """One tag's memory this process exported to other processes (CUDA IPC handles, NCCL's
+    registration of it, and NCCL's own buffers under ``nccl``): ``handles`` allocations or
+    buffers shared, ``bytes`` their size, ``importers`` the processes that import them, and
     ``held_while_paused`` the bytes of them that are paused here but still mapped by some
     importer that did not let go (so not free on the device), ``imports_behind`` the imports
     not yet released or mapped again as this process's last pause or resume asked."""
@@ -109,7 +110,8 @@ class Stats:
     released at the tag's next pause.
     ``shared_exports`` (by tag) and ``shared_imports`` are the memory shared with other
     processes through CUDA IPC handles (``cudaIpcGetMemHandle`` under the preload, e.g.
-    torch.multiprocessing's CUDA tensors).
+    torch.multiprocessing's CUDA tensors) and NCCL's registration of it; ``shared_exports``
+    also counts NCCL's own buffers that peers import, under ``nccl``.
     """
 
     tags: dict[str, TagStats]

@@ -273,6 +273,73 @@ fn a_dead_importer_counts_as_released() {
     assert_eq!(job.used(), 0);
 }
 
+/// An importer that dies while its owner's pause waits for it has let go: the owner's ledger
+/// forgets it and the pause completes, long before its timeout. (Rank 0 is patient: waiting for
+/// the dead rank would end in a Peer error after 60 s, not "ok"; whether rank 1 dies before the
+/// pause starts waiting or during the wait, the answer is the same.)
+#[test]
+fn an_importer_that_dies_during_the_owners_pause_is_forgotten() {
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 28, false);
+    job.setup(4);
+    let t = std::time::Instant::now();
+    job.send(&[0], "pause");
+    // Rank 1 does not pause: rank 0 waits for it until it dies.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    job.kill(1, true);
+    let a = job.answers(&[0], "pause").remove(0);
+    println!(
+        "pause with an importer killed after 300 ms: {:?}",
+        t.elapsed()
+    );
+    assert_eq!(a, "ok");
+    assert_eq!(job.used(), 0);
+}
+
+/// Rank `r`'s exports of NCCL's buffers as its `stats()` shows them (`shared`, tag `nccl`).
+fn nccl_exports(job: &mut Job, r: usize) -> serde_json::Value {
+    let doc = job.one(r, "mstats");
+    let doc: serde_json::Value = serde_json::from_str(doc.strip_prefix("ok ").unwrap()).unwrap();
+    doc["shared"]["exports"]["nccl"].clone()
+}
+
+/// NCCL's exported buffers are exports of the owner's ledger, as shared tensors are: the
+/// owner's stats count each with its importer through a whole cycle (the importer released it
+/// in its pause and mapped the next generation in its resume), and an importer that exited
+/// while it held nothing (paused) is forgotten by the owner's next pause, which waits for
+/// nobody.
+#[test]
+fn the_owners_stats_follow_its_nccl_importers_and_forget_a_dead_one() {
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 29, false);
+    job.setup(4);
+    let figures = |e: &serde_json::Value| {
+        [
+            "handles",
+            "bytes",
+            "importers",
+            "held_while_paused",
+            "imports_behind",
+        ]
+        .map(|k| e[k].as_u64().unwrap_or_else(|| panic!("{k} in {e}")))
+    };
+    assert_eq!(figures(&nccl_exports(&mut job, 0)), [1, 4 * MIB, 1, 0, 0]);
+    job.ok(&[0, 1], "pause");
+    assert_eq!(figures(&nccl_exports(&mut job, 0)), [1, 4 * MIB, 1, 0, 0]);
+    job.ok(&[0, 1], "resume");
+    assert_eq!(figures(&nccl_exports(&mut job, 0)), [1, 4 * MIB, 1, 0, 0]);
+    job.check_all();
+    job.ok(&[0, 1], "pause");
+    let dead = job.pid(1).to_string();
+    job.kill(1, true);
+    // Rank 0's memory comes back; its import of the dead rank's buffer does not.
+    assert_peer_error(&job.one(0, "resume"), &[&dead, "the process exited"]);
+    // Released, then dead: it is behind the owner's new generation until a pause finds it.
+    assert_eq!(figures(&nccl_exports(&mut job, 0)), [1, 4 * MIB, 1, 0, 1]);
+    assert_eq!(job.one(0, "pause"), "ok");
+    assert_eq!(figures(&nccl_exports(&mut job, 0)), [1, 4 * MIB, 0, 0, 0]);
+}
+
 /// A zombie (dead, not yet reaped by its parent) has let go too: the kernel closed
 /// its files and dropped its mappings.
 #[test]
