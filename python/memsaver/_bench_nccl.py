@@ -13,6 +13,11 @@ collectives are checked after every resume.
 
 - GPU (default): torch.distributed, one GPU per rank; the default group is gloo (the barrier),
   the C communicators are ``dist.new_group(..., backend="nccl")``.
+- ``--native``: the same GPU workload without memsaver (no preload), switched by NCCL's own
+  ``ncclCommSuspend(comm, NCCL_SUSPEND_MEM)`` / ``ncclCommResume`` on each communicator (NCCL
+  2.29.7 or later, the one torch loads: for example ``LD_PRELOAD=<path>/libnccl.so.2``); the
+  bytes NCCL says it can suspend (``ncclCommMemStats``) stand for what memsaver owns, and driver
+  calls are not counted (``null``).
 - ``--fake``: the fake CUDA driver and the fake NCCL of a checkout (``tests/fake-nccl``), no
   torch: each communicator is laid out as NCCL lays it out (2 private buffers of 2 MiB, then per
   peer a buffer of ``--mib`` exported to that peer, sent over a Unix socket and imported there,
@@ -162,16 +167,30 @@ def _check_gpus(o: Options) -> None:
     if n < o.ranks:
         raise BenchError(f"--ranks {o.ranks} needs {o.ranks} GPUs (one per rank); {n} visible")
     if o.native:
-        found = tuple(torch.cuda.nccl.version())
+        found = _loaded_nccl_version()
         if found < NATIVE_MIN:
             raise UsageError(
                 f"--native needs NCCL {'.'.join(map(str, NATIVE_MIN))} or later (ncclCommSuspend/"
-                f"ncclCommResume); torch's NCCL is {'.'.join(map(str, found))}"
+                f"ncclCommResume); torch's NCCL is {'.'.join(map(str, found))}: load a newer "
+                "libnccl.so.2 first (LD_PRELOAD=<path>/libnccl.so.2)"
             )
-        raise UsageError(
-            f"--native is not available in this version of memsaver (NCCL {'.'.join(map(str, found))} "
-            "found): measure memsaver's pause without --native"
-        )
+
+
+def _loaded_nccl_version() -> tuple[int, ...]:
+    """The version of the NCCL this process runs (torch imported): the libnccl.so.2 loaded, which
+    may be a preloaded one newer than the NCCL torch was built with (``torch.cuda.nccl.version``)."""
+    code = ctypes.c_int()
+    if ctypes.CDLL("libnccl.so.2").ncclGetVersion(ctypes.byref(code)) != 0:
+        raise BenchError("ncclGetVersion failed")
+    return nccl_version(code.value)
+
+
+def nccl_version(code: int) -> tuple[int, int, int]:
+    """``ncclGetVersion``'s code as (major, minor, patch): 22809 is 2.28.9 (from 2.9 on), 2708
+    is 2.7.8 (before)."""
+    if code >= 10000:
+        return (code // 10000, code // 100 % 100, code % 100)
+    return (code // 1000, code // 100 % 10, code % 100)
 
 
 def _free_port() -> int:
@@ -186,7 +205,8 @@ def _parent(o: Options) -> int:
     if o.native and o.fake:
         raise UsageError("--native measures NCCL's own ncclCommSuspend/ncclCommResume, which the fake NCCL lacks")
     env = dict(os.environ)
-    env.update(_launch.subprocess_env())
+    if not o.native:  # native: NCCL alone, memsaver not loaded in the ranks
+        env.update(_launch.subprocess_env())
     work = tempfile.mkdtemp(prefix="memsaver-bench-nccl.")
     try:
         config: dict[str, Any] = dataclasses.asdict(o)
@@ -312,9 +332,20 @@ class Workload:
     free_bytes: Callable[[], int]  # the device's free memory, work finished
     barrier: FileBarrier
     shared_device: bool  # ranks share one device (the fake): free memory is all ranks'
+    switch: Callable[[], Switch]  # made once the communicators are warm
 
 
-def _cycles(rank: int, o: Options, w: Workload) -> dict[str, Any]:
+@dataclasses.dataclass
+class Switch:
+    """How a mode frees NCCL's memory and brings it back."""
+
+    pause: Callable[[], None]
+    resume: Callable[[], None]
+    owned: Callable[[], int]  # the bytes a pause should free in this rank
+    calls: Callable[[], dict[str, int]] | None  # driver calls so far, by kind (None: not counted)
+
+
+def _memsaver_switch() -> Switch:
     import memsaver
 
     if memsaver.nccl_stats()["owned_bytes"] in (0, None):
@@ -322,37 +353,83 @@ def _cycles(rank: int, o: Options, w: Workload) -> dict[str, Any]:
             "NCCL allocated nothing through memsaver's hook (nccl_stats owned_bytes is 0): is the "
             f"rank preloaded? hook mode {memsaver.hook_mode()}"
         )
+    return Switch(
+        pause=lambda: memsaver.pause("nccl"),
+        resume=lambda: memsaver.resume("nccl"),
+        owned=lambda: int(memsaver.nccl_stats()["owned_bytes"] or 0),
+        calls=lambda: memsaver.stats().driver_calls,
+    )
+
+
+def _native_switch(comms: list[int]) -> Switch:
+    """NCCL's own suspend and resume of each communicator (``comms``: their ``ncclComm_t``)."""
+    nccl = ctypes.CDLL("libnccl.so.2")  # the one torch loaded (same soname)
+    for f in (nccl.ncclCommSuspend, nccl.ncclCommResume, nccl.ncclCommMemStats):
+        f.restype = ctypes.c_int
+    nccl.ncclCommSuspend.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    nccl.ncclCommResume.argtypes = [ctypes.c_void_p]
+    nccl.ncclCommMemStats.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
+    suspend_mem, gpu_mem_suspend = 0x01, 0  # NCCL_SUSPEND_MEM, ncclStatGpuMemSuspend
+
+    def each(what: str, call: Callable[[int], int]) -> None:
+        for c, comm in enumerate(comms):
+            rc = call(comm)
+            if rc != 0:
+                raise BenchError(f"communicator {c}: {what} failed (ncclResult {rc})")
+
+    def owned() -> int:
+        total = 0
+        for c, comm in enumerate(comms):
+            v = ctypes.c_uint64()
+            rc = nccl.ncclCommMemStats(comm, gpu_mem_suspend, ctypes.byref(v))
+            if rc != 0:
+                raise BenchError(f"communicator {c}: ncclCommMemStats failed (ncclResult {rc})")
+            total += v.value
+        return total
+
+    return Switch(
+        pause=lambda: each("ncclCommSuspend", lambda comm: nccl.ncclCommSuspend(comm, suspend_mem)),
+        resume=lambda: each("ncclCommResume", nccl.ncclCommResume),
+        owned=owned,
+        calls=None,
+    )
+
+
+def _cycles(rank: int, o: Options, w: Workload) -> dict[str, Any]:
+    s = w.switch()
     pause_ms: list[float] = []
     resume_ms: list[float] = []
-    calls = (0, 0)
+    calls: tuple[int | None, int | None] = (None, None)
     freed_pct = 0.0
     for k in range(1, o.cycles + 1):
-        owned = int(memsaver.nccl_stats()["owned_bytes"] or 0)
+        owned = s.owned()
         w.barrier()
         free0 = w.free_bytes()
         owned_all = w.barrier(owned)
-        c0 = memsaver.stats().driver_calls
+        c0 = s.calls() if s.calls else {}
         t0 = time.perf_counter()
-        memsaver.pause("nccl")
+        s.pause()
         pause_ms.append((time.perf_counter() - t0) * 1e3)
-        c1 = memsaver.stats().driver_calls
+        c1 = s.calls() if s.calls else {}
         w.barrier()  # every rank has paused
         freed = w.free_bytes() - free0
         whose = sum(owned_all) if w.shared_device else owned
         freed_pct = round(100.0 * freed / whose, 1) if whose else 0.0
         w.barrier()
-        c2 = memsaver.stats().driver_calls
+        c2 = s.calls() if s.calls else {}
         t0 = time.perf_counter()
-        memsaver.resume("nccl")
+        s.resume()
         resume_ms.append((time.perf_counter() - t0) * 1e3)
-        c3 = memsaver.stats().driver_calls
-        calls = (_vmm_calls(c0, c1), _vmm_calls(c2, c3))
+        c3 = s.calls() if s.calls else {}
+        if s.calls:
+            calls = (_vmm_calls(c0, c1), _vmm_calls(c2, c3))
         w.barrier()  # every rank has resumed
         w.check(k)
     return {
         "rank": rank,
         "ranks": o.ranks,
         "comms": o.comms,
+        "mode": "native" if o.native else "memsaver",
         "pause_ms": [round(t, 3) for t in pause_ms],
         "resume_ms": [round(t, 3) for t in resume_ms],
         "calls_per_pause": calls[0],
@@ -459,7 +536,7 @@ def _fake_workload(rank: int, o: Options, cfg: dict[str, Any], barrier: FileBarr
             if ctypes.string_at(a.ptr, a.size) != expected[i]:
                 raise BenchError(f"private buffer {i} ({a.size} bytes at {a.ptr:#x}) changed after {when}")
 
-    return Workload(check, lambda: memsaver.device_memory(0)[0], barrier, shared_device=True)
+    return Workload(check, lambda: memsaver.device_memory(0)[0], barrier, True, _memsaver_switch)
 
 
 def _exchange(
@@ -550,16 +627,22 @@ def _gpu_workload(rank: int, o: Options, barrier: FileBarrier) -> Workload:
         torch.cuda.synchronize()
         return int(torch.cuda.mem_get_info()[0])
 
-    return Workload(check, free_bytes, barrier, shared_device=False)
+    def native() -> Switch:
+        return _native_switch([int(g._get_backend(torch.device("cuda"))._comm_ptr()) for g in groups])
+
+    return Workload(check, free_bytes, barrier, False, native if o.native else _memsaver_switch)
 
 
 def _rank(cfg: dict[str, Any]) -> None:
-    import memsaver
-
     rank = int(cfg["rank"])
     o = Options(**{f.name: cfg[f.name] for f in dataclasses.fields(Options)})
-    if memsaver.hook_mode() != "preload":
-        raise BenchError(f"memsaver is not preloaded here (hook mode {memsaver.hook_mode()}): NCCL would not be hooked")
+    if not o.native:
+        import memsaver
+
+        if memsaver.hook_mode() != "preload":
+            raise BenchError(
+                f"memsaver is not preloaded here (hook mode {memsaver.hook_mode()}): NCCL would not be hooked"
+            )
     barrier = FileBarrier(cfg["dir"], rank, o.ranks, time.monotonic() + o.timeout)
     w = _fake_workload(rank, o, cfg, barrier) if o.fake else _gpu_workload(rank, o, barrier)
     w.check(0)

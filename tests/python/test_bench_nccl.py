@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-FIELDS = {"rank", "ranks", "comms", "pause_ms", "resume_ms", "calls_per_pause", "calls_per_resume", "freed_pct"}
+FIELDS = {"rank", "ranks", "comms", "mode", "pause_ms", "resume_ms", "calls_per_pause", "calls_per_resume", "freed_pct"}
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_pause_calls_do_not_grow_with_communicators(bench_env):
         assert [g["rank"] for g in got] == [0, 1], r.stdout
         for g in got:
             assert set(g) == FIELDS, g
-            assert (g["ranks"], g["comms"]) == (2, comms)
+            assert (g["ranks"], g["comms"], g["mode"]) == (2, comms, "memsaver")
             assert len(g["pause_ms"]) == len(g["resume_ms"]) == 2  # type: ignore[arg-type]
             assert all(t > 0 for t in g["pause_ms"] + g["resume_ms"]), g  # type: ignore[operator]
             assert g["freed_pct"] > 0, g  # type: ignore[operator]
@@ -103,3 +103,12 @@ def test_help_and_the_missing_fake_nccl(bench_env):
     assert r.returncode == 1 and "make fake-cuda" in r.stderr, r.stderr
     r = bench(bench_env, "--native")
     assert r.returncode == 2 and "--native" in r.stderr and "fake NCCL lacks" in r.stderr, r.stderr
+
+
+def test_the_nccl_version_code_is_read_as_nccl_writes_it():
+    from memsaver._bench_nccl import NATIVE_MIN, nccl_version
+
+    assert nccl_version(22809) == (2, 28, 9)
+    assert nccl_version(23007) == (2, 30, 7)
+    assert nccl_version(2708) == (2, 7, 8)
+    assert nccl_version(22809) < NATIVE_MIN <= nccl_version(23007)
