@@ -69,7 +69,8 @@ pub struct Allocator {
     /// nothing is taken under it.
     settings: Mutex<Settings>,
     /// Pinned backups of `cpu` allocations, allocated on a background thread before their
-    /// first pause. Its lock is a leaf, taken under `table` by stats only.
+    /// first pause. Under its lock only the backup reserve's is taken; it is taken under `table`
+    /// by stats only.
     pub(crate) preparer: Arc<Preparer>,
     /// The layer that shares allocations with other processes, if one registered
     /// (`sharing.rs`).

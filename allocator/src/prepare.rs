@@ -28,9 +28,9 @@
 //! and go back to the reserve when they are dropped.
 //!
 //! Keys are the allocator's allocation ids, never addresses, so a freed and reused address
-//! never receives the buffer of its previous owner. The preparer's lock is a leaf: no other
-//! lock is taken under it, and no driver call is made under it (the thread reserves a
-//! request's address space under it, one `mmap` with no memory behind it).
+//! never receives the buffer of its previous owner. Under the preparer's lock only the
+//! reserve's is taken (to carve queued requests), and no driver call is made under it (the
+//! thread reserves a request's address space under it, one `mmap` with no memory behind it).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -457,20 +457,18 @@ impl Preparer {
         }
     }
 
-    /// Carves the queued requests that the reserve's pinned memory can take now.
+    /// Carves the queued requests that the reserve's pinned memory can take now, in order,
+    /// stopping at the first that does not fit (requests are served first come, first served,
+    /// and one scan of the reserve per request is all the lock is held for).
     fn carve_queued(&self, s: &mut State) {
-        let mut i = 0;
-        while i < s.queue.len() {
-            let len = s.queue[i].len;
-            match self.reserve.carve(len) {
-                Some(buf) => {
-                    let r = s.queue.remove(i).expect("in range");
-                    s.committed -= len as u64;
-                    s.carved.insert(r.key, HostBuffer::Pinned(buf));
-                    self.changed.notify_all();
-                }
-                None => i += 1,
-            }
+        while let Some(len) = s.queue.front().map(|r| r.len) {
+            let Some(buf) = self.reserve.carve(len) else {
+                return;
+            };
+            let r = s.queue.pop_front().expect("just seen");
+            s.committed -= len as u64;
+            s.carved.insert(r.key, HostBuffer::Pinned(buf));
+            self.changed.notify_all();
         }
     }
 
@@ -493,6 +491,9 @@ impl Preparer {
                 }
                 Some(Work::Reserve(id, job)) => {
                     self.reserve.pin_step(id, job);
+                    // Under the lock a waiter checks the reserve under (`wait_idle`), so
+                    // that the step's end is not missed between its check and its wait.
+                    let _s = self.state.lock();
                     self.changed.notify_all();
                     continue;
                 }

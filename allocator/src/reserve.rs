@@ -27,7 +27,8 @@
 //! host refuses to pin more, or has no memory to map) stops the reserve where it is: it keeps
 //! what it pinned, says so once in the log, and tries again only when it is asked for again.
 //!
-//! The lock ([`Reserve::state`]) is a leaf: nothing is taken under it and no driver call is
+//! The lock ([`Reserve::state`]) is taken under the preparer's; under it only a segment's own
+//! buffer lock is taken (to read how far it is pinned), and no driver call is
 //! made under it (a segment's address space is reserved under it, one `mmap` with no memory
 //! behind it); segments released by a smaller target are dropped outside it.
 
@@ -108,7 +109,8 @@ pub(crate) struct ReserveFigures {
 
 pub(crate) struct Reserve {
     driver: Arc<Driver>,
-    /// Guards the segments and the target. A leaf (see the module documentation).
+    /// Guards the segments and the target (see the module documentation for what is taken
+    /// under it).
     state: Mutex<State>,
 }
 
@@ -128,10 +130,11 @@ impl Reserve {
     }
 
     /// Sets the bytes the reserve should hold, and tries again what failed to pin. More: a
-    /// segment for the difference is pinned in the background (once there is a context). Less: free segments are released, newest
-    /// first, while the reserve stays at or above `bytes` without them; a segment still lent
-    /// out in part stays until a later call finds it free. Returns whether there is pinning
-    /// to do.
+    /// segment for the difference is pinned in the background (once there is a context).
+    /// Less: free segments are released, newest first, while the reserve is larger than
+    /// `bytes`, and what that leaves short of `bytes` is pinned again as a new segment in the
+    /// background; a segment still lent out in part stays until a later call finds it free.
+    /// Returns whether there is pinning to do.
     pub(crate) fn set_target(&self, bytes: u64) -> bool {
         let released = {
             let mut s = self.state.lock();
@@ -147,7 +150,7 @@ impl Reserve {
             while i > 0 && size > s.target {
                 i -= 1;
                 let len = s.segments[i].len() as u64;
-                if !s.segments[i].in_use() && size - len >= s.target {
+                if !s.segments[i].in_use() {
                     size -= len;
                     released.push(s.segments.remove(i));
                 }

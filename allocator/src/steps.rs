@@ -263,6 +263,10 @@ impl Steps<'_> {
                 Ok(())
             }
             Err(e) => {
+                // Some of the copy may be queued: it finishes before the buffer goes (a
+                // carved one goes back to the reserve, whose next backup may be written
+                // from another stream at once).
+                let _ = d.with_context(dev.ctx, || d.stream_synchronize(dev.stream));
                 p.backup = None;
                 Err(e.into())
             }

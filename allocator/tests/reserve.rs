@@ -293,3 +293,47 @@ fn a_pause_while_the_reserve_is_being_pinned_never_waits_for_it() {
     a.free(p).unwrap();
     a.free(q).unwrap();
 }
+
+/// Lowering the reserve below what it holds releases the free memory beyond the new size,
+/// also when the reserve is one segment (made from the environment): the segment goes, and
+/// the new size is pinned again in the background.
+#[test]
+fn lowering_the_reserve_releases_the_free_part_beyond_it() {
+    let a = with_reserve(4 * PIN_CHUNK, true);
+    a.device(0).unwrap();
+    a.wait_backups_prepared();
+    assert_eq!(reserve_figures(&a).1, 4 * PIN_CHUNK as u64);
+    a.reserve_backups(PIN_CHUNK as u64).unwrap();
+    a.wait_backups_prepared();
+    assert_eq!(
+        reserve_figures(&a),
+        (PIN_CHUNK as u64, PIN_CHUNK as u64, 0),
+        "(asked, pinned, used) after lowering 64 MiB to 16 MiB with nothing lent"
+    );
+}
+
+/// A backup carved at an offset that is not a step's start, crossing two of the reserve's
+/// 16 MiB registrations, is copied in one piece per registration, each through pinned memory
+/// (the driver refuses a copy across registrations), and comes back whole.
+#[test]
+fn a_backup_carved_across_the_reserves_steps_is_copied_step_by_step() {
+    let a = with_reserve(4 * PIN_CHUNK, true);
+    a.device(0).unwrap();
+    a.wait_backups_prepared();
+    let q = a.malloc(4 * MIB, 0, "t", Policy::Cpu).unwrap(); // the reserve's first 4 MiB
+    let size = 2 * PIN_CHUNK + 8 * MIB; // then [4, 44) MiB: across 16 and 32
+    let p = a.malloc(size, 0, "t", Policy::Cpu).unwrap();
+    fill(q, 4 * MIB, 7);
+    fill(p, size, 8);
+    let before = fake_host_copies();
+    a.pause(&["t"]).unwrap();
+    assert_eq!(
+        copies_since(before),
+        (4, 0),
+        "q in one piece, p in three ([4,16) [16,32) [32,44) MiB), none pageable"
+    );
+    a.resume(&["t"]).unwrap();
+    assert!(check(p, size, 8) && check(q, 4 * MIB, 7));
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+}
