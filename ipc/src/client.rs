@@ -89,7 +89,7 @@ pub fn connect(group: i64, owner: &Identity) -> Result<UnixStream> {
 /// The owners this process imports from: pid -> identity, learnt from their tokens.
 static OWNERS: Mutex<Option<HashMap<u32, Identity>>> = Mutex::new(None);
 
-fn owner_identity(pid: u32) -> Result<Identity> {
+pub(crate) fn owner_identity(pid: u32) -> Result<Identity> {
     OWNERS
         .lock()
         .as_ref()

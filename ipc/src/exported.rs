@@ -804,7 +804,13 @@ pub(crate) fn serve(conn: &Connection, from: Identity, op: Share, buffers: &[Buf
     if op != Share::Close {
         return serve_opens(conn, &from, buffers, Duration::ZERO, &Allocations);
     }
-    if !known(Delivery::Courier, buffers) {
+    // A close names imports the importer no longer maps: of courier exports (closed handles,
+    // deregistrations), or of collective ones (its NCCL freed them), which it will neither
+    // release nor map again.
+    if !buffers
+        .iter()
+        .all(|b| known(Delivery::Courier, &[*b]) || known(Delivery::Collective, &[*b]))
+    {
         conn.refuse(NO_BUFFER);
         return;
     }
@@ -813,6 +819,13 @@ pub(crate) fn serve(conn: &Connection, from: Identity, op: Share, buffers: &[Buf
         if let Some(e) = l.exports.get_mut(&(Delivery::Courier, b.id)) {
             forget_import(e, &from);
             tracing::debug!(importer = from.pid, id = b.id, "served a close");
+        } else if let Some(e) = l.exports.get_mut(&(Delivery::Collective, b.id)) {
+            e.importers.remove(&from);
+            tracing::debug!(
+                importer = from.pid,
+                id = b.id,
+                "served a close of a collective import"
+            );
         }
     }
     drop(l);

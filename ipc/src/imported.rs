@@ -462,6 +462,16 @@ pub fn close_later(group: i64, owner: Identity, b: Buffer) {
     }
 }
 
+/// [`close_later`] for an import of the buffer `b` of the process with pid `owner`, known from
+/// one of its tokens (a layer that maps imports itself names owners by pid): nothing when no
+/// token of that pid was seen.
+pub fn close_later_of(group: i64, owner: u32, b: Buffer) {
+    match client::owner_identity(owner) {
+        Ok(who) => close_later(group, who, b),
+        Err(e) => tracing::debug!("an import of process {owner} went untold: {e}"),
+    }
+}
+
 /// `cudaIpcCloseMemHandle(ptr)`: `None` when `ptr` is not an import of memsaver memory.
 pub fn close(ptr: u64) -> Option<Result<()>> {
     let mut imports = IMPORTS.lock();

@@ -229,6 +229,24 @@ pub(crate) fn import_gone(p: &Physical) {
     }
 }
 
+/// The registry just forgot `p`: an import of a peer's own NCCL buffer tells its owner, which
+/// stops counting this process as its importer (in the background), so that the owner's next
+/// pause does not wait for a release this process will never send. Sent for a member of an
+/// imported run too: the run's other members, still recorded, keep the owner waiting for the
+/// run's mapping.
+pub(crate) fn nccl_import_gone(p: &Physical) {
+    if let Some(s) = p.source
+        && let Some(g) = p.mapped_generation().or(p.released_generation())
+    {
+        tracing::debug!(
+            owner = s.owner,
+            id = s.vh,
+            "an import of a peer's NCCL buffer went"
+        );
+        memsaver_ipc::imported::close_later_of(memsaver_ipc::group::id(), s.owner, s.item(g));
+    }
+}
+
 /// Why NCCL exports of this process are plain fds instead of tokens, and how many: set by the
 /// first export that could not get a token (the server could not start: a runtime directory
 /// that is not private, a link in its path, ...).

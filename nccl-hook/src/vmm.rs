@@ -166,6 +166,7 @@ fn collect(reg: &mut registry::Registry, vh: u64) -> Option<Gone> {
 fn release_real(gone: Option<Gone>) {
     let Some(gone) = gone else { return };
     tokens::import_gone(gone.physical());
+    tokens::nccl_import_gone(gone.physical());
     let handle = match gone {
         Gone::Member(_) => None,
         Gone::Handle(p) => p.real(),

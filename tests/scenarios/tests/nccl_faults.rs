@@ -352,3 +352,22 @@ fn a_zombie_importer_counts_as_released() {
     assert_eq!(job.one(0, "pause"), "ok");
     assert_eq!(job.used(), 0);
 }
+
+/// An importer whose NCCL freed its import of the owner's buffer (its communicator destroyed
+/// first, say) holds nothing of it and tells the owner so: the owner's pause does not wait for
+/// it (else it would wait out its timeout and fail naming it), and its stats count no
+/// importer.
+#[test]
+fn an_importer_that_freed_its_import_is_not_waited_for() {
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 41, true);
+    job.setup(4);
+    job.ok(&[1], "unimport");
+    let a = job.on(&[0, 1], "pause");
+    assert_eq!(
+        a[0], "ok",
+        "rank 0 waited for an importer that holds nothing: {a:?}"
+    );
+    let importers = &nccl_exports(&mut job, 0)["importers"];
+    assert_eq!(importers.as_u64(), Some(0), "importers of rank 0's buffer");
+}
