@@ -300,6 +300,41 @@ impl Ledger {
         }
     }
 
+    /// `from` closed its imports of `items`, which it no longer maps: of courier exports
+    /// (closed handles, deregistrations) one import fewer each, of collective ones (its NCCL
+    /// freed them) it is no importer any more. Each item must name an export of either kind
+    /// with its key (ids of the two kinds may be equal), or nothing changes and the answer is
+    /// false.
+    fn closed(&mut self, from: &Identity, items: &[Buffer]) -> bool {
+        let named: Option<Vec<(Delivery, u64)>> = items
+            .iter()
+            .map(|b| {
+                [Delivery::Courier, Delivery::Collective]
+                    .into_iter()
+                    .find(|d| {
+                        self.exports
+                            .get(&(*d, b.id))
+                            .is_some_and(|e| same_key(e.key, b))
+                    })
+                    .map(|d| (d, b.id))
+            })
+            .collect();
+        let Some(named) = named else {
+            return false;
+        };
+        for (delivery, id) in named {
+            let e = self.exports.get_mut(&(delivery, id)).expect("found above");
+            match delivery {
+                Delivery::Courier => forget_import(e, from),
+                Delivery::Collective => {
+                    e.importers.remove(from);
+                }
+            }
+            tracing::debug!(importer = from.pid, id, ?delivery, "served a close");
+        }
+        true
+    }
+
     /// Forgets `who` as an importer of everything: it exited, so its mappings went with it.
     fn forget(&mut self, who: &Identity) {
         for e in self.exports.values_mut() {
@@ -804,31 +839,11 @@ pub(crate) fn serve(conn: &Connection, from: Identity, op: Share, buffers: &[Buf
     if op != Share::Close {
         return serve_opens(conn, &from, buffers, Duration::ZERO, &Allocations);
     }
-    // A close names imports the importer no longer maps: of courier exports (closed handles,
-    // deregistrations), or of collective ones (its NCCL freed them), which it will neither
-    // release nor map again.
-    if !buffers
-        .iter()
-        .all(|b| known(Delivery::Courier, &[*b]) || known(Delivery::Collective, &[*b]))
-    {
+    let closed = LEDGER.lock().closed(&from, buffers);
+    if !closed {
         conn.refuse(NO_BUFFER);
         return;
     }
-    let mut l = LEDGER.lock();
-    for b in buffers {
-        if let Some(e) = l.exports.get_mut(&(Delivery::Courier, b.id)) {
-            forget_import(e, &from);
-            tracing::debug!(importer = from.pid, id = b.id, "served a close");
-        } else if let Some(e) = l.exports.get_mut(&(Delivery::Collective, b.id)) {
-            e.importers.remove(&from);
-            tracing::debug!(
-                importer = from.pid,
-                id = b.id,
-                "served a close of a collective import"
-            );
-        }
-    }
-    drop(l);
     SETTLED.notify_all();
     let _ = conn.send(&Reply::Done, None, Instant::now() + WRITE_TIMEOUT);
 }
@@ -1477,6 +1492,44 @@ mod tests {
         );
         l.released(&importer(5), &items);
         assert_eq!(has(&l, (C, 1), 5), Some(Has::Released(0)));
+    }
+
+    #[test]
+    fn a_close_forgets_a_collective_importer_only_with_the_buffers_key() {
+        let (mut l, items) = collective(&[1]);
+        answer(&mut l, C, &importer(5), &items, &mut Layer::default());
+        let wrong_key = Buffer {
+            key: items[0].key ^ 1,
+            ..items[0]
+        };
+        assert!(!l.closed(&importer(5), &[wrong_key]), "refused");
+        assert!(
+            !l.closed(&importer(5), &[items[0], Buffer { id: 9, ..items[0] }]),
+            "one unknown item refuses the whole close"
+        );
+        assert_eq!(has(&l, (C, 1), 5), Some(Has::Mapped(0)), "nothing changed");
+        // A courier export with the same id: a close with the collective key leaves it be.
+        let courier = l.add((Delivery::Courier, 1), "t", 1 << 20).unwrap().key;
+        let open = Buffer {
+            key: courier,
+            ..items[0]
+        };
+        answer(
+            &mut l,
+            Delivery::Courier,
+            &importer(5),
+            &[open],
+            &mut Layer::default(),
+        );
+        let courier_has = has(&l, (Delivery::Courier, 1), 5);
+        assert!(courier_has.is_some());
+        assert!(l.closed(&importer(5), &items));
+        assert_eq!(has(&l, (C, 1), 5), None, "no importer any more");
+        assert_eq!(
+            has(&l, (Delivery::Courier, 1), 5),
+            courier_has,
+            "the other kind's"
+        );
     }
 
     #[test]
