@@ -203,10 +203,14 @@ pub(crate) fn registered(
     p
 }
 
-/// The registry just forgot `p`: the import of a peer's registered buffer tells its owner,
-/// which stops counting this process as an importer (in the background: NCCL's
-/// deregistration does not wait for the owner). Nothing for any other physical object.
+/// The registry just forgot `p`: an import of a peer's memory (a registered buffer, or one of
+/// its own NCCL buffers) tells its owner, which stops counting this process as its importer
+/// (in the background: NCCL's free path does not wait for the owner), so that the owner's
+/// next pause does not wait for a release this process will never send. Sent for a member of
+/// an imported run too: the run's other members, still recorded, keep the owner waiting for
+/// the run's mapping. Nothing for any other physical object.
 pub(crate) fn import_gone(p: &Physical) {
+    let generation = p.mapped_generation().or(p.released_generation());
     if let Some(Registration::Imported {
         owner,
         group,
@@ -215,29 +219,14 @@ pub(crate) fn import_gone(p: &Physical) {
         ..
     }) = p.registration
     {
-        let generation = p
-            .mapped_generation()
-            .or(p.released_generation())
-            .unwrap_or(0);
         let b = memsaver_ipc::protocol::Buffer {
             id,
             key,
-            generation,
+            generation: generation.unwrap_or(0),
         };
         tracing::debug!(owner = owner.pid, id, "a registered import went");
         memsaver_ipc::shared::close_later(group, owner, b);
-    }
-}
-
-/// The registry just forgot `p`: an import of a peer's own NCCL buffer tells its owner, which
-/// stops counting this process as its importer (in the background), so that the owner's next
-/// pause does not wait for a release this process will never send. Sent for a member of an
-/// imported run too: the run's other members, still recorded, keep the owner waiting for the
-/// run's mapping.
-pub(crate) fn nccl_import_gone(p: &Physical) {
-    if let Some(s) = p.source
-        && let Some(g) = p.mapped_generation().or(p.released_generation())
-    {
+    } else if let (Some(s), Some(g)) = (p.source, generation) {
         tracing::debug!(
             owner = s.owner,
             id = s.vh,

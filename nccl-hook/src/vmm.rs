@@ -161,12 +161,11 @@ fn collect(reg: &mut registry::Registry, vh: u64) -> Option<Gone> {
 
 /// Tells the driver what the registry just forgot: releases the driver handle of a physical
 /// object, or unmaps and releases a run NCCL no longer uses and frees the reservations NCCL
-/// freed inside it; the import of a peer's registered buffer also tells its owner
+/// freed inside it; an import of a peer's memory also tells its owner
 /// ([`tokens::import_gone`]).
 fn release_real(gone: Option<Gone>) {
     let Some(gone) = gone else { return };
     tokens::import_gone(gone.physical());
-    tokens::nccl_import_gone(gone.physical());
     let handle = match gone {
         Gone::Member(_) => None,
         Gone::Handle(p) => p.real(),

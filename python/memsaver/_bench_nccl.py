@@ -397,6 +397,7 @@ def _native_switch(comms: list[int]) -> Switch:
 
 def _cycles(rank: int, o: Options, w: Workload) -> dict[str, Any]:
     s = w.switch()
+    snap = s.calls or dict  # native: nothing counted
     pause_ms: list[float] = []
     resume_ms: list[float] = []
     calls: tuple[int | None, int | None] = (None, None)
@@ -406,21 +407,21 @@ def _cycles(rank: int, o: Options, w: Workload) -> dict[str, Any]:
         w.barrier()
         free0 = w.free_bytes()
         owned_all = w.barrier(owned)
-        c0 = s.calls() if s.calls else {}
+        c0 = snap()
         t0 = time.perf_counter()
         s.pause()
         pause_ms.append((time.perf_counter() - t0) * 1e3)
-        c1 = s.calls() if s.calls else {}
+        c1 = snap()
         w.barrier()  # every rank has paused
         freed = w.free_bytes() - free0
         whose = sum(owned_all) if w.shared_device else owned
         freed_pct = round(100.0 * freed / whose, 1) if whose else 0.0
         w.barrier()
-        c2 = s.calls() if s.calls else {}
+        c2 = snap()
         t0 = time.perf_counter()
         s.resume()
         resume_ms.append((time.perf_counter() - t0) * 1e3)
-        c3 = s.calls() if s.calls else {}
+        c3 = snap()
         if s.calls:
             calls = (_vmm_calls(c0, c1), _vmm_calls(c2, c3))
         w.barrier()  # every rank has resumed
