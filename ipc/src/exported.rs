@@ -302,26 +302,33 @@ impl Ledger {
 
     /// `from` closed its imports of `items`, which it no longer maps: of courier exports
     /// (closed handles, deregistrations) one import fewer each, of collective ones (its NCCL
-    /// freed them) it is no importer any more. Each item must name an export of either kind
-    /// with its key (ids of the two kinds may be equal), or nothing changes and the answer is
-    /// false.
+    /// freed them) it is no importer any more. An item whose id no export of either kind has
+    /// any more is skipped: the owner freed it first (as when both sides destroy a
+    /// communicator), so there is nothing to close. An item whose id is known but whose key
+    /// matches no export of that id (ids of the two kinds may be equal) refuses the whole
+    /// close: nothing changes and the answer is false.
     fn closed(&mut self, from: &Identity, items: &[Buffer]) -> bool {
-        let named: Option<Vec<(Delivery, u64)>> = items
-            .iter()
-            .map(|b| {
-                [Delivery::Courier, Delivery::Collective]
-                    .into_iter()
-                    .find(|d| {
-                        self.exports
-                            .get(&(*d, b.id))
-                            .is_some_and(|e| same_key(e.key, b))
-                    })
-                    .map(|d| (d, b.id))
-            })
-            .collect();
-        let Some(named) = named else {
-            return false;
-        };
+        let mut named = Vec::with_capacity(items.len());
+        for b in items {
+            let mut known = false;
+            let mut found = None;
+            for d in [Delivery::Courier, Delivery::Collective] {
+                if let Some(e) = self.exports.get(&(d, b.id)) {
+                    known = true;
+                    if same_key(e.key, b) {
+                        found = Some(d);
+                        break;
+                    }
+                }
+            }
+            match found {
+                Some(d) => named.push((d, b.id)),
+                None if known => return false,
+                None => {
+                    tracing::debug!(importer = from.pid, id = b.id, "a close of a freed buffer")
+                }
+            }
+        }
         for (delivery, id) in named {
             let e = self.exports.get_mut(&(delivery, id)).expect("found above");
             match delivery {
@@ -1504,8 +1511,13 @@ mod tests {
         };
         assert!(!l.closed(&importer(5), &[wrong_key]), "refused");
         assert!(
-            !l.closed(&importer(5), &[items[0], Buffer { id: 9, ..items[0] }]),
-            "one unknown item refuses the whole close"
+            !l.closed(&importer(5), &[Buffer { id: 9, ..items[0] }, wrong_key]),
+            "one item with a wrong key refuses the whole close"
+        );
+        assert_eq!(has(&l, (C, 1), 5), Some(Has::Mapped(0)), "nothing changed");
+        assert!(
+            l.closed(&importer(5), &[Buffer { id: 9, ..items[0] }]),
+            "a close of a buffer the owner freed already has nothing to do"
         );
         assert_eq!(has(&l, (C, 1), 5), Some(Has::Mapped(0)), "nothing changed");
         // A courier export with the same id: a close with the collective key leaves it be.

@@ -303,6 +303,49 @@ fn nccl_exports(job: &mut Job, r: usize) -> serde_json::Value {
     doc["shared"]["exports"]["nccl"].clone()
 }
 
+/// An owner that freed one of its exported buffers first (its communicator was destroyed
+/// before the importer's) still hears of the importer's close of the others: the close names
+/// both, the one it no longer has is skipped, not refused with the rest. Its next pause waits
+/// for nobody, and it logs no refusal of a close.
+#[test]
+fn a_close_that_names_a_buffer_the_owner_freed_closes_the_others() {
+    let dirs = Dirs::new();
+    let log = dirs.rt.join("rank0.stderr");
+    let mut job = Job::start_per_rank_with_stderr(
+        2,
+        43,
+        &dirs.fake,
+        &dirs.rt,
+        PATIENT_MS,
+        |r| {
+            let ms = if r == 0 { TIMEOUT_MS } else { PATIENT_MS };
+            [("MEMSAVER_NCCL_TIMEOUT_MS", ms.to_string())]
+        },
+        |r| match r {
+            0 => std::fs::File::create(&log).unwrap().into(),
+            _ => std::process::Stdio::inherit(),
+        },
+    );
+    job.all_ok("alloc 4");
+    job.ok(&[0], "shared 1 4");
+    job.all_ok("exchange");
+    assert_eq!(nccl_exports(&mut job, 0)["importers"].as_u64(), Some(2));
+    job.ok(&[0], "ofree");
+    job.ok(&[1], "unimport");
+    let a = job.on(&[0, 1], "pause");
+    assert_eq!(
+        a[0], "ok",
+        "rank 0 waited for an importer that closed its import: {a:?}"
+    );
+    let importers = &nccl_exports(&mut job, 0)["importers"];
+    assert_eq!(importers.as_u64(), Some(0), "importers of rank 0's buffers");
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        !logged.contains("refused a peer's request"),
+        "rank 0 refused the close: {logged}"
+    );
+}
+
 /// NCCL's exported buffers are exports of the owner's ledger, as shared tensors are: the
 /// owner's stats count each with its importer through a whole cycle (the importer released it
 /// in its pause and mapped the next generation in its resume), and an importer that exited

@@ -26,6 +26,7 @@
 //! unimport         NCCL's free path on the imports of peers' buffers (a deregistration)
 //! unimport-extra   the same for the imports other than each peer's latest
 //! tfree I          memsaver_free of tensor I
+//! ofree            NCCL's free path on this rank's buffer (of `alloc`) alone
 //! used             device memory in use (all processes, fake driver) in bytes
 //! free             free imports and the own buffer through NCCL's free path
 //! pwrite SEED      fill every private buffer with a pattern of SEED and its address
@@ -388,6 +389,10 @@ impl Rank {
             Some("unimport-extra") => {
                 let extra = std::mem::take(&mut self.extra_imports);
                 self.free_all(extra)
+            }
+            Some("ofree") => {
+                let own = self.own.take().ok_or("no buffer of `alloc` to free")?;
+                self.free_all(vec![own])
             }
             Some("pid") => Ok(std::process::id().to_string()),
             // The context pushed at start-up is current.
