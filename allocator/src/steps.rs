@@ -420,6 +420,17 @@ impl Steps<'_> {
         }
     }
 
+    /// Queues zeroing `n` bytes of just mapped memory at `ptr` on `dev`, ordered before the
+    /// restores queued after it: what no backup restores then holds what NCCL's own
+    /// allocations start with, not whatever the driver's fresh memory holds.
+    pub fn zero(&self, dev: &Device, ptr: u64, n: usize) -> Result<()> {
+        let d = self.driver;
+        Ok(d.with_context(dev.ctx, || {
+            // SAFETY: mapped by the caller and kept mapped until `finish` synchronises.
+            unsafe { d.memset_d8_async(ptr, 0, n, dev.stream) }
+        })?)
+    }
+
     /// Waits for every restore queued on `dev`: the memory is usable once this returns.
     pub fn finish(&self, dev: &Device) -> Result<()> {
         let d = self.driver;

@@ -8,8 +8,8 @@
 //! `headers` backs up only the first [`HEADER_BYTES`] of the buffers NCCL shares with peers:
 //! NCCL lays those out as a 4 KiB control block (`ncclSendMem`/`ncclRecvMem`: head and tail
 //! step counters, FIFOs) followed by the LL/LL128/Simple staging buffers, whose contents live
-//! only within one collective and whose flags are step numbers that stale or zeroed memory
-//! never matches.
+//! only within one collective. Resume zeroes what follows the headers ([`Steps::zero`]), as
+//! NCCL's zeroed allocation left it: fresh memory may hold bytes that pass for a flag.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -535,7 +535,8 @@ fn restore(
 ) -> Result<()> {
     let dev = a.device(device)?;
     let ranges = reg.ranges_by_handle();
-    let policy = crate::options::get().nccl_backup.policy();
+    let backup = crate::options::get().nccl_backup;
+    let policy = backup.policy();
     // (the unit's buffers, the handle backing them, their pieces).
     let mut made: Vec<(Vec<u64>, Handle, Vec<Piece>)> = Vec::new();
     let mut todo: std::collections::VecDeque<Vec<u64>> = units.into();
@@ -572,10 +573,23 @@ fn restore(
                 access: Some(&rs[0].2),
             }]
         };
+        // Buffers backed up in part (`headers`) get zeros behind what comes back, as NCCL's
+        // zeroed allocations had: one fill over the unit, queued before its restores.
+        let partial = backup != Backup::Discard
+            && unit.iter().any(|vh| {
+                let p = &reg.physicals[vh];
+                p.backup_len < p.size
+            });
         let mapped = steps
             .map_fresh(&dev, Memory::Like(&prop), size as usize, &pl, TAG)
-            .and_then(
-                |h| match pieces.iter().try_for_each(|piece| steps.copy_in(piece)) {
+            .and_then(|h| {
+                let filled = if partial {
+                    steps.zero(&dev, pl[0].ptr, size as usize)
+                } else {
+                    Ok(())
+                };
+                match filled.and_then(|()| pieces.iter().try_for_each(|piece| steps.copy_in(piece)))
+                {
                     Ok(()) => Ok(h),
                     Err(e) => {
                         let _ = steps.finish(&dev);
@@ -584,8 +598,8 @@ fn restore(
                         steps.release(h, pl[0].ptr);
                         Err(e)
                     }
-                },
-            );
+                }
+            });
         match mapped {
             Ok(h) => made.push((unit, h, pieces)),
             Err(e) => {

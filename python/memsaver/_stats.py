@@ -103,7 +103,8 @@ class Stats:
     (prepared ones, also in ``prepared_backup_bytes``, and backups, in ``pinned_backup_bytes``).
     ``driver_calls`` counts the CUDA driver calls memsaver has made in this process by kind
     (``create``, ``map``, ``set_access``, ``unmap``, ``release``, ``export``, ``import``,
-    ``copy``, ``reserve``, ``address_free``, ``host_alloc``, ``host_free``): the difference
+    ``copy``, ``reserve``, ``address_free``, ``host_alloc``, ``host_free``, ``host_register``,
+    ``host_unregister``, ``memset``): the difference
     across a pause or resume is what it asked of the driver. ``freed_held_bytes`` is
     device memory of freed allocations still held because a resume backed them together with
     their neighbours (``MEMSAVER_MERGE_MB``, ``MEMSAVER_NCCL_MERGE_MB`` for ``nccl``); it is

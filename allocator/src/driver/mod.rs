@@ -171,6 +171,7 @@ entry_points!(
     cuMemcpyDtoHAsync_v2,
     cuMemcpyHtoDAsync_v2,
     cuMemsetD8_v2,
+    cuMemsetD8Async,
     cuMemHostAlloc,
     cuMemFreeHost,
     cuMemHostRegister_v2,
@@ -182,7 +183,7 @@ entry_points!(
 /// pause or resume costs (each one's cost is per call, not per byte), the copies, and the
 /// calls that pin host memory (slow, and they hold up every other driver call of the process
 /// while they run: see `backup.rs`). Named as the fake driver's counts are.
-pub const CALL_KINDS: [&str; 14] = [
+pub const CALL_KINDS: [&str; 15] = [
     "create",
     "map",
     "set_access",
@@ -197,6 +198,7 @@ pub const CALL_KINDS: [&str; 14] = [
     "host_free",
     "host_register",
     "host_unregister",
+    "memset",
 ];
 
 #[derive(Clone, Copy)]
@@ -215,6 +217,7 @@ enum Call {
     HostFree,
     HostRegister,
     HostUnregister,
+    Memset,
 }
 
 /// How many calls of each kind of [`CALL_KINDS`] this driver has made, failed ones included.
@@ -744,6 +747,25 @@ impl Driver {
         // SAFETY: guaranteed by the caller.
         check("cuMemsetD8", unsafe {
             (self.f.cuMemsetD8_v2)(dst, value, n)
+        })
+    }
+
+    /// Queues setting `n` bytes of device memory at `dst` to `value` on `s`.
+    ///
+    /// # Safety
+    /// `dst..dst+n` is mapped device memory of the current context, and stays mapped until
+    /// `s` is synchronised.
+    pub unsafe fn memset_d8_async(
+        &self,
+        dst: CUdeviceptr,
+        value: u8,
+        n: usize,
+        s: Stream,
+    ) -> Result<(), DriverError> {
+        self.calls.count(Call::Memset);
+        // SAFETY: guaranteed by the caller.
+        check("cuMemsetD8Async", unsafe {
+            (self.f.cuMemsetD8Async)(dst, value, n, s.0)
         })
     }
 

@@ -270,6 +270,12 @@ pub mod fns {
     ) -> CUresult;
     pub type cuMemsetD8_v2 =
         unsafe extern "C" fn(dst: CUdeviceptr, value: u8, count: usize) -> CUresult;
+    pub type cuMemsetD8Async = unsafe extern "C" fn(
+        dst: CUdeviceptr,
+        value: u8,
+        count: usize,
+        stream: CUstream,
+    ) -> CUresult;
     pub type cuMemHostAlloc =
         unsafe extern "C" fn(pp: *mut *mut c_void, bytes: usize, flags: c_uint) -> CUresult;
     pub type cuMemFreeHost = unsafe extern "C" fn(p: *mut c_void) -> CUresult;

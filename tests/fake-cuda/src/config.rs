@@ -8,6 +8,7 @@
 //! | `FAKE_CUDA_FAIL_CREATE_AT` | unset                                     | the Nth `cuMemCreate` of the process fails  |
 //! | `FAKE_CUDA_FAIL_MAP_AT`    | unset                                     | the Nth `cuMemMap` of the process fails     |
 //! | `FAKE_CUDA_PIN_MS_PER_GIB` | 100                                       | how long pinning holds the driver lock, per GiB |
+//! | `FAKE_CUDA_FRESH`          | `zeros`                                   | what new device memory holds: `zeros`, or `junk` (0xA5 bytes: the driver promises nothing) |
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -25,7 +26,13 @@ pub struct Config {
     pub fail_map_at: Option<u64>,
     /// Milliseconds a pinning call holds the driver lock per GiB it pins (`pinning`).
     pub pin_ms_per_gib: u64,
+    /// New device memory is filled with [`JUNK`] instead of zeros: the driver does not say what
+    /// `cuMemCreate` returns, so code that needs zeros must write them.
+    pub fresh_junk: bool,
 }
+
+/// The byte new device memory holds under `FAKE_CUDA_FRESH=junk`.
+pub const JUNK: u8 = 0xA5;
 
 /// The configuration, or the message saying which knob is malformed.
 pub fn get() -> Result<&'static Config, &'static str> {
@@ -66,6 +73,11 @@ impl Config {
                 Some(s) => s.trim().parse().map_err(|_| {
                     format!("FAKE_CUDA_PIN_MS_PER_GIB={s:?}: want a whole number of ms")
                 })?,
+            },
+            fresh_junk: match var("FAKE_CUDA_FRESH").as_deref().map(str::trim) {
+                None | Some("zeros") => false,
+                Some("junk") => true,
+                Some(s) => return Err(format!("FAKE_CUDA_FRESH={s:?}: want zeros or junk")),
             },
         })
     }

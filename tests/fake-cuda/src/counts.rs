@@ -35,10 +35,12 @@ pub enum Call {
     HostRegister,
     /// `cuMemHostUnregister`.
     HostUnregister,
+    /// `cuMemsetD8` and its `Async` form.
+    Memset,
 }
 
 /// How many kinds there are.
-pub const KINDS: usize = 14;
+pub const KINDS: usize = 15;
 
 static COUNTS: [AtomicU64; KINDS] = [const { AtomicU64::new(0) }; KINDS];
 

@@ -27,7 +27,7 @@
 //! `fakecuda_instantiate_unseen(exec, graph)` for a graph instantiation that no wrapper saw.
 //!
 //! Call counts, per process: `fakecuda_call_counts(out: *mut u64, n: usize) -> usize` writes
-//! the first `min(n, 14)` counts to `out` and returns 14, `fakecuda_reset_call_counts()` sets
+//! the first `min(n, 15)` counts to `out` and returns 15, `fakecuda_reset_call_counts()` sets
 //! them to 0. Every call entered is counted (failed ones too), with one relaxed atomic add. The
 //! order is fixed:
 //!
@@ -47,6 +47,7 @@
 //! | 11    | `host_free`    | `cuMemFreeHost` |
 //! | 12    | `host_register`   | `cuMemHostRegister_v2` |
 //! | 13    | `host_unregister` | `cuMemHostUnregister` |
+//! | 14    | `memset`       | `cuMemsetD8` (`_v2` or not) and `cuMemsetD8Async` |
 //!
 //! Pinning, per process (`pinning.rs`): every entry point takes the driver lock shared and a
 //! pinning call (`cuMemHostAlloc`, `cuMemHostRegister_v2`) takes it exclusive for
@@ -692,15 +693,19 @@ cuda_exports! {
 
     /// Sets `count` bytes of device memory to `value`.
     fn cuMemsetD8_v2(dst: CUdeviceptr, value: u8, count: usize) {
+        counts::count(Call::Memset);
         context::initialised()?;
         context::require_current()?;
-        if count == 0 {
-            return Ok(());
-        }
-        let _held = state::access(dst, count, true)?;
-        // SAFETY: `access` checked that the range is mapped writable, and holds it mapped.
-        unsafe { std::ptr::write_bytes(dst as *mut u8, value, count) };
-        Ok(())
+        memset(dst, value, count)
+    }
+
+    /// Sets `count` bytes of device memory to `value`, complete on return.
+    fn cuMemsetD8Async(dst: CUdeviceptr, value: u8, count: usize, stream: CUstream) {
+        counts::count(Call::Memset);
+        context::initialised()?;
+        context::require_current()?;
+        context::check_stream(stream)?;
+        memset(dst, value, count)
     }
 
     /// Page-aligned host memory (not device memory), pinned under the driver lock
@@ -973,7 +978,8 @@ same_signature! {
     cuEventCreate: cuEventCreate, cuEventRecord: cuEventRecord,
     cuEventSynchronize: cuEventSynchronize, cuEventDestroy_v2: cuEventDestroy_v2,
     cuMemcpyDtoHAsync_v2: cuMemcpyDtoHAsync_v2, cuMemcpyHtoDAsync_v2: cuMemcpyHtoDAsync_v2,
-    cuMemsetD8_v2: cuMemsetD8_v2, cuMemHostAlloc: cuMemHostAlloc, cuMemFreeHost: cuMemFreeHost,
+    cuMemsetD8_v2: cuMemsetD8_v2, cuMemsetD8Async: cuMemsetD8Async,
+    cuMemHostAlloc: cuMemHostAlloc, cuMemFreeHost: cuMemFreeHost,
     cuMemHostRegister_v2: cuMemHostRegister_v2, cuMemHostUnregister: cuMemHostUnregister,
     cuThreadExchangeStreamCaptureMode: cuThreadExchangeStreamCaptureMode,
     cuGetProcAddress_v2: cuGetProcAddress_v2,
@@ -983,6 +989,17 @@ same_signature! {
     cuStreamDestroy: cuStreamDestroy_v2, cuMemcpyDtoHAsync: cuMemcpyDtoHAsync_v2,
     cuMemcpyHtoDAsync: cuMemcpyHtoDAsync_v2, cuMemsetD8: cuMemsetD8_v2,
     cuMemGetAddressRange: cuMemGetAddressRange_v2,
+}
+
+/// `count` bytes of mapped, writable device memory at `dst` set to `value`.
+fn memset(dst: CUdeviceptr, value: u8, count: usize) -> Result<(), CUresult> {
+    if count == 0 {
+        return Ok(());
+    }
+    let _held = state::access(dst, count, true)?;
+    // SAFETY: `access` checked that the range is mapped writable, and holds it mapped.
+    unsafe { std::ptr::write_bytes(dst as *mut u8, value, count) };
+    Ok(())
 }
 
 /// Copies device (or pinned host) memory to host memory.

@@ -187,6 +187,16 @@ pub fn create(cfg: &Config, place: Place, size: u64) -> Result<PhysFile, CUresul
             .mode(0o600)
             .open(&tmp)?;
         file.set_len(size)?; // sparse: costs nothing until written
+        if cfg.fresh_junk && matches!(place, Place::Device(_)) {
+            let junk = vec![crate::config::JUNK; 1 << 20];
+            let mut left = size;
+            let mut f = &file;
+            while left > 0 {
+                let n = left.min(junk.len() as u64) as usize;
+                std::io::Write::write_all(&mut f, &junk[..n])?;
+                left -= n as u64;
+            }
+        }
         flock(&file, libc::LOCK_SH | libc::LOCK_NB)?;
         std::fs::rename(&tmp, &path)?;
         let meta = file.metadata()?;

@@ -195,6 +195,9 @@ fn the_group_is_fixed_once_nccl_shared_memory() {
     job.check_all();
 }
 
+/// With `headers`, a shared buffer's first 64 KiB come back and the rest holds zeros, as
+/// NCCL's own zeroed allocation did, even where the driver's fresh memory holds junk
+/// (`FAKE_CUDA_FRESH=junk`): stale bytes there could pass for a flag NCCL waits for.
 #[test]
 fn backup_headers_keeps_the_control_blocks_of_shared_buffers_only() {
     let dirs = Dirs::new();
@@ -205,7 +208,10 @@ fn backup_headers_keeps_the_control_blocks_of_shared_buffers_only() {
         fake,
         rt,
         PATIENT_MS,
-        &[("MEMSAVER_NCCL_BACKUP", "headers")],
+        &[
+            ("MEMSAVER_NCCL_BACKUP", "headers"),
+            ("FAKE_CUDA_FRESH", "junk"),
+        ],
     );
     job.setup(4);
     for cycle in 0..2 {
@@ -220,9 +226,14 @@ fn backup_headers_keeps_the_control_blocks_of_shared_buffers_only() {
                 ["ok"],
                 "cycle {cycle}: rank {r} reads rank {peer}'s header"
             );
-            // ... the staging area behind it did not (fresh memory: zeros on the fake).
+            // ... the staging area behind it did not: it holds zeros, not the fresh junk.
             let a = job.on(&[r], &format!("check {peer} {peer}")).remove(0);
             assert!(a.contains("mismatch"), "cycle {cycle}: {a}");
+            assert_eq!(
+                job.on(&[r], &format!("zeros {peer} {} 65536", 4 * MIB - 65536)),
+                ["ok"],
+                "cycle {cycle}: rank {r} reads rank {peer}'s staging area"
+            );
         }
         // Rewrite the patterns for the next cycle.
         for r in 0..2 {

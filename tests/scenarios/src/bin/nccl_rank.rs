@@ -17,6 +17,8 @@
 //! write SEED       fill this rank's buffer with a pattern
 //! check RANK SEED [BYTES [FROM]]  read rank RANK's buffer through this rank's import of it
 //!                  (BYTES of it from byte FROM, compared with SEED's pattern there)
+//! zeros RANK [BYTES [FROM]]  rank RANK's buffer (BYTES of it from byte FROM) holds zeros,
+//!                  read through this rank's import -> ok | err mismatch at byte N: X
 //! pause / resume [TAGS]  memsaver_pause/resume(TAGS, "nccl" by default) -> ok | err CODE MESSAGE
 //! tensor MIB [TAG] allocate a tensor of TAG (`weights` by default, cpu backups) through
 //!                  memsaver_malloc (more tensors of one tag are adjacent)
@@ -250,6 +252,24 @@ impl Rank {
                     Ok(String::new())
                 } else {
                     Err("mismatch".into())
+                }
+            }
+            Some("zeros") => {
+                let a = self
+                    .peers
+                    .get(num(1)? as usize)
+                    .copied()
+                    .flatten()
+                    .ok_or("no such import")?;
+                let from = num(3).map_or(0, |n| (n as usize).min(a.size));
+                let len = num(2).map_or(a.size - from, |n| (a.size - from).min(n as usize));
+                // SAFETY: the import is mapped read-write at its address (fake driver).
+                let b = unsafe {
+                    std::slice::from_raw_parts((a.ptr as usize + from) as *const u8, len)
+                };
+                match b.iter().position(|x| *x != 0) {
+                    None => Ok(String::new()),
+                    Some(i) => Err(format!("mismatch at byte {}: {:#x}", from + i, b[i])),
                 }
             }
             Some(op @ ("pause" | "resume")) => {
