@@ -92,6 +92,10 @@ impl Backing for Held<'_> {
         vh: u64,
         _kept: &mut Option<ExportedMemory>,
     ) -> Result<Option<ExportedMemory>, String> {
+        if self.reg.retired.contains_key(&vh) {
+            // Its export stays only for the owner's pause to wait for its importers.
+            return Err("NCCL freed this buffer".into());
+        }
         let Some((h, offset, size)) = self.reg.served_layout(vh) else {
             return Ok(None); // released, or not restored yet
         };
@@ -113,10 +117,13 @@ impl Backing for Held<'_> {
     }
 
     /// A buffer that stays resident through pauses (host memory, given to a NIC, ..., or in a
-    /// run with such a buffer, which pauses keep whole) keeps its generation.
+    /// run with such a buffer, which pauses keep whole) keeps its generation. So does a buffer
+    /// NCCL freed inside a run ([`registry::Retired`]): no generation of it will come, and an
+    /// open of it is answered at once (its export fails) instead of at the timeout.
     fn stays(&self, vh: u64) -> bool {
-        self.reg.physicals.get(&vh).is_some_and(|p| {
-            p.pausable().is_err() || p.run.is_some_and(|base| self.staying.contains(&base))
-        })
+        self.reg.retired.contains_key(&vh)
+            || self.reg.physicals.get(&vh).is_some_and(|p| {
+                p.pausable().is_err() || p.run.is_some_and(|base| self.staying.contains(&base))
+            })
     }
 }

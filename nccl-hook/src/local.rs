@@ -337,6 +337,7 @@ fn release_run(
     let run = reg.runs.remove(&base).expect("seen above");
     steps.release(Handle(run.real), base);
     free_dead(reg, &run.dead);
+    reg.run_released(base);
     let in_run: Vec<u64> = reg
         .physicals
         .iter()
@@ -357,6 +358,16 @@ fn release_run(
         }
     }
     Ok(())
+}
+
+/// Settles the buffers NCCL freed inside runs that a pause released
+/// ([`registry::Retired`]): their exports are forgotten by the owner's ledger. Called once a
+/// pause's wait found none of their importers holding, and by the resume (which rebuilds the
+/// runs without them) for those a failed pause left.
+pub(crate) fn forget_retired(reg: &mut Registry) {
+    for vh in reg.forget_retired_released() {
+        memsaver_ipc::exported::forget(memsaver_ipc::exported::Delivery::Collective, vh);
+    }
 }
 
 /// Frees reservations NCCL freed while a run covered them, now that the run is unmapped:
@@ -494,13 +505,15 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
             first_error.get_or_insert(e);
         }
     }
-    // Exported buffers released (now or by an earlier pause that failed): paused in the
-    // owner's ledger, whose importers step 3 waits for.
+    // Exported buffers released (now or by an earlier pause that failed), and those NCCL
+    // freed inside the runs released, which their importers map whole: paused in the owner's
+    // ledger, whose importers step 3 waits for.
     let exports: Vec<u64> = reg
         .physicals
         .iter()
         .filter(|(_, p)| p.exported && p.is_paused_own())
         .map(|(vh, _)| *vh)
+        .chain(reg.retired_released())
         .collect();
     memsaver_ipc::exported::paused(&exports);
     match first_error {
@@ -760,6 +773,8 @@ pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
     let mut steps = a.steps(Op::Resume);
     let plan = {
         let mut reg = registry::lock();
+        // Buffers NCCL freed inside runs a pause released: the runs are rebuilt without them.
+        forget_retired(&mut reg);
         let ranges = reg.ranges_by_handle();
         let claimed: Vec<u64> = reg
             .physicals
@@ -855,9 +870,14 @@ pub(crate) struct Holding {
 
 impl Holding {
     pub(crate) fn add(&mut self, p: &registry::Physical) {
+        self.count(p.size, p.device());
+    }
+
+    /// One buffer of `size` bytes on `device`.
+    pub(crate) fn count(&mut self, size: u64, device: i32) {
         self.buffers += 1;
-        self.bytes += p.size;
-        self.devices.insert(p.device());
+        self.bytes += size;
+        self.devices.insert(device);
     }
 }
 

@@ -170,14 +170,19 @@ pub(crate) fn wait_importers(group: i64, deadline: Instant) -> BTreeMap<u32, Hol
     ))
 }
 
-/// What `holders` hold, per pid, as the registry describes the buffers.
+/// What `holders` hold, per pid, as the registry describes the buffers (those NCCL freed
+/// inside a run too: [`registry::Retired`]).
 fn holding(holders: &Holders) -> BTreeMap<u32, Holding> {
     let reg = registry::lock();
     let mut out = BTreeMap::<u32, Holding>::new();
     for (who, vhs) in holders {
         let h = out.entry(who.pid).or_default();
-        for p in vhs.iter().filter_map(|vh| reg.physicals.get(vh)) {
-            h.add(p);
+        for vh in vhs {
+            if let Some(p) = reg.physicals.get(vh) {
+                h.add(p);
+            } else if let Some(r) = reg.retired.get(vh) {
+                h.count(r.size, r.device);
+            }
         }
     }
     out

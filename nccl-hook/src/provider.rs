@@ -94,6 +94,8 @@ impl ExternalTag for NcclTag {
                 &released.released_imports,
             ));
         }
+        // Nobody holds a run this process released: the buffers NCCL freed inside them go.
+        local::forget_retired(&mut registry::lock());
         for (owner, fault) in &unacked {
             let holds = released
                 .released_imports

@@ -481,12 +481,55 @@ pub(crate) struct Run {
     pub around: Vec<(CUdeviceptr, u64)>,
 }
 
+/// An exported buffer that NCCL freed while it was in a resident [`Run`] whose other buffers
+/// NCCL still holds (one communicator destroyed while the others live, say).
+///
+/// A run is one physical allocation, and every importer of any of its buffers maps it whole,
+/// once: the freed buffer's importers still hold all of the run's memory, the live buffers'
+/// too. So its export is not forgotten at the free, as a lone buffer's is: it stays in the
+/// owner's ledger (never served again: `crate::exports` answers an open of it `Failed` at
+/// once) and here, and goes through the pause's phases with its run: the pause that releases
+/// the run (its work) marks it paused with the run's buffers and waits for its importers as
+/// for theirs; once that wait finds nobody holding (the pause settles), it is forgotten:
+///
+/// ```text
+///  NCCL frees it ──► Retired(run: Some(base)) ──the pause releases the run──► Retired(run: None)
+///                      │ NCCL frees the run's              │ that pause's wait finds nobody
+///                      │ last buffer                       │ holding, or a resume (which
+///                      ▼                                   ▼ rebuilds the run without it)
+///                    forgotten, with the run             forgotten
+/// ```
+///
+/// Once the run's last buffer goes, this process holds nothing of the memory, and the export
+/// is forgotten as a lone buffer's is at its free (what its importers still map is theirs to
+/// free). A resume forgets what a failed pause left: the rebuilt run is a new generation,
+/// which no importer of the freed buffer maps (the ledger waits only for importers of the
+/// current one). Its bytes are held in the run (`Run::dead`, `freed_held_bytes`) until the run
+/// is released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Retired {
+    /// The buffer's bytes and device, for the messages that name what an importer holds.
+    pub size: u64,
+    pub device: i32,
+    /// The run whose memory its importers map, while this process has it mapped (a key of
+    /// [`Registry::runs`]); `None` once a pause released it.
+    pub run: Option<CUdeviceptr>,
+}
+
 /// What the driver must still be told once NCCL let go of a buffer ([`Registry::collect`]):
 /// the handle to release, or, for the last buffer of a run, the run to unmap and release.
 pub(crate) enum Gone {
     Handle(Physical),
-    Run(CUdeviceptr, Run, Physical),
-    /// A buffer of a run that other buffers still use: only the record went.
+    /// The last buffer of the run at `base`, and the [`Retired`] buffers of that run, whose
+    /// exports go with it.
+    Run {
+        base: CUdeviceptr,
+        run: Run,
+        last: Physical,
+        retired: Vec<u64>,
+    },
+    /// A buffer of a run that other buffers still use: only the record went (an exported one
+    /// is [`Retired`]).
     Member(Physical),
 }
 
@@ -494,7 +537,7 @@ impl Gone {
     /// The record that went.
     pub fn physical(&self) -> &Physical {
         match self {
-            Gone::Handle(p) | Gone::Run(_, _, p) | Gone::Member(p) => p,
+            Gone::Handle(p) | Gone::Run { last: p, .. } | Gone::Member(p) => p,
         }
     }
 }
@@ -517,6 +560,9 @@ pub(crate) struct Registry {
     /// Ranges of memsaver's reservations handed to NCCL as its reservations: NCCL's own
     /// buffers' (from the own arenas) and its imports' (in the owners' layouts).
     pub handed: BTreeMap<CUdeviceptr, Handed>,
+    /// Exported buffers NCCL freed inside runs, whose exports stay until their importers
+    /// let go of the run ([`Retired`]), by virtual handle.
+    pub retired: HashMap<u64, Retired>,
     next: u64,
     pub multicast_objects: u64,
 }
@@ -607,7 +653,8 @@ impl Registry {
 
     /// Forgets a physical object NCCL no longer references and no mapping uses, returning
     /// what the driver must be told (outside the lock): its handle to release, or the run it
-    /// was the last buffer of.
+    /// was the last buffer of. An exported buffer of a run whose other buffers live is
+    /// [`Retired`].
     pub fn collect(&mut self, vh: u64) -> Option<Gone> {
         let unused = self.physicals.get(&vh).is_some_and(|p| p.refs == 0)
             && !self.mappings.values().any(|m| m.vh == vh);
@@ -628,12 +675,55 @@ impl Registry {
         };
         run.live = run.live.saturating_sub(1);
         if run.live > 0 {
+            if p.exported && p.kind == Kind::Device {
+                let r = Retired {
+                    size: p.size,
+                    device: p.device(),
+                    run: Some(base),
+                };
+                self.retired.insert(vh, r);
+            }
             return Some(Gone::Member(p));
         }
-        match self.runs.remove(&base) {
-            Some(run) => Some(Gone::Run(base, run, p)),
-            None => Some(Gone::Member(p)),
+        let Some(run) = self.runs.remove(&base) else {
+            return Some(Gone::Member(p));
+        };
+        let retired = self
+            .retired
+            .extract_if(|_, r| r.run == Some(base))
+            .map(|(vh, _)| vh)
+            .collect();
+        Some(Gone::Run {
+            base,
+            run,
+            last: p,
+            retired,
+        })
+    }
+
+    /// A pause released the run at `base`: its [`Retired`] buffers are released with it
+    /// (their exports are paused, and the pause waits for their importers).
+    pub fn run_released(&mut self, base: CUdeviceptr) {
+        for r in self.retired.values_mut().filter(|r| r.run == Some(base)) {
+            r.run = None;
         }
+    }
+
+    /// The [`Retired`] buffers whose run a pause released.
+    pub fn retired_released(&self) -> impl Iterator<Item = u64> + '_ {
+        self.retired
+            .iter()
+            .filter(|(_, r)| r.run.is_none())
+            .map(|(vh, _)| *vh)
+    }
+
+    /// Forgets the [`Retired`] buffers whose run a pause released (a pause's wait found
+    /// nobody holding them, or a resume rebuilds the runs without them), returning them.
+    pub fn forget_retired_released(&mut self) -> Vec<u64> {
+        self.retired
+            .extract_if(|_, r| r.run.is_none())
+            .map(|(vh, _)| vh)
+            .collect()
     }
 
     /// The address for an import of `len` bytes of `owner`'s buffer at `place` (aligned to
@@ -938,6 +1028,80 @@ mod tests {
         // A block whose range cannot be reserved.
         assert_eq!(reg.place_import(9, place, m, m, |_, _| None), None);
         assert!(reg.in_mirror(a, 4 * m) && !reg.in_mirror(a - MIRROR_BLOCK, m));
+    }
+
+    /// A run at `base` of own buffers (exported or not, as `exported` says), which NCCL has
+    /// unmapped and released (the next `collect` of each forgets it).
+    fn run_of(reg: &mut Registry, base: u64, exported: &[bool]) -> Vec<u64> {
+        let vhs: Vec<u64> = exported
+            .iter()
+            .map(|e| {
+                let mut p = own();
+                (p.exported, p.run, p.refs) = (*e, Some(base), 0);
+                reg.insert(p)
+            })
+            .collect();
+        let run = Run {
+            size: vhs.len() as u64 * (2 << 20),
+            real: 7,
+            live: vhs.len(),
+            dead: Vec::new(),
+            around: Vec::new(),
+        };
+        reg.runs.insert(base, run);
+        vhs
+    }
+
+    #[test]
+    fn an_exported_buffer_freed_inside_a_live_run_is_retired_until_its_pause_settles() {
+        let mut reg = Registry::default();
+        let base = 0x7000_0000_0000;
+        let vhs = run_of(&mut reg, base, &[true, false, true]);
+        // Exported, freed while the others live: retired with its run.
+        assert!(matches!(reg.collect(vhs[0]), Some(Gone::Member(_))));
+        let retired = Retired {
+            size: 2 << 20,
+            device: 0,
+            run: Some(base),
+        };
+        assert_eq!(reg.retired.get(&vhs[0]), Some(&retired));
+        // Private: only its record goes.
+        assert!(matches!(reg.collect(vhs[1]), Some(Gone::Member(_))));
+        assert!(!reg.retired.contains_key(&vhs[1]));
+        // While the run is resident, nothing is released, and nothing settles.
+        assert_eq!(reg.retired_released().count(), 0);
+        assert_eq!(reg.forget_retired_released(), Vec::<u64>::new());
+        assert!(reg.retired.contains_key(&vhs[0]));
+        // A pause releases the run: the retired buffer is released with it, and forgotten
+        // once the pause settles.
+        reg.runs.remove(&base);
+        reg.run_released(base);
+        assert_eq!(reg.retired_released().collect::<Vec<_>>(), vec![vhs[0]]);
+        assert_eq!(reg.forget_retired_released(), vec![vhs[0]]);
+        assert!(reg.retired.is_empty());
+    }
+
+    #[test]
+    fn the_buffers_retired_in_a_run_go_with_its_last_buffer() {
+        let mut reg = Registry::default();
+        let (a, b) = (0x7000_0000_0000, 0x7100_0000_0000);
+        let first = run_of(&mut reg, a, &[true, true]);
+        let other = run_of(&mut reg, b, &[true, true]);
+        reg.collect(first[0]);
+        reg.collect(other[0]);
+        match reg.collect(first[1]) {
+            Some(Gone::Run {
+                base, run, retired, ..
+            }) => {
+                assert_eq!((base, run.size, retired), (a, 4 << 20, vec![first[0]]));
+            }
+            _ => panic!("the run's last buffer takes the run"),
+        }
+        assert_eq!(
+            reg.retired.keys().copied().collect::<Vec<_>>(),
+            vec![other[0]],
+            "another run's retired buffer stays"
+        );
     }
 
     #[test]

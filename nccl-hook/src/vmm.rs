@@ -150,11 +150,19 @@ fn forget_backup(vh: u64) {
 
 /// Forgets `vh` if NCCL no longer references or maps it ([`registry::Registry::collect`]); an
 /// exported buffer that goes is forgotten by the owner's ledger too (under the registry lock:
-/// no peer is served it meanwhile, and its token opens nothing any more).
+/// no peer is served it meanwhile, and its token opens nothing any more), and so are the
+/// buffers retired in a run that goes with it; an exported buffer of a run that lives on is
+/// retired instead: its importers map the whole run ([`registry::Retired`]).
 fn collect(reg: &mut registry::Registry, vh: u64) -> Option<Gone> {
+    use memsaver_ipc::exported::{Delivery, forget};
     let gone = reg.collect(vh);
-    if gone.as_ref().is_some_and(|g| g.physical().exported) {
-        memsaver_ipc::exported::forget(memsaver_ipc::exported::Delivery::Collective, vh);
+    if let Some(Gone::Run { retired, .. }) = &gone {
+        for id in retired {
+            forget(Delivery::Collective, *id);
+        }
+    }
+    if gone.as_ref().is_some_and(|g| g.physical().exported) && !reg.retired.contains_key(&vh) {
+        forget(Delivery::Collective, vh);
     }
     gone
 }
@@ -169,7 +177,7 @@ fn release_real(gone: Option<Gone>) {
     let handle = match gone {
         Gone::Member(_) => None,
         Gone::Handle(p) => p.real(),
-        Gone::Run(base, run, _) => {
+        Gone::Run { base, run, .. } => {
             if let Some(unmap) = real::UNMAP() {
                 // SAFETY: the run's mapping; NCCL has let go of every buffer in it.
                 let r = unsafe { unmap(base, run.size as usize) };

@@ -414,3 +414,174 @@ fn an_importer_that_freed_its_import_is_not_waited_for() {
     let importers = &nccl_exports(&mut job, 0)["importers"];
     assert_eq!(importers.as_u64(), Some(0), "importers of rank 0's buffer");
 }
+
+/// `nccl_stats()` of rank `r`.
+fn nccl_stats(job: &mut Job, r: usize) -> serde_json::Value {
+    let a = job.one(r, "stats");
+    serde_json::from_str(
+        a.strip_prefix("ok ")
+            .unwrap_or_else(|| panic!("stats: {a}")),
+    )
+    .unwrap()
+}
+
+/// Rank 0's exported buffer and a private one resume as one run, which rank 1 maps whole
+/// through its import of the exported one. Rank 0's NCCL then frees the exported buffer while
+/// the private one lives (one communicator destroyed, say): rank 1 still maps the run, that is
+/// all of its memory, so rank 0's next pause must wait for rank 1 and, rank 1 not pausing, end
+/// in the Peer error naming it (before: the freed buffer's export was forgotten at the free,
+/// nobody was waited for, and the pause reported success while rank 1's mapping kept the
+/// run's device memory). Once rank 1 pauses, rank 0's pause completes; the next resume
+/// rebuilds rank 0's memory without the freed buffer.
+#[test]
+fn an_owner_that_freed_a_buffer_of_a_run_waits_for_the_importers_of_the_run() {
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 44, true);
+    job.all_ok("alloc 2");
+    job.ok(&[0], "private 1 2");
+    job.all_ok("exchange");
+    job.write_all(0);
+    ok_or_slow(&mut job, "pause");
+    ok_or_slow(&mut job, "resume");
+    job.check_all();
+    assert_eq!(
+        nccl_stats(&mut job, 0)["runs"],
+        1,
+        "rank 0's two buffers in one run"
+    );
+    assert_eq!(
+        nccl_stats(&mut job, 1)["runs"],
+        1,
+        "rank 1 maps rank 0's run whole"
+    );
+    job.ok(&[0], "ofree");
+    let s = nccl_stats(&mut job, 0);
+    assert_eq!(
+        (s["runs"].as_u64(), s["freed_held_bytes"].as_u64()),
+        (Some(1), Some(2 * MIB)),
+        "the freed buffer's memory stays in the run: {s}"
+    );
+    let e = nccl_exports(&mut job, 0);
+    assert_eq!(
+        (e["handles"].as_u64(), e["importers"].as_u64()),
+        (Some(1), Some(1)),
+        "the freed buffer's export stays while rank 1 maps its run: {e}"
+    );
+    let (a, took) = job.timed(0, "pause");
+    println!("pause of an owner whose freed buffer's importer does not pause: {took:?}");
+    assert_peer_error(
+        &a,
+        &[
+            &format!(
+                "process {} (group 44) holds imports of 1 buffer (2 MiB) on device 0",
+                job.pid(1)
+            ),
+            "must pause 'nccl' too",
+        ],
+    );
+    // Rank 1 lets go of the run in its pause; rank 0's pause then completes, and every
+    // byte is free.
+    assert_eq!(job.one(1, "pause"), "ok");
+    assert_eq!(job.one(0, "pause"), "ok", "retried once rank 1 let go");
+    assert_eq!(job.used(), 0);
+    assert_eq!(
+        nccl_exports(&mut job, 0)["handles"].as_u64(),
+        None,
+        "the freed buffer's export is forgotten once its importers let go"
+    );
+    // Rank 1's NCCL frees its import of the buffer (its communicator destroyed too); the
+    // resume rebuilds rank 0's private buffer alone.
+    job.ok(&[1], "unimport");
+    ok_or_slow(&mut job, "resume");
+    assert_eq!(job.used(), 4 * MIB, "rank 0's private buffer and rank 1's");
+    let s = nccl_stats(&mut job, 0);
+    assert_eq!(
+        (
+            s["runs"].as_u64(),
+            s["freed_held_bytes"].as_u64(),
+            s["owned_bytes"].as_u64()
+        ),
+        (Some(0), Some(0), Some(2 * MIB)),
+        "{s}"
+    );
+    assert_eq!(job.one(0, "check 1 1"), "ok");
+}
+
+/// Rank 0's two exported buffers resume as one run, which rank 1 maps whole through its
+/// imports of both. Rank 0's NCCL frees one of them: its memory stays held in the run (counted
+/// in `freed_held_bytes`) until the next cycle, in which both ranks pause and resume as usual
+/// (rank 1 frees its import of the freed buffer while paused); then the run is rebuilt without
+/// it: its bytes are back on the device, the other buffer holds its contents, and the stats
+/// and the ledger count one exported buffer with its importer.
+#[test]
+fn a_buffer_freed_inside_a_shared_run_goes_back_to_the_device_at_the_next_cycle() {
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 46, false);
+    job.all_ok("alloc 2");
+    job.ok(&[0], "shared 1 2");
+    job.all_ok("exchange");
+    job.write_all(0);
+    job.ok(&[0, 1], "pause");
+    job.ok(&[0, 1], "resume");
+    job.check_all();
+    assert_eq!(nccl_stats(&mut job, 0)["runs"], 1);
+    let used = job.used();
+    assert_eq!(
+        used,
+        6 * MIB,
+        "rank 0's run of two buffers and rank 1's buffer"
+    );
+    job.ok(&[0], "sfree 0");
+    let s = nccl_stats(&mut job, 0);
+    assert_eq!(
+        (
+            s["runs"].as_u64(),
+            s["freed_held_bytes"].as_u64(),
+            s["owned_bytes"].as_u64()
+        ),
+        (Some(1), Some(2 * MIB), Some(2 * MIB)),
+        "{s}"
+    );
+    assert_eq!(job.used(), used, "held in the run until the next pause");
+    job.ok(&[0, 1], "pause");
+    assert_eq!(job.used(), 0);
+    assert_eq!(
+        nccl_exports(&mut job, 0)["handles"].as_u64(),
+        Some(1),
+        "the freed buffer's export is forgotten once its importers let go"
+    );
+    job.ok(&[1], "unimport-extra");
+    job.ok(&[0, 1], "resume");
+    assert_eq!(
+        job.used(),
+        used - 2 * MIB,
+        "the freed buffer's bytes are back on the device"
+    );
+    job.check_all();
+    let s = nccl_stats(&mut job, 0);
+    assert_eq!(
+        (
+            s["runs"].as_u64(),
+            s["freed_held_bytes"].as_u64(),
+            s["owned_bytes"].as_u64(),
+            s["exported_handles"].as_u64()
+        ),
+        (Some(0), Some(0), Some(2 * MIB), Some(1)),
+        "{s}"
+    );
+    let e = nccl_exports(&mut job, 0);
+    assert_eq!(
+        (
+            e["handles"].as_u64(),
+            e["bytes"].as_u64(),
+            e["importers"].as_u64()
+        ),
+        (Some(1), Some(2 * MIB), Some(1)),
+        "{e}"
+    );
+    // Later cycles as ever.
+    job.ok(&[0, 1], "pause");
+    assert_eq!(job.used(), 0);
+    job.ok(&[0, 1], "resume");
+    job.check_all();
+}

@@ -29,6 +29,8 @@
 //! unimport-extra   the same for the imports other than each peer's latest
 //! tfree I          memsaver_free of tensor I
 //! ofree            NCCL's free path on this rank's buffer (of `alloc`) alone
+//! sfree I          NCCL's free path on shared buffer I (of `shared`; the others keep their
+//!                  numbers): a later `exchange` no longer sends it
 //! used             device memory in use (all processes, fake driver) in bytes
 //! free             free imports and the own buffer through NCCL's free path
 //! pwrite SEED      fill every private buffer with a pattern of SEED and its address
@@ -93,9 +95,10 @@ struct Rank {
     mem_info: fns::cuMemGetInfo_v2,
     own: Option<FakeNcclAlloc>,
     peers: Vec<Option<FakeNcclAlloc>>,
-    /// Buffers of `private` and `shared`, and the imports of peers' `shared` buffers.
+    /// Buffers of `private` and the private ones of `comms` (`None` once `pfree` freed it).
     private: Vec<Option<FakeNcclAlloc>>,
-    shared: Vec<FakeNcclAlloc>,
+    /// Buffers of `shared` (`None` once `sfree` freed it).
+    shared: Vec<Option<FakeNcclAlloc>>,
     /// Buffers of `comms` exported to one peer each: (the peer, the buffer).
     peered: Vec<(usize, FakeNcclAlloc)>,
     extra_imports: Vec<FakeNcclAlloc>,
@@ -169,7 +172,7 @@ impl Rank {
                         return Err(format!("alloc {rc}"));
                     }
                     if export == 1 {
-                        self.shared.push(a);
+                        self.shared.push(Some(a));
                     } else {
                         self.private.push(Some(a));
                     }
@@ -414,6 +417,14 @@ impl Rank {
                 let own = self.own.take().ok_or("no buffer of `alloc` to free")?;
                 self.free_all(vec![own])
             }
+            Some("sfree") => {
+                let a = self
+                    .shared
+                    .get_mut(num(1)? as usize)
+                    .and_then(Option::take)
+                    .ok_or("no such shared buffer")?;
+                self.free_all(vec![a])
+            }
             Some("pid") => Ok(std::process::id().to_string()),
             // The context pushed at start-up is current.
             Some("used") => used_bytes(self.mem_info),
@@ -467,7 +478,7 @@ impl Rank {
             Some("free") => {
                 let mut all = self.take_imports();
                 all.extend(self.own.take());
-                all.append(&mut self.shared);
+                all.extend(self.shared.drain(..).flatten());
                 all.extend(self.peered.drain(..).map(|(_, a)| a));
                 all.extend(self.private.drain(..).flatten());
                 self.free_all(all)
@@ -514,7 +525,7 @@ impl Rank {
         let mut per_peer: Vec<(Vec<RawFd>, Vec<usize>)> = Vec::new();
         for peer in 0..world {
             let mine: Vec<FakeNcclAlloc> = std::iter::once(own)
-                .chain(self.shared.clone())
+                .chain(self.shared.iter().flatten().copied())
                 .chain(
                     self.peered
                         .iter()
@@ -608,7 +619,7 @@ impl Rank {
         for a in self
             .own
             .iter_mut()
-            .chain(self.shared.iter_mut())
+            .chain(self.shared.iter_mut().flatten())
             .chain(peered)
         {
             // SAFETY: our own exported fd, closed once.
