@@ -27,6 +27,7 @@
 //! unimport-extra   the same for the imports other than each peer's latest
 //! tfree I          memsaver_free of tensor I
 //! ofree            NCCL's free path on this rank's buffer (of `alloc`) alone
+//! sfree            NCCL's free path on this rank's buffers of `shared` alone
 //! used             device memory in use (all processes, fake driver) in bytes
 //! free             free imports and the own buffer through NCCL's free path
 //! pwrite SEED      fill every private buffer with a pattern of SEED and its address
@@ -393,6 +394,13 @@ impl Rank {
             Some("ofree") => {
                 let own = self.own.take().ok_or("no buffer of `alloc` to free")?;
                 self.free_all(vec![own])
+            }
+            Some("sfree") => {
+                let shared = std::mem::take(&mut self.shared);
+                if shared.is_empty() {
+                    return Err("no buffer of `shared` to free".into());
+                }
+                self.free_all(shared)
             }
             Some("pid") => Ok(std::process::id().to_string()),
             // The context pushed at start-up is current.
