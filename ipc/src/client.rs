@@ -6,10 +6,10 @@
 //!
 //! The importer's side of exported buffers: [`import`] trades a token ([`crate::token`]) for
 //! the buffer's fd with its owner, [`request_fds`] asks an owner again for buffers this
-//! process imported from it (a new generation, after the owner re-created them) and
-//! [`notify_released`] tells an owner that this process let go of its imports. Each of them
-//! takes `wait`, how long the owner itself may wait for a buffer still being restored (it
-//! answers `NotReady` after that).
+//! process imported from it (a new generation, after the owner re-created them, or word that
+//! the owner freed one) and [`notify_released`] tells an owner that this process let go of its
+//! imports. Each of them takes `wait`, how long the owner itself may wait for a buffer still
+//! being restored (it answers `NotReady` after that).
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -122,6 +122,9 @@ fn bind_owner(t: &Token, holds_imports_of: impl FnOnce(u32) -> bool) -> Result<(
     Ok(())
 }
 
+/// One reply of an owner, with the fd that came with it.
+pub type Answered = (Reply, Option<OwnedFd>);
+
 /// Sends `request` (at most [`MAX_BUFFERS`] buffers) to `owner` and reads `n` replies, all by
 /// one deadline: the owner's own `wait` for buffers still being restored, and [`IO_TIMEOUT`].
 /// An owner too busy to admit the request ([`server::BUSY`]) is asked again, with backoff,
@@ -132,29 +135,60 @@ pub fn exchange(
     request: Request,
     n: usize,
     wait: Duration,
-) -> Result<Vec<(Reply, Option<OwnedFd>)>> {
+) -> Result<Vec<Answered>> {
+    match exchange_read(group, owner, &request, n, wait) {
+        (replies, None) => Ok(replies),
+        (_, Some(e)) => Err(e),
+    }
+}
+
+/// [`exchange`], keeping what was read before a failure: the replies, in order, and the
+/// failure (`None`: all `n` were read). An owner records what it served as delivered once it
+/// is written, so an importer whose exchange failed still learns what the owner thinks it
+/// holds.
+fn exchange_read(
+    group: i64,
+    owner: &Identity,
+    request: &Request,
+    n: usize,
+    wait: Duration,
+) -> (Vec<Answered>, Option<Error>) {
     let until = Instant::now() + wait + IO_TIMEOUT;
     let mut pause = Duration::from_millis(1);
     loop {
-        match exchange_once(group, owner, &request, n, wait) {
-            Ok(replies) => return Ok(replies),
-            Err(Error::Busy { .. }) if Instant::now() + pause < until => {
+        match exchange_once(group, owner, request, n, wait) {
+            // Busy is only ever the first answer: nothing was read.
+            (_, Some(Error::Busy { .. })) if Instant::now() + pause < until => {
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(100));
             }
-            Err(e) => return Err(e),
+            done => return done,
         }
     }
 }
 
-/// One try of [`exchange`].
+/// One try of [`exchange_read`].
 fn exchange_once(
     group: i64,
     owner: &Identity,
     request: &Request,
     n: usize,
     wait: Duration,
-) -> Result<Vec<(Reply, Option<OwnedFd>)>> {
+) -> (Vec<Answered>, Option<Error>) {
+    let mut out = Vec::with_capacity(n);
+    let failure = read_replies(group, owner, request, n, wait, &mut out).err();
+    (out, failure)
+}
+
+/// Sends `request` and reads up to `n` replies into `out`, up to the first failure.
+fn read_replies(
+    group: i64,
+    owner: &Identity,
+    request: &Request,
+    n: usize,
+    wait: Duration,
+    out: &mut Vec<Answered>,
+) -> Result<()> {
     let stream = connect(group, owner)?;
     let pid = owner.pid;
     let wire = |what: String| Error::Wire { pid, what };
@@ -162,7 +196,6 @@ fn exchange_once(
     protocol::write_frame(stream.as_fd(), &request.encode(), None, sent_by)
         .map_err(|e| wire(e.to_string()))?;
     let answered_by = Instant::now() + wait + IO_TIMEOUT;
-    let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let (body, fd) =
             protocol::read_frame(stream.as_fd(), answered_by).map_err(|e| match e.kind() {
@@ -180,7 +213,7 @@ fn exchange_once(
             Err(e) => return Err(wire(format!("sent {e}"))),
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// A buffer an owner served: the fd of its memory, the generation it is, and where the buffer
@@ -194,10 +227,37 @@ pub struct Served {
     pub size: u64,
 }
 
-/// The fds of the buffers `wants` of `owner`, with the generation each one is.
-fn fetch(group: i64, owner: &Identity, wants: &[Buffer], wait: Duration) -> Result<Vec<Served>> {
-    let pid = owner.pid;
-    let mut out = Vec::with_capacity(wants.len());
+/// What an owner answered for one buffer asked of it.
+#[derive(Debug)]
+pub enum Answer {
+    Served(Served),
+    /// The owner freed the buffer ([`Reply::Gone`]): there is nothing to map any more; the
+    /// importer drops its import.
+    Gone,
+}
+
+/// A fetch that failed: why, and the notice that tells the owner this process holds none of
+/// what it asked ([`notify_released`]).
+#[derive(Debug)]
+pub struct FetchFailed {
+    pub error: Error,
+    /// Every buffer asked, at the generation the owner served it where its answer was read
+    /// (the owner recorded this process as mapping that generation, which may be later than
+    /// the one asked: a notice naming another changes nothing there, and the owner's next
+    /// pause would wait for this process until its timeout), else at the generation asked.
+    pub release: Vec<Buffer>,
+}
+
+/// The buffers `wants` of `owner`: each one's fd with the generation it is, or word that the
+/// owner freed it.
+fn fetch(
+    group: i64,
+    owner: &Identity,
+    wants: &[Buffer],
+    wait: Duration,
+) -> Result<Vec<Answer>, FetchFailed> {
+    let mut replies = Vec::with_capacity(wants.len());
+    let mut broke = None;
     for chunk in wants.chunks(MAX_BUFFERS) {
         let request = Request::Import {
             from: identity::me(),
@@ -205,50 +265,84 @@ fn fetch(group: i64, owner: &Identity, wants: &[Buffer], wait: Duration) -> Resu
             group,
             buffers: chunk.to_vec(),
         };
-        for ((reply, fd), want) in exchange(group, owner, request, chunk.len(), wait)?
-            .into_iter()
-            .zip(chunk)
-        {
-            let id = want.id;
-            out.push(match (reply, fd) {
-                (
-                    Reply::Export {
-                        id: got,
-                        generation,
-                        offset,
-                        size,
-                    },
-                    Some(fd),
-                ) if got == id => Served {
-                    fd,
+        let (read, failure) = exchange_read(group, owner, &request, chunk.len(), wait);
+        replies.extend(read);
+        if failure.is_some() {
+            broke = failure;
+            break;
+        }
+    }
+    answers(owner.pid, wants, replies, broke, wait)
+}
+
+/// The answers of owner `pid` to `wants` from its `replies` (in order; fewer than `wants`
+/// when the exchange broke with `broke`). Any reply that is not an export or a `Gone` of the
+/// buffer asked, or an exchange that broke, fails the whole fetch; the failure's notice names
+/// what the owner served at the generation it served ([`FetchFailed::release`]).
+pub(crate) fn answers(
+    pid: u32,
+    wants: &[Buffer],
+    replies: Vec<Answered>,
+    broke: Option<Error>,
+    wait: Duration,
+) -> Result<Vec<Answer>, FetchFailed> {
+    let mut error = broke;
+    let mut release = wants.to_vec();
+    let mut out = Vec::with_capacity(wants.len());
+    for (((reply, fd), want), notice) in replies.into_iter().zip(wants).zip(&mut release) {
+        let id = want.id;
+        let failure = match (reply, fd) {
+            (
+                Reply::Export {
+                    id: got,
                     generation,
                     offset,
                     size,
                 },
-                (Reply::NotReady { .. }, _) => {
-                    return Err(Error::Other(format!(
-                        "process {pid} did not restore buffer {id:#x} (generation {}) within {} \
-                         ms; every process of the group must resume that memory too",
-                        want.generation,
-                        wait.as_millis()
-                    )));
-                }
-                (Reply::Failed { .. }, _) => {
-                    return Err(Error::Other(format!(
-                        "process {pid} could not export buffer {id:#x} (its driver failed, or \
-                         the buffer was freed there)"
-                    )));
-                }
-                (r, _) => {
-                    return Err(Error::Wire {
-                        pid,
-                        what: format!("answered {r:?} for buffer {id:#x}"),
-                    });
-                }
-            });
-        }
+                Some(fd),
+            ) if got == id => {
+                notice.generation = generation;
+                out.push(Answer::Served(Served {
+                    fd,
+                    generation,
+                    offset,
+                    size,
+                }));
+                continue;
+            }
+            (Reply::Gone { id: got }, None) if got == id => {
+                out.push(Answer::Gone);
+                continue;
+            }
+            (Reply::NotReady { .. }, _) => Error::Other(format!(
+                "process {pid} did not restore buffer {id:#x} (generation {}) within {} ms; \
+                 every process of the group must resume that memory too",
+                want.generation,
+                wait.as_millis()
+            )),
+            (Reply::Failed { .. }, _) => Error::Other(format!(
+                "process {pid} could not export buffer {id:#x} (its driver failed, or the \
+                 buffer was freed there)"
+            )),
+            (r, _) => Error::Wire {
+                pid,
+                what: format!("answered {r:?} for buffer {id:#x}"),
+            },
+        };
+        // The first failure is the one reported; the answers after it are still read for
+        // the generations served.
+        error.get_or_insert(failure);
     }
-    Ok(out)
+    if error.is_none() && out.len() < wants.len() {
+        error = Some(Error::Wire {
+            pid,
+            what: format!("answered {} of {} buffers", out.len(), wants.len()),
+        });
+    }
+    match error {
+        None => Ok(out),
+        Some(error) => Err(FetchFailed { error, release }),
+    }
 }
 
 /// The import of token `t`: checks its group (and fixes this process's, [`group::fix`]) and
@@ -272,23 +366,34 @@ pub fn import(
         key: t.key,
         generation: t.generation,
     };
-    fetch(t.group, &t.owner(), &[want], wait)?
-        .pop()
-        .ok_or_else(|| Error::Wire {
+    let answer = fetch(t.group, &t.owner(), &[want], wait).map_err(|f| f.error)?;
+    match answer.into_iter().next() {
+        Some(Answer::Served(s)) => Ok(s),
+        Some(Answer::Gone) => Err(Error::Other(format!(
+            "process {} freed buffer {:#x} before this process imported it",
+            t.pid, t.buffer
+        ))),
+        None => Err(Error::Wire {
             pid: t.pid,
             what: "no answer".into(),
-        })
+        }),
+    }
 }
 
-/// The fds of buffers `wants` of `owner` (each at least the generation given), with the
-/// generation each one is.
+/// Buffers `wants` of `owner` (each at least the generation given): each one's fd with the
+/// generation it is, or word that the owner freed it. On a failure, what to tell the owner
+/// ([`FetchFailed::release`]).
 pub fn request_fds(
     group: i64,
     owner: u32,
     wants: &[Buffer],
     wait: Duration,
-) -> Result<Vec<Served>> {
-    fetch(group, &owner_identity(owner)?, wants, wait)
+) -> Result<Vec<Answer>, FetchFailed> {
+    let owner = owner_identity(owner).map_err(|error| FetchFailed {
+        error,
+        release: Vec::new(),
+    })?;
+    fetch(group, &owner, wants, wait)
 }
 
 /// Tells `owner` that this process released its imports of `buffers`.
@@ -304,4 +409,123 @@ pub fn notify_released(group: i64, owner: u32, buffers: &[Buffer], wait: Duratio
         exchange(group, &owner, request, 1, wait)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Buffers 1 to 3 asked at generation 4.
+    fn wants() -> Vec<Buffer> {
+        (1..=3)
+            .map(|id| Buffer {
+                id,
+                key: 7,
+                generation: 4,
+            })
+            .collect()
+    }
+
+    /// The owner's export of buffer `id` at `generation`, an fd of `/dev/null` with it.
+    fn export(id: u64, generation: u64) -> Answered {
+        let fd = std::fs::File::open("/dev/null").unwrap().into();
+        let reply = Reply::Export {
+            id,
+            generation,
+            offset: 0,
+            size: 1 << 20,
+        };
+        (reply, Some(fd))
+    }
+
+    #[test]
+    fn every_buffer_served_or_gone_makes_a_fetch() {
+        let replies = vec![export(1, 6), (Reply::Gone { id: 2 }, None), export(3, 4)];
+        let a = answers(9, &wants(), replies, None, Duration::ZERO).unwrap();
+        assert!(
+            matches!(
+                a.as_slice(),
+                [
+                    Answer::Served(Served { generation: 6, .. }),
+                    Answer::Gone,
+                    Answer::Served(Served { generation: 4, .. }),
+                ]
+            ),
+            "{a:?}"
+        );
+    }
+
+    /// The owner wrote buffer 1's answer before the connection broke: it counts this process
+    /// as mapping generation 6, which the notice names; the others as asked.
+    #[test]
+    fn a_broken_exchange_releases_what_was_read_at_the_generation_served() {
+        let broke = Error::Wire {
+            pid: 9,
+            what: "closed the connection (did it exit?)".into(),
+        };
+        let w = wants();
+        let failed = answers(9, &w, vec![export(1, 6)], Some(broke), Duration::ZERO).unwrap_err();
+        assert_eq!(
+            failed.error.to_string(),
+            "process 9: closed the connection (did it exit?)"
+        );
+        assert_eq!(
+            failed.release,
+            vec![
+                Buffer {
+                    generation: 6,
+                    ..w[0]
+                },
+                w[1],
+                w[2]
+            ]
+        );
+    }
+
+    /// A `Gone` or an export of another buffer than the one asked, an export without its fd, or
+    /// a failure fails the fetch, naming the first; the answers after it still count for the
+    /// notice.
+    #[test]
+    fn an_answer_that_is_not_the_buffers_fails_the_fetch() {
+        let w = wants();
+        let cases: [(Answered, &str); 4] = [
+            (
+                (Reply::Gone { id: 3 }, None),
+                "answered Gone { id: 3 } for buffer 0x1",
+            ),
+            (
+                (
+                    Reply::Export {
+                        id: 1,
+                        generation: 5,
+                        offset: 0,
+                        size: 1,
+                    },
+                    None,
+                ),
+                "answered Export",
+            ),
+            (
+                (Reply::Failed { id: 1 }, None),
+                "could not export buffer 0x1",
+            ),
+            ((Reply::Done, None), "answered Done for buffer 0x1"),
+        ];
+        for (first, says) in cases {
+            let replies = vec![first, export(2, 8), (Reply::Gone { id: 3 }, None)];
+            let failed = answers(9, &w, replies, None, Duration::ZERO).unwrap_err();
+            assert!(failed.error.to_string().contains(says), "{}", failed.error);
+            assert_eq!(
+                failed.release,
+                vec![
+                    w[0],
+                    Buffer {
+                        generation: 8,
+                        ..w[1]
+                    },
+                    w[2]
+                ]
+            );
+        }
+    }
 }

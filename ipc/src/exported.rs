@@ -23,6 +23,20 @@
 //! says every importer of the current generation has released it or is gone
 //! ([`wait_released`]); its resume starts the next generation ([`resumed`]).
 //!
+//! **Tombstones.** When the memory of a [`Delivery::Collective`] export is freed (its layer's
+//! NCCL destroyed a communicator, say) while importers still hold imports of it, mapped or
+//! released by a pause, the ledger keeps a [`Tomb`] of its id and key with those importers. An
+//! open that names it is answered [`Reply::Gone`]: the importer drops that import and maps the
+//! owner's other buffers, where otherwise its whole request would be refused, as a request
+//! naming an id or key the owner never gave out still is (no right to name it). A tombstone
+//! lasts while one of its importers could still name it: each one leaves it when it closes its
+//! import ([`Share::Close`]: its own NCCL freed it) or exits, and the last one to leave takes it
+//! away. At most [`MAX_TOMBS`] are kept: beyond that the oldest goes (logged), and its
+//! importers' opens of it are refused as before (their resumes fail naming the owner until
+//! their NCCL frees the import). [`Delivery::Courier`] exports need none: couriers carry only
+//! the exports there are, so importers never open again what the owner freed, and a first open
+//! of a freed allocation is refused.
+//!
 //! At most [`MAX_COURIERS`] courier threads run in the process, only while some importer is
 //! behind. Each importer behind has an [`Errand`]: queued (for a free courier, in turn, not
 //! before its backoff) or carried (by one courier, until it converges or exits). A courier
@@ -149,6 +163,33 @@ impl Export {
     }
 }
 
+/// A freed [`Delivery::Collective`] export that importers may still name (module doc,
+/// "Tombstones"): opens of it are answered [`Reply::Gone`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Tomb {
+    key: u64,
+    /// The importers it had when it was freed that have not closed their import of it nor
+    /// exited: while there is one, the tombstone stays.
+    importers: BTreeSet<Identity>,
+    /// The ledger's count of tombstones laid when this one was: the smallest goes first when
+    /// there are more than [`MAX_TOMBS`].
+    laid: u64,
+}
+
+/// At most this many tombstones are kept ([`Tomb`]); one is a few dozen bytes.
+pub const MAX_TOMBS: usize = 4096;
+
+/// What an item ([`Buffer`]: id and key) names in the ledger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Named {
+    /// An export there is, with that key.
+    Export,
+    /// A freed export whose tombstone carries that key.
+    Tomb,
+    /// Nothing this process gave out (or nothing any more).
+    Nothing,
+}
+
 /// Where one importer stands with the couriers; an importer without one is idle (it holds what
 /// it should, as far as the last courier saw).
 ///
@@ -190,6 +231,11 @@ struct Ledger {
     couriers: usize,
     /// The last failure of each importer's courier, for the owner's report.
     failures: BTreeMap<Identity, String>,
+    /// Tombstones of freed collective exports, by the export's id (an id given again to a new
+    /// export, with a new key, may have one too).
+    tombs: HashMap<Id, Vec<Tomb>>,
+    /// Tombstones laid so far ([`Tomb::laid`]).
+    laid: u64,
 }
 
 impl Ledger {
@@ -235,6 +281,93 @@ impl Ledger {
         })
     }
 
+    /// What `b` names among the exports of `delivery` and their tombstones. Compares the key
+    /// with both (the time taken says nothing of which one matched, nor of the key's bits).
+    fn named(&self, delivery: Delivery, b: &Buffer) -> Named {
+        let export = self
+            .exports
+            .get(&(delivery, b.id))
+            .is_some_and(|e| same_key(e.key, b));
+        let tomb = self
+            .tombs
+            .get(&(delivery, b.id))
+            .is_some_and(|ts| ts.iter().fold(false, |found, t| found | same_key(t.key, b)));
+        match (export, tomb) {
+            (true, _) => Named::Export,
+            (false, true) => Named::Tomb,
+            (false, false) => Named::Nothing,
+        }
+    }
+
+    /// Export `id`'s memory was freed: the export is forgotten with any fd kept of it, and
+    /// buried ([`Ledger::bury`]). Whether there was one.
+    fn free(&mut self, id: Id) -> bool {
+        let Some(mut e) = self.exports.remove(&id) else {
+            return false;
+        };
+        drop_kept_fd(&mut e);
+        self.bury(id, &e);
+        true
+    }
+
+    /// Export `id`'s memory was freed and the export `e` forgotten: a collective export that
+    /// importers still hold leaves a tombstone of its key with them, the oldest tombstone
+    /// going first beyond [`MAX_TOMBS`].
+    fn bury(&mut self, id: Id, e: &Export) {
+        if id.0 != Delivery::Collective || e.importers.is_empty() {
+            return;
+        }
+        if self.tombs.values().map(Vec::len).sum::<usize>() >= MAX_TOMBS {
+            self.drop_oldest_tomb();
+        }
+        self.laid += 1;
+        self.tombs.entry(id).or_default().push(Tomb {
+            key: e.key,
+            importers: e.importers.keys().copied().collect(),
+            laid: self.laid,
+        });
+    }
+
+    /// Drops the oldest tombstone (more than [`MAX_TOMBS`]): its importers' opens of it are
+    /// refused from now on.
+    fn drop_oldest_tomb(&mut self) {
+        let oldest = self
+            .tombs
+            .iter()
+            .flat_map(|(id, ts)| ts.iter().enumerate().map(move |(i, t)| (t.laid, *id, i)))
+            .min();
+        let Some((_, id, i)) = oldest else { return };
+        let ts = self.tombs.get_mut(&id).expect("found above");
+        let t = ts.remove(i);
+        if ts.is_empty() {
+            self.tombs.remove(&id);
+        }
+        tracing::warn!(
+            id = id.1,
+            importers = t.importers.len(),
+            "memsaver: more than {MAX_TOMBS} freed exports are still held by importers; the \
+             oldest is forgotten, and their opens of it are refused"
+        );
+    }
+
+    /// `who` can no longer name the freed export `id` with `b`'s key (it closed its import):
+    /// it leaves that tombstone, which goes with its last importer.
+    fn leave(&mut self, who: &Identity, id: Id, b: &Buffer) {
+        let Some(ts) = self.tombs.get_mut(&id) else {
+            return;
+        };
+        let Some(i) = ts.iter().position(|t| same_key(t.key, b)) else {
+            return;
+        };
+        ts[i].importers.remove(who);
+        if ts[i].importers.is_empty() {
+            ts.remove(i);
+        }
+        if ts.is_empty() {
+            self.tombs.remove(&id);
+        }
+    }
+
     /// Moves the exports `ids` of `delivery` to `memory` (a resume: their next generation);
     /// returns their importers.
     fn mark(&mut self, delivery: Delivery, ids: &[u64], memory: Memory) -> BTreeSet<Identity> {
@@ -256,11 +389,16 @@ impl Ledger {
 
     /// The importers that map the current generation of a paused [`Delivery::Collective`]
     /// export, with those exports' ids (what a collective pause waits for), less the importers
-    /// that `running` says exited; second, every importer of a collective export that exited
-    /// (nobody else finds those: no courier reaches them).
+    /// that `running` says exited; second, every importer of a collective export or of a
+    /// tombstone that exited (nobody else finds those: no courier reaches them).
     fn holders(&self, running: impl Fn(&Identity) -> bool) -> (Holders, Vec<Identity>) {
         let mut holders = Holders::new();
-        let mut importers = BTreeSet::new();
+        let mut importers: BTreeSet<Identity> = self
+            .tombs
+            .values()
+            .flatten()
+            .flat_map(|t| t.importers.iter().copied())
+            .collect();
         for ((delivery, id), e) in &self.exports {
             if *delivery != Delivery::Collective {
                 continue;
@@ -302,13 +440,15 @@ impl Ledger {
 
     /// `from` closed its imports of `items`, which it no longer maps: of courier exports
     /// (closed handles, deregistrations) one import fewer each, of collective ones (its NCCL
-    /// freed them) it is no importer any more. An item whose id no export of either kind has
-    /// any more is skipped: the owner freed it first (as when both sides destroy a
-    /// communicator), so there is nothing to close. An item whose id is known but whose key
-    /// matches no export of that id (ids of the two kinds may be equal) refuses the whole
-    /// close: nothing changes and the answer is false.
+    /// freed them) it is no importer any more. An item that names a tombstone's key (the owner
+    /// freed it first, as when both sides destroy a communicator) takes `from` off the
+    /// tombstone: it can name it no more. An item whose id no export of either kind has any
+    /// more, and no tombstone with its key, is skipped: there is nothing to close. An item whose
+    /// id is known but whose key matches no export of that id nor a tombstone (ids of the two
+    /// kinds may be equal) refuses the whole close: nothing changes and the answer is false.
     fn closed(&mut self, from: &Identity, items: &[Buffer]) -> bool {
         let mut named = Vec::with_capacity(items.len());
+        let mut buried = Vec::new();
         for b in items {
             let mut known = false;
             let mut found = None;
@@ -323,11 +463,16 @@ impl Ledger {
             }
             match found {
                 Some(d) => named.push((d, b.id)),
+                None if self.named(Delivery::Collective, b) == Named::Tomb => buried.push(*b),
                 None if known => return false,
                 None => {
                     tracing::debug!(importer = from.pid, id = b.id, "a close of a freed buffer")
                 }
             }
+        }
+        for b in buried {
+            self.leave(from, (Delivery::Collective, b.id), &b);
+            tracing::debug!(importer = from.pid, id = b.id, "a close of a buried buffer");
         }
         for (delivery, id) in named {
             let e = self.exports.get_mut(&(delivery, id)).expect("found above");
@@ -342,11 +487,19 @@ impl Ledger {
         true
     }
 
-    /// Forgets `who` as an importer of everything: it exited, so its mappings went with it.
+    /// Forgets `who` as an importer of everything, tombstones included: it exited, so its
+    /// mappings went with it, and it names nothing any more.
     fn forget(&mut self, who: &Identity) {
         for e in self.exports.values_mut() {
             e.importers.remove(who);
         }
+        for ts in self.tombs.values_mut() {
+            for t in ts.iter_mut() {
+                t.importers.remove(who);
+            }
+            ts.retain(|t| !t.importers.is_empty());
+        }
+        self.tombs.retain(|_, ts| !ts.is_empty());
         self.failures.remove(who);
         self.errands.remove(who);
     }
@@ -510,11 +663,10 @@ pub fn add(delivery: Delivery, id: u64, tag: &str, size: u64) -> Result<(u64, u6
 
 /// The memory of export `id` of `delivery` is gone for good (freed): the export is forgotten
 /// with any fd kept of it, so its token or handle opens nothing any more; its importers keep
-/// what they map.
+/// what they map. A collective export that importers hold leaves a tombstone ([`Tomb`]):
+/// their next open of it is answered [`Reply::Gone`].
 pub fn forget(delivery: Delivery, id: u64) {
-    let removed = LEDGER.lock().exports.remove(&(delivery, id));
-    if let Some(mut e) = removed {
-        drop_kept_fd(&mut e);
+    if LEDGER.lock().free((delivery, id)) {
         SETTLED.notify_all();
     }
 }
@@ -616,22 +768,20 @@ pub trait Exports {
     fn backing(&self) -> Box<dyn Backing + '_>;
 }
 
-/// Whether every buffer of `items` is an export of `delivery`, with its key. Looks at every
-/// item (the time taken must not say where the first wrong one is).
+/// Whether every buffer of `items` is an export of `delivery` or a tombstone of one, with its
+/// key. Looks at every item (the time taken must not say where the first wrong one is).
 fn known(delivery: Delivery, items: &[Buffer]) -> bool {
     let l = LEDGER.lock();
-    items.iter().fold(true, |ok, b| {
-        ok & l
-            .exports
-            .get(&(delivery, b.id))
-            .is_some_and(|e| same_key(e.key, b))
-    })
+    items
+        .iter()
+        .fold(true, |ok, b| ok & (l.named(delivery, b) != Named::Nothing))
 }
 
 /// The owner's one serve path for opens: every item must name an export of `exports` with its
-/// key, or the whole request is refused (saying nothing of which item or which part was
-/// wrong); then one reply per item, in order, each as soon as it can be answered, until `wait`
-/// has passed (the rest are answered `NotReady`). A reply that cannot be delivered is undone.
+/// key, or the tombstone of one freed while importers held it, or the whole request is refused
+/// (saying nothing of which item or which part was wrong); then one reply per item, in order,
+/// each as soon as it can be answered (a freed one at once: [`Reply::Gone`]), until `wait` has
+/// passed (the rest are answered `NotReady`). A reply that cannot be delivered is undone.
 pub fn serve_opens(
     conn: &Connection,
     from: &Identity,
@@ -687,8 +837,8 @@ pub fn serve_opens(
 
 /// Answers `items` in order (under [`LEDGER`] and the layer's lock, held by `backing`), as many
 /// as can be answered now: each once its export is resident at least at the generation asked
-/// (or stays resident), an answer that must wait for the owner's resume ending the list;
-/// records `from` as an importer of each one given.
+/// (or stays resident), an answer that must wait for the owner's resume ending the list; one
+/// whose tombstone carries its key is gone; records `from` as an importer of each one given.
 fn answer(
     l: &mut Ledger,
     delivery: Delivery,
@@ -698,11 +848,21 @@ fn answer(
 ) -> Vec<Answer> {
     let mut out = Vec::with_capacity(items.len());
     for b in items {
-        let Some(e) = l.exports.get_mut(&(delivery, b.id)) else {
-            // Its memory was freed (and the export forgotten) since it was checked.
-            out.push((Reply::Failed { id: b.id }, None));
-            continue;
-        };
+        match l.named(delivery, b) {
+            Named::Export => {}
+            Named::Tomb => {
+                tracing::debug!(importer = from.pid, id = b.id, "answered a buried open");
+                out.push((Reply::Gone { id: b.id }, None));
+                continue;
+            }
+            Named::Nothing => {
+                // Its memory was freed (and the export forgotten) since it was checked, while
+                // nobody imported it: no tombstone.
+                out.push((Reply::Failed { id: b.id }, None));
+                continue;
+            }
+        }
+        let e = l.exports.get_mut(&(delivery, b.id)).expect("named above");
         let ready = e.memory == Memory::Resident && e.generation >= b.generation;
         if !(ready || backing.stays(b.id)) {
             break;
@@ -1542,6 +1702,233 @@ mod tests {
             courier_has,
             "the other kind's"
         );
+    }
+
+    /// Items `items` at `generation`.
+    fn at(items: &[Buffer], generation: u64) -> Vec<Buffer> {
+        items.iter().map(|b| Buffer { generation, ..*b }).collect()
+    }
+
+    #[test]
+    fn a_buffer_freed_while_importers_hold_it_is_answered_gone_and_the_others_served() {
+        let (mut l, items) = collective(&[1, 2]);
+        let mut layer = Layer::default();
+        answer(&mut l, C, &importer(5), &items, &mut layer);
+        l.mark(C, &[1, 2], Memory::Paused);
+        l.released(&importer(5), &items);
+        // The owner's NCCL frees buffer 1 while paused; its resume brings back buffer 2.
+        assert!(l.free((C, 1)));
+        l.mark(C, &[2], Memory::Resident);
+        let next = at(&items, 1);
+        assert_eq!(l.named(C, &next[0]), Named::Tomb);
+        let a = answer(&mut l, C, &importer(5), &next, &mut layer);
+        assert!(
+            matches!(
+                a.as_slice(),
+                [
+                    (Reply::Gone { id: 1 }, None),
+                    (
+                        Reply::Export {
+                            id: 2,
+                            generation: 1,
+                            ..
+                        },
+                        Some(_)
+                    ),
+                ]
+            ),
+            "{a:?}"
+        );
+        assert_eq!(has(&l, (C, 2), 5), Some(Has::Mapped(1)));
+        // No right to name it: a wrong key, an id never given out, a freed courier export.
+        let wrong_key = Buffer {
+            key: items[0].key ^ 1,
+            ..next[0]
+        };
+        assert_eq!(l.named(C, &wrong_key), Named::Nothing);
+        assert_eq!(l.named(C, &Buffer { id: 9, ..next[0] }), Named::Nothing);
+        let key = l.add((Delivery::Courier, 3), "t", 1).unwrap().key;
+        let courier = Buffer {
+            id: 3,
+            key,
+            generation: 0,
+        };
+        answer(
+            &mut l,
+            Delivery::Courier,
+            &importer(5),
+            &[courier],
+            &mut layer,
+        );
+        assert!(l.free((Delivery::Courier, 3)));
+        assert_eq!(l.named(Delivery::Courier, &courier), Named::Nothing);
+        // A buffer nobody imported leaves nothing behind either.
+        let key = l.add((C, 4), "t", 1).unwrap().key;
+        assert!(l.free((C, 4)));
+        assert_eq!(l.tombs.len(), 1, "only buffer 1's: {:?}", l.tombs.keys());
+        assert_eq!(
+            l.named(
+                C,
+                &Buffer {
+                    id: 4,
+                    key,
+                    generation: 0
+                }
+            ),
+            Named::Nothing
+        );
+    }
+
+    #[test]
+    fn a_tombstone_goes_when_its_last_importer_closed_its_import_or_exited() {
+        let (mut l, items) = collective(&[1]);
+        let mut layer = Layer::default();
+        for who in [5, 6, 7] {
+            answer(&mut l, C, &importer(who), &items, &mut layer);
+        }
+        assert!(l.free((C, 1)));
+        // 5's NCCL frees its import: a close at the generation it mapped last.
+        assert!(l.closed(&importer(5), &items));
+        assert_eq!(
+            l.tombs[&(C, 1)][0].importers,
+            BTreeSet::from([importer(6), importer(7)])
+        );
+        // A close naming the buried id with another key takes nobody off: no export has the id
+        // and no tombstone the key, so it is skipped.
+        let wrong_key = Buffer {
+            key: items[0].key ^ 1,
+            ..items[0]
+        };
+        assert!(l.closed(&importer(6), &[wrong_key]));
+        assert_eq!(l.tombs[&(C, 1)][0].importers.len(), 2);
+        // 6 exits: the next collective pause finds it and forgets it.
+        let (holders, exited) = l.holders(|who| who.pid != 6);
+        assert_eq!(
+            (holders, exited.clone()),
+            (Holders::new(), vec![importer(6)])
+        );
+        l.forget(&importer(6));
+        assert_eq!(l.named(C, &items[0]), Named::Tomb, "7 may still name it");
+        assert!(l.closed(&importer(7), &items));
+        assert!(l.tombs.is_empty(), "nobody can name it any more");
+        assert_eq!(l.named(C, &items[0]), Named::Nothing);
+    }
+
+    #[test]
+    fn an_id_given_again_names_the_new_export_with_its_key_and_the_tombstone_with_the_old() {
+        let (mut l, old) = collective(&[1]);
+        let mut layer = Layer::default();
+        answer(&mut l, C, &importer(5), &old, &mut layer);
+        assert!(l.free((C, 1)));
+        let key = l.add((C, 1), "t", 1 << 20).unwrap().key;
+        let new = Buffer {
+            id: 1,
+            key,
+            generation: 0,
+        };
+        assert_eq!(l.named(C, &old[0]), Named::Tomb);
+        assert_eq!(l.named(C, &new), Named::Export);
+        let a = answer(&mut l, C, &importer(6), &[old[0], new], &mut layer);
+        assert!(
+            matches!(
+                a.as_slice(),
+                [
+                    (Reply::Gone { id: 1 }, None),
+                    (Reply::Export { id: 1, .. }, Some(_))
+                ]
+            ),
+            "{a:?}"
+        );
+        // A close of the old import leaves the new export's importers be.
+        assert!(l.closed(&importer(5), &old));
+        assert!(l.tombs.is_empty());
+        assert_eq!(has(&l, (C, 1), 6), Some(Has::Mapped(0)));
+    }
+
+    #[test]
+    fn tombstones_are_capped_and_the_oldest_goes_first() {
+        let mut l = Ledger::default();
+        let mut layer = Layer::default();
+        let mut first = None;
+        for id in 0..=MAX_TOMBS as u64 {
+            let key = l.add((C, id), "t", 1).unwrap().key;
+            let b = Buffer {
+                id,
+                key,
+                generation: 0,
+            };
+            answer(&mut l, C, &importer(5), &[b], &mut layer);
+            assert!(l.free((C, id)));
+            first.get_or_insert(b);
+            assert_eq!(l.named(C, &b), Named::Tomb, "the latest is kept");
+        }
+        assert_eq!(l.tombs.values().map(Vec::len).sum::<usize>(), MAX_TOMBS);
+        assert_eq!(
+            l.named(C, &first.unwrap()),
+            Named::Nothing,
+            "the oldest went"
+        );
+    }
+
+    /// An importer whose fetch failed after the owner served a later generation than the one it
+    /// asked (the owner paused and resumed again while it stayed paused) names, in its notice,
+    /// the generation served: the owner records it released, and its next pause waits for
+    /// nobody. A notice naming the generation asked (as before) changes nothing there.
+    #[test]
+    fn a_failed_fetch_tells_the_owner_the_generation_it_served() {
+        let me = importer(5);
+        // Both pause (5 releases generation 0); the owner resumes and pauses alone, then
+        // resumes again, buffer 2 not restored yet. 5 asks for the generation after the one it
+        // mapped: buffer 1 is served at 2; buffer 2 is not there by the owner's wait. Returns
+        // the owner's ledger, what 5 asked, and the owner's replies.
+        let served_later = || {
+            let (mut l, items) = collective(&[1, 2]);
+            let mut layer = Layer::default();
+            answer(&mut l, C, &me, &items, &mut layer);
+            l.mark(C, &[1, 2], Memory::Paused);
+            l.released(&me, &items);
+            for memory in [Memory::Resident, Memory::Paused, Memory::Resident] {
+                l.mark(C, &[1, 2], memory);
+            }
+            layer.away.push(2);
+            let asks = at(&items, 1);
+            let mut replies = answer(&mut l, C, &me, &asks, &mut layer);
+            replies.push((Reply::NotReady { id: 2 }, None));
+            (l, asks, replies)
+        };
+        // Whom the owner's next pause waits for once 5's notice reached it.
+        let waited_for = |mut l: Ledger, notice: &[Buffer]| {
+            l.released(&me, notice);
+            l.mark(C, &[1, 2], Memory::Paused);
+            l.holders(|_| true).0
+        };
+        let (l, asks, replies) = served_later();
+        assert_eq!(has(&l, (C, 1), 5), Some(Has::Mapped(2)));
+        let failed = client::answers(me.pid, &asks, replies, None, Duration::from_secs(1))
+            .expect_err("buffer 2 was not served");
+        assert!(
+            failed
+                .error
+                .to_string()
+                .contains("did not restore buffer 0x2"),
+            "{}",
+            failed.error
+        );
+        assert_eq!(
+            failed.release,
+            vec![
+                Buffer {
+                    generation: 2,
+                    ..asks[0]
+                },
+                asks[1]
+            ]
+        );
+        assert_eq!(waited_for(l, &failed.release), Holders::new());
+        // The notice as it was sent before, of the generations asked: the owner still counts
+        // 5 as mapping buffer 1, and its pause would wait for 5 until its timeout.
+        let (l, asks, _) = served_later();
+        assert_eq!(waited_for(l, &asks), Holders::from([(me, vec![1])]));
     }
 
     #[test]

@@ -16,7 +16,7 @@
 //!
 //! | kind | message | fields | answer |
 //! | --- | --- | --- | --- |
-//! | 0x01 | [`Request::Import`] | from, to (identities), group, buffers (id, key, generation) | one [`Reply::Export`] (fd attached), `NotReady` or `Failed` per buffer, in order; or `Refused` (not admitted, or a buffer that the owner does not have with that key) |
+//! | 0x01 | [`Request::Import`] | from, to (identities), group, buffers (id, key, generation) | one [`Reply::Export`] (fd attached), `NotReady`, `Failed` or `Gone` per buffer, in order; or `Refused` (not admitted, or a buffer that the owner neither has nor freed with that key) |
 //! | 0x02 | [`Request::Released`] | from, to, group, buffers | [`Reply::Done`], or `Refused` |
 //! | 0x03 | [`Control::Pause`] | from, to, group, tags | `Done`, `Error` or `Refused` |
 //! | 0x04 | [`Control::Resume`] | from, to, group, tags | `Done`, `Error` or `Refused` |
@@ -29,6 +29,7 @@
 //! | 0x81 | [`Reply::Export`] | id, generation, offset, size (of the memory the fd is); the fd by `SCM_RIGHTS` | |
 //! | 0x83 | [`Reply::NotReady`] | id: not restored within the owner's wait | |
 //! | 0x84 | [`Reply::Failed`] | id: the owner's export failed | |
+//! | 0x8a | [`Reply::Gone`] | id: the owner freed the buffer, which the importer still held | |
 //! | 0x85 | [`Reply::Done`] | | |
 //! | 0x86 | [`Reply::Refused`] | reason (UTF-8, at most [`MAX_TEXT`] bytes) | |
 //! | 0x87 | [`Reply::Json`] | `u32` length, UTF-8 JSON | |
@@ -46,7 +47,9 @@
 //! first exported the buffer, carried by its token and nowhere else: a process that was not
 //! given the token cannot name the buffer, see [`crate::token`]), and a generation (the owner
 //! counts the times it re-created the memory). A buffer that the owner does not have with that
-//! key makes the owner refuse the whole request, saying nothing of which part was wrong.
+//! key makes the owner refuse the whole request, saying nothing of which part was wrong; one it
+//! had with that key and freed while importers held it is answered `Gone` (the owner keeps a
+//! tombstone of it for as long as they may name it: [`crate::exported`]).
 
 pub use crate::identity::Identity;
 
@@ -162,6 +165,12 @@ pub enum Reply {
     Failed {
         id: u64,
     },
+    /// The owner freed buffer `id` (its NCCL did, say) while the importer held it: there is
+    /// nothing to map any more, and the importer lets go of its import. Distinct from a
+    /// refusal, which says the asker has no right to the id and key it named.
+    Gone {
+        id: u64,
+    },
     Done,
     Refused {
         reason: String,
@@ -219,6 +228,7 @@ const RELEASED: u8 = 0x02;
 const R_EXPORT: u8 = 0x81;
 const R_NOT_READY: u8 = 0x83;
 const R_FAILED: u8 = 0x84;
+const R_GONE: u8 = 0x8a;
 const R_DONE: u8 = 0x85;
 const R_REFUSED: u8 = 0x86;
 const PAUSE: u8 = 0x03;
@@ -547,10 +557,11 @@ impl Reply {
                     out.extend_from_slice(&v.to_le_bytes());
                 }
             }
-            Self::NotReady { id } | Self::Failed { id } => {
+            Self::NotReady { id } | Self::Failed { id } | Self::Gone { id } => {
                 out.push(match self {
                     Self::NotReady { .. } => R_NOT_READY,
-                    _ => R_FAILED,
+                    Self::Failed { .. } => R_FAILED,
+                    _ => R_GONE,
                 });
                 out.extend_from_slice(&id.to_le_bytes());
             }
@@ -601,6 +612,7 @@ impl Reply {
             },
             R_NOT_READY => Self::NotReady { id: c.u64()? },
             R_FAILED => Self::Failed { id: c.u64()? },
+            R_GONE => Self::Gone { id: c.u64()? },
             R_DONE => Self::Done,
             R_SHARED => Self::Shared {
                 id: c.u64()?,
@@ -744,6 +756,7 @@ mod tests {
             ),
             any::<u64>().prop_map(|id| Reply::NotReady { id }),
             any::<u64>().prop_map(|id| Reply::Failed { id }),
+            any::<u64>().prop_map(|id| Reply::Gone { id }),
             Just(Reply::Done),
             (
                 any::<u64>(),
@@ -862,6 +875,21 @@ mod tests {
         assert!(
             matches!(Reply::decode(&long.encode()), Ok(Reply::Refused { reason }) if reason.len() <= MAX_TEXT)
         );
+    }
+
+    /// `Gone` is its kind byte and the id, little-endian: a byte fewer or more does not decode,
+    /// and it is not mistaken for `Failed` (an importer drops an import on the one, and
+    /// reports the other).
+    #[test]
+    fn a_gone_reply_is_its_kind_and_an_id() {
+        let b = Reply::Gone { id: 0x0102 }.encode();
+        assert_eq!(b, [R_GONE, 2, 1, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(Reply::decode(&b), Ok(Reply::Gone { id: 0x0102 }));
+        assert_eq!(Reply::decode(&b[..8]), Err(DecodeError::Truncated));
+        let mut longer = b.clone();
+        longer.push(0);
+        assert_eq!(Reply::decode(&longer), Err(DecodeError::TrailingBytes(1)));
+        assert_ne!(Reply::Failed { id: 0x0102 }.encode(), b);
     }
 
     /// A message of exactly `MAX_FRAME` bytes decodes; one byte more is refused as too long

@@ -37,14 +37,15 @@ pub(crate) fn timeout() -> Duration {
 /// The option that sets [`timeout`], named in progress lines.
 pub(crate) const TIMEOUT_SETTING: &str = "MEMSAVER_NCCL_TIMEOUT_MS";
 
-/// The real fds of buffers `wants` of `owner` (each at least the generation given), with the
-/// generation each one is and where it lies in the memory served.
+/// Buffers `wants` of `owner` (each at least the generation given): the real fd of each, with
+/// the generation it is and where it lies in the memory served, or word that the owner freed
+/// it; on a failure, what to tell the owner.
 pub(crate) fn request_fds(
     group: i64,
     owner: u32,
     wants: &[Buffer],
-) -> Result<Vec<client::Served>, String> {
-    Ok(client::request_fds(group, owner, wants, timeout())?)
+) -> Result<Vec<client::Answer>, client::FetchFailed> {
+    client::request_fds(group, owner, wants, timeout())
 }
 
 /// Tells `owner` that this process released its imports `items`.
@@ -250,7 +251,15 @@ pub(crate) struct Fetched {
     pub(crate) served: (u64, u64),
 }
 
-pub(crate) type FetchResult = std::result::Result<Vec<Fetched>, String>;
+/// What one owner answered a resume's fetch: the imports it served, and those whose buffer it
+/// freed while this process held them released (it answered `Gone`).
+#[derive(Default)]
+pub(crate) struct Fetch {
+    pub(crate) served: Vec<Fetched>,
+    pub(crate) gone: Vec<Wanted>,
+}
+
+pub(crate) type FetchResult = std::result::Result<Fetch, String>;
 
 /// The paused imports, per owner: the generation after the one each mapped.
 pub(crate) fn imports_to_fetch() -> BTreeMap<u32, Vec<Wanted>> {
@@ -268,8 +277,9 @@ pub(crate) fn imports_to_fetch() -> BTreeMap<u32, Vec<Wanted>> {
 
 /// Resume step 2 (threads): asks each owner for the new generation of its buffers. An owner
 /// registers this process as an importer of what it serves, so what is not mapped in the end
-/// is reported released: on a failure here (the owner may have served part of it) and when
-/// the answer comes after the deadline.
+/// is reported released: on a failure here (the owner may have served part of it, at a later
+/// generation than the one asked: the notice names the generation served, the one the owner
+/// records) and when the answer comes after the deadline.
 pub(crate) fn fetch_imports(
     group: i64,
     fetch: BTreeMap<u32, Vec<Wanted>>,
@@ -283,30 +293,36 @@ pub(crate) fn fetch_imports(
         move |owner, wants: Vec<Wanted>| {
             let asks: Vec<Buffer> = wants.iter().map(|w| w.owner).collect();
             match request_fds(group, owner, &asks) {
-                Ok(fds) => Ok(wants
-                    .into_iter()
-                    .zip(fds)
-                    .map(|(w, s)| Fetched {
-                        vh: w.vh,
-                        owner: Buffer {
-                            generation: s.generation,
-                            ..w.owner
-                        },
-                        fd: s.fd,
-                        served: (s.offset, s.size),
-                    })
-                    .collect()),
-                Err(e) => {
-                    if alive(owner) {
-                        let _ = notify_released(group, owner, &asks);
+                Ok(answers) => {
+                    let mut fetch = Fetch::default();
+                    for (w, a) in wants.into_iter().zip(answers) {
+                        match a {
+                            client::Answer::Served(s) => fetch.served.push(Fetched {
+                                vh: w.vh,
+                                owner: Buffer {
+                                    generation: s.generation,
+                                    ..w.owner
+                                },
+                                fd: s.fd,
+                                served: (s.offset, s.size),
+                            }),
+                            client::Answer::Gone => fetch.gone.push(w),
+                        }
                     }
-                    Err(e)
+                    Ok(fetch)
+                }
+                Err(failed) => {
+                    if alive(owner) {
+                        let _ = notify_released(group, owner, &failed.release);
+                    }
+                    Err(failed.error.to_string())
                 }
             }
         },
+        // What was freed there is dropped by a later resume, which the owner answers the same.
         move |owner, late: FetchResult| {
-            if let Ok(fetched) = late {
-                let items: Vec<Buffer> = fetched.iter().map(|f| f.owner).collect();
+            if let Ok(fetch) = late {
+                let items: Vec<Buffer> = fetch.served.iter().map(|f| f.owner).collect();
                 let _ = notify_released(group, owner, &items);
             }
         },
@@ -318,6 +334,8 @@ pub(crate) fn fetch_imports(
 pub(crate) struct Imported {
     /// Imports mapped.
     pub(crate) mapped: usize,
+    /// Imports whose owner freed the buffer, dropped (`Orphaned`: NCCL frees them later).
+    pub(crate) orphaned: usize,
     /// Owners whose imports stay paused, what this process imported of them, and why.
     pub(crate) faults: BTreeMap<u32, (Holding, Fault)>,
     /// The first import that was served but could not be mapped.
@@ -327,7 +345,8 @@ pub(crate) struct Imported {
 /// Resume step 3: maps the new generations served by each owner where the imports were.
 /// The imports of an owner that did not serve them stay paused (a later resume fetches
 /// them again); a served import that cannot be mapped is reported released to its owner,
-/// so that the owner's next pause does not wait for it.
+/// so that the owner's next pause does not wait for it. An import whose buffer the owner
+/// freed is orphaned: no resume fetches it again, and NCCL's free of it later tells the owner.
 pub(crate) fn map_imports(
     a: &'static Allocator,
     group: i64,
@@ -341,7 +360,29 @@ pub(crate) fn map_imports(
     let ranges = reg.ranges_by_handle();
     for (owner, outcome) in fetched {
         let served = match outcome {
-            Outcome::Done(Ok(served)) => served,
+            Outcome::Done(Ok(Fetch { served, gone })) => {
+                for w in gone {
+                    // NCCL may have freed it meanwhile (its close told the owner).
+                    let Some(p) = reg.physicals.get_mut(&w.vh) else {
+                        continue;
+                    };
+                    if p.released_generation().is_none() {
+                        continue;
+                    }
+                    match p.orphaned() {
+                        Ok(()) => out.orphaned += 1,
+                        Err(e) => {
+                            out.map_error.get_or_insert(e.into());
+                        }
+                    }
+                    tracing::debug!(
+                        owner,
+                        id = w.owner.id,
+                        "the owner freed a buffer this process imported: the import is dropped"
+                    );
+                }
+                served
+            }
             Outcome::Done(Err(e)) | Outcome::NotStarted(e) => {
                 let fault = if alive(owner) {
                     Fault::Failed(e)

@@ -28,6 +28,8 @@
 //! process imported of it, and a later resume maps them (or finds them freed by NCCL). What an
 //! owner served but this process did not map (the driver failed, or the answer came after the
 //! deadline) is reported released, so an owner never waits for an import that does not exist.
+//! An import whose buffer its owner freed meanwhile (the owner answers `Gone`) is dropped, the
+//! others of that owner mapped as usual; NCCL frees the dropped one in its own time.
 //! An owner serves a buffer only once its contents are restored. No lock is held while waiting
 //! for a peer, so processes resuming (or pausing) together cannot deadlock.
 
@@ -157,6 +159,7 @@ impl ExternalTag for NcclTag {
             fetch_wait_ms = fetched_ms - restored_ms,
             map_imports_ms = start.elapsed().as_secs_f64() * 1e3 - fetched_ms,
             allocations = n,
+            orphaned_imports = imported.orphaned,
             bytes,
             "nccl resume"
         );

@@ -131,6 +131,8 @@ impl Keep {
 ///             │                    ▲                  │
 ///             └─keep─► Kept        └──── unclaim ─────┘ (out of memory, a failed map)
 /// import:  Mapped(g) ──release──► Released(g) ──remapped(g')──► Mapped(g')
+///                                       │
+///                                       └──orphaned──► Orphaned(g) (the owner freed it)
 /// ```
 ///
 /// A pause holds the registry lock for its whole local step, so no handle is ever seen half
@@ -152,6 +154,10 @@ pub(crate) enum State {
     Mapped(Real, u64),
     /// A peer's buffer released by a pause: the owner's generation it mapped last.
     Released(u64),
+    /// A released import whose owner freed the buffer meanwhile (it answered a resume's fetch
+    /// `Gone`): nothing to map ever again, nothing held; NCCL frees the import in its own time.
+    /// The owner's generation it mapped last.
+    Orphaned(u64),
 }
 
 /// A transition that the handle's state does not allow (a bug of memsaver's, reported
@@ -300,7 +306,7 @@ impl Physical {
     pub fn real(&self) -> Option<Real> {
         match self.state {
             State::Resident(r) | State::Kept(r, _) | State::Mapped(r, _) => Some(r),
-            State::Paused | State::Resuming | State::Released(_) => None,
+            State::Paused | State::Resuming | State::Released(_) | State::Orphaned(_) => None,
         }
     }
 
@@ -398,6 +404,27 @@ impl Physical {
                 Ok(())
             }
             _ => Err(self.bad("remapped")),
+        }
+    }
+
+    /// The owner freed the buffer of a released import: `Released(g)` → `Orphaned(g)`. Resumes
+    /// fetch it no more.
+    pub fn orphaned(&mut self) -> Result<(), BadTransition> {
+        match self.state {
+            State::Released(g) => {
+                self.state = State::Orphaned(g);
+                Ok(())
+            }
+            _ => Err(self.bad("orphaned")),
+        }
+    }
+
+    /// The owner's generation an import maps, released last, or mapped last before its owner
+    /// freed it: what names the import at its owner when NCCL frees it.
+    pub fn imported_generation(&self) -> Option<u64> {
+        match self.state {
+            State::Mapped(_, g) | State::Released(g) | State::Orphaned(g) => Some(g),
+            _ => None,
         }
     }
 
@@ -1167,6 +1194,22 @@ mod tests {
     }
 
     #[test]
+    fn a_released_import_whose_owner_freed_it_is_orphaned_and_fetched_no_more() {
+        let mut p = import();
+        p.release().unwrap();
+        assert_eq!(p.orphaned(), Ok(()));
+        assert_eq!(p.state(), State::Orphaned(3));
+        assert_eq!(p.real(), None, "it holds no memory");
+        assert_eq!(p.released_generation(), None, "a resume does not fetch it");
+        assert_eq!(
+            p.imported_generation(),
+            Some(3),
+            "its close names the generation it mapped last"
+        );
+        assert!(p.remapped(1, 4).is_err(), "nothing maps it again");
+    }
+
+    #[test]
     fn keep_turns_resident_into_kept_and_keeps_the_first_reason() {
         let mut p = own();
         assert_eq!(p.keep(Keep::Pinned("given to a NIC")), Ok(()));
@@ -1180,13 +1223,14 @@ mod tests {
     #[test]
     fn every_transition_the_state_does_not_allow_is_refused_and_changes_nothing() {
         type Transition = fn(&mut Physical) -> Result<(), BadTransition>;
-        let transitions: [(&str, Transition); 6] = [
+        let transitions: [(&str, Transition); 7] = [
             ("keep", |p| p.keep(Keep::ExportedRaw)),
             ("release", |p| p.release().map(|_| ())),
             ("claim", Physical::claim),
             ("unclaim", Physical::unclaim),
             ("resumed", |p| p.resumed(1)),
             ("remapped", |p| p.remapped(1, 1)),
+            ("orphaned", Physical::orphaned),
         ];
         let states = [
             State::Resident(7),
@@ -1195,6 +1239,7 @@ mod tests {
             State::Resuming,
             State::Mapped(7, 1),
             State::Released(1),
+            State::Orphaned(1),
         ];
         // The allowed (state, transition) pairs; everything else must be refused.
         let allowed = [
@@ -1206,6 +1251,7 @@ mod tests {
             (State::Resuming, "unclaim"),
             (State::Resuming, "resumed"),
             (State::Released(1), "remapped"),
+            (State::Released(1), "orphaned"),
         ];
         for from in states {
             for (name, t) in transitions {

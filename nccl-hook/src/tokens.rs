@@ -208,9 +208,11 @@ pub(crate) fn registered(
 /// (in the background: NCCL's free path does not wait for the owner), so that the owner's
 /// next pause does not wait for a release this process will never send. Sent for a member of
 /// an imported run too: the run's other members, still recorded, keep the owner waiting for
-/// the run's mapping. Nothing for any other physical object.
+/// the run's mapping, and for an import whose owner freed the buffer first (orphaned): the
+/// owner keeps a tombstone of the buffer while an importer may name it, and this close takes
+/// this process off it. Nothing for any other physical object.
 pub(crate) fn import_gone(p: &Physical) {
-    let generation = p.mapped_generation().or(p.released_generation());
+    let generation = p.imported_generation();
     if let Some(Registration::Imported {
         owner,
         group,

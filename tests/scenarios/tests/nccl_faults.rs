@@ -585,3 +585,73 @@ fn a_buffer_freed_inside_a_shared_run_goes_back_to_the_device_at_the_next_cycle(
     job.ok(&[0, 1], "resume");
     job.check_all();
 }
+
+/// The owner's NCCL frees one of its two exported buffers while paused (a communicator
+/// destroyed while paused); the importer still holds a released import of it and of the other
+/// one. Its resume maps the buffer that still exists (before: the owner refused the whole
+/// request, naming a buffer it does not have, and the importer's resume failed for both) and
+/// drops its import of the freed one, which later cycles leave alone; when the importer's NCCL
+/// frees that import, the free succeeds and nothing of it is left.
+#[test]
+fn an_owner_freeing_one_buffer_while_paused_does_not_refuse_the_others() {
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 42, false);
+    job.all_ok("alloc 4");
+    job.ok(&[0], "shared 1 4");
+    job.all_ok("exchange");
+    job.ok(&[0, 1], "pause");
+    // Rank 0 frees its own (first) buffer; its extra shared one stays.
+    job.ok(&[0], "ofree");
+    let a = job.on(&[0, 1], "resume");
+    assert_eq!(
+        a,
+        ["ok", "ok"],
+        "rank 1 could not map rank 0's buffer that still exists"
+    );
+    // Rank 0's shared buffer and rank 1's own are back.
+    assert_eq!(job.used(), 8 * MIB);
+    assert_eq!(nccl_stats(&mut job, 1)["imported_handles"], 2);
+    // Later cycles: nobody waits for the dropped import, nobody asks for it again.
+    for cycle in 0..2 {
+        job.ok(&[0, 1], "pause");
+        assert_eq!(job.used(), 0, "cycle {cycle}");
+        job.ok(&[0, 1], "resume");
+        assert_eq!(job.used(), 8 * MIB, "cycle {cycle}");
+    }
+    // Rank 1's NCCL frees its imports, the dropped one with the other: nothing is left.
+    job.ok(&[1], "unimport");
+    assert_eq!(nccl_stats(&mut job, 1)["imported_handles"], 0);
+    job.ok(&[0, 1], "pause");
+    job.ok(&[0, 1], "resume");
+    assert_eq!(job.used(), 8 * MIB);
+}
+
+/// The other way round: the owner frees its extra buffer while paused and keeps its first.
+/// The importer's resume maps that one, whose contents it reads as they were, and drops its
+/// import of the freed one; through later cycles it still reads them, and when its NCCL frees
+/// the dropped import that succeeds and nothing of it is left.
+#[test]
+fn an_importer_reads_what_the_owner_kept_after_it_freed_another_buffer_while_paused() {
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 44, false);
+    job.all_ok("alloc 4");
+    job.ok(&[0], "shared 1 4");
+    job.all_ok("exchange");
+    job.write_all(0);
+    job.ok(&[0, 1], "pause");
+    job.ok(&[0], "sfree 0");
+    assert_eq!(job.on(&[0, 1], "resume"), ["ok", "ok"]);
+    assert_eq!(job.used(), 8 * MIB);
+    job.check_all();
+    job.ok(&[0, 1], "pause");
+    job.ok(&[0, 1], "resume");
+    job.check_all();
+    // The import of rank 0's freed buffer is one of rank 1's extra imports.
+    assert_eq!(nccl_stats(&mut job, 1)["imported_handles"], 2);
+    job.ok(&[1], "unimport-extra");
+    assert_eq!(nccl_stats(&mut job, 1)["imported_handles"], 1);
+    job.ok(&[0, 1], "pause");
+    assert_eq!(job.used(), 0);
+    job.ok(&[0, 1], "resume");
+    job.check_all();
+}
