@@ -3,8 +3,8 @@
 # (every collective on three communicators, and a CUDA graph of NCCL all_reduces replayed after
 # each resume):
 #   1. backup-cpu: CYCLES cycles (default 50) with the default backup (every byte);
-#   2. the headers backup (MEMSAVER_NCCL_BACKUP=headers: staging buffers come back as fresh
-#      memory, so every protocol and transport must cope with that), CYCLES cycles each:
+#   2. the headers backup (MEMSAVER_NCCL_BACKUP=headers: staging buffers come back zeroed,
+#      as NCCL allocated them, so every protocol and transport must cope with that), CYCLES cycles each:
 #      headers-LL, headers-LL128, headers-Simple (each protocol forced in turn), headers (NCCL's
 #      own choice), headers-shm (shared host memory: NCCL_P2P_DISABLE=1) and headers-net (the
 #      network transport over sockets, as between nodes, with its proxy thread:
