@@ -415,16 +415,6 @@ fn an_importer_that_freed_its_import_is_not_waited_for() {
     assert_eq!(importers.as_u64(), Some(0), "importers of rank 0's buffer");
 }
 
-/// `nccl_stats()` of rank `r`.
-fn nccl_stats(job: &mut Job, r: usize) -> serde_json::Value {
-    let a = job.one(r, "stats");
-    serde_json::from_str(
-        a.strip_prefix("ok ")
-            .unwrap_or_else(|| panic!("stats: {a}")),
-    )
-    .unwrap()
-}
-
 /// Rank 0's exported buffer and a private one resume as one run, which rank 1 maps whole
 /// through its import of the exported one. Rank 0's NCCL then frees the exported buffer while
 /// the private one lives (one communicator destroyed, say): rank 1 still maps the run, that is
@@ -445,17 +435,17 @@ fn an_owner_that_freed_a_buffer_of_a_run_waits_for_the_importers_of_the_run() {
     ok_or_slow(&mut job, "resume");
     job.check_all();
     assert_eq!(
-        nccl_stats(&mut job, 0)["runs"],
+        job.nccl_stats(0)["runs"],
         1,
         "rank 0's two buffers in one run"
     );
     assert_eq!(
-        nccl_stats(&mut job, 1)["runs"],
+        job.nccl_stats(1)["runs"],
         1,
         "rank 1 maps rank 0's run whole"
     );
     job.ok(&[0], "ofree");
-    let s = nccl_stats(&mut job, 0);
+    let s = job.nccl_stats(0);
     assert_eq!(
         (s["runs"].as_u64(), s["freed_held_bytes"].as_u64()),
         (Some(1), Some(2 * MIB)),
@@ -494,7 +484,7 @@ fn an_owner_that_freed_a_buffer_of_a_run_waits_for_the_importers_of_the_run() {
     job.ok(&[1], "unimport");
     ok_or_slow(&mut job, "resume");
     assert_eq!(job.used(), 4 * MIB, "rank 0's private buffer and rank 1's");
-    let s = nccl_stats(&mut job, 0);
+    let s = job.nccl_stats(0);
     assert_eq!(
         (
             s["runs"].as_u64(),
@@ -524,7 +514,7 @@ fn a_buffer_freed_inside_a_shared_run_goes_back_to_the_device_at_the_next_cycle(
     job.ok(&[0, 1], "pause");
     job.ok(&[0, 1], "resume");
     job.check_all();
-    assert_eq!(nccl_stats(&mut job, 0)["runs"], 1);
+    assert_eq!(job.nccl_stats(0)["runs"], 1);
     let used = job.used();
     assert_eq!(
         used,
@@ -532,7 +522,7 @@ fn a_buffer_freed_inside_a_shared_run_goes_back_to_the_device_at_the_next_cycle(
         "rank 0's run of two buffers and rank 1's buffer"
     );
     job.ok(&[0], "sfree 0");
-    let s = nccl_stats(&mut job, 0);
+    let s = job.nccl_stats(0);
     assert_eq!(
         (
             s["runs"].as_u64(),
@@ -558,7 +548,7 @@ fn a_buffer_freed_inside_a_shared_run_goes_back_to_the_device_at_the_next_cycle(
         "the freed buffer's bytes are back on the device"
     );
     job.check_all();
-    let s = nccl_stats(&mut job, 0);
+    let s = job.nccl_stats(0);
     assert_eq!(
         (
             s["runs"].as_u64(),
@@ -610,7 +600,7 @@ fn an_owner_freeing_one_buffer_while_paused_does_not_refuse_the_others() {
     );
     // Rank 0's shared buffer and rank 1's own are back.
     assert_eq!(job.used(), 8 * MIB);
-    assert_eq!(nccl_stats(&mut job, 1)["imported_handles"], 2);
+    assert_eq!(job.nccl_stats(1)["imported_handles"], 2);
     // Later cycles: nobody waits for the dropped import, nobody asks for it again.
     for cycle in 0..2 {
         job.ok(&[0, 1], "pause");
@@ -620,7 +610,7 @@ fn an_owner_freeing_one_buffer_while_paused_does_not_refuse_the_others() {
     }
     // Rank 1's NCCL frees its imports, the dropped one with the other: nothing is left.
     job.ok(&[1], "unimport");
-    assert_eq!(nccl_stats(&mut job, 1)["imported_handles"], 0);
+    assert_eq!(job.nccl_stats(1)["imported_handles"], 0);
     job.ok(&[0, 1], "pause");
     job.ok(&[0, 1], "resume");
     assert_eq!(job.used(), 8 * MIB);
@@ -647,9 +637,9 @@ fn an_importer_reads_what_the_owner_kept_after_it_freed_another_buffer_while_pau
     job.ok(&[0, 1], "resume");
     job.check_all();
     // The import of rank 0's freed buffer is one of rank 1's extra imports.
-    assert_eq!(nccl_stats(&mut job, 1)["imported_handles"], 2);
+    assert_eq!(job.nccl_stats(1)["imported_handles"], 2);
     job.ok(&[1], "unimport-extra");
-    assert_eq!(nccl_stats(&mut job, 1)["imported_handles"], 1);
+    assert_eq!(job.nccl_stats(1)["imported_handles"], 1);
     job.ok(&[0, 1], "pause");
     assert_eq!(job.used(), 0);
     job.ok(&[0, 1], "resume");

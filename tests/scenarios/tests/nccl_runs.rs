@@ -27,17 +27,7 @@ fn calls(job: &mut Job) -> BTreeMap<String, u64> {
 
 /// `nccl_stats()` of rank 0.
 fn stats(job: &mut Job) -> serde_json::Value {
-    stats_of(job, 0)
-}
-
-/// `nccl_stats()` of rank `r`.
-fn stats_of(job: &mut Job, r: usize) -> serde_json::Value {
-    let a = job.one(r, "stats");
-    serde_json::from_str(
-        a.strip_prefix("ok ")
-            .unwrap_or_else(|| panic!("stats: {a}")),
-    )
-    .unwrap()
+    job.nccl_stats(0)
 }
 
 /// A job of one rank with `n` private buffers of 2 MiB written with seed 5, through one
@@ -223,7 +213,7 @@ fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_ba
     job.all_ok("pcheck 3");
     assert_eq!(job.used(), allocated);
     for r in 0..2 {
-        let s = stats_of(&mut job, r);
+        let s = job.nccl_stats(r);
         assert_eq!(s["runs"], 2, "rank {r}: {s}");
         assert_eq!(
             (s["imported_handles"].as_u64(), s["owned_handles"].as_u64()),
@@ -248,7 +238,7 @@ fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_ba
     );
     assert_eq!(job.used(), before, "nothing held");
     for r in 0..2 {
-        let s = stats_of(&mut job, r);
+        let s = job.nccl_stats(r);
         assert_eq!(
             (s["runs"].as_u64(), s["mappings"].as_u64()),
             (Some(0), Some(0)),
@@ -319,7 +309,7 @@ fn an_import_placed_elsewhere_maps_its_owners_run_with_the_addresses_around_it()
     job.check_all_seeded(1);
     job.all_ok("pcheck 3");
     assert_eq!(job.used(), used);
-    let s = stats_of(&mut job, 1);
+    let s = job.nccl_stats(1);
     assert_eq!(s["runs"], 3, "its own, and rank 0's run mapped twice: {s}");
     for _ in 0..2 {
         job.all_ok("pause");

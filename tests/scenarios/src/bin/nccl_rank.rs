@@ -235,18 +235,7 @@ impl Rank {
             // `check PEER SEED [BYTES [FROM]]`: the import of PEER's buffer holds SEED's
             // pattern (in BYTES bytes from byte FROM).
             Some("check") => {
-                let a = self
-                    .peers
-                    .get(num(1)? as usize)
-                    .copied()
-                    .flatten()
-                    .ok_or("no such import")?;
-                let from = num(4).map_or(0, |n| (n as usize).min(a.size));
-                let len = num(3).map_or(a.size, |n| (a.size - from).min(n as usize));
-                // SAFETY: the import is mapped read-write at its address (fake driver).
-                let b = unsafe {
-                    std::slice::from_raw_parts((a.ptr as usize + from) as *const u8, len)
-                };
+                let (b, from) = self.peer_bytes(num(1)?, num(3).ok(), num(4).ok())?;
                 let seed = num(2)?;
                 if b.iter()
                     .enumerate()
@@ -258,18 +247,7 @@ impl Rank {
                 }
             }
             Some("zeros") => {
-                let a = self
-                    .peers
-                    .get(num(1)? as usize)
-                    .copied()
-                    .flatten()
-                    .ok_or("no such import")?;
-                let from = num(3).map_or(0, |n| (n as usize).min(a.size));
-                let len = num(2).map_or(a.size - from, |n| (a.size - from).min(n as usize));
-                // SAFETY: the import is mapped read-write at its address (fake driver).
-                let b = unsafe {
-                    std::slice::from_raw_parts((a.ptr as usize + from) as *const u8, len)
-                };
+                let (b, from) = self.peer_bytes(num(1)?, num(2).ok(), num(3).ok())?;
                 match b.iter().position(|x| *x != 0) {
                     None => Ok(String::new()),
                     Some(i) => Err(format!("mismatch at byte {}: {:#x}", from + i, b[i])),
@@ -491,6 +469,28 @@ impl Rank {
     fn private_buffer(&self, i: u64) -> Result<FakeNcclAlloc, String> {
         let found = self.private.get(i as usize).copied().flatten();
         found.ok_or_else(|| "no such private buffer".into())
+    }
+
+    /// `bytes` of this rank's import of `peer`'s buffer from byte `from` (all of it from 0 by
+    /// default), and `from`.
+    fn peer_bytes(
+        &self,
+        peer: u64,
+        bytes: Option<u64>,
+        from: Option<u64>,
+    ) -> Result<(&[u8], usize), String> {
+        let a = self
+            .peers
+            .get(peer as usize)
+            .copied()
+            .flatten()
+            .ok_or("no such import")?;
+        let from = from.map_or(0, |n| (n as usize).min(a.size));
+        let len = bytes.map_or(a.size - from, |n| (a.size - from).min(n as usize));
+        // SAFETY: the import is mapped read-write at its address (fake driver) while this
+        // rank holds it, which outlives the borrow of `self`.
+        let b = unsafe { std::slice::from_raw_parts((a.ptr as usize + from) as *const u8, len) };
+        Ok((b, from))
     }
 
     /// The imports of peers' buffers, taken out of this rank's records.

@@ -408,6 +408,16 @@ impl Job {
         }
     }
 
+    /// `nccl_stats()` of rank `r` (the `stats` command of `nccl-rank`).
+    pub fn nccl_stats(&mut self, r: usize) -> serde_json::Value {
+        let a = self.one(r, "stats");
+        serde_json::from_str(
+            a.strip_prefix("ok ")
+                .unwrap_or_else(|| panic!("stats: {a}")),
+        )
+        .unwrap()
+    }
+
     /// Sends `cmd` to rank `r` and returns its answer.
     pub fn one(&mut self, r: usize, cmd: &str) -> String {
         self.on(&[r], cmd).remove(0)
