@@ -156,28 +156,16 @@ fn exchange_read(
     let until = Instant::now() + wait + IO_TIMEOUT;
     let mut pause = Duration::from_millis(1);
     loop {
-        match exchange_once(group, owner, request, n, wait) {
+        let mut out = Vec::with_capacity(n);
+        match read_replies(group, owner, request, n, wait, &mut out) {
             // Busy is only ever the first answer: nothing was read.
-            (_, Some(Error::Busy { .. })) if Instant::now() + pause < until => {
+            Err(Error::Busy { .. }) if Instant::now() + pause < until => {
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(100));
             }
-            done => return done,
+            done => return (out, done.err()),
         }
     }
-}
-
-/// One try of [`exchange_read`].
-fn exchange_once(
-    group: i64,
-    owner: &Identity,
-    request: &Request,
-    n: usize,
-    wait: Duration,
-) -> (Vec<Answered>, Option<Error>) {
-    let mut out = Vec::with_capacity(n);
-    let failure = read_replies(group, owner, request, n, wait, &mut out).err();
-    (out, failure)
 }
 
 /// Sends `request` and reads up to `n` replies into `out`, up to the first failure.

@@ -450,24 +450,18 @@ impl Ledger {
         let mut named = Vec::with_capacity(items.len());
         let mut buried = Vec::new();
         for b in items {
-            let mut known = false;
-            let mut found = None;
-            for d in [Delivery::Courier, Delivery::Collective] {
-                if let Some(e) = self.exports.get(&(d, b.id)) {
-                    known = true;
-                    if same_key(e.key, b) {
-                        found = Some(d);
-                        break;
-                    }
-                }
-            }
-            match found {
-                Some(d) => named.push((d, b.id)),
-                None if self.named(Delivery::Collective, b) == Named::Tomb => buried.push(*b),
-                None if known => return false,
-                None => {
-                    tracing::debug!(importer = from.pid, id = b.id, "a close of a freed buffer")
-                }
+            let kinds = [Delivery::Courier, Delivery::Collective];
+            if let Some(d) = kinds
+                .into_iter()
+                .find(|d| self.named(*d, b) == Named::Export)
+            {
+                named.push((d, b.id));
+            } else if self.named(Delivery::Collective, b) == Named::Tomb {
+                buried.push(*b);
+            } else if kinds.iter().any(|d| self.exports.contains_key(&(*d, b.id))) {
+                return false;
+            } else {
+                tracing::debug!(importer = from.pid, id = b.id, "a close of a freed buffer");
             }
         }
         for b in buried {
@@ -1458,6 +1452,18 @@ mod tests {
     const C: Delivery = Delivery::Collective;
 
     /// A ledger with collective exports `ids` (1 MiB each), and each one's item at generation 0.
+    /// A courier export `id` of `l`, opened by importer `who`: the item naming it.
+    fn opened_courier(l: &mut Ledger, id: u64, who: u32, layer: &mut Layer) -> Buffer {
+        let key = l.add((Delivery::Courier, id), "t", 1).unwrap().key;
+        let courier = Buffer {
+            id,
+            key,
+            generation: 0,
+        };
+        answer(l, Delivery::Courier, &importer(who), &[courier], layer);
+        courier
+    }
+
     fn collective(ids: &[u64]) -> (Ledger, Vec<Buffer>) {
         let mut l = Ledger::default();
         let items = ids
@@ -1602,19 +1608,7 @@ mod tests {
             answer(&mut l, C, &importer(who), &items, &mut layer);
         }
         // A courier export paused with an importer mapping it: the couriers' business.
-        let key = l.add((Delivery::Courier, 1), "t", 1).unwrap().key;
-        let courier = Buffer {
-            id: 1,
-            key,
-            generation: 0,
-        };
-        answer(
-            &mut l,
-            Delivery::Courier,
-            &importer(9),
-            &[courier],
-            &mut layer,
-        );
+        opened_courier(&mut l, 1, 9, &mut layer);
         l.mark(Delivery::Courier, &[1], Memory::Paused);
         // Nothing paused yet: nobody holds anything a pause waits for.
         assert_eq!(l.holders(|_| true), (Holders::new(), vec![]));
@@ -1747,19 +1741,7 @@ mod tests {
         };
         assert_eq!(l.named(C, &wrong_key), Named::Nothing);
         assert_eq!(l.named(C, &Buffer { id: 9, ..next[0] }), Named::Nothing);
-        let key = l.add((Delivery::Courier, 3), "t", 1).unwrap().key;
-        let courier = Buffer {
-            id: 3,
-            key,
-            generation: 0,
-        };
-        answer(
-            &mut l,
-            Delivery::Courier,
-            &importer(5),
-            &[courier],
-            &mut layer,
-        );
+        let courier = opened_courier(&mut l, 3, 5, &mut layer);
         assert!(l.free((Delivery::Courier, 3)));
         assert_eq!(l.named(Delivery::Courier, &courier), Named::Nothing);
         // A buffer nobody imported leaves nothing behind either.
