@@ -1271,13 +1271,47 @@ fn report(l: &Ledger, ids: &[u64], behind: &[Identity], memory: Memory, group: i
     )
 }
 
+/// This process's own second mappings of its shared allocations, made by a layer above
+/// (nccl-hook: NCCL retains the handle of a buffer it registers as a window and maps it again
+/// in its own address space). They hold the memory as an importer's would: the owner releases
+/// them before its memory goes and maps them again once the memory is back, with its
+/// importers, and a failure is reported as theirs is.
+pub trait Aliases: Sync {
+    /// Unmaps and releases this process's other holds on the memory of allocations `ids`
+    /// (their addresses stay reserved), once no queued work uses them.
+    fn release(&self, ids: &[u64]) -> Result<(), String>;
+    /// Maps the new memory of allocations `ids` where those holds were.
+    fn rebuild(&self, ids: &[u64]) -> Result<(), String>;
+}
+
+/// The registered [`Aliases`] (linked in by the layers above).
+#[linkme::distributed_slice]
+pub static ALIASES: [&'static dyn Aliases];
+
+/// `step` on every registered [`Aliases`], then `peers`: the first error of either, joined.
+fn with_aliases(
+    step: impl Fn(&dyn Aliases) -> Result<(), String>,
+    peers: impl FnOnce() -> Result<(), String>,
+) -> Result<(), String> {
+    let mut errors: Vec<String> = ALIASES.iter().filter_map(|a| step(*a).err()).collect();
+    errors.extend(peers().err());
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("; "))
+    }
+}
+
 impl memsaver_allocator::Sharing for Owner {
     fn before_release(&self, ids: &[u64]) -> Result<(), String> {
-        self.transition(ids, Memory::Paused)
+        with_aliases(|a| a.release(ids), || self.transition(ids, Memory::Paused))
     }
 
     fn after_resume(&self, ids: &[u64]) -> Result<(), String> {
-        self.transition(ids, Memory::Resident)
+        with_aliases(
+            |a| a.rebuild(ids),
+            || self.transition(ids, Memory::Resident),
+        )
     }
 
     fn freed(&self, id: u64) {

@@ -18,7 +18,9 @@ use crate::identity::Identity;
 use crate::protocol::{Buffer, Request, Share};
 use crate::server::{self, Connection, Handler, Route, Service};
 
-pub use crate::exported::{ExportStats, Owner, TIMEOUT_SETTING, exports, handle_of, timeout};
+pub use crate::exported::{
+    ALIASES, Aliases, ExportStats, Owner, TIMEOUT_SETTING, exports, handle_of, timeout,
+};
 pub use crate::handle::{HANDLE_BYTES, IpcHandle};
 pub use crate::imported::{
     HOLDERS, Holder, ImportStats, Opened, close, close_imports, close_later, fetch, imports, open,

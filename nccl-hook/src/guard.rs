@@ -64,7 +64,7 @@ fn refuse_buffer(name: &str, (ptr, tag): (usize, std::sync::Arc<str>)) -> c_int 
 
 /// libnccl's definition of `name`: the next one after this library, else in an already loaded
 /// libnccl (loaded into a local scope, where RTLD_NEXT does not look).
-fn resolve(slot: &AtomicUsize, name: &CStr) -> Option<usize> {
+pub(crate) fn resolve(slot: &AtomicUsize, name: &CStr) -> Option<usize> {
     let cached = slot.load(Ordering::Acquire);
     if cached != 0 {
         return Some(cached);

@@ -81,10 +81,11 @@ extern "C" fn decide(
         let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
         if name.starts_with(b"nccl") {
             // Looked up in libnccl's handle by pynccl-style code. AMem's API: ours, unless the
-            // library really has it (a patched NCCL). Collectives: our guarded ones, when they
-            // forward to the very function found.
+            // library really has it (a patched NCCL). Collectives and `ncclMemAlloc`/`Free`:
+            // ours, when they forward to the very function found.
             let ours = crate::amem::lookup(name);
-            if ours.is_none() && !crate::guard::is_guarded(name) {
+            let forwards = crate::guard::is_guarded(name) || crate::appmem::is_interposed(name);
+            if ours.is_none() && !forwards {
                 return std::ptr::null_mut(); // NCCL's own lookups (plugins ...): forwarded
             }
             // SAFETY: an explicit handle or pseudo-handle other than RTLD_NEXT; NUL-terminated.
@@ -93,7 +94,9 @@ extern "C" fn decide(
                 Some(ours) if real.is_null() => ours,
                 Some(_) => std::ptr::null_mut(),
                 None if real.is_null() => std::ptr::null_mut(),
-                None => crate::guard::lookup(name, real).unwrap_or(std::ptr::null_mut()),
+                None => crate::guard::lookup(name, real)
+                    .or_else(|| crate::appmem::lookup(name, real))
+                    .unwrap_or(std::ptr::null_mut()),
             };
         }
         let entry = crate::procaddr::is_entry_name(name);

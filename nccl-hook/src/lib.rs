@@ -23,6 +23,9 @@
 //!    imports together with the peer processes.
 //!    `registered`: peers' memsaver memory that NCCL registered and mapped here, released and
 //!    rebuilt when its owner pauses and resumes its tag (`memsaver_ipc::shared`).
+//!    `appmem`: `ncclMemAlloc`/`ncclMemFree`, interposed: the application's memory takes the
+//!    thread's tag (from memsaver's allocator, through [`APP_ALLOCATORS`]) or, untagged, is
+//!    made by libnccl unrecorded: it is never NCCL's scratch.
 //! 7. `guard`: NCCL's collectives and send/recv, interposed, return `ncclInvalidUsage` while the
 //!    tag is paused.
 //! 8. `graphs`: CUDA graph executables and explicit stack limits, seen through wrappers handed
@@ -36,7 +39,8 @@
 //! * the NCCL memory model: `provider` (the tag's pause and resume), `exports` (the memory
 //!   behind the owner's answers to peers, routed to it by `memsaver_ipc`'s server), `peer` (requests to owners),
 //!   `registered` (registered imports, reached through `memsaver_ipc::shared::HOLDERS`);
-//! * interposition: `interpose` -> `amem`, `procaddr` -> `vmm` -> `tokens`, `graphs`, `guard`:
+//! * interposition: `interpose` -> `amem`, `appmem` -> `guard`, `procaddr` -> `vmm` -> `tokens`,
+//!   `appmem`, `graphs`:
 //!   it records what NCCL does and never calls up into what a pause does;
 //! * the base: `registry` (the records of NCCL's handles and mappings, which both sides share)
 //!   and `dl` (the loader's real `dlsym`).
@@ -45,6 +49,7 @@
 //! (the core, and the process start-up: `memsaver_allocator::global`).
 
 pub mod amem;
+mod appmem;
 mod dl;
 mod exports;
 mod graphs;
@@ -60,8 +65,9 @@ mod registry;
 mod tokens;
 mod vmm;
 
+pub use appmem::{APP_ALLOCATORS, AppAllocator};
 pub use provider::NcclTag;
-pub use registry::NcclStats;
+pub use registry::{AppMemoryStats, NcclStats};
 
 use std::sync::Arc;
 
@@ -117,5 +123,6 @@ pub fn stats() -> NcclStats {
     s.stack_kept_reason = (!reasons.is_empty()).then(|| reasons.join("; "));
     s.fallback_exports = tokens::fallback_exports();
     s.fallback_reason = tokens::fallback_reason();
+    s.application = appmem::stats();
     s
 }

@@ -12,6 +12,14 @@
 //! resumes, [`Holder::rebuild`] maps the new memory at the same addresses, with the access NCCL
 //! granted. This process's own `nccl` tag leaves these imports alone.
 //!
+//! On the owner's side, NCCL may hold the memory of a registered allocation itself: a window
+//! (`ncclCommWindowRegister`) retains the allocation's handle for its life and maps it again in
+//! NCCL's own address space. Those holds ([`Registration::Retained`]) are this process's own
+//! aliases of the memory ([`Aliases`]): the tag's pause releases the retained handle and
+//! unmaps NCCL's mappings of it before the memory goes (else the memory stays allocated, and
+//! after the resume NCCL would read the old memory there), and its resume maps the new memory
+//! at the same addresses.
+//!
 //! An allocation first exported while it was part of a run (one physical allocation behind
 //! several allocations, made by a resume) is exported as the run, which NCCL maps whole; every
 //! later generation is the allocation's own memory, mapped at the allocation's place inside
@@ -22,16 +30,119 @@ use memsaver_allocator::steps::{Op, Place, Steps};
 use memsaver_allocator::{Allocator, Device};
 use memsaver_ipc::identity::Identity;
 use memsaver_ipc::protocol::Buffer;
-use memsaver_ipc::shared::{self, HOLDERS, Holder, ImportStats};
+use memsaver_ipc::shared::{self, ALIASES, Aliases, HOLDERS, Holder, ImportStats};
 
 use crate::local::device_of;
-use crate::registry::{self, Kind, Range, Registration, Registry};
+use crate::registry::{self, Kind, Range, Registration, Registry, State};
 
 /// The imports of peers' memsaver memory that NCCL registered.
 struct Registered;
 
 #[linkme::distributed_slice(HOLDERS)]
 static HOLDER: &'static dyn Holder = &Registered;
+
+/// NCCL's holds on this process's own registered allocations (the owner's side).
+struct Retained;
+
+#[linkme::distributed_slice(ALIASES)]
+static ALIAS: &'static dyn Aliases = &Retained;
+
+/// NCCL's retained handles of allocations `ids` (virtual handle, allocation), those released by
+/// the tag's pause (`paused`) or those holding memory now.
+fn retained(reg: &Registry, ids: &[u64], paused: bool) -> Vec<(u64, u64)> {
+    let mut vhs: Vec<(u64, u64)> = reg
+        .physicals
+        .iter()
+        .filter_map(|(vh, p)| match p.registration {
+            Some(Registration::Retained { id, .. })
+                if ids.contains(&id) && (p.state() == State::TagPaused) == paused =>
+            {
+                Some((*vh, id))
+            }
+            _ => None,
+        })
+        .collect();
+    vhs.sort_unstable();
+    vhs
+}
+
+impl Aliases for Retained {
+    fn release(&self, ids: &[u64]) -> Result<(), String> {
+        let a = memsaver_allocator::global().map_err(|e| e.to_string())?;
+        let mut reg = registry::lock();
+        let steps = a.steps(Op::Pause);
+        let mut synced = Vec::new();
+        let mut first_error = None;
+        for (vh, _) in retained(&reg, ids, false) {
+            let ranges = reg.ranges_by_handle();
+            let rs = ranges.get(&vh).map_or(&[][..], Vec::as_slice);
+            let r = device(a, &reg, &ranges, vh).and_then(|dev| {
+                if !synced.contains(&dev.ordinal) {
+                    // No kernel of this process may still use the memory through NCCL's mapping.
+                    steps.synchronize(&dev).map_err(|e| e.to_string())?;
+                    synced.push(dev.ordinal);
+                }
+                // SAFETY: NCCL's own mappings of the allocation, mapped now; the device is idle.
+                unsafe { steps.unmap(&dev, &places(rs, None)) }.map_err(|e| e.to_string())
+            });
+            if let Err(e) = r {
+                first_error
+                    .get_or_insert(format!("NCCL's own mapping of a registered buffer: {e}"));
+                continue;
+            }
+            let p = reg.physicals.get_mut(&vh).expect("listed under this lock");
+            match p.tag_paused() {
+                Ok(real) => steps.release(Handle(real), rs.first().map_or(0, |r| r.0)),
+                Err(e) => {
+                    first_error.get_or_insert(e.to_string());
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    fn rebuild(&self, ids: &[u64]) -> Result<(), String> {
+        let a = memsaver_allocator::global().map_err(|e| e.to_string())?;
+        let d = a.driver();
+        let mut reg = registry::lock();
+        let steps = a.steps(Op::Resume);
+        let mut first_error = None;
+        for (vh, id) in retained(&reg, ids, true) {
+            let ranges = reg.ranges_by_handle();
+            let rs = ranges.get(&vh).map_or(&[][..], Vec::as_slice);
+            // A handle of the allocation's new memory, NCCL's to hold as it held the old one.
+            let r = device(a, &reg, &ranges, vh).and_then(|dev| {
+                let mem = a
+                    .export_shared(id)
+                    .map_err(|e| e.to_string())?
+                    .ok_or("the allocation is not resident")?;
+                let raw = std::os::fd::AsRawFd::as_raw_fd(&mem.fd);
+                let h = d
+                    .with_context(dev.ctx, || d.import_fd(raw))
+                    .map_err(|e| e.to_string())?;
+                steps.map_handle(&dev, h, &places(rs, None)).map_err(|e| {
+                    let _ = d.release(h);
+                    e.to_string()
+                })?;
+                Ok(h)
+            });
+            match r {
+                Ok(h) => {
+                    let p = reg.physicals.get_mut(&vh).expect("listed under this lock");
+                    if let Err(e) = p.tag_resumed(h.0) {
+                        first_error.get_or_insert(e.to_string());
+                    }
+                }
+                Err(e) => {
+                    first_error.get_or_insert(format!(
+                        "NCCL's own mapping of a registered buffer could not be mapped again: {e}"
+                    ));
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}
 
 /// The registered imports of allocation `b` of `owner`.
 fn matching(reg: &Registry, owner: &Identity, b: &Buffer) -> Vec<u64> {

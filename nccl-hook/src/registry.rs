@@ -68,8 +68,11 @@ pub(crate) enum Kind {
 /// of a handle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Registration {
-    /// Owner side ([`Kind::Tagged`]): NCCL retained the handle of the allocation at `at`.
-    Retained { at: u64 },
+    /// Owner side ([`Kind::Tagged`]): NCCL retained the handle of the allocation at `at`,
+    /// allocation `id` of the allocator (marked shared: NCCL may export it, and the handle
+    /// and NCCL's own mappings of it are released and rebuilt around the tag's pause and
+    /// resume, `crate::registered`).
+    Retained { at: u64, id: u64 },
     /// Importer side ([`Kind::Registered`]): allocation `id` of `owner` (its key from the
     /// token), at `offset` in the memory NCCL mapped first. `window` is where the current
     /// generation is mapped, relative to each of NCCL's mappings of it, when that is not the
@@ -127,6 +130,7 @@ impl Keep {
 /// (docs/architecture.md draws them):
 ///
 /// ```text
+/// tagged:  Kept(Tagged) ──tag_paused──► TagPaused ──tag_resumed──► Kept(Tagged)
 /// own:     Resident ──release──► Paused ──claim──► Resuming ──resumed──► Resident
 ///             │                    ▲                  │
 ///             └─keep─► Kept        └──── unclaim ─────┘ (out of memory, a failed map)
@@ -154,6 +158,10 @@ pub(crate) enum State {
     Mapped(Real, u64),
     /// A peer's buffer released by a pause: the owner's generation it mapped last.
     Released(u64),
+    /// Memory of a memsaver tag that NCCL retained ([`Kind::Tagged`]), while its tag is paused:
+    /// the driver's handle NCCL held and NCCL's own mappings of it are released (their
+    /// addresses stay reserved and recorded); the tag's resume maps the new memory there.
+    TagPaused,
     /// A released import whose owner freed the buffer meanwhile (it answered a resume's fetch
     /// `Gone`): nothing to map ever again, nothing held; NCCL frees the import in its own time.
     /// The owner's generation it mapped last.
@@ -265,9 +273,9 @@ impl Physical {
     }
 
     /// The handle of memsaver memory at `at` that NCCL retained (`Kept`: its tag pauses it).
-    pub fn retained(real: Real, size: u64, prop: CUmemAllocationProp, at: u64) -> Self {
+    pub fn retained(real: Real, size: u64, prop: CUmemAllocationProp, at: u64, id: u64) -> Self {
         let mut p = Self::created(real, size, prop, Kind::Tagged);
-        p.registration = Some(Registration::Retained { at });
+        p.registration = Some(Registration::Retained { at, id });
         p
     }
 
@@ -306,7 +314,11 @@ impl Physical {
     pub fn real(&self) -> Option<Real> {
         match self.state {
             State::Resident(r) | State::Kept(r, _) | State::Mapped(r, _) => Some(r),
-            State::Paused | State::Resuming | State::Released(_) | State::Orphaned(_) => None,
+            State::Paused
+            | State::Resuming
+            | State::Released(_)
+            | State::Orphaned(_)
+            | State::TagPaused => None,
         }
     }
 
@@ -358,6 +370,30 @@ impl Physical {
                 Ok(r)
             }
             _ => Err(self.bad("release")),
+        }
+    }
+
+    /// Its tag's pause released the memory NCCL retained: `Kept(_, Tagged)` → `TagPaused`.
+    /// Returns the driver's handle, for the caller to release once its mappings are gone.
+    pub fn tag_paused(&mut self) -> Result<Real, BadTransition> {
+        match self.state {
+            State::Kept(r, Keep::Tagged) => {
+                self.state = State::TagPaused;
+                Ok(r)
+            }
+            _ => Err(self.bad("tag_paused")),
+        }
+    }
+
+    /// Its tag's resume mapped the new memory `real` where NCCL's mappings were: `TagPaused`
+    /// → `Kept(real, Tagged)`.
+    pub fn tag_resumed(&mut self, real: Real) -> Result<(), BadTransition> {
+        match self.state {
+            State::TagPaused => {
+                self.state = State::Kept(real, Keep::Tagged);
+                Ok(())
+            }
+            _ => Err(self.bad("tag_resumed")),
         }
     }
 
@@ -910,6 +946,19 @@ pub struct NcclStats {
     /// and the peers' imports of them stay resident on pause), and why (`None`: none did).
     pub fallback_exports: u64,
     pub fallback_reason: Option<String>,
+    /// Memory the application took from `ncclMemAlloc`: not NCCL's, not in the figures above.
+    pub application: AppMemoryStats,
+}
+
+/// What `nccl_stats()["application"]` reports: memory the application took from `ncclMemAlloc`.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct AppMemoryStats {
+    pub allocations: u64,
+    pub bytes: u64,
+    /// Bytes of each tag (memsaver's memory, paused and resumed with that tag).
+    pub tagged_bytes: BTreeMap<String, u64>,
+    /// Bytes libnccl allocated outside any region: resident, never paused.
+    pub untagged_bytes: u64,
 }
 
 /// The figures of the handles and mappings recorded here (the caller adds what it knows
@@ -1223,7 +1272,7 @@ mod tests {
     #[test]
     fn every_transition_the_state_does_not_allow_is_refused_and_changes_nothing() {
         type Transition = fn(&mut Physical) -> Result<(), BadTransition>;
-        let transitions: [(&str, Transition); 7] = [
+        let transitions: [(&str, Transition); 9] = [
             ("keep", |p| p.keep(Keep::ExportedRaw)),
             ("release", |p| p.release().map(|_| ())),
             ("claim", Physical::claim),
@@ -1231,6 +1280,8 @@ mod tests {
             ("resumed", |p| p.resumed(1)),
             ("remapped", |p| p.remapped(1, 1)),
             ("orphaned", Physical::orphaned),
+            ("tag_paused", |p| p.tag_paused().map(|_| ())),
+            ("tag_resumed", |p| p.tag_resumed(1)),
         ];
         let states = [
             State::Resident(7),
@@ -1240,6 +1291,8 @@ mod tests {
             State::Mapped(7, 1),
             State::Released(1),
             State::Orphaned(1),
+            State::Kept(7, Keep::Tagged),
+            State::TagPaused,
         ];
         // The allowed (state, transition) pairs; everything else must be refused.
         let allowed = [
@@ -1252,6 +1305,9 @@ mod tests {
             (State::Resuming, "resumed"),
             (State::Released(1), "remapped"),
             (State::Released(1), "orphaned"),
+            (State::Kept(7, Keep::Tagged), "keep"),
+            (State::Kept(7, Keep::Tagged), "tag_paused"),
+            (State::TagPaused, "tag_resumed"),
         ];
         for from in states {
             for (name, t) in transitions {

@@ -246,7 +246,14 @@ unsafe extern "C" fn mem_create(
     };
     // SAFETY: forwarding the caller's arguments.
     let r = unsafe { f(handle, size, prop, flags) };
-    if r != CUDA_SUCCESS || handle.is_null() || prop.is_null() {
+    // The application's own memory from libnccl's `ncclMemAlloc` (no tag applies): not NCCL's,
+    // never paused; the driver's handle stays unrecorded, so every later call on it is
+    // forwarded as for any memory that is not NCCL's.
+    if r != CUDA_SUCCESS
+        || handle.is_null()
+        || prop.is_null()
+        || crate::appmem::in_application_alloc()
+    {
         return r;
     }
     quietly(|| {
@@ -343,9 +350,11 @@ fn retained_tagged(h: CUmemGenericAllocationHandle, addr: u64) -> Option<u64> {
     let a = memsaver_allocator::global_if_started()?;
     let (asked_base, asked) = RANGE_ASKED.get();
     let at = if asked_base == addr { asked } else { addr };
-    let (base, _, _) = a.allocation_at(at)?;
+    // Shared from now on: its resumes give it memory of its own, whole, as NCCL retained it,
+    // and its pauses and resumes release and rebuild what NCCL holds of it.
+    let s = a.share(at).ok()?;
     let prop = a.driver().properties(Handle(h)).ok().unwrap_or_default();
-    Some(registry::lock().insert(Physical::retained(h, 0, prop, base)))
+    Some(registry::lock().insert(Physical::retained(h, 0, prop, s.base, s.id)))
 }
 
 unsafe extern "C" fn mem_map(
@@ -554,7 +563,7 @@ unsafe extern "C" fn mem_export(
     if p.run.is_some() {
         return in_run("cuMemExportToShareableHandle");
     }
-    if let Some(Registration::Retained { at }) = p.registration {
+    if let Some(Registration::Retained { at, .. }) = p.registration {
         drop(reg);
         return answered(|| export_tagged(shareable, h, at, handle_type, flags, f));
     }

@@ -9,6 +9,9 @@
 //!   `memsaver_torch_malloc` / `memsaver_torch_free` and used through one `MemPool` per
 //!   (tag, policy, device), entered only inside regions.
 //!
+//! * **NCCL's allocator** (`ncclMemAlloc`/`ncclMemFree`, interposed by nccl-hook): the same
+//!   choice as `cudaMalloc` in preload mode, through `memsaver_nccl_hook::APP_ALLOCATORS`.
+//!
 //! The hooks are thin: read the thread's region, then call the allocator or forward. Errors
 //! are reported through the return value torch expects and `memsaver_last_error`.
 
@@ -99,6 +102,14 @@ fn owned_free(ptr: *mut c_void) -> Option<Result<(), Error>> {
         r => Some(r),
     }
 }
+
+/// `ncclMemAlloc`/`ncclMemFree` (interposed by nccl-hook) allocate the application's memory
+/// here when the thread's region or the whole-process tag applies, as `cudaMalloc` does.
+#[linkme::distributed_slice(memsaver_nccl_hook::APP_ALLOCATORS)]
+static NCCL_MEM_ALLOC: memsaver_nccl_hook::AppAllocator = memsaver_nccl_hook::AppAllocator {
+    alloc: |size| region_alloc(size, None),
+    free: |ptr| owned_free(ptr as *mut c_void),
+};
 
 /// `cudaMalloc`, interposed. Inside a region the memory comes from memsaver.
 ///

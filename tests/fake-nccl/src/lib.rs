@@ -454,3 +454,308 @@ static ALL_REDUCE_CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::Atomi
 pub extern "C" fn fake_nccl_all_reduce_calls() -> u32 {
     ALL_REDUCE_CALLS.load(std::sync::atomic::Ordering::Relaxed)
 }
+
+/// The driver library named by [`fake_nccl_set_cuda_lib`].
+static CUDA_LIB: std::sync::Mutex<Option<std::ffi::CString>> = std::sync::Mutex::new(None);
+
+/// Names the driver library that NCCL's own entry points below open (the real NCCL opens
+/// `libcuda.so.1`; the tests name the fake driver's path).
+///
+/// # Safety
+/// `cuda_lib` is NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_nccl_set_cuda_lib(cuda_lib: *const c_char) {
+    // SAFETY: per this function's contract.
+    let path = unsafe { CStr::from_ptr(cuda_lib) }.to_owned();
+    *CUDA_LIB.lock().unwrap_or_else(|e| e.into_inner()) = Some(path);
+}
+
+/// The driver library NCCL's own entry points open: the one named by
+/// [`fake_nccl_set_cuda_lib`], else `libcuda.so.1`.
+fn cuda_lib() -> std::ffi::CString {
+    let named = CUDA_LIB.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    named.unwrap_or_else(|| c"libcuda.so.1".to_owned())
+}
+
+/// `ncclResult_t` values of NCCL's own entry points below.
+const NCCL_SUCCESS: c_int = 0;
+const NCCL_UNHANDLED_CUDA_ERROR: c_int = 1;
+const NCCL_INVALID_ARGUMENT: c_int = 4;
+
+fn nccl_status(r: Result<(), c_int>) -> c_int {
+    match r {
+        Ok(()) => NCCL_SUCCESS,
+        Err(_) => NCCL_UNHANDLED_CUDA_ERROR,
+    }
+}
+
+/// NCCL's `ncclMemAlloc` (`src/allocator.cc`, cuMem on): memory of the current device, rounded
+/// up to the recommended granularity, exportable as a POSIX fd, in a reservation of its own,
+/// mapped and made accessible to the device. Reached through the driver as NCCL reaches it,
+/// so memsaver's wrappers see these calls as NCCL's.
+///
+/// # Safety
+/// `ptr` is a valid out-pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> c_int {
+    if ptr.is_null() || size == 0 {
+        return NCCL_INVALID_ARGUMENT;
+    }
+    let lib = cuda_lib();
+    // SAFETY: NUL-terminated path; each `get` names the CUDA signature of its function; every
+    // pointer passed to the driver points to a live local.
+    let r = unsafe {
+        (|| -> Result<u64, c_int> {
+            let d = open(lib.as_ptr())?;
+            let get_device: fns::cuCtxGetDevice = d.get(c"cuCtxGetDevice")?;
+            let granularity: fns::cuMemGetAllocationGranularity =
+                d.get(c"cuMemGetAllocationGranularity")?;
+            let create: fns::cuMemCreate = d.get(c"cuMemCreate")?;
+            let reserve: fns::cuMemAddressReserve = d.get(c"cuMemAddressReserve")?;
+            let map: fns::cuMemMap = d.get(c"cuMemMap")?;
+            let access: fns::cuMemSetAccess = d.get(c"cuMemSetAccess")?;
+            let release: fns::cuMemRelease = d.get(c"cuMemRelease")?;
+            let free: fns::cuMemAddressFree = d.get(c"cuMemAddressFree")?;
+            let mut dev = 0;
+            ok(get_device(&mut dev))?;
+            let location = CUmemLocation {
+                type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                id: dev,
+            };
+            let prop = CUmemAllocationProp {
+                type_: CU_MEM_ALLOCATION_TYPE_PINNED,
+                requestedHandleTypes: CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                location,
+                ..Default::default()
+            };
+            let mut gran = 0;
+            ok(granularity(
+                &mut gran,
+                &prop,
+                CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            ))?;
+            let size = size.div_ceil(gran.max(1)) * gran.max(1);
+            let mut handle = 0;
+            ok(create(&mut handle, size, &prop, 0))?;
+            let mut at = 0;
+            if let Err(e) = ok(reserve(&mut at, size, gran, 0, 0)) {
+                release(handle);
+                return Err(e);
+            }
+            if let Err(e) = ok(map(at, size, 0, handle, 0)) {
+                release(handle);
+                free(at, size);
+                return Err(e);
+            }
+            let desc = CUmemAccessDesc {
+                location,
+                flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            ok(access(at, size, &desc, 1))?;
+            Ok(at)
+        })()
+    };
+    match r {
+        Ok(at) => {
+            // SAFETY: valid out-pointer per this function's contract.
+            unsafe { *ptr = at as *mut c_void };
+            NCCL_SUCCESS
+        }
+        Err(_) => NCCL_UNHANDLED_CUDA_ERROR,
+    }
+}
+
+/// NCCL's `ncclMemFree` (as `ncclCuMemFree`): retain the handle at the address and release it,
+/// ask the range's size, unmap, release the allocation's own reference, free the range.
+///
+/// # Safety
+/// `ptr` came from `ncclMemAlloc` and is freed once.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> c_int {
+    if ptr.is_null() {
+        return NCCL_SUCCESS;
+    }
+    let lib = cuda_lib();
+    // SAFETY: as in `ncclMemAlloc`.
+    nccl_status(unsafe {
+        (|| -> Result<(), c_int> {
+            let d = open(lib.as_ptr())?;
+            let retain: fns::cuMemRetainAllocationHandle = d.get(c"cuMemRetainAllocationHandle")?;
+            let range: fns::cuMemGetAddressRange_v2 = d.get(c"cuMemGetAddressRange")?;
+            let unmap: fns::cuMemUnmap = d.get(c"cuMemUnmap")?;
+            let release: fns::cuMemRelease = d.get(c"cuMemRelease")?;
+            let free: fns::cuMemAddressFree = d.get(c"cuMemAddressFree")?;
+            let mut h = 0;
+            ok(retain(&mut h, ptr))?;
+            ok(release(h))?;
+            let mut size = 0;
+            ok(range(std::ptr::null_mut(), &mut size, ptr as u64))?;
+            ok(unmap(ptr as u64, size))?;
+            ok(release(h))?;
+            ok(free(ptr as u64, size))
+        })()
+    })
+}
+
+/// What NCCL's registration of a user buffer holds: the range it registered and, for a window,
+/// the handle it retained and the local mapping of it.
+#[repr(C)]
+#[derive(Default)]
+pub struct FakeNcclRegistration {
+    /// The range the buffer lies in (`cuMemGetAddressRange`) and the fd exported for the peers.
+    pub range: FakeNcclAlloc,
+    /// A window's own mapping of the buffer in NCCL's symmetric address space (0: none).
+    pub alias: u64,
+    /// The handle a window retained for its life (0: none).
+    pub retained: u64,
+}
+
+/// NCCL's `ncclCommRegister` with IPC registration (cuMem on): see [`fake_nccl_register`]. The
+/// handle is a `FakeNcclRegistration` the test reads (the range and the fd to send to peers)
+/// and gives back to `ncclCommDeregister`.
+///
+/// # Safety
+/// `handle` is a valid out-pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommRegister(
+    _comm: *mut c_void,
+    buff: *mut c_void,
+    _size: usize,
+    handle: *mut *mut c_void,
+) -> c_int {
+    if handle.is_null() {
+        return NCCL_INVALID_ARGUMENT;
+    }
+    let lib = cuda_lib();
+    let mut reg = Box::<FakeNcclRegistration>::default();
+    // SAFETY: NUL-terminated path, a live out-pointer.
+    let rc = unsafe { fake_nccl_register(lib.as_ptr(), buff as u64, &mut reg.range) };
+    if rc != 0 {
+        return NCCL_UNHANDLED_CUDA_ERROR;
+    }
+    // SAFETY: valid out-pointer per this function's contract.
+    unsafe { *handle = Box::into_raw(reg).cast() };
+    NCCL_SUCCESS
+}
+
+/// NCCL's `ncclCommDeregister`: the registration's exported fd (if the test did not send it)
+/// goes with it.
+///
+/// # Safety
+/// `handle` came from `ncclCommRegister` and is given back once.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommDeregister(_comm: *mut c_void, handle: *mut c_void) -> c_int {
+    if handle.is_null() {
+        return NCCL_INVALID_ARGUMENT;
+    }
+    // SAFETY: per this function's contract.
+    let reg = unsafe { Box::from_raw(handle.cast::<FakeNcclRegistration>()) };
+    if reg.range.exported_fd >= 0 {
+        // SAFETY: an fd this registration owns.
+        unsafe { libc::close(reg.range.exported_fd) };
+    }
+    NCCL_SUCCESS
+}
+
+/// NCCL's `ncclCommWindowRegister` with `NCCL_WIN_COLL_SYMMETRIC` (`src/dev_runtime.cc`), for
+/// this rank's part: the range the buffer lies in, its handle retained for the window's life,
+/// mapped a second time at an address of NCCL's own (this rank's slot of the symmetric space,
+/// reusing the retained handle), with access for the device, and exported as a POSIX fd for
+/// the peers (NCCL's proxy answers their requests with it). The window is a
+/// `FakeNcclRegistration`.
+///
+/// # Safety
+/// `win` is a valid out-pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommWindowRegister(
+    _comm: *mut c_void,
+    buff: *mut c_void,
+    _size: usize,
+    win: *mut *mut c_void,
+    _flags: c_int,
+) -> c_int {
+    if win.is_null() {
+        return NCCL_INVALID_ARGUMENT;
+    }
+    let lib = cuda_lib();
+    // SAFETY: every pointer passed to the driver is a live local.
+    let r = unsafe {
+        (|| -> Result<FakeNcclRegistration, c_int> {
+            let d = open(lib.as_ptr())?;
+            let range: fns::cuMemGetAddressRange_v2 = d.get(c"cuMemGetAddressRange")?;
+            let retain: fns::cuMemRetainAllocationHandle = d.get(c"cuMemRetainAllocationHandle")?;
+            let export: fns::cuMemExportToShareableHandle =
+                d.get(c"cuMemExportToShareableHandle")?;
+            let reserve: fns::cuMemAddressReserve = d.get(c"cuMemAddressReserve")?;
+            let map: fns::cuMemMap = d.get(c"cuMemMap")?;
+            let access: fns::cuMemSetAccess = d.get(c"cuMemSetAccess")?;
+            let get_device: fns::cuCtxGetDevice = d.get(c"cuCtxGetDevice")?;
+            let mut w = FakeNcclRegistration::default();
+            w.range.exported_fd = -1;
+            ok(range(&mut w.range.ptr, &mut w.range.size, buff as u64))?;
+            ok(retain(&mut w.retained, w.range.ptr as *mut c_void))?;
+            // The symmetric space is reserved apart (twice the size: other ranks' slots).
+            let mut space = 0;
+            ok(reserve(&mut space, 2 * w.range.size, 0, 0, 0))?;
+            ok(map(space, w.range.size, 0, w.retained, 0))?;
+            let mut dev = 0;
+            ok(get_device(&mut dev))?;
+            let desc = CUmemAccessDesc {
+                location: CUmemLocation {
+                    type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: dev,
+                },
+                flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            ok(access(space, w.range.size, &desc, 1))?;
+            w.alias = space;
+            let mut fd: c_int = -1;
+            ok(export(
+                (&mut fd as *mut c_int).cast(),
+                w.retained,
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            ))?;
+            w.range.exported_fd = fd;
+            Ok(w)
+        })()
+    };
+    match r {
+        Ok(w) => {
+            // SAFETY: valid out-pointer per this function's contract.
+            unsafe { *win = Box::into_raw(Box::new(w)).cast() };
+            NCCL_SUCCESS
+        }
+        Err(_) => NCCL_UNHANDLED_CUDA_ERROR,
+    }
+}
+
+/// NCCL's `ncclCommWindowDeregister`: unmaps its own mapping, frees that space and releases
+/// the handle it retained.
+///
+/// # Safety
+/// `win` came from `ncclCommWindowRegister` and is given back once.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommWindowDeregister(_comm: *mut c_void, win: *mut c_void) -> c_int {
+    if win.is_null() {
+        return NCCL_INVALID_ARGUMENT;
+    }
+    // SAFETY: per this function's contract.
+    let w = unsafe { Box::from_raw(win.cast::<FakeNcclRegistration>()) };
+    let lib = cuda_lib();
+    // SAFETY: NCCL's own mapping and handle, each let go once.
+    nccl_status(unsafe {
+        (|| -> Result<(), c_int> {
+            if w.range.exported_fd >= 0 {
+                libc::close(w.range.exported_fd);
+            }
+            let d = open(lib.as_ptr())?;
+            let unmap: fns::cuMemUnmap = d.get(c"cuMemUnmap")?;
+            let free: fns::cuMemAddressFree = d.get(c"cuMemAddressFree")?;
+            let release: fns::cuMemRelease = d.get(c"cuMemRelease")?;
+            ok(unmap(w.alias, w.range.size))?;
+            ok(free(w.alias, 2 * w.range.size))?;
+            ok(release(w.retained))
+        })()
+    })
+}

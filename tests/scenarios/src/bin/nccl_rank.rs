@@ -25,6 +25,18 @@
 //! register [I]     NCCL's registration of tensor I (the last by default): this rank's buffer
 //!                  becomes the range NCCL exports, sent by the next `exchange`
 //! allreduce        ncclAllReduce on this rank's buffer, as the application calls it -> the rc
+//! memalloc MIB [TAG]  the application's buffer from ncclMemAlloc (looked up in libnccl's
+//!                  handle, as ctypes does), inside a region of TAG (cpu backups) or outside any
+//!                  region: it becomes this rank's buffer
+//! memfree          ncclMemFree of that buffer
+//! ncclregister     ncclCommRegister of this rank's buffer (NCCL's IPC registration): its fd is
+//!                  sent by the next `exchange`
+//! window           ncclCommWindowRegister of this rank's buffer: NCCL retains its handle, maps
+//!                  it a second time in its own address space and exports it (sent by the next
+//!                  `exchange`)
+//! unwindow         ncclCommWindowDeregister of that window
+//! mine SEED        this rank's buffer holds SEED's pattern (read at its address)
+//! wcheck SEED      the same, read through the window's own mapping of it
 //! unimport         NCCL's free path on the imports of peers' buffers (a deregistration)
 //! unimport-extra   the same for the imports other than each peer's latest
 //! tfree I          memsaver_free of tensor I
@@ -110,6 +122,18 @@ struct Rank {
     /// Tensors of `tensor`: pointer and size.
     tensors: Vec<(u64, usize)>,
     malloc: MemsaverMalloc,
+    /// The fake NCCL's handle (`dlsym` on it, as ctypes does).
+    nccl: usize,
+    /// The window of `window`: NCCL's registration record.
+    window: Option<*mut c_void>,
+}
+
+/// The fake NCCL's record of a registration or a window (`FakeNcclRegistration`).
+#[repr(C)]
+struct Registration {
+    range: FakeNcclAlloc,
+    alias: u64,
+    retained: u64,
 }
 
 /// `fake_nccl_register` of the fake NCCL.
@@ -363,6 +387,127 @@ impl Rank {
                 }
                 self.own = Some(a);
                 Ok(format!("{:#x} {}", a.ptr, a.size))
+            }
+            Some("memalloc") => {
+                let size = (num(1)? << 20) as usize;
+                type MemAlloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
+                let tag = f.get(2).map(|t| CString::new(*t).unwrap());
+                let f: MemAlloc = sym(self.nccl as *mut c_void, c"ncclMemAlloc");
+                if let Some(tag) = &tag {
+                    let enter: unsafe extern "C" fn(*const c_char, *const c_char) -> c_int =
+                        sym(libc::RTLD_DEFAULT, c"memsaver_region_enter");
+                    // SAFETY: NUL-terminated tag and policy.
+                    let rc = unsafe { enter(tag.as_ptr(), c"cpu".as_ptr()) };
+                    if rc != 0 {
+                        return Err(format!("{rc} {}", self.last_error()));
+                    }
+                }
+                let mut p = std::ptr::null_mut();
+                // SAFETY: a valid out-pointer.
+                let rc = unsafe { f(&mut p, size) };
+                if tag.is_some() {
+                    let exit: extern "C" fn() -> c_int =
+                        sym(libc::RTLD_DEFAULT, c"memsaver_region_exit");
+                    exit();
+                }
+                if rc != 0 {
+                    return Err(format!("ncclMemAlloc {rc}"));
+                }
+                self.own = Some(FakeNcclAlloc {
+                    ptr: p as u64,
+                    size,
+                    exported_fd: -1,
+                    ..Default::default()
+                });
+                Ok(String::new())
+            }
+            Some("memfree") => {
+                let a = self.own.take().ok_or("no buffer")?;
+                type MemFree = unsafe extern "C" fn(*mut c_void) -> c_int;
+                let f: MemFree = sym(self.nccl as *mut c_void, c"ncclMemFree");
+                // SAFETY: the buffer ncclMemAlloc returned, freed once.
+                let rc = unsafe { f(a.ptr as *mut c_void) };
+                if a.exported_fd >= 0 {
+                    // SAFETY: this rank's copy of the registration's fd.
+                    unsafe { libc::close(a.exported_fd) };
+                }
+                if rc != 0 {
+                    return Err(format!("ncclMemFree {rc}"));
+                }
+                Ok(String::new())
+            }
+            Some(what @ ("ncclregister" | "window")) => {
+                let own = self.own.ok_or("no buffer")?;
+                let mut h: *mut c_void = std::ptr::null_mut();
+                let (buf, size) = (own.ptr as *mut c_void, own.size);
+                let rc = if what == "window" {
+                    type Register = unsafe extern "C" fn(
+                        *mut c_void,
+                        *mut c_void,
+                        usize,
+                        *mut *mut c_void,
+                        c_int,
+                    ) -> c_int;
+                    let f: Register = sym(self.nccl as *mut c_void, c"ncclCommWindowRegister");
+                    // SAFETY: a valid out-pointer; NCCL_WIN_COLL_SYMMETRIC.
+                    unsafe { f(std::ptr::null_mut(), buf, size, &mut h, 1) }
+                } else {
+                    type Register = unsafe extern "C" fn(
+                        *mut c_void,
+                        *mut c_void,
+                        usize,
+                        *mut *mut c_void,
+                    ) -> c_int;
+                    let f: Register = sym(self.nccl as *mut c_void, c"ncclCommRegister");
+                    // SAFETY: a valid out-pointer.
+                    unsafe { f(std::ptr::null_mut(), buf, size, &mut h) }
+                };
+                if rc != 0 {
+                    return Err(format!("{what} {rc}"));
+                }
+                // SAFETY: the fake NCCL's registration record, live until deregistered.
+                let reg = unsafe { &mut *h.cast::<Registration>() };
+                // The fd is this rank's to send (NCCL's proxy sends it and closes it).
+                let fd = std::mem::replace(&mut reg.range.exported_fd, -1);
+                if let Some(own) = &mut self.own {
+                    own.exported_fd = fd;
+                }
+                if what == "window" {
+                    self.window = Some(h);
+                }
+                Ok(format!("{:#x} {}", reg.range.ptr, reg.range.size))
+            }
+            Some("unwindow") => {
+                let w = self.window.take().ok_or("no window")?;
+                type Deregister = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
+                let f: Deregister = sym(self.nccl as *mut c_void, c"ncclCommWindowDeregister");
+                // SAFETY: the window ncclCommWindowRegister made, given back once.
+                let rc = unsafe { f(std::ptr::null_mut(), w) };
+                if rc != 0 {
+                    return Err(format!("ncclCommWindowDeregister {rc}"));
+                }
+                Ok(String::new())
+            }
+            Some(what @ ("mine" | "wcheck")) => {
+                let own = self.own.ok_or("no buffer")?;
+                let at = if what == "wcheck" {
+                    let w = self.window.ok_or("no window")?;
+                    // SAFETY: the fake NCCL's window record, live until deregistered.
+                    unsafe { (*w.cast::<Registration>()).alias }
+                } else {
+                    own.ptr
+                };
+                // SAFETY: on the fake driver a mapped buffer is host memory at its address.
+                let b = unsafe { std::slice::from_raw_parts(at as *const u8, own.size) };
+                let seed = num(1)?;
+                match b
+                    .iter()
+                    .enumerate()
+                    .position(|(i, x)| *x != pattern(seed, i))
+                {
+                    None => Ok(String::new()),
+                    Some(i) => Err(format!("mismatch at byte {i}: {:#x}", b[i])),
+                }
             }
             Some("allreduce") => {
                 let a = self.own.ok_or("no buffer")?;
@@ -648,6 +793,9 @@ fn main() {
         "cannot open the fake libraries"
     );
     make_context_current(hc);
+    let set_cuda: unsafe extern "C" fn(*const c_char) = sym(hn, c"fake_nccl_set_cuda_lib");
+    // SAFETY: a NUL-terminated path.
+    unsafe { set_cuda(cuda.as_ptr()) };
     let mut r = Rank {
         cuda,
         dir: PathBuf::from(&a[3]),
@@ -675,6 +823,8 @@ fn main() {
         last: std::time::Duration::ZERO,
         tensors: Vec::new(),
         malloc: sym(libc::RTLD_DEFAULT, c"memsaver_malloc"),
+        nccl: hn as usize,
+        window: None,
     };
     serve(|line| r.run(line));
 }
