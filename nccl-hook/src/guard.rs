@@ -88,6 +88,18 @@ pub(crate) fn resolve(slot: &AtomicUsize, name: &CStr) -> Option<usize> {
     Some(p as usize)
 }
 
+/// The version code of the libnccl this process uses (`ncclGetVersion`: 22809 for 2.28.9),
+/// `None` when it cannot be asked.
+pub(crate) fn nccl_version() -> Option<i32> {
+    static SLOT: AtomicUsize = AtomicUsize::new(0);
+    let f = resolve(&SLOT, c"ncclGetVersion")?;
+    // SAFETY: libnccl's ncclGetVersion(int*) -> ncclResult_t (nccl.h).
+    let f = unsafe { std::mem::transmute::<usize, unsafe extern "C" fn(*mut c_int) -> c_int>(f) };
+    let mut v = 0;
+    // SAFETY: a valid out-pointer.
+    (unsafe { f(&mut v) } == NCCL_SUCCESS).then_some(v)
+}
+
 /// Whether `p` lies in libmemsaver.so itself (never forward to ourselves).
 fn in_this_library(p: *mut c_void) -> bool {
     let base = |addr: *const c_void| dl::object_at(addr).map(|i| i.dli_fbase);

@@ -47,7 +47,7 @@ impl Backup {
 fn backup_len(backup: Backup, p: &registry::Physical) -> u64 {
     match backup {
         Backup::Discard => 0,
-        Backup::Headers if p.exported => p.size.min(HEADER_BYTES),
+        Backup::Headers if p.exported && crate::vmm::headers_apply() => p.size.min(HEADER_BYTES),
         _ => p.size,
     }
 }

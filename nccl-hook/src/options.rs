@@ -53,6 +53,12 @@ memsaver_allocator::declare_options! {
                /// buffers (the variable is in MiB; 0 turns runs off).
                pub nccl_merge_limit: u64 = |mb| mb as u64 * (1 << 20);
 
+        /// 1: keep only the first 64 KiB of NCCL's shared buffers (headers) also on an NCCL
+        /// newer than the last version whose buffer layouts were checked (docs/nccl.md); by
+        /// default such an NCCL's buffers are backed up whole, and the log says why once
+        NCCL_HEADERS_UNCHECKED = "MEMSAVER_NCCL_HEADERS_UNCHECKED", bool, default "0", Library
+            => pub nccl_headers_unchecked: bool;
+
         // ---- the nccl tag's peers ----
         /// how long pause('nccl') waits for peers to release their imports, and resume for
         /// owners to come back
@@ -67,6 +73,10 @@ memsaver_allocator::declare_options! {
             => pub nccl_tokens: bool;
     }
 }
+
+/// The newest NCCL (`ncclGetVersion`'s code) whose buffers were checked to hold nothing but
+/// zeros-tolerant staging past their first bytes (docs/nccl.md, "What headers keeps").
+pub(crate) const LAST_CHECKED_NCCL: i32 = 23007;
 
 /// Bytes at the start of a shared buffer that `MEMSAVER_NCCL_BACKUP=headers` keeps: NCCL's
 /// control block is 4 KiB (`MEM_ALIGN`); the rest is margin.

@@ -131,11 +131,44 @@ fn prepare_backup(vh: u64, device: i32, size: usize) {
     }
 }
 
+/// Whether `MEMSAVER_NCCL_BACKUP=headers` may trim NCCL's shared buffers in this process: only
+/// on an NCCL whose buffer layouts were checked (up to [`options::LAST_CHECKED_NCCL`]), or when
+/// the user opted in (`MEMSAVER_NCCL_HEADERS_UNCHECKED=1`). Otherwise they are backed up whole,
+/// and the log says why, once.
+pub(crate) fn headers_apply() -> bool {
+    static DECIDED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DECIDED.get_or_init(|| {
+        let version = crate::guard::nccl_version();
+        if version.is_some_and(|v| v <= options::LAST_CHECKED_NCCL) {
+            return true;
+        }
+        let opted_in = options::get().nccl_headers_unchecked;
+        let seen = version.map_or_else(
+            || "an NCCL whose version cannot be asked".to_owned(),
+            |v| format!("NCCL {}.{}.{}", v / 10000, v / 100 % 100, v % 100),
+        );
+        if opted_in {
+            tracing::warn!(
+                "memsaver: {seen} is newer than the last NCCL whose buffers were checked for \
+                 MEMSAVER_NCCL_BACKUP=headers (2.30.7); keeping only their headers, as \
+                 MEMSAVER_NCCL_HEADERS_UNCHECKED=1 asks"
+            );
+        } else {
+            tracing::warn!(
+                "memsaver: {seen} is newer than the last NCCL whose buffers were checked for \
+                 MEMSAVER_NCCL_BACKUP=headers (2.30.7): NCCL's shared buffers are backed up \
+                 whole. Set MEMSAVER_NCCL_HEADERS_UNCHECKED=1 to keep only their headers"
+            );
+        }
+        opted_in
+    })
+}
+
 /// NCCL shares its buffer `vh` for the first time: with `headers`, its backup is its header
 /// only, so what was prepared for the whole buffer is given back and the header prepared
 /// instead. Call with no lock held.
 fn prepare_header(vh: u64, device: i32, size: u64) {
-    if options::get().nccl_backup == NcclBackup::Headers {
+    if options::get().nccl_backup == NcclBackup::Headers && headers_apply() {
         forget_backup(vh);
         prepare_backup(vh, device, size.min(options::HEADER_BYTES) as usize);
     }

@@ -759,3 +759,21 @@ pub unsafe extern "C" fn ncclCommWindowDeregister(_comm: *mut c_void, win: *mut 
         })()
     })
 }
+
+/// NCCL's `ncclGetVersion`: 22809 (2.28.9, torch's), or `FAKE_NCCL_VERSION` when set.
+///
+/// # Safety
+/// `version` is a valid out-pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> c_int {
+    if version.is_null() {
+        return NCCL_INVALID_ARGUMENT;
+    }
+    let v = std::env::var("FAKE_NCCL_VERSION")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(22809);
+    // SAFETY: per this function's contract.
+    unsafe { *version = v };
+    NCCL_SUCCESS
+}

@@ -242,6 +242,43 @@ fn backup_headers_keeps_the_control_blocks_of_shared_buffers_only() {
     }
 }
 
+/// On an NCCL newer than the last one whose buffers were checked, `headers` (the default) backs
+/// shared buffers up whole: every byte comes back, on junk-filled memory too. The user may opt
+/// in to headers there (`MEMSAVER_NCCL_HEADERS_UNCHECKED=1`): then only the header does.
+#[test]
+fn headers_back_up_whole_on_an_nccl_nobody_checked_unless_the_user_opts_in() {
+    for opt_in in ["0", "1"] {
+        let dirs = Dirs::new();
+        let (fake, rt) = (&dirs.fake, &dirs.rt);
+        let env = [
+            ("MEMSAVER_NCCL_BACKUP", "headers"),
+            ("FAKE_CUDA_FRESH", "junk"),
+            ("FAKE_NCCL_VERSION", "23101"),
+            ("MEMSAVER_NCCL_HEADERS_UNCHECKED", opt_in),
+        ];
+        let mut job = Job::start_with(2, 13, fake, rt, PATIENT_MS, &env);
+        job.setup(4);
+        job.all_ok("pause");
+        assert_eq!(job.used(), 0);
+        job.all_ok("resume");
+        for (r, peer) in [(0, 1), (1, 0)] {
+            let whole = job.one(r, &format!("check {peer} {peer}"));
+            if opt_in == "0" {
+                assert_eq!(
+                    whole, "ok",
+                    "rank {r} reads every byte of rank {peer}'s buffer"
+                );
+            } else {
+                assert!(
+                    whole.contains("mismatch"),
+                    "opted in: headers only: {whole}"
+                );
+                assert_eq!(job.one(r, &format!("check {peer} {peer} 65536")), "ok");
+            }
+        }
+    }
+}
+
 /// An invalid NCCL option is the error of the first pause, naming the variable and what it
 /// accepts, where it used to be read as the default in silence (tokens, timeout); NCCL's own
 /// set-up goes on with the default.
