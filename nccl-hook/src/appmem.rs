@@ -15,7 +15,9 @@
 //!   ([`in_application_alloc`]) so that the VMM wrappers record none of its driver calls: the
 //!   memory stays resident, as any untagged allocation does, and the `nccl` tag never touches it.
 //!
-//! `ncclMemFree` frees memsaver's memory in memsaver and forwards the rest. Both appear in
+//! NCCL's own calls of `ncclMemAlloc` (its copy-engine collectives' buffers: the caller is
+//! libnccl) are NCCL's memory, the tag `nccl`, as before. `ncclMemFree` frees memsaver's memory
+//! in memsaver and forwards the rest. Both appear in
 //! `nccl_stats()["application"]`, apart from NCCL's own memory.
 //!
 //! With libmemsaver.so preloaded these definitions come first in the global lookup scope, so
@@ -30,6 +32,7 @@ use std::sync::atomic::AtomicUsize;
 
 use parking_lot::Mutex;
 
+use crate::dl;
 use crate::guard::{
     NCCL_INVALID_ARGUMENT, NCCL_INVALID_USAGE, NCCL_SUCCESS, NCCL_SYSTEM_ERROR,
     NCCL_UNHANDLED_CUDA_ERROR, resolve,
@@ -136,15 +139,43 @@ fn forward_alloc(ptr: *mut *mut c_void, size: usize) -> c_int {
     r
 }
 
-/// `ncclMemAlloc`, interposed (see the module documentation).
+/// libnccl's own `ncclMemAlloc`, recorded as NCCL's memory: NCCL calls it itself (through
+/// its PLT, so it reaches this library's definition) for the buffers of its copy-engine
+/// collectives, which are its own, as much as those it allocates with `cuMemCreate`.
+fn forward_nccls_own(ptr: *mut *mut c_void, size: usize) -> c_int {
+    match real_alloc() {
+        // SAFETY: forwarding the caller's arguments unchanged.
+        Some(f) => unsafe { f(ptr, size) },
+        None => NCCL_SYSTEM_ERROR,
+    }
+}
+
+/// `ncclMemAlloc`, interposed (see the module documentation): hands the caller's return
+/// address to [`mem_alloc_from`] by a tail jump (the stack stays the caller's).
 ///
 /// # Safety
 /// As NCCL's `ncclMemAlloc`: `ptr` is a valid out-pointer.
+#[cfg(target_arch = "x86_64")]
+#[unsafe(naked)]
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> c_int {
+    // On entry [rsp] is the return address; the two arguments are in rdi and rsi.
+    core::arch::naked_asm!(
+        "mov rdx, [rsp]",
+        "jmp {from}",
+        from = sym mem_alloc_from,
+    )
+}
+
+/// `ncclMemAlloc` called from the code at `caller`: NCCL's own call (from libnccl) is NCCL's
+/// memory, any other is the application's.
+extern "C" fn mem_alloc_from(ptr: *mut *mut c_void, size: usize, caller: *const c_void) -> c_int {
     std::panic::catch_unwind(|| {
         if ptr.is_null() {
             return NCCL_INVALID_ARGUMENT;
+        }
+        if dl::caller(caller) == dl::Caller::Nccl {
+            return forward_nccls_own(ptr, size);
         }
         let tagged = APP_ALLOCATORS.first().and_then(|a| (a.alloc)(size));
         match tagged {

@@ -1,7 +1,9 @@
 //! The loader's own lookups, past the `dlsym` interposer ([`crate::interpose`]): glibc's real
 //! `dlsym`, and which loaded object an address belongs to. Used by the interposer and by the
-//! guarded NCCL entry points ([`crate::guard`]), which resolve libnccl's functions themselves.
+//! guarded NCCL entry points ([`crate::guard`]), which resolve libnccl's functions themselves;
+//! and who calls: libnccl, libmemsaver.so or any other object ([`caller`]).
 
+use std::ffi::CStr;
 use std::ffi::{c_char, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -57,4 +59,46 @@ pub(crate) fn object_at(addr: *const c_void) -> Option<libc::Dl_info> {
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
     (unsafe { libc::dladdr(addr, &mut info) } != 0).then_some(info)
+}
+
+/// Who looks a symbol up.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Caller {
+    Nccl,
+    /// libmemsaver.so itself (or an address no object contains).
+    Memsaver,
+    Other,
+}
+
+/// The base address of this library (libmemsaver.so), found once (lock-free).
+fn own_base() -> usize {
+    static BASE: AtomicUsize = AtomicUsize::new(0);
+    let cur = BASE.load(Ordering::Relaxed);
+    if cur != 0 {
+        return cur;
+    }
+    let base = object_at(own_base as *const c_void).map_or(usize::MAX, |i| i.dli_fbase as usize);
+    BASE.store(base, Ordering::Relaxed);
+    base
+}
+
+/// Which object the code at `addr` belongs to.
+pub(crate) fn caller(addr: *const c_void) -> Caller {
+    let Some(info) = object_at(addr) else {
+        return Caller::Memsaver;
+    };
+    if info.dli_fbase as usize == own_base() {
+        return Caller::Memsaver;
+    }
+    if info.dli_fname.is_null() {
+        return Caller::Other;
+    }
+    // SAFETY: dladdr gives a NUL-terminated file name.
+    let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_bytes();
+    let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
+    if file.starts_with(b"libnccl") {
+        Caller::Nccl
+    } else {
+        Caller::Other
+    }
 }

@@ -18,58 +18,15 @@
 //! caller's registers and return address intact.
 
 use std::ffi::{CStr, c_char, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::dl::{REAL_DLSYM, call_real_dlsym, object_at, real_dlsym};
-
-/// Who looks a symbol up.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Caller {
-    Nccl,
-    /// libmemsaver.so itself (or an address no object contains).
-    Memsaver,
-    Other,
-}
-
-/// The base address of this library, found once (lock-free).
-fn own_base() -> usize {
-    static BASE: AtomicUsize = AtomicUsize::new(0);
-    let cur = BASE.load(Ordering::Relaxed);
-    if cur != 0 {
-        return cur;
-    }
-    let base = object_at(decide as *const c_void).map_or(usize::MAX, |i| i.dli_fbase as usize);
-    BASE.store(base, Ordering::Relaxed);
-    base
-}
-
-/// Which object the code at `addr` belongs to.
-fn caller(addr: *const c_void) -> Caller {
-    let Some(info) = object_at(addr) else {
-        return Caller::Memsaver;
-    };
-    if info.dli_fbase as usize == own_base() {
-        return Caller::Memsaver;
-    }
-    if info.dli_fname.is_null() {
-        return Caller::Other;
-    }
-    // SAFETY: dladdr gives a NUL-terminated file name.
-    let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_bytes();
-    let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
-    if file.starts_with(b"libnccl") {
-        Caller::Nccl
-    } else {
-        Caller::Other
-    }
-}
+use crate::dl::{Caller, REAL_DLSYM, call_real_dlsym, caller, real_dlsym};
 
 /// Decides whether the interposer answers a lookup itself. Returns the pointer to hand out,
 /// or NULL to forward the call to the real `dlsym` (also on any internal failure).
 extern "C" fn decide(
     handle: *mut c_void,
     symbol: *const c_char,
-    caller: *const c_void,
+    from: *const c_void,
 ) -> *mut c_void {
     // Resolve the forwarding target before anything else: the entry point jumps to it.
     real_dlsym();
@@ -103,7 +60,7 @@ extern "C" fn decide(
         if !entry && !crate::graphs::is_direct_name(name) {
             return std::ptr::null_mut();
         }
-        let who = self::caller(caller);
+        let who = caller(from);
         if who == Caller::Memsaver || (!entry && who == Caller::Nccl) {
             return std::ptr::null_mut();
         }

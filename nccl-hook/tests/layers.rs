@@ -36,6 +36,7 @@ fn interposition_depends_on_nothing_above_it() {
         "graphs",
         "guard",
         "amem",
+        "appmem",
         "dl",
         "registry",
     ] {

@@ -131,6 +131,10 @@ def expected(n, world, salt):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cycles", nargs="?", type=int, default=3)
+    ap.add_argument("--symm-optional", action="store_true",
+                    help="a symmetric-memory set-up that fails (before any pause) is reported, "
+                         "not a failure: torch 2.11's NCCL symmetric memory fails on NCCL 2.30.7 "
+                         "without memsaver too (ncclDevCommCreate: invalid usage)")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -207,10 +211,11 @@ def main():
         symm_mem.rendezvous(bufs["symm"], dist.group.WORLD.group_name)
         seed_values(bufs["symm"], rank, 6)
         dist.all_reduce(bufs["symm"])
-    except Exception as e:  # reported, and a failure: the issue asks for this path
+    except Exception as e:  # reported; a failure unless --symm-optional
         symm_error = f"{type(e).__name__}: {e}"
         bufs.pop("symm", None)
-        fails.append(f"symmetric memory on the NCCL backend: {symm_error}")
+        if not args.symm_optional:
+            fails.append(f"symmetric memory on the NCCL backend: {symm_error}")
     torch.cuda.synchronize()
 
     salts = {"plain": 1, "registered": 2, "window": 3, "pool": 4, "symm": 6}

@@ -777,3 +777,24 @@ pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> c_int {
     unsafe { *version = v };
     NCCL_SUCCESS
 }
+
+/// NCCL's own use of `ncclMemAlloc` (`ncclCeInit`: the buffers of its copy-engine collectives),
+/// which reaches it through libnccl's PLT, so that a preloaded definition answers: looked up in
+/// the global scope from inside libnccl. Returns the address, or 0 on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn fake_nccl_ce_alloc(size: usize) -> u64 {
+    type MemAlloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
+    // SAFETY: NUL-terminated name; RTLD_DEFAULT searches the global scope.
+    let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"ncclMemAlloc".as_ptr()) };
+    if f.is_null() {
+        return 0;
+    }
+    // SAFETY: ncclMemAlloc's C signature.
+    let f = unsafe { std::mem::transmute::<*mut c_void, MemAlloc>(f) };
+    let mut p = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    match unsafe { f(&mut p, size) } {
+        NCCL_SUCCESS => p as u64,
+        _ => 0,
+    }
+}

@@ -81,6 +81,22 @@ fn memory_from_nccl_outside_a_region_is_the_applications_and_stays_resident() {
     assert_eq!(job.used(), 2 * 4 * MIB, "only NCCL's scratch is left");
 }
 
+/// NCCL calls `ncclMemAlloc` itself for its copy-engine collectives: that memory is NCCL's,
+/// the tag `nccl`, even when the thread has a region open.
+#[test]
+fn ncclmemalloc_called_by_nccl_itself_is_nccls_memory() {
+    let dirs = Dirs::new();
+    let mut job = Job::start(1, 50, &dirs.fake, &dirs.rt, PATIENT_MS);
+    job.ok(&[0], "ncclce 4");
+    let s = job.nccl_stats(0);
+    assert_eq!(s["owned_bytes"], 4 * MIB, "{s}");
+    assert_eq!(s["application"]["allocations"], 0, "{s}");
+    job.ok(&[0], "pause");
+    assert_eq!(job.used(), 0, "the nccl tag frees it");
+    job.ok(&[0], "resume");
+    assert_eq!(job.used(), 4 * MIB);
+}
+
 /// `world` ranks, each with a 16 MiB buffer of the tag `weights` from `ncclMemAlloc`, holding
 /// seed = rank, registered with NCCL (`how`: `ncclregister` or `window`) and mapped by every
 /// peer, plus NCCL's own scratch (two private buffers of 2 MiB per rank).

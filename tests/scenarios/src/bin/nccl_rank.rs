@@ -29,6 +29,8 @@
 //!                  handle, as ctypes does), inside a region of TAG (cpu backups) or outside any
 //!                  region: it becomes this rank's buffer
 //! memfree          ncclMemFree of that buffer
+//! ncclce MIB       NCCL's own ncclMemAlloc (its copy-engine buffers, called from libnccl),
+//!                  made inside a region of `weights`: NCCL's memory all the same
 //! ncclregister     ncclCommRegister of this rank's buffer (NCCL's IPC registration): its fd is
 //!                  sent by the next `exchange`
 //! window           ncclCommWindowRegister of this rank's buffer: NCCL retains its handle, maps
@@ -419,6 +421,24 @@ impl Rank {
                     exported_fd: -1,
                     ..Default::default()
                 });
+                Ok(String::new())
+            }
+            Some("ncclce") => {
+                let f: extern "C" fn(usize) -> u64 =
+                    sym(self.nccl as *mut c_void, c"fake_nccl_ce_alloc");
+                let enter: unsafe extern "C" fn(*const c_char, *const c_char) -> c_int =
+                    sym(libc::RTLD_DEFAULT, c"memsaver_region_enter");
+                let exit: extern "C" fn() -> c_int =
+                    sym(libc::RTLD_DEFAULT, c"memsaver_region_exit");
+                // SAFETY: NUL-terminated tag and policy.
+                if unsafe { enter(c"weights".as_ptr(), c"cpu".as_ptr()) } != 0 {
+                    return Err(self.last_error());
+                }
+                let p = f((num(1)? << 20) as usize);
+                exit();
+                if p == 0 {
+                    return Err("ncclMemAlloc failed".into());
+                }
                 Ok(String::new())
             }
             Some("memfree") => {
