@@ -25,7 +25,7 @@
 //! later generation is the allocation's own memory, mapped at the allocation's place inside
 //! NCCL's mapping (its *window*), so the address NCCL uses never changes.
 
-use memsaver_allocator::driver::Handle;
+use memsaver_allocator::driver::{Driver, Handle};
 use memsaver_allocator::steps::{Op, Place, Steps};
 use memsaver_allocator::{Allocator, Device};
 use memsaver_ipc::identity::Identity;
@@ -116,15 +116,7 @@ impl Aliases for Retained {
                     .export_shared(id)
                     .map_err(|e| e.to_string())?
                     .ok_or("the allocation is not resident")?;
-                let raw = std::os::fd::AsRawFd::as_raw_fd(&mem.fd);
-                let h = d
-                    .with_context(dev.ctx, || d.import_fd(raw))
-                    .map_err(|e| e.to_string())?;
-                steps.map_handle(&dev, h, &places(rs, None)).map_err(|e| {
-                    let _ = d.release(h);
-                    e.to_string()
-                })?;
-                Ok(h)
+                map_fd(d, &steps, &dev, &mem.fd, &places(rs, None))
             });
             match r {
                 Ok(h) => {
@@ -171,6 +163,26 @@ fn places(rs: &[Range], window: Option<(u64, u64)>) -> Vec<Place<'_>> {
             }
         })
         .collect()
+}
+
+/// Imports the memory of `fd` on `dev` and maps it at `places` (NCCL's mappings, with the
+/// access NCCL granted); the handle is released again when it cannot be mapped.
+fn map_fd(
+    d: &Driver,
+    steps: &Steps<'_>,
+    dev: &Device,
+    fd: &std::os::fd::OwnedFd,
+    places: &[Place<'_>],
+) -> Result<Handle, String> {
+    let raw = std::os::fd::AsRawFd::as_raw_fd(fd);
+    let h = d
+        .with_context(dev.ctx, || d.import_fd(raw))
+        .map_err(|e| e.to_string())?;
+    steps.map_handle(dev, h, places).map_err(|e| {
+        let _ = d.release(h);
+        e.to_string()
+    })?;
+    Ok(h)
 }
 
 /// Unmaps the mapped import `vh` and releases its handle: `Mapped` → `Released`. `synced`:
@@ -300,17 +312,8 @@ impl Holder for Registered {
                 .first()
                 .is_some_and(|(_, size, _)| off != 0 || len as u64 != *size)
                 .then_some((off, len as u64));
-            let r = device(a, &reg, &ranges, vh).and_then(|dev| {
-                let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
-                let h = d
-                    .with_context(dev.ctx, || d.import_fd(raw))
-                    .map_err(|e| e.to_string())?;
-                steps.map_handle(&dev, h, &places(rs, win)).map_err(|e| {
-                    let _ = d.release(h);
-                    e.to_string()
-                })?;
-                Ok(h)
-            });
+            let r = device(a, &reg, &ranges, vh)
+                .and_then(|dev| map_fd(d, &steps, &dev, &fd, &places(rs, win)));
             match r {
                 Ok(h) => {
                     let p = reg.physicals.get_mut(&vh).expect("matched under this lock");

@@ -235,7 +235,7 @@ def group() -> int:
     return int(_memsaver.nccl_group())
 
 
-def nccl_stats() -> dict[str, int | bool | str | None]:
+def nccl_stats() -> dict[str, int | bool | str | dict[str, object] | None]:
     """NCCL's device memory in this process as memsaver's NCCL hook sees it: ``hooked`` (NCCL
     resolved its driver calls through memsaver: the process was started with the preload),
     ``cumem_disabled`` (``NCCL_CUMEM_ENABLE=0``: NCCL then uses cudaMalloc and legacy IPC, which
@@ -250,10 +250,17 @@ def nccl_stats() -> dict[str, int | bool | str | None]:
     example an unsafe runtime directory; see docs/security.md), which stay resident on pause,
     and why (``None`` when none did). ``runs``: physical allocations a resume made for several
     adjacent buffers each (see docs/nccl.md), and ``freed_held_bytes``: buffers NCCL freed inside
-    one, whose memory goes back to the device with the run at the next pause."""
+    one, whose memory goes back to the device with the run at the next pause.
+    ``application``: memory the application took from ``ncclMemAlloc`` (torch's NCCL pools and
+    symmetric memory, vLLM's and SGLang's NCCL allocators), which is not NCCL's and not in the
+    figures above: ``allocations``, ``bytes``, ``tagged_bytes`` (per tag: memsaver memory of
+    the region or process tag it was allocated in) and ``untagged_bytes`` (allocated outside
+    any region: resident)."""
 
     _core.ensure_loaded()
-    result: dict[str, int | bool | str | None] = json.loads(_memsaver.nccl_stats_json())
+    result: dict[str, int | bool | str | dict[str, object] | None] = json.loads(
+        _memsaver.nccl_stats_json()
+    )
     return result
 
 

@@ -345,6 +345,13 @@ class Switch:
     calls: Callable[[], dict[str, int]] | None  # driver calls so far, by kind (None: not counted)
 
 
+def _nccl_owned_bytes() -> int:
+    import memsaver
+
+    owned = memsaver.nccl_stats()["owned_bytes"]
+    return owned if isinstance(owned, int) else 0
+
+
 def _memsaver_switch() -> Switch:
     import memsaver
 
@@ -356,7 +363,7 @@ def _memsaver_switch() -> Switch:
     return Switch(
         pause=lambda: memsaver.pause("nccl"),
         resume=lambda: memsaver.resume("nccl"),
-        owned=lambda: int(memsaver.nccl_stats()["owned_bytes"] or 0),
+        owned=_nccl_owned_bytes,
         calls=lambda: memsaver.stats().driver_calls,
     )
 

@@ -533,6 +533,9 @@ def test_nccl_stats_without_nccl():
     assert set(s) >= expected
     assert s["stack_lowered_bytes"] == 0 and s["stack_kept_bytes"] == 0
     assert s["stack_kept_reason"] is None
+    assert s["application"] == {
+        "allocations": 0, "bytes": 0, "tagged_bytes": {}, "untagged_bytes": 0,
+    }
 
 
 def test_nccl_is_a_tag_beside_the_others():

@@ -278,6 +278,59 @@ def test_nccl_stats_while_hooked(child_env, fake_nccl):
     assert (f["owned_bytes"], f["owned_handles"], f["mappings"], f["exported_handles"]) == (0, 0, 0, 0)
 
 
+NCCL_MEM_ALLOC = r"""
+import ctypes, json, os, sys
+import memsaver
+
+nccl = ctypes.CDLL(sys.argv[1])       # as vLLM's pynccl and the issue's users do
+nccl.fake_nccl_set_cuda_lib(os.environ["MEMSAVER_CUDA_LIB"].encode())
+nccl.ncclMemAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+nccl.ncclMemFree.argtypes = [ctypes.c_void_p]
+ctx = ctypes.c_void_p()   # the fake NCCL allocates on the current device, as NCCL does
+cuda = ctypes.CDLL(os.environ["MEMSAVER_CUDA_LIB"])
+assert cuda.cuInit(0) == 0 and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+assert cuda.cuCtxSetCurrent(ctx) == 0
+
+def alloc(n):
+    p = ctypes.c_void_p()
+    assert nccl.ncclMemAlloc(ctypes.byref(p), n) == 0
+    return p.value
+
+plain = alloc(2 << 20)
+with memsaver.region("weights", backup="cpu"):
+    tagged = alloc(4 << 20)
+ctypes.memset(plain, 0x11, 2 << 20)
+ctypes.memset(tagged, 0x5A, 4 << 20)
+out = {"allocated": memsaver.nccl_stats()["application"],
+       "free0": memsaver.device_memory(0)[0]}
+memsaver.pause("weights", "nccl")
+out["freed"] = memsaver.device_memory(0)[0] - out["free0"]
+out["plain_while_paused"] = ctypes.string_at(plain, 2 << 20) == b"\x11" * (2 << 20)
+memsaver.resume("nccl", "weights")
+out["tagged_kept"] = ctypes.string_at(tagged, 4 << 20) == b"\x5a" * (4 << 20)
+assert nccl.ncclMemFree(plain) == 0 and nccl.ncclMemFree(tagged) == 0
+out["after_free"] = memsaver.nccl_stats()["application"]
+print(json.dumps(out))
+"""
+
+
+def test_memory_from_ncclmemalloc_takes_the_region_tag(child_env, fake_nccl):
+    """ncclMemAlloc looked up in libnccl's handle with ctypes: inside a region the memory is
+    the region tag's (freed by its pause, every byte back after its resume), outside it stays
+    resident; nccl_stats() shows it apart from NCCL's own memory."""
+    env = dict(child_env, LD_PRELOAD=memsaver.preload_path(), MEMSAVER_HOOK_MODE="preload")
+    r = run_python(NCCL_MEM_ALLOC, env, fake_nccl)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["allocated"] == {
+        "allocations": 2, "bytes": 6 * MiB, "tagged_bytes": {"weights": 4 * MiB},
+        "untagged_bytes": 2 * MiB,
+    }
+    assert out["freed"] == 4 * MiB, "the tagged buffer, not the untagged one"
+    assert out["plain_while_paused"] and out["tagged_kept"]
+    assert out["after_free"]["allocations"] == 0
+
+
 DEVICE_MEMORY = r"""
 import json
 import memsaver

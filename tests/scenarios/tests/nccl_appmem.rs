@@ -268,16 +268,25 @@ fn a_resume_on_a_full_device_fails_cleanly_and_the_retry_restores_every_byte() {
     job.check_all_seeded(7);
     job.all_ok("pause weights");
     assert_eq!(job.used(), 0);
-    // Rank 1 takes most of the device while rank 0 is paused (as a rollout engine would).
+    // Rank 1 takes most of the device while both are paused (as a rollout engine would): both
+    // resumes, together, fail at once, each saying what is short and what is still paused.
     job.ok(&[1], "tensor 56 rollout");
-    let a = job.one(0, "resume weights");
-    assert!(a.starts_with("err "), "{a}");
-    assert!(a.contains("out of memory") || a.contains("memory"), "{a}");
-    assert!(a.contains("weights"), "names the tag still paused: {a}");
-    // The memory is given back; the retry restores everything.
+    let t = std::time::Instant::now();
+    for (r, a) in job.on(&[0, 1], "resume weights").iter().enumerate() {
+        assert!(a.starts_with("err "), "rank {r}: {a}");
+        assert!(a.contains("out of memory"), "rank {r}: {a}");
+        assert!(
+            a.contains("weights"),
+            "rank {r} names the tag still paused: {a}"
+        );
+    }
+    assert!(
+        t.elapsed() < std::time::Duration::from_millis(u64::from(PATIENT_MS)),
+        "no rank waited for the other"
+    );
+    // The memory is given back; the retry, together again, restores everything.
     job.ok(&[1], "tfree 0");
-    job.ok(&[0], "resume weights");
-    job.ok(&[1], "resume weights");
+    job.ok(&[0, 1], "resume weights");
     mine_all(&mut job, 7);
     job.check_all_seeded(7);
 }
