@@ -167,6 +167,17 @@ pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> c_i
     )
 }
 
+/// `ncclMemAlloc`, interposed, where the caller cannot be told (no tail-jump entry point for
+/// this architecture): every call is the application's.
+///
+/// # Safety
+/// As NCCL's `ncclMemAlloc`: `ptr` is a valid out-pointer.
+#[cfg(not(target_arch = "x86_64"))]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> c_int {
+    mem_alloc_from(ptr, size, std::ptr::null())
+}
+
 /// `ncclMemAlloc` called from the code at `caller`: NCCL's own call (from libnccl) is NCCL's
 /// memory, any other is the application's.
 extern "C" fn mem_alloc_from(ptr: *mut *mut c_void, size: usize, caller: *const c_void) -> c_int {

@@ -104,12 +104,18 @@ fn owned_free(ptr: *mut c_void) -> Option<Result<(), Error>> {
 }
 
 /// `ncclMemAlloc`/`ncclMemFree` (interposed by nccl-hook) allocate the application's memory
-/// here when the thread's region or the whole-process tag applies, as `cudaMalloc` does.
+/// here when the thread's region or the whole-process tag applies, as `cudaMalloc` does; a
+/// failure is also this thread's `memsaver_last_error` (NCCL's callers see only a status).
 #[linkme::distributed_slice(memsaver_nccl_hook::APP_ALLOCATORS)]
 static NCCL_MEM_ALLOC: memsaver_nccl_hook::AppAllocator = memsaver_nccl_hook::AppAllocator {
-    alloc: |size| region_alloc(size, None),
-    free: |ptr| owned_free(ptr as *mut c_void),
+    alloc: |size| region_alloc(size, None).map(noted),
+    free: |ptr| owned_free(ptr as *mut c_void).map(noted),
 };
+
+/// `r`, its error also set as this thread's last error.
+fn noted<T>(r: Result<T, Error>) -> Result<T, Error> {
+    r.inspect_err(|e| set_last_error(&e.to_string()))
+}
 
 /// `cudaMalloc`, interposed. Inside a region the memory comes from memsaver.
 ///

@@ -274,7 +274,7 @@ fn a_resume_on_a_full_device_fails_cleanly_and_the_retry_restores_every_byte() {
     let t = std::time::Instant::now();
     for (r, a) in job.on(&[0, 1], "resume weights").iter().enumerate() {
         assert!(a.starts_with("err "), "rank {r}: {a}");
-        assert!(a.contains("out of memory"), "rank {r}: {a}");
+        assert!(a.contains("out of device memory"), "rank {r}: {a}");
         assert!(
             a.contains("weights"),
             "rank {r} names the tag still paused: {a}"
@@ -289,4 +289,35 @@ fn a_resume_on_a_full_device_fails_cleanly_and_the_retry_restores_every_byte() {
     job.ok(&[0, 1], "resume weights");
     mine_all(&mut job, 7);
     job.check_all_seeded(7);
+}
+
+/// One rank's resume fails on a driver error (its 3rd `cuMemMap`: its buffer's allocation, its
+/// import of the peer's, then its buffer again at the resume): that rank is told which call
+/// failed, the peer's resume returns at once, and a second resume restores every byte in both.
+#[test]
+fn a_rank_whose_resume_fails_is_told_and_its_retry_restores_every_byte() {
+    let dirs = Dirs::new();
+    let mut job = Job::start_per_rank(2, 51, &dirs.fake, &dirs.rt, PATIENT_MS, |r| {
+        (r == 0).then_some(("FAKE_CUDA_FAIL_MAP_AT", "3"))
+    });
+    job.all_ok("memalloc 8 weights");
+    register_all(&mut job, "ncclregister", 8);
+    job.all_ok("exchange");
+    job.write_all(9);
+    job.check_all_seeded(9);
+    job.all_ok("pause weights");
+    let answers = job.on(&[0, 1], "resume weights");
+    assert!(
+        answers[0].starts_with("err ") && answers[0].contains("cuMemMap"),
+        "{answers:?}"
+    );
+    assert_eq!(answers[1], "ok", "the peer's own memory comes back");
+    assert_eq!(
+        job.one(1, "mine 10"),
+        "ok",
+        "rank 1's buffer holds its bytes"
+    );
+    job.ok(&[0], "resume weights");
+    mine_all(&mut job, 9);
+    job.check_all_seeded(9);
 }
