@@ -645,3 +645,33 @@ fn an_importer_reads_what_the_owner_kept_after_it_freed_another_buffer_while_pau
     job.ok(&[0, 1], "resume");
     job.check_all();
 }
+
+/// Rank 0's resume of `nccl` fails on a driver error (its 3rd `cuMemMap`: its buffer, its import
+/// of rank 1's, then its buffer again at the resume) while rank 1 resumes at the same time:
+/// both calls return within the timeout (rank 1's with a Peer error naming rank 0, whose buffer
+/// it could not map again), nothing hangs, and a resume of both once the cause is gone brings
+/// every byte back.
+#[test]
+fn a_resume_that_fails_in_one_rank_returns_in_every_rank_and_the_retry_recovers() {
+    let dirs = Dirs::new();
+    let mut job = Job::start_per_rank(2, 29, &dirs.fake, &dirs.rt, TIMEOUT_MS, |r| {
+        (r == 0).then_some(("FAKE_CUDA_FAIL_MAP_AT", "3"))
+    });
+    job.setup(4);
+    job.all_ok("pause");
+    let t = std::time::Instant::now();
+    let answers = job.on(&[0, 1], "resume");
+    let took = t.elapsed();
+    assert!(
+        answers[0].starts_with("err ") && answers[0].contains("cuMemMap"),
+        "{answers:?}"
+    );
+    assert_peer_error(&answers[1], &[&format!("process {}", job.pid(0))]);
+    assert!(
+        took < std::time::Duration::from_millis(u64::from(TIMEOUT_MS) * 3),
+        "both answered within the timeout ({took:?})"
+    );
+    // The cause is gone (the fake driver fails one map only): both resume, every byte back.
+    ok_or_slow(&mut job, "resume");
+    job.check_all();
+}
