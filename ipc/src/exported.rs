@@ -1288,7 +1288,7 @@ pub trait Aliases: Sync {
 #[linkme::distributed_slice]
 pub static ALIASES: [&'static dyn Aliases];
 
-/// `step` on every registered [`Aliases`], then `peers`: the first error of either, joined.
+/// `step` on every registered [`Aliases`], then `peers`: every error of either, joined.
 fn with_aliases(
     step: impl Fn(&dyn Aliases) -> Result<(), String>,
     peers: impl FnOnce() -> Result<(), String>,

@@ -143,20 +143,22 @@ pub(crate) fn headers_apply() -> bool {
             return true;
         }
         let opted_in = options::get().nccl_headers_unchecked;
+        let name = |v: i32| format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100);
         let seen = version.map_or_else(
             || "an NCCL whose version cannot be asked".to_owned(),
-            |v| format!("NCCL {}.{}.{}", v / 10000, v / 100 % 100, v % 100),
+            |v| format!("NCCL {}", name(v)),
         );
+        let checked = name(options::LAST_CHECKED_NCCL);
         if opted_in {
             tracing::warn!(
                 "memsaver: {seen} is newer than the last NCCL whose buffers were checked for \
-                 MEMSAVER_NCCL_BACKUP=headers (2.30.7); keeping only their headers, as \
+                 MEMSAVER_NCCL_BACKUP=headers ({checked}); keeping only their headers, as \
                  MEMSAVER_NCCL_HEADERS_UNCHECKED=1 asks"
             );
         } else {
             tracing::warn!(
                 "memsaver: {seen} is newer than the last NCCL whose buffers were checked for \
-                 MEMSAVER_NCCL_BACKUP=headers (2.30.7): NCCL's shared buffers are backed up \
+                 MEMSAVER_NCCL_BACKUP=headers ({checked}): NCCL's shared buffers are backed up \
                  whole. Set MEMSAVER_NCCL_HEADERS_UNCHECKED=1 to keep only their headers"
             );
         }
