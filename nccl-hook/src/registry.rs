@@ -1062,6 +1062,26 @@ mod tests {
         assert_eq!(reg.carve_own(OWN_ARENA, m, |_, _| None), None);
     }
 
+    /// Freeing a range whose lower neighbour is free makes one free range of both (the test
+    /// above frees the upper neighbour last, which covers only the merge with the range after).
+    #[test]
+    fn a_freed_range_merges_with_the_free_range_before_it() {
+        let mut reg = Registry::default();
+        let reserve = |_: u64, _: u64| Some(0x1000_0000_0000);
+        let m = 2 << 20;
+        let a = reg.carve_own(m, m, reserve).unwrap();
+        let b = reg.carve_own(2 * m, m, reserve).unwrap();
+        // Keeps b's end from touching the arena's free tail.
+        let c = reg.carve_own(m, m, reserve).unwrap();
+        assert_eq!((b - a, c - b), (m, 2 * m));
+        assert!(reg.free_range(a) && reg.free_range(b));
+        assert_eq!(
+            reg.carve_own(3 * m, m, reserve),
+            Some(a),
+            "a and b are one free range"
+        );
+    }
+
     #[test]
     fn imports_are_placed_as_their_owner_lays_them_out_block_by_block() {
         let mut reg = Registry::default();

@@ -92,6 +92,8 @@ fn load_a_torch_cuda_library() -> bool {
     // SAFETY: a library with no constructors, loaded for the rest of the process.
     let h = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
     assert!(!h.is_null());
+    // Loaded: its files are not needed any more, and no test leaves files behind.
+    std::fs::remove_dir_all(&dir).unwrap();
     true
 }
 

@@ -168,8 +168,8 @@ fn the_nccl_tag_honours_the_memory_margin_and_retention() {
 #[test]
 fn the_nccl_tag_takes_a_backup_policy_as_any_tag() {
     // mmap and disk keep the contents, as cpu does; discard keeps none.
-    let disk_dir = memsaver_scenarios::tempdir("nccl-disk");
-    let disk_dir = disk_dir.to_str().expect("a UTF-8 temp dir");
+    let disk_path = memsaver_scenarios::tempdir("nccl-disk");
+    let disk_dir = disk_path.to_str().expect("a UTF-8 temp dir");
     for (policy, extra, intact, backup) in [
         ("mmap", None, "true", 4u64 << 20),
         ("disk", Some(disk_dir), "true", 0),
@@ -201,6 +201,7 @@ fn the_nccl_tag_takes_a_backup_policy_as_any_tag() {
         r["allreduce_paused_rc"], "0/1",
         "a pause that failed leaves NCCL usable"
     );
+    std::fs::remove_dir_all(&disk_path).unwrap();
 }
 
 #[test]
