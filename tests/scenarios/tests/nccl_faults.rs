@@ -675,3 +675,30 @@ fn a_resume_that_fails_in_one_rank_returns_in_every_rank_and_the_retry_recovers(
     ok_or_slow(&mut job, "resume");
     job.check_all();
 }
+
+/// A pause whose exported buffers nobody holds any more (the peer freed its imports) returns as
+/// soon as its own work is done, not at the deadline: the rank's own report of the call's
+/// duration is far below `MEMSAVER_NCCL_TIMEOUT_MS` (a pause that waited its deadline out and
+/// then succeeded would still answer "ok").
+#[test]
+fn a_pause_that_nobody_holds_returns_without_waiting_for_the_deadline() {
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 43, false);
+    job.setup(4);
+    job.ok(&[1], "unimport");
+    job.one(0, "calls");
+    job.ok(&[0], "pause");
+    let calls = job.one(0, "calls");
+    let us: u64 = calls
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("us="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no duration in {calls:?}"));
+    assert!(
+        us < u64::from(PATIENT_MS) * 1000 / 6,
+        "the pause took {us} us of a {PATIENT_MS} ms deadline: it waited for nobody"
+    );
+    // The job goes on: rank 1 pauses too, and both resume together.
+    job.ok(&[1], "pause");
+    job.all_ok("resume");
+}

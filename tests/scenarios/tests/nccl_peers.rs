@@ -197,7 +197,9 @@ fn the_group_is_fixed_once_nccl_shared_memory() {
 
 /// With `headers`, a shared buffer's first 64 KiB come back and the rest holds zeros, as
 /// NCCL's own zeroed allocation did, even where the driver's fresh memory holds junk
-/// (`FAKE_CUDA_FRESH=junk`): stale bytes there could pass for a flag NCCL waits for.
+/// (`FAKE_CUDA_FRESH=junk`): stale bytes there could pass for a flag NCCL waits for. NCCL's
+/// private buffers, allocated right after the shared one, come back with it in one physical
+/// allocation (a run): every byte of theirs, and zeros only behind the shared one's header.
 #[test]
 fn backup_headers_keeps_the_control_blocks_of_shared_buffers_only() {
     let dirs = Dirs::new();
