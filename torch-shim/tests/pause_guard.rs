@@ -139,6 +139,21 @@ fn the_guard_is_asked_before_and_told_after_every_transition() {
         ]
     );
 
+    // A pause of every tag (NULL) asks about every tag of the table by name: the guard refuses
+    // it for `guard_refused` (an empty list would have let it through).
+    // SAFETY: NULL names every tag.
+    let rc = unsafe { memsaver_pause(std::ptr::null()) };
+    assert_eq!(rc, Status::PauseRefused as i32, "{}", last_error());
+    assert!(!paused("guard_a") && !paused("guard_refused"));
+    let calls = std::mem::take(&mut *CALLS.lock().unwrap());
+    let (event, tags) = &calls[0];
+    assert_eq!(*event, MEMSAVER_GUARD_BEFORE_PAUSE, "{calls:?}");
+    let tags: Vec<&str> = tags.as_deref().unwrap_or("").split(',').collect();
+    assert!(
+        tags.contains(&"guard_a") && tags.contains(&"guard_refused"),
+        "the guard was asked about {tags:?}"
+    );
+
     // The external tag `nccl` holds no torch memory: its pause is not asked about.
     assert_eq!(pause("nccl"), 0, "{}", last_error());
     assert_eq!(resume("nccl"), 0, "{}", last_error());
