@@ -60,6 +60,14 @@ demo: build fake-cuda python
 # skip a failure.
 test: fake-cuda test-rust test-python test-ray test-vllm
 
+# Every suite has a time limit of its own, so that a hung test fails `make test` instead of
+# hanging it, and the log names the test: libtest reports a test running for over 60 s, and
+# pytest (faulthandler_timeout) dumps the stacks of a test running for over 300 s.
+# `$(call within,SECONDS,SUITE,COMMAND)` runs COMMAND under that limit and says which suite ran
+# out of time.
+within = timeout $(1) $(3) || { rc=$$?; [ $$rc -ne 124 ] || echo "$(2): over $(1) s: a test hangs (named above: running for over 60 s, or the stacks dumped)" >&2; exit $$rc; }
+PYTEST_HANG := -o faulthandler_timeout=300
+
 # The NCCL-hook scenarios preload target/release/libmemsaver.so, which `cargo test` alone does
 # not link: build it first.
 test-rust: fake-cuda
@@ -67,14 +75,14 @@ test-rust: fake-cuda
 	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
 	trap 'rm -rf "$$state"' EXIT; \
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) MEMSAVER_FAKE_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) \
-	FAKE_CUDA_DIR=$$state $(CARGO) test --release --workspace
+	FAKE_CUDA_DIR=$$state $(call within,2400,test-rust,$(CARGO) test --release --workspace)
 
 test-python: fake-cuda python
 	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
 	trap 'rm -rf "$$state"' EXIT; \
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state \
 	MEMSAVER_FAKE_NCCL_LIB=$(CURDIR)/target/fake-nccl/libnccl.so.2 \
-	$(PY) -m pytest tests/python -q -rfEs
+	$(call within,1200,test-python,$(PY) -m pytest tests/python -q -rfEs $(PYTEST_HANG))
 
 # Ray actors driven through memsaver.control on a local Ray cluster (CPU, fake driver). Ray is
 # a large download, installed into .venv for this test only; an install that fails (no PyPI)
@@ -88,7 +96,7 @@ test-ray: fake-cuda python $(RAY)
 	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
 	trap 'rm -rf "$$state"' EXIT; \
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state RAY_USAGE_STATS_ENABLED=0 \
-	timeout 300 $(PY) -m pytest tests/ray -q -p no:cacheprovider
+	timeout 300 $(PY) -m pytest tests/ray -q -p no:cacheprovider $(PYTEST_HANG)
 
 # vLLM 0.33.0's sleep mode on memsaver's plugin (memsaver.vllm), on CPU and the fake driver.
 # vLLM is installed without its dependencies into a virtual environment of its own
@@ -142,8 +150,9 @@ test-vllm: fake-cuda python $(VLLM_STAMP) $(VLLM_SRC)/.stamp
 	trap 'rm -rf "$$state"' EXIT; \
 	export MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state \
 		LD_LIBRARY_PATH=$(CURDIR)/$(FAKE_DIR) VLLM_PLUGINS=memsaver; \
-	$(VLLM_PY) -m pytest tests/vllm -q -rfEs -p no:cacheprovider && \
-	cd $(VLLM_SRC) && MEMSAVER_VLLM=1 PYTHONPATH=$(CURDIR)/tests/vllm $(CURDIR)/$(VLLM_PY) -m pytest \
+	timeout 900 $(VLLM_PY) -m pytest tests/vllm -q -rfEs -p no:cacheprovider $(PYTEST_HANG) && \
+	cd $(VLLM_SRC) && MEMSAVER_VLLM=1 PYTHONPATH=$(CURDIR)/tests/vllm timeout 900 \
+		$(CURDIR)/$(VLLM_PY) -m pytest $(PYTEST_HANG) \
 		-q -rfEs -p no:cacheprovider -p load_vllm_plugins tests/v1/worker/test_sleep_mode_backend.py \
 		--deselect tests/v1/worker/test_sleep_mode_backend.py::test_worker_drives_communicator_suspension
 

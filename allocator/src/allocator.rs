@@ -216,9 +216,22 @@ impl Allocator {
 
     /// Waits until every requested backup buffer is prepared (or failed), and the backup
     /// reserve is pinned: for benchmarks and tests that need the first pause to find them
-    /// ready.
-    pub fn wait_backups_prepared(&self) {
-        self.preparer.wait_idle();
+    /// ready. An error when that takes longer than `within`, saying how much is still to do.
+    pub fn wait_backups_prepared(&self, within: std::time::Duration) -> Result<()> {
+        if self.preparer.wait_idle(std::time::Instant::now() + within) {
+            return Ok(());
+        }
+        Err(Error::Backup(format!(
+            "pinned backups still being prepared after {} ms: {} buffer(s) queued, in flight \
+             or being pinned, and the backup reserve {}",
+            within.as_millis(),
+            self.preparer.pending(),
+            if self.preparer.reserve_has_work() {
+                "still being pinned"
+            } else {
+                "done"
+            }
+        )))
     }
 
     /// Asks for a pinned buffer of `len` bytes on `device` to be prepared in the background for

@@ -340,6 +340,11 @@ impl Preparer {
             .map(HostBuffer::len)
     }
 
+    /// Whether the backup reserve still has pinning to do.
+    pub(crate) fn reserve_has_work(&self) -> bool {
+        self.reserve.has_work()
+    }
+
     /// Buffers queued or in flight, and backups whose rest is still to pin.
     pub(crate) fn pending(&self) -> u64 {
         let s = self.state.lock();
@@ -348,8 +353,9 @@ impl Preparer {
     }
 
     /// Waits until nothing is queued or in flight, and the reserve is pinned (as far as it
-    /// goes; not while it waits for a context).
-    pub(crate) fn wait_idle(&self) {
+    /// goes; not while it waits for a context), or until `deadline`. Returns whether it got
+    /// there.
+    pub(crate) fn wait_idle(&self, deadline: std::time::Instant) -> bool {
         let mut s = self.state.lock();
         while !s.stopping
             && (!s.queue.is_empty()
@@ -357,8 +363,11 @@ impl Preparer {
                 || s.in_flight.is_some()
                 || self.reserve.has_work())
         {
-            self.changed.wait(&mut s);
+            if self.changed.wait_until(&mut s, deadline).timed_out() {
+                return false;
+            }
         }
+        true
     }
 
     /// Stops the thread and frees every prepared buffer; for the owner's drop.

@@ -426,7 +426,8 @@ fn first_pause_of_a_cpu_tag_takes_the_backups_prepared_in_the_background() {
     for (i, p) in ptrs.iter().enumerate() {
         fill(*p, 4 * MIB, i as u8);
     }
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     let s = a.stats();
     let u = s.tag("prep").unwrap().usage;
     assert_eq!(s.backups_preparing, 0);
@@ -473,7 +474,8 @@ fn prepared_backups_stay_within_the_limit_and_the_rest_is_allocated_by_the_pause
     for _ in 0..3 {
         a.malloc(4 * MIB, 0, "lim", Policy::Cpu).unwrap();
     }
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     assert_eq!(a.stats().total.prepared_backup_bytes, 4 * MIB as u64);
     let before = a.driver().calls();
     a.pause(&["lim"]).unwrap();
@@ -486,7 +488,8 @@ fn prepared_backups_stay_within_the_limit_and_the_rest_is_allocated_by_the_pause
     // 0 turns it off for new allocations.
     a.set_backup_prepare_limit(0);
     a.malloc(4 * MIB, 0, "lim2", Policy::Cpu).unwrap();
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     assert_eq!(a.stats().total.prepared_backup_bytes, 0);
 }
 
@@ -497,7 +500,8 @@ fn nothing_is_prepared_without_retention_or_for_other_policies() {
     a.malloc(2 * MIB, 0, "dd", Policy::Discard).unwrap();
     a.set_retain_backups(false);
     a.malloc(2 * MIB, 0, "cc", Policy::Cpu).unwrap();
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     assert_eq!(a.stats().total.prepared_backup_bytes, 0);
 }
 
@@ -511,13 +515,15 @@ fn freeing_allocations_while_their_backups_are_prepared_leaks_no_pinned_memory()
             .collect();
         // Free some at once (queued or in flight), the rest once prepared.
         if round % 2 == 1 {
-            a.wait_backups_prepared();
+            a.wait_backups_prepared(std::time::Duration::from_secs(120))
+                .expect("backups prepared within 120 s");
         }
         for p in ptrs {
             a.free(p).unwrap();
         }
     }
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     assert_eq!(a.stats().total.prepared_backup_bytes, 0);
     let (ours, fakes) = (
         delta(&ours, &a.driver().calls()),
@@ -538,7 +544,8 @@ fn freeing_allocations_while_their_backups_are_prepared_leaks_no_pinned_memory()
 fn a_reused_address_never_receives_the_previous_allocations_buffer() {
     let a = allocator();
     let p = a.malloc(4 * MIB, 0, "reuse", Policy::Cpu).unwrap();
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     a.free(p).unwrap();
     // Not prepared: the next allocation's first pause allocates, whatever its address.
     a.set_backup_prepare_limit(0);
@@ -594,7 +601,8 @@ fn backups_are_pinned_in_bounded_steps_and_copies_split_at_them() {
         }
     }
     drop(held);
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     let calls = delta(&before, &a.driver().calls());
     assert_eq!(kind(&calls, "host_alloc"), 0, "no cuMemHostAlloc");
     assert_eq!(kind(&calls, "host_register"), 9, "three steps per backup");
@@ -709,7 +717,8 @@ fn malloc_never_waits_for_backups_being_prepared() {
     );
 
     drop(held);
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     let s = a.stats();
     assert_eq!(s.backups_preparing, 0);
     assert_eq!(

@@ -32,7 +32,8 @@ fn backups_are_prepared_during_a_capture_without_invalidating_it() {
     let p = a
         .malloc(2 * PIN_CHUNK, 0, "during_capture", Policy::Cpu)
         .unwrap();
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     let u = a.stats().tag("during_capture").unwrap().usage;
     assert_eq!(
         (u.prepared_backup_bytes, captures_invalidated()),

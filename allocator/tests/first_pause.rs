@@ -92,7 +92,8 @@ fn a_pause_before_preparation_started_never_waits_for_pinning() {
     assert_eq!(fake_pin_hold(), [1, 0]);
 
     drop(held);
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     assert_eq!(a.stats().backups_preparing, 0);
     fill(p, SIZE, 5);
     fill(q, 4 * MIB, 6);
@@ -182,7 +183,8 @@ fn a_pause_takes_a_partly_pinned_backup_as_it_stands() {
 
     assert_eq!(wait_pinning_held(1), 1, "the third step waits at the entry");
     drop(held);
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     assert_eq!(a.stats().backups_preparing, 0);
     fill(p, SIZE, 4);
     let (calls, copies) = (a.driver().calls(), fake_host_copies());
@@ -244,7 +246,8 @@ fn freeing_backups_still_to_pin_leaks_nothing() {
     assert_eq!(fake_pin_hold(), [1, 0], "free did not wait for it");
 
     drop(held);
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     let s = a.stats();
     assert_eq!(s.backups_preparing, 0);
     assert_eq!(
@@ -320,6 +323,7 @@ fn a_large_backlog_is_copied_through_staging_buffers() {
         "nothing waited for the hold's deadline"
     );
     drop(held);
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     a.free(p).unwrap();
 }

@@ -76,7 +76,8 @@ fn a_reserve_pinned_before_allocating_makes_the_first_pause_copy_into_pinned_mem
     let a = with_reserve(RESERVE, true);
     assert_eq!(reserve_figures(&a), (RESERVE as u64, 0, 0), "no device yet");
     a.device(0).unwrap();
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     assert_eq!(
         reserve_figures(&a),
         (RESERVE as u64, RESERVE as u64, 0),
@@ -146,7 +147,8 @@ fn a_reserve_pinned_before_allocating_makes_the_first_pause_copy_into_pinned_mem
 fn backups_released_go_back_to_the_reserve() {
     let a = with_reserve(RESERVE, false);
     a.device(0).unwrap();
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     let p = a.malloc(SIZE, 0, "cycled", Policy::Cpu).unwrap();
     let calls = a.driver().calls();
     for seed in 1..4 {
@@ -186,7 +188,8 @@ fn backups_released_go_back_to_the_reserve() {
     a.reserve_backups(0).unwrap();
     assert_eq!(reserve_figures(&a), (0, 0, 0));
     a.reserve_backups(SIZE as u64).unwrap();
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     assert_eq!(reserve_figures(&a), (SIZE as u64, SIZE as u64, 0));
     a.pause(&["cycled"]).unwrap();
     assert_eq!(reserve_figures(&a).2, SIZE as u64);
@@ -206,7 +209,8 @@ fn a_reserve_the_host_cannot_pin_whole_keeps_what_it_got() {
     let a = with_reserve(RESERVE, true);
     let limit = RegisterLimit::new(2 * PIN_CHUNK as u64);
     a.device(0).unwrap();
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     assert_eq!(
         reserve_figures(&a),
         (RESERVE as u64, 2 * PIN_CHUNK as u64, 0),
@@ -224,7 +228,8 @@ fn a_reserve_the_host_cannot_pin_whole_keeps_what_it_got() {
 
     // Asked for again (the host has room now): the rest is pinned.
     a.reserve_backups(RESERVE as u64).unwrap();
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     assert_eq!(
         reserve_figures(&a),
         (RESERVE as u64, RESERVE as u64, PIN_CHUNK as u64)
@@ -283,7 +288,8 @@ fn a_pause_while_the_reserve_is_being_pinned_never_waits_for_it() {
         "still held: the pause waited for no pinning"
     );
     drop(held);
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     assert_eq!(
         reserve_figures(&a),
         (RESERVE as u64, RESERVE as u64, 4 * MIB as u64)
@@ -301,10 +307,12 @@ fn a_pause_while_the_reserve_is_being_pinned_never_waits_for_it() {
 fn lowering_the_reserve_releases_the_free_part_beyond_it() {
     let a = with_reserve(4 * PIN_CHUNK, true);
     a.device(0).unwrap();
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     assert_eq!(reserve_figures(&a).1, 4 * PIN_CHUNK as u64);
     a.reserve_backups(PIN_CHUNK as u64).unwrap();
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     assert_eq!(
         reserve_figures(&a),
         (PIN_CHUNK as u64, PIN_CHUNK as u64, 0),
@@ -319,7 +327,8 @@ fn lowering_the_reserve_releases_the_free_part_beyond_it() {
 fn a_backup_carved_across_the_reserves_steps_is_copied_step_by_step() {
     let a = with_reserve(4 * PIN_CHUNK, true);
     a.device(0).unwrap();
-    a.wait_backups_prepared();
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared within 120 s");
     let q = a.malloc(4 * MIB, 0, "t", Policy::Cpu).unwrap(); // the reserve's first 4 MiB
     let size = 2 * PIN_CHUNK + 8 * MIB; // then [4, 44) MiB: across 16 and 32
     let p = a.malloc(size, 0, "t", Policy::Cpu).unwrap();
@@ -336,4 +345,31 @@ fn a_backup_carved_across_the_reserves_steps_is_copied_step_by_step() {
     assert!(check(p, size, 8) && check(q, 4 * MIB, 7));
     a.free(p).unwrap();
     a.free(q).unwrap();
+}
+
+/// A wait for the background work has a deadline: while the fake driver holds every pinning
+/// call, `wait_backups_prepared` returns an error at its deadline saying what is still to do
+/// (a pinning regression fails the tests that wait, instead of hanging them); once pinning goes
+/// on, the same wait succeeds.
+#[test]
+fn a_wait_for_prepared_backups_ends_at_its_deadline_with_what_is_left() {
+    let a = with_reserve(RESERVE, true);
+    let held = HeldPinning::new(PinHold::AtEntry);
+    a.device(0).unwrap();
+    let e = a
+        .wait_backups_prepared(std::time::Duration::from_millis(200))
+        .expect_err("pinning is held: the wait cannot complete");
+    let e = e.to_string();
+    assert!(
+        e.contains("still being prepared after 200 ms") && e.contains("reserve still being pinned"),
+        "{e}"
+    );
+    drop(held);
+    a.wait_backups_prepared(std::time::Duration::from_secs(120))
+        .expect("backups prepared once pinning goes on");
+    assert_eq!(
+        reserve_figures(&a).1,
+        RESERVE as u64,
+        "the reserve is pinned"
+    );
 }

@@ -360,7 +360,10 @@ fn scenario_backup_prepare_limit() {
         p
     };
     let prepared = |name: &str| -> u64 {
-        memsaver::allocator().unwrap().wait_backups_prepared();
+        memsaver::allocator()
+            .unwrap()
+            .wait_backups_prepared(std::time::Duration::from_secs(120))
+            .expect("backups prepared within 120 s");
         tag(&stats(), name)["prepared_backup_bytes"]
             .as_u64()
             .unwrap()

@@ -133,7 +133,9 @@ pub fn run(args: &[String], out: &mut dyn Write) -> Result<(), String> {
         }
     }
     let waited = Instant::now();
-    alloc.wait_backups_prepared();
+    alloc
+        .wait_backups_prepared(Duration::from_secs(600))
+        .map_err(|e| e.to_string())?;
     let prepared = alloc.stats().total.prepared_backup_bytes;
     outln!(
         out,
