@@ -373,3 +373,54 @@ fn a_wait_for_prepared_backups_ends_at_its_deadline_with_what_is_left() {
         "the reserve is pinned"
     );
 }
+
+/// Resizing the reserve pins only what is missing and releases only what is too much, counted
+/// in the driver's registration calls: growing pins the difference (a new segment), asking
+/// for the same size again does nothing, and shrinking back releases exactly the newer segment
+/// and pins nothing again.
+#[test]
+fn resizing_the_reserve_pins_only_the_difference_and_releases_only_the_excess() {
+    let a = with_reserve(2 * PIN_CHUNK, true);
+    a.device(0).unwrap();
+    let wait = |a: &TestAllocator| {
+        a.wait_backups_prepared(std::time::Duration::from_secs(120))
+            .expect("the reserve pinned within 120 s")
+    };
+    wait(&a);
+    let steps = |before: [u64; 15], a: &TestAllocator| {
+        let d = delta(before, a.driver().calls());
+        (kind(&d, "host_register"), kind(&d, "host_unregister"))
+    };
+    assert_eq!(
+        reserve_figures(&a),
+        (2 * PIN_CHUNK as u64, 2 * PIN_CHUNK as u64, 0)
+    );
+
+    let calls = a.driver().calls();
+    a.reserve_backups(4 * PIN_CHUNK as u64).unwrap();
+    wait(&a);
+    assert_eq!(steps(calls, &a), (2, 0), "growing pins the difference only");
+    assert_eq!(reserve_figures(&a).1, 4 * PIN_CHUNK as u64);
+
+    let calls = a.driver().calls();
+    a.reserve_backups(4 * PIN_CHUNK as u64).unwrap();
+    wait(&a);
+    assert_eq!(
+        steps(calls, &a),
+        (0, 0),
+        "the same size again changes nothing"
+    );
+
+    let calls = a.driver().calls();
+    a.reserve_backups(2 * PIN_CHUNK as u64).unwrap();
+    wait(&a);
+    assert_eq!(
+        steps(calls, &a),
+        (0, 2),
+        "shrinking releases the newer segment's two steps and pins nothing again"
+    );
+    assert_eq!(
+        reserve_figures(&a),
+        (2 * PIN_CHUNK as u64, 2 * PIN_CHUNK as u64, 0)
+    );
+}
