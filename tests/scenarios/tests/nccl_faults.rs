@@ -702,3 +702,44 @@ fn a_pause_that_nobody_holds_returns_without_waiting_for_the_deadline() {
     job.ok(&[1], "pause");
     job.all_ok("resume");
 }
+
+/// An importer asks its owner for a buffer the owner's NCCL freed inside a run that is still
+/// resident (a retired buffer): the owner answers at once that it cannot serve it, so the
+/// importer's resume ends far below `MEMSAVER_NCCL_TIMEOUT_MS` (read from the rank's own
+/// report), naming the owner, instead of waiting for a generation that will never come.
+#[test]
+fn a_request_for_a_buffer_freed_inside_a_live_run_is_answered_at_once() {
+    let dirs = Dirs::new();
+    let mut job = start(&dirs, 2, 45, false);
+    job.all_ok("alloc 2");
+    job.ok(&[0], "private 1 2");
+    job.all_ok("exchange");
+    job.all_ok("pause");
+    job.all_ok("resume");
+    assert_eq!(
+        job.nccl_stats(0)["runs"],
+        1,
+        "rank 0's two buffers in one run"
+    );
+    // Rank 0 holds nothing of rank 1's; rank 1 pauses alone and lets go of rank 0's run.
+    job.ok(&[0], "unimport");
+    job.ok(&[1], "pause");
+    // Rank 0's NCCL frees its shared buffer: the run stays, resident, with the private one.
+    job.ok(&[0], "ofree");
+    job.one(1, "calls");
+    let a = job.one(1, "resume");
+    let calls = job.one(1, "calls");
+    let us: u64 = calls
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("us="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no duration in {calls:?}"));
+    assert!(
+        us < u64::from(PATIENT_MS) * 1000 / 6,
+        "the resume took {us} us of a {PATIENT_MS} ms deadline: {a}"
+    );
+    assert_peer_error(
+        &a,
+        &[&format!("process {}", job.pid(0)), "could not export"],
+    );
+}
