@@ -78,6 +78,17 @@ fn stop(job: &Job, r: usize) {
     );
 }
 
+/// How long rank `r`'s last pause or resume took, in µs, as the rank measured it (its `calls`
+/// report, which also resets its call counts).
+fn last_call_us(job: &mut Job, r: usize) -> u64 {
+    let calls = job.one(r, "calls");
+    calls
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("us="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no duration in {calls:?}"))
+}
+
 /// Asserts that `a` is a Peer error (MEMSAVER_ERR_PEER = 11) containing every one of `parts`.
 fn assert_peer_error(a: &str, parts: &[&str]) {
     assert!(a.starts_with("err 11 "), "{a}");
@@ -688,12 +699,7 @@ fn a_pause_that_nobody_holds_returns_without_waiting_for_the_deadline() {
     job.ok(&[1], "unimport");
     job.one(0, "calls");
     job.ok(&[0], "pause");
-    let calls = job.one(0, "calls");
-    let us: u64 = calls
-        .split_whitespace()
-        .find_map(|kv| kv.strip_prefix("us="))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no duration in {calls:?}"));
+    let us = last_call_us(&mut job, 0);
     assert!(
         us < u64::from(PATIENT_MS) * 1000 / 6,
         "the pause took {us} us of a {PATIENT_MS} ms deadline: it waited for nobody"
@@ -728,12 +734,7 @@ fn a_request_for_a_buffer_freed_inside_a_live_run_is_answered_at_once() {
     job.ok(&[0], "ofree");
     job.one(1, "calls");
     let a = job.one(1, "resume");
-    let calls = job.one(1, "calls");
-    let us: u64 = calls
-        .split_whitespace()
-        .find_map(|kv| kv.strip_prefix("us="))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no duration in {calls:?}"));
+    let us = last_call_us(&mut job, 1);
     assert!(
         us < u64::from(PATIENT_MS) * 1000 / 6,
         "the resume took {us} us of a {PATIENT_MS} ms deadline: {a}"
