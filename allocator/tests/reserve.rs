@@ -387,35 +387,23 @@ fn resizing_the_reserve_pins_only_the_difference_and_releases_only_the_excess() 
             .expect("the reserve pinned within 120 s")
     };
     wait(&a);
-    let steps = |before: [u64; 15], a: &TestAllocator| {
-        let d = delta(before, a.driver().calls());
-        (kind(&d, "host_register"), kind(&d, "host_unregister"))
-    };
     assert_eq!(
         reserve_figures(&a),
         (2 * PIN_CHUNK as u64, 2 * PIN_CHUNK as u64, 0)
     );
-
-    let calls = a.driver().calls();
-    a.reserve_backups(4 * PIN_CHUNK as u64).unwrap();
-    wait(&a);
-    assert_eq!(steps(calls, &a), (2, 0), "growing pins the difference only");
+    // Sets the reserve to `chunks` steps and waits: (registrations, unregistrations) it made.
+    let resize = |chunks: usize| {
+        let before = a.driver().calls();
+        a.reserve_backups((chunks * PIN_CHUNK) as u64).unwrap();
+        wait(&a);
+        let d = delta(before, a.driver().calls());
+        (kind(&d, "host_register"), kind(&d, "host_unregister"))
+    };
+    assert_eq!(resize(4), (2, 0), "growing pins the difference only");
     assert_eq!(reserve_figures(&a).1, 4 * PIN_CHUNK as u64);
-
-    let calls = a.driver().calls();
-    a.reserve_backups(4 * PIN_CHUNK as u64).unwrap();
-    wait(&a);
+    assert_eq!(resize(4), (0, 0), "the same size again changes nothing");
     assert_eq!(
-        steps(calls, &a),
-        (0, 0),
-        "the same size again changes nothing"
-    );
-
-    let calls = a.driver().calls();
-    a.reserve_backups(2 * PIN_CHUNK as u64).unwrap();
-    wait(&a);
-    assert_eq!(
-        steps(calls, &a),
+        resize(2),
         (0, 2),
         "shrinking releases the newer segment's two steps and pins nothing again"
     );

@@ -430,6 +430,17 @@ impl Job {
         (a, t.elapsed())
     }
 
+    /// How long rank `r`'s last pause or resume took, in µs, as the rank measured it (its
+    /// `calls` report, which also resets its call counts).
+    pub fn last_call_us(&mut self, r: usize) -> u64 {
+        let calls = self.one(r, "calls");
+        calls
+            .split_whitespace()
+            .find_map(|kv| kv.strip_prefix("us="))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no duration in {calls:?}"))
+    }
+
     /// Sends `cmd` to the given ranks at once; each must answer `ok`.
     pub fn ok(&mut self, which: &[usize], cmd: &str) {
         for (r, a) in which.iter().zip(self.on(which, cmd)) {
