@@ -50,8 +50,10 @@ pub enum Error {
     },
 
     #[error(
-        "{op} of tag(s) {} left {failed} allocation(s) in their previous state: {first}",
-        .tags.join(", ")
+        "{op} of tag(s) {} left {failed} allocation(s) in their previous state ({}): {first}; \
+         what completed stays done: fix the cause and call {op} again",
+        .tags.join(", "),
+        if *.op == "resume" { "paused" } else { "resident" }
     )]
     Incomplete {
         op: &'static str,

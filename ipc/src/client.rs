@@ -213,6 +213,8 @@ pub struct Served {
     pub offset: u64,
     /// The size of the memory the fd is.
     pub size: u64,
+    /// The owner's epoch when it served it ([`crate::epoch`]).
+    pub epoch: u64,
 }
 
 /// What an owner answered for one buffer asked of it.
@@ -286,6 +288,7 @@ pub(crate) fn answers(
                     generation,
                     offset,
                     size,
+                    epoch,
                 },
                 Some(fd),
             ) if got == id => {
@@ -295,6 +298,7 @@ pub(crate) fn answers(
                     generation,
                     offset,
                     size,
+                    epoch,
                 }));
                 continue;
             }
@@ -308,6 +312,7 @@ pub(crate) fn answers(
                 want.generation,
                 wait.as_millis()
             )),
+            (Reply::Error { message, .. }, None) => Error::OwnerFailed { pid, message },
             (Reply::Failed { .. }, _) => Error::Other(format!(
                 "process {pid} could not export buffer {id:#x} (its driver failed, or the \
                  buffer was freed there)"
@@ -399,6 +404,20 @@ pub fn notify_released(group: i64, owner: u32, buffers: &[Buffer], wait: Duratio
     Ok(())
 }
 
+/// Tells `owner` that this process's own pause failed (`message`) and left some of its
+/// imports of `owner`'s buffers mapped.
+pub fn notify_pause_failed(group: i64, owner: u32, message: &str, wait: Duration) -> Result<()> {
+    let owner = owner_identity(owner)?;
+    let request = Request::PauseFailed {
+        from: identity::me(),
+        to: owner,
+        group,
+        message: message.to_owned(),
+    };
+    exchange(group, &owner, request, 1, wait)?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -422,6 +441,7 @@ mod tests {
             generation,
             offset: 0,
             size: 1 << 20,
+            epoch: 2,
         };
         (reply, Some(fd))
     }
@@ -488,6 +508,7 @@ mod tests {
                         generation: 5,
                         offset: 0,
                         size: 1,
+                        epoch: 0,
                     },
                     None,
                 ),

@@ -44,6 +44,9 @@ pub enum Error {
     /// The owner has the memory paused.
     #[error("process {pid} has this memory paused: resume its tag in process {pid} first")]
     Paused { pid: u32 },
+    /// The owner's own resume of the memory failed, leaving it paused there; its error.
+    #[error("process {pid}'s own resume failed: {message}")]
+    OwnerFailed { pid: u32, message: String },
     /// The exchange broke on the wire: a deadline passed, the connection closed, an answer that
     /// does not decode or is not the one expected.
     #[error("process {pid}: {what}")]

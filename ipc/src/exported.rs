@@ -236,6 +236,17 @@ struct Ledger {
     tombs: HashMap<Id, Vec<Tomb>>,
     /// Tombstones laid so far ([`Tomb::laid`]).
     laid: u64,
+    /// Changes of the collective exports' state so far (pauses and resumes that marked some),
+    /// published for the importers ([`crate::epoch`]) and given with each answer.
+    epoch: u64,
+    /// Why the owner's last resume of its collective exports failed, while it left some
+    /// paused: an open waiting for one of those is answered with it at once
+    /// ([`Reply::Error`]) instead of at the end of its wait. Cleared when a resume starts.
+    resume_failed: Option<String>,
+    /// Importers of collective exports whose own pause failed, leaving imports mapped, with
+    /// their error ([`Request::PauseFailed`]): a pause stops waiting for them and names them
+    /// with it. Forgotten at the importer's next notice or open (it went on).
+    pause_failed: BTreeMap<Identity, String>,
 }
 
 impl Ledger {
@@ -307,6 +318,9 @@ impl Ledger {
         };
         drop_kept_fd(&mut e);
         self.bury(id, &e);
+        if id.0 == Delivery::Collective && e.memory == Memory::Paused {
+            self.publish();
+        }
         true
     }
 
@@ -369,9 +383,10 @@ impl Ledger {
     }
 
     /// Moves the exports `ids` of `delivery` to `memory` (a resume: their next generation);
-    /// returns their importers.
+    /// returns their importers. Collective exports moved raise the epoch, published.
     fn mark(&mut self, delivery: Delivery, ids: &[u64], memory: Memory) -> BTreeSet<Identity> {
         let mut importers = BTreeSet::new();
+        let mut moved = false;
         for id in ids {
             let Some(e) = self.exports.get_mut(&(delivery, *id)) else {
                 continue;
@@ -382,13 +397,32 @@ impl Ledger {
                 Memory::Resident => e.generation += 1,
             }
             e.memory = memory;
+            moved = true;
             importers.extend(e.importers.keys().copied());
+        }
+        if moved && delivery == Delivery::Collective {
+            self.epoch += 1;
+            self.publish();
         }
         importers
     }
 
-    /// The importers that map the current generation of a paused [`Delivery::Collective`]
-    /// export, with those exports' ids (what a collective pause waits for), less the importers
+    /// Publishes the epoch, and whether a collective export is paused ([`crate::epoch`]).
+    fn publish(&self) {
+        let paused = self
+            .exports
+            .iter()
+            .any(|((d, _), e)| *d == Delivery::Collective && e.memory == Memory::Paused);
+        crate::epoch::publish(crate::epoch::Word {
+            epoch: self.epoch,
+            paused,
+        });
+    }
+
+    /// The importers that map a generation of a paused [`Delivery::Collective`] export, the
+    /// current one or one an earlier pause gave up on (a stopped importer's, say: its memory
+    /// is not free either), with those exports' ids (what a collective pause waits for and
+    /// reports), less the importers
     /// that `running` says exited; second, every importer of a collective export or of a
     /// tombstone that exited (nobody else finds those: no courier reaches them).
     fn holders(&self, running: impl Fn(&Identity) -> bool) -> (Holders, Vec<Identity>) {
@@ -408,7 +442,7 @@ impl Ledger {
                 continue;
             }
             for (who, i) in &e.importers {
-                if i.has == Has::Mapped(e.generation) {
+                if matches!(i.has, Has::Mapped(_)) {
                     holders.entry(*who).or_default().push(*id);
                 }
             }
@@ -427,6 +461,7 @@ impl Ledger {
     /// one named with its key whose generation it is recorded to map is now released. Anything
     /// else (another generation, a wrong key) changes nothing.
     fn released(&mut self, from: &Identity, items: &[Buffer]) {
+        self.pause_failed.remove(from);
         for b in items {
             if let Some(e) = self.exports.get_mut(&(Delivery::Collective, b.id))
                 && same_key(e.key, b)
@@ -495,6 +530,7 @@ impl Ledger {
         }
         self.tombs.retain(|_, ts| !ts.is_empty());
         self.failures.remove(who);
+        self.pause_failed.remove(who);
         self.errands.remove(who);
     }
 
@@ -681,23 +717,41 @@ pub fn resumed(ids: &[u64]) {
         .mark(Delivery::Collective, ids, Memory::Resident);
 }
 
-/// Importers that still map the current generation of paused exports, by identity, with the
-/// ids of those exports.
+/// The owner's resume of its [`Delivery::Collective`] exports starts: a failure of the one
+/// before is forgotten (opens wait for this one).
+pub fn resume_started() {
+    LEDGER.lock().resume_failed = None;
+}
+
+/// The owner's resume of its [`Delivery::Collective`] exports failed (`why`, the error it
+/// returns), leaving some paused: opens of those are answered with `why` at once, until the
+/// next resume starts, instead of at the end of their wait.
+pub fn resume_failed(why: String) {
+    LEDGER.lock().resume_failed = Some(why);
+}
+
+/// Importers that still map a generation of paused exports, by identity, with the ids of
+/// those exports.
 pub type Holders = BTreeMap<Identity, Vec<u64>>;
 
 /// How often [`wait_released`] looks for importers that exited (a release wakes it at once).
 const EXIT_POLL: Duration = Duration::from_millis(2);
 
-/// A collective pause's wait: until no live importer maps the current generation of a paused
+/// What a collective pause's wait found: the importers still holding, and the errors of
+/// those whose own pause failed ([`Request::PauseFailed`]).
+pub type Held = (Holders, BTreeMap<Identity, String>);
+
+/// A collective pause's wait: until no live importer maps a generation of a paused
 /// [`Delivery::Collective`] export (also those paused by an earlier pause that did not
-/// complete), or `deadline`. Importers that exited are forgotten (their mappings went with
-/// them). Returns those still holding at the deadline; progress lines (naming `setting`) say
-/// `describe(holders)`, called with no lock of this module held.
+/// complete), every one that still does said its own pause failed, or `deadline`. Importers
+/// that exited are forgotten (their mappings went with them). Returns those still holding;
+/// progress lines (naming `setting`) say `describe(holders)`, called with no lock of this
+/// module held.
 pub fn wait_released(
     deadline: Instant,
     setting: &'static str,
     describe: &dyn Fn(&Holders) -> String,
-) -> Holders {
+) -> Held {
     let mut progress = Progress::new(deadline, setting);
     let mut l = LEDGER.lock();
     loop {
@@ -705,13 +759,25 @@ pub fn wait_released(
         for who in &exited {
             l.forget(who);
         }
-        if holders.is_empty() || Instant::now() >= deadline {
-            return holders;
+        let failed: BTreeMap<Identity, String> = holders
+            .keys()
+            .filter_map(|w| Some((*w, l.pause_failed.get(w)?.clone())))
+            .collect();
+        if failed.len() == holders.len() || Instant::now() >= deadline {
+            return (holders, failed);
         }
         parking_lot::MutexGuard::unlocked(&mut l, || progress.say(|| describe(&holders)));
         let poll = Instant::now() + EXIT_POLL;
         SETTLED.wait_until(&mut l, progress.next().min(poll));
     }
+}
+
+/// The owner's answer to `from`'s word that its own pause failed, leaving imports of
+/// [`Delivery::Collective`] exports mapped ([`Request::PauseFailed`]).
+pub fn serve_pause_failed(conn: &Connection, from: &Identity, message: String) {
+    LEDGER.lock().pause_failed.insert(*from, message);
+    SETTLED.notify_all();
+    let _ = conn.send(&Reply::Done, None, Instant::now() + WRITE_TIMEOUT);
 }
 
 /// The owner's answer to `from`'s notice that it released its imports `items` of
@@ -841,6 +907,7 @@ fn answer(
     backing: &mut dyn Backing,
 ) -> Vec<Answer> {
     let mut out = Vec::with_capacity(items.len());
+    l.pause_failed.remove(from);
     for b in items {
         match l.named(delivery, b) {
             Named::Export => {}
@@ -859,6 +926,12 @@ fn answer(
         let e = l.exports.get_mut(&(delivery, b.id)).expect("named above");
         let ready = e.memory == Memory::Resident && e.generation >= b.generation;
         if !(ready || backing.stays(b.id)) {
+            if let (Some(why), Memory::Paused) = (&l.resume_failed, e.memory) {
+                // The owner's resume failed: no generation comes until it resumes again.
+                let message = why.clone();
+                out.push((Reply::Error { status: 0, message }, None));
+                continue;
+            }
             break;
         }
         let m = match backing.export(b.id, &mut e.fd) {
@@ -906,6 +979,7 @@ fn answer(
                 generation,
                 offset: m.offset,
                 size: m.handle_size as u64,
+                epoch: l.epoch,
             },
         };
         out.push((reply, Some(m.fd)));
@@ -1526,7 +1600,7 @@ mod tests {
         assert!(matches!(
             a.as_slice(),
             [
-                (Reply::Export { id: 1, generation: 0, offset: 4096, size }, Some(_)),
+                (Reply::Export { id: 1, generation: 0, offset: 4096, size, epoch: 0 }, Some(_)),
                 (Reply::Export { id: 2, generation: 0, .. }, Some(_)),
             ] if *size == 3 << 20
         ));
@@ -1593,6 +1667,39 @@ mod tests {
         ));
     }
 
+    /// Each pause and each resume that moves collective exports raises the epoch once (a
+    /// courier export's do not), and an answer carries the epoch of its moment. After a resume
+    /// that failed, an open waiting for an export it left paused is answered with the failure
+    /// at once, until the next resume starts; a resident export is served as usual meanwhile.
+    #[test]
+    fn epochs_count_the_collective_marks_and_a_failed_resume_answers_its_waiting_opens() {
+        let (mut l, items) = collective(&[1, 2]);
+        let mut layer = Layer::default();
+        let next = at(&items, 1);
+        l.mark(C, &[1, 2], Memory::Paused);
+        l.mark(Delivery::Courier, &[1], Memory::Paused);
+        l.mark(C, &[9], Memory::Paused);
+        assert_eq!(l.epoch, 1, "one collective pause that marked something");
+        l.mark(C, &[1], Memory::Resident);
+        assert_eq!(l.epoch, 2);
+        l.resume_failed = Some("out of device memory".into());
+        let a = answer(&mut l, C, &importer(5), &next, &mut layer);
+        assert!(
+            matches!(
+                a.as_slice(),
+                [
+                    (Reply::Export { id: 1, generation: 1, epoch: 2, .. }, Some(_)),
+                    (Reply::Error { message, .. }, None),
+                ] if message == "out of device memory"
+            ),
+            "{a:?}"
+        );
+        assert_eq!(has(&l, (C, 2), 5), None, "nothing served of export 2");
+        // The next resume started: opens wait for it again.
+        l.resume_failed = None;
+        assert!(answer(&mut l, C, &importer(5), &next[1..], &mut layer).is_empty());
+    }
+
     #[test]
     fn a_courier_rebuild_is_recorded_by_its_acknowledgement_not_by_the_open() {
         let mut l = Ledger::default();
@@ -1635,7 +1742,7 @@ mod tests {
     }
 
     #[test]
-    fn a_collective_pause_waits_for_live_importers_of_the_current_generation_only() {
+    fn a_collective_pause_waits_for_live_importers_of_any_generation_it_released() {
         let (mut l, items) = collective(&[1, 2]);
         let mut layer = Layer::default();
         for who in [5, 6, 7, 8] {
@@ -1657,11 +1764,17 @@ mod tests {
             Holders::from([(importer(5), vec![1, 2]), (importer(7), vec![2])])
         );
         assert_eq!(exited, vec![importer(6), importer(8)]);
-        // The owner resumed without them (a pause that failed): they map an older generation,
-        // which the next pause cannot free, so it waits for nobody.
+        // The owner resumed without them (a pause that failed): they still map the older
+        // generation, whose memory is not free while they do, so the next pause waits for
+        // them too (and names them); 7 is gone meanwhile.
         l.mark(C, &[1, 2], Memory::Resident);
         l.mark(C, &[1, 2], Memory::Paused);
-        assert_eq!(l.holders(|_| true).0, Holders::new());
+        let (holders, _) = l.holders(|who| ![6, 7, 8].contains(&who.pid));
+        assert_eq!(holders, Holders::from([(importer(5), vec![1, 2])]));
+        // Its notice of the generation it maps lets go of it.
+        l.released(&importer(5), &items);
+        let (holders, _) = l.holders(|who| ![6, 8].contains(&who.pid));
+        assert_eq!(holders, Holders::from([(importer(7), vec![2])]));
     }
 
     #[test]

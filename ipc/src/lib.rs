@@ -17,6 +17,7 @@
 //! * [`log`]: the rate-limited log of the threads that serve other processes;
 //! * [`deadline`]: talking to several peers at once under one deadline;
 //! * [`token`]: what an owner hands out instead of an exported buffer's fd;
+//! * [`epoch`]: an owner's count of its pauses and resumes, in a file its importers read;
 //! * [`server`]: a process's server: admission (user, pid namespace, identity, group) and
 //!   routing of each request to the [`server::Handler`] a layer above registered for it;
 //! * [`client`]: connecting to another process's server, and the importer's side of exported
@@ -34,6 +35,7 @@
 pub mod client;
 pub mod control;
 pub mod deadline;
+pub mod epoch;
 pub mod error;
 pub mod exported;
 pub mod frame;

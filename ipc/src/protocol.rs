@@ -16,8 +16,9 @@
 //!
 //! | kind | message | fields | answer |
 //! | --- | --- | --- | --- |
-//! | 0x01 | [`Request::Import`] | from, to (identities), group, buffers (id, key, generation) | one [`Reply::Export`] (fd attached), `NotReady`, `Failed` or `Gone` per buffer, in order; or `Refused` (not admitted, or a buffer that the owner neither has nor freed with that key) |
+//! | 0x01 | [`Request::Import`] | from, to (identities), group, buffers (id, key, generation) | one [`Reply::Export`] (fd attached), `NotReady`, `Failed`, `Gone` or `Error` (the owner's resume failed and left the buffer paused: its message) per buffer, in order; or `Refused` (not admitted, or a buffer that the owner neither has nor freed with that key) |
 //! | 0x02 | [`Request::Released`] | from, to, group, buffers | [`Reply::Done`], or `Refused` |
+//! | 0x0b | [`Request::PauseFailed`] | from, to, group, message (`u16` length, UTF-8, at most [`MAX_TEXT`] bytes) | `Done`, or `Refused` |
 //! | 0x03 | [`Control::Pause`] | from, to, group, tags | `Done`, `Error` or `Refused` |
 //! | 0x04 | [`Control::Resume`] | from, to, group, tags | `Done`, `Error` or `Refused` |
 //! | 0x05 | [`Control::Stats`] | from, to, group | `Json`, `Error` or `Refused` |
@@ -26,7 +27,7 @@
 //! | 0x08 | [`Request::Shared`] [`Share::Close`] | from, to, group, buffers | `Done`, or `Refused` |
 //! | 0x09 | [`Request::Shared`] [`Share::Release`] (owner to importer) | from, to, group, buffers | `Done` once the importer unmapped and released them, or `Refused` |
 //! | 0x0a | [`Request::Shared`] [`Share::Rebuild`] (owner to importer) | from, to, group, buffers (the new generation) | `Done` once the importer mapped them again (`Error` if it could not), or `Refused` |
-//! | 0x81 | [`Reply::Export`] | id, generation, offset, size (of the memory the fd is); the fd by `SCM_RIGHTS` | |
+//! | 0x81 | [`Reply::Export`] | id, generation, offset, size (of the memory the fd is), epoch (the owner's, when served: [`crate::epoch`]); the fd by `SCM_RIGHTS` | |
 //! | 0x83 | [`Reply::NotReady`] | id: not restored within the owner's wait | |
 //! | 0x84 | [`Reply::Failed`] | id: the owner's export failed | |
 //! | 0x8a | [`Reply::Gone`] | id: the owner freed the buffer, which the importer still held | |
@@ -95,6 +96,15 @@ pub enum Request {
         group: i64,
         buffers: Vec<Buffer>,
     },
+    /// `from`'s own pause failed and left some of its imports of the addressee's buffers
+    /// mapped: its error (at most [`MAX_TEXT`] bytes). The owner waiting for those stops
+    /// waiting for `from`, and names it with that error.
+    PauseFailed {
+        from: Identity,
+        to: Identity,
+        group: i64,
+        message: String,
+    },
     /// About allocations of the owner shared with other processes ([`Share`]).
     Shared {
         from: Identity,
@@ -150,12 +160,15 @@ pub enum Reply {
     /// The owner exports buffer `id` at `generation`: its fd comes with the frame. The fd is
     /// of memory of `size` bytes in which the buffer starts at `offset`: the buffer's own
     /// (0 and the buffer's size) or one the owner shares between adjacent buffers, which an
-    /// importer maps whole, `offset` bytes before where it maps the buffer.
+    /// importer maps whole, `offset` bytes before where it maps the buffer. `epoch`: the
+    /// owner's epoch when it served it ([`crate::epoch`]): while the owner's published epoch is
+    /// no later, the generation served is the owner's current one.
     Export {
         id: u64,
         generation: u64,
         offset: u64,
         size: u64,
+        epoch: u64,
     },
     /// Buffer `id` was not restored within the owner's wait.
     NotReady {
@@ -242,6 +255,7 @@ const OPEN: u8 = 0x07;
 const CLOSE: u8 = 0x08;
 const RELEASE: u8 = 0x09;
 const REBUILD: u8 = 0x0a;
+const PAUSE_FAILED: u8 = 0x0b;
 
 /// Reads fields off a body, front to back.
 struct Cursor<'a>(&'a [u8]);
@@ -337,6 +351,9 @@ impl Request {
             | Self::Released {
                 from, to, group, ..
             }
+            | Self::PauseFailed {
+                from, to, group, ..
+            }
             | Self::Shared {
                 from, to, group, ..
             }
@@ -352,6 +369,7 @@ impl Request {
         let kind = match self {
             Self::Import { .. } => IMPORT,
             Self::Released { .. } => RELEASED,
+            Self::PauseFailed { .. } => PAUSE_FAILED,
             Self::Shared { op, .. } => match op {
                 Share::Open => OPEN,
                 Share::Close => CLOSE,
@@ -383,6 +401,11 @@ impl Request {
                     out.extend_from_slice(&i.generation.to_le_bytes());
                 }
             }
+            Self::PauseFailed { message, .. } => {
+                let message = clip(message, MAX_TEXT);
+                out.extend_from_slice(&(message.len() as u16).to_le_bytes());
+                out.extend_from_slice(message.as_bytes());
+            }
             Self::Control { op, .. } => op.encode(&mut out),
         }
         out
@@ -394,13 +417,34 @@ impl Request {
         let kind = c.u8()?;
         if !matches!(
             kind,
-            IMPORT | RELEASED | PAUSE | RESUME | STATS | RUN | OPEN | CLOSE | RELEASE | REBUILD
+            IMPORT
+                | RELEASED
+                | PAUSE_FAILED
+                | PAUSE
+                | RESUME
+                | STATS
+                | RUN
+                | OPEN
+                | CLOSE
+                | RELEASE
+                | REBUILD
         ) {
             return Err(DecodeError::UnknownKind(kind));
         }
         let from = c.identity()?;
         let to = c.identity()?;
         let group = c.u64()? as i64;
+        if kind == PAUSE_FAILED {
+            let n = c.u16()? as usize;
+            let message = c.text(n, MAX_TEXT)?;
+            c.finish()?;
+            return Ok(Self::PauseFailed {
+                from,
+                to,
+                group,
+                message,
+            });
+        }
         let op = match kind {
             PAUSE => Some(Control::Pause { tags: c.tags()? }),
             RESUME => Some(Control::Resume { tags: c.tags()? }),
@@ -551,9 +595,10 @@ impl Reply {
                 generation,
                 offset,
                 size,
+                epoch,
             } => {
                 out.push(R_EXPORT);
-                for v in [id, generation, offset, size] {
+                for v in [id, generation, offset, size, epoch] {
                     out.extend_from_slice(&v.to_le_bytes());
                 }
             }
@@ -609,6 +654,7 @@ impl Reply {
                 generation: c.u64()?,
                 offset: c.u64()?,
                 size: c.u64()?,
+                epoch: c.u64()?,
             },
             R_NOT_READY => Self::NotReady { id: c.u64()? },
             R_FAILED => Self::Failed { id: c.u64()? },
@@ -707,53 +753,68 @@ mod tests {
 
     fn request() -> impl Strategy<Value = Request> {
         (
-            0u8..4,
+            0u8..5,
             identity(),
             identity(),
             any::<i64>(),
             buffers(),
             control(),
             share(),
+            "\\PC{0,64}",
         )
-            .prop_map(|(kind, from, to, group, buffers, op, share)| match kind {
-                0 => Request::Import {
-                    from,
-                    to,
-                    group,
-                    buffers,
+            .prop_map(
+                |(kind, from, to, group, buffers, op, share, message)| match kind {
+                    0 => Request::Import {
+                        from,
+                        to,
+                        group,
+                        buffers,
+                    },
+                    1 => Request::Released {
+                        from,
+                        to,
+                        group,
+                        buffers,
+                    },
+                    2 => Request::Shared {
+                        from,
+                        to,
+                        group,
+                        op: share,
+                        buffers,
+                    },
+                    3 => Request::PauseFailed {
+                        from,
+                        to,
+                        group,
+                        message,
+                    },
+                    _ => Request::Control {
+                        from,
+                        to,
+                        group,
+                        op,
+                    },
                 },
-                1 => Request::Released {
-                    from,
-                    to,
-                    group,
-                    buffers,
-                },
-                2 => Request::Shared {
-                    from,
-                    to,
-                    group,
-                    op: share,
-                    buffers,
-                },
-                _ => Request::Control {
-                    from,
-                    to,
-                    group,
-                    op,
-                },
-            })
+            )
     }
 
     fn reply() -> impl Strategy<Value = Reply> {
         prop_oneof![
-            (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
-                |(id, generation, offset, size)| Reply::Export {
+            (
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>()
+            )
+                .prop_map(|(id, generation, offset, size, epoch)| Reply::Export {
                     id,
                     generation,
                     offset,
-                    size
-                }
-            ),
+                    size,
+                    epoch,
+                }),
             any::<u64>().prop_map(|id| Reply::NotReady { id }),
             any::<u64>().prop_map(|id| Reply::Failed { id }),
             any::<u64>().prop_map(|id| Reply::Gone { id }),
@@ -820,7 +881,9 @@ mod tests {
                    | Request::Shared { buffers, .. }) => {
                     prop_assert_eq!(buffers.len() * BUFFER, tail.len());
                 }
-                Ok(Request::Control { .. }) => prop_assert!(false, "kinds with buffers only"),
+                Ok(Request::Control { .. } | Request::PauseFailed { .. }) => {
+                    prop_assert!(false, "kinds with buffers only")
+                }
                 Err(e) => prop_assert!(matches!(e, DecodeError::Truncated
                     | DecodeError::TrailingBytes(_) | DecodeError::TooManyBuffers(_))),
             }

@@ -62,7 +62,8 @@ pub const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The services of the protocol, each answered by one layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Service {
-    /// The buffers this process exports: [`Request::Import`] and [`Request::Released`].
+    /// The buffers this process exports: [`Request::Import`], [`Request::Released`] and
+    /// [`Request::PauseFailed`].
     Buffers,
     /// [`Request::Control`]: this process's allocator, run for another process.
     Control,
@@ -75,7 +76,9 @@ impl Service {
     /// The service a request is for.
     pub fn of(request: &Request) -> Self {
         match request {
-            Request::Import { .. } | Request::Released { .. } => Self::Buffers,
+            Request::Import { .. } | Request::Released { .. } | Request::PauseFailed { .. } => {
+                Self::Buffers
+            }
             Request::Control { .. } => Self::Control,
             Request::Shared { .. } => Self::Shared,
         }
@@ -147,13 +150,17 @@ pub fn peer_cred(s: &UnixStream) -> std::io::Result<(u32, u32)> {
 }
 
 /// The socket this process serves, removed at exit by this process only.
-static SERVING: OnceLock<(Dir, String, u32)> = OnceLock::new();
+/// This process's entries in its group's directory (the socket, the epoch file), removed at
+/// exit, and the pid that made them (a child forked since does not remove them).
+static SERVING: OnceLock<(Dir, Vec<String>, u32)> = OnceLock::new();
 
 extern "C" fn remove_own_socket() {
-    if let Some((dir, name, pid)) = SERVING.get()
+    if let Some((dir, names, pid)) = SERVING.get()
         && *pid == std::process::id()
     {
-        dir.remove(name);
+        for name in names {
+            dir.remove(name);
+        }
     }
 }
 
@@ -172,7 +179,17 @@ pub fn ensure_server() -> std::io::Result<()> {
             // another process's socket removed or taken over.
             let listener = UnixListener::bind(dir.entry(&name))
                 .map_err(|e| format!("{}/{name}: {e}", dir.path().display()))?;
-            let _ = SERVING.set((dir, name, me.pid));
+            let mut names = vec![name];
+            // Without it, this process's importers cannot see its pauses and resumes for
+            // themselves: they follow them only in pauses and resumes of their own.
+            match crate::epoch::create(&dir, &me) {
+                Ok(page) => names.push(page),
+                Err(e) => tracing::warn!(
+                    "memsaver: cannot make this process's epoch file in {}: {e}",
+                    dir.path().display()
+                ),
+            }
+            let _ = SERVING.set((dir, names, me.pid));
             // SAFETY: registers a plain extern "C" function without arguments.
             unsafe { libc::atexit(remove_own_socket) };
             start(listener, group, me).map_err(|e| e.to_string())
@@ -447,6 +464,7 @@ fn serve(a: Arrived, my_group: i64, me: Identity) {
     }
     if let Request::Import { from, .. }
     | Request::Released { from, .. }
+    | Request::PauseFailed { from, .. }
     | Request::Shared { from, .. } = &request
     {
         identity::remember_start(from.pid, from.start);
@@ -457,7 +475,7 @@ fn serve(a: Arrived, my_group: i64, me: Identity) {
         (Some(h), request) => h.handle(conn, request),
         // A process that exports nothing: no buffer is named with its key, none is imported.
         (None, Request::Import { .. }) => conn.refuse(NO_BUFFER),
-        (None, Request::Released { .. }) => {
+        (None, Request::Released { .. } | Request::PauseFailed { .. }) => {
             let _ = conn.send(&Reply::Done, None, Instant::now() + WRITE_TIMEOUT);
         }
         (None, Request::Control { .. }) => {

@@ -42,6 +42,9 @@ impl Handler for Served {
             Request::Released { from, buffers, .. } => {
                 exported::serve_released(&conn, &from, &buffers);
             }
+            Request::PauseFailed { from, message, .. } => {
+                exported::serve_pause_failed(&conn, &from, message);
+            }
             Request::Control { .. } | Request::Shared { .. } => {
                 conn.refuse("not a request for buffers")
             }

@@ -2,7 +2,9 @@
 //! or when a buffer passed lies in memsaver memory whose tag is paused, they return
 //! `ncclInvalidUsage` with a clear message instead of letting NCCL touch released memory (a
 //! crash, a hang, or silent corruption; with registration, the peers' mappings of the buffer
-//! are released too). Otherwise they forward to libnccl.
+//! are released too). A peer that paused or resumed `nccl` without this process is caught up
+//! with first ([`crate::epochs`]): refused when it cannot be. Otherwise they forward to
+//! libnccl.
 //!
 //! With libmemsaver.so preloaded these definitions come first in the global lookup scope, so
 //! callers linked against libnccl (torch's ProcessGroupNCCL) reach them. Code that looks the
@@ -59,6 +61,13 @@ fn refuse_buffer(name: &str, (ptr, tag): (usize, std::sync::Arc<str>)) -> c_int 
         "{name} called with the buffer at {ptr:#x}, memory of the tag '{tag}', which is paused \
          (or being paused or resumed): call it after memsaver.resume('{tag}') returns"
     );
+    NCCL_INVALID_USAGE
+}
+
+/// Refuses a call that would run on peers' memory this process could not bring up to date
+/// ([`crate::epochs`]).
+fn refuse_behind(name: &str, why: &str) -> c_int {
+    tracing::error!("{name} refused: {why}");
     NCCL_INVALID_USAGE
 }
 
@@ -135,6 +144,9 @@ macro_rules! guarded {
                 }
                 if let Some(paused) = paused_buffer(&[$($buf as usize),*]) {
                     return refuse_buffer(stringify!($name), paused);
+                }
+                if let Err(why) = crate::epochs::before_nccl() {
+                    return refuse_behind(stringify!($name), &why);
                 }
                 match resolve(&$name::REAL, $name::NAME) {
                     Some(f) => {

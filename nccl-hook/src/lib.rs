@@ -27,7 +27,9 @@
 //!    thread's tag (from memsaver's allocator, through [`APP_ALLOCATORS`]) or, untagged, is
 //!    made by libnccl unrecorded: it is never NCCL's scratch.
 //! 7. `guard`: NCCL's collectives and send/recv, interposed, return `ncclInvalidUsage` while the
-//!    tag is paused.
+//!    tag is paused. Before each, `epochs` compares the owners' published epochs with this
+//!    process's imports; an owner that paused or resumed without this process is caught up
+//!    with first (`catchup`, installed into `epochs` at start).
 //! 8. `graphs`: CUDA graph executables and explicit stack limits, seen through wrappers handed
 //!    to every caller (not only libnccl), so the pause lowers the kernel stack size only as far
 //!    as is safe for the graphs and kernels that run while it is paused.
@@ -38,9 +40,10 @@
 //! * this crate root: [`stats`], [`diagnose`], the start hook that registers the `nccl` tag;
 //! * the NCCL memory model: `provider` (the tag's pause and resume), `exports` (the memory
 //!   behind the owner's answers to peers, routed to it by `memsaver_ipc`'s server), `peer` (requests to owners),
-//!   `registered` (registered imports, reached through `memsaver_ipc::shared::HOLDERS`);
-//! * interposition: `interpose` -> `amem`, `appmem` -> `guard`, `procaddr` -> `vmm` -> `tokens`,
-//!   `appmem`, `graphs`:
+//!   `registered` (registered imports, reached through `memsaver_ipc::shared::HOLDERS`),
+//!   `catchup` (an importer behind its owners catches up);
+//! * interposition: `interpose` -> `amem`, `appmem` -> `guard` -> `epochs`, `procaddr` -> `vmm`
+//!   -> `tokens` -> `epochs`, `appmem`, `graphs`:
 //!   it records what NCCL does and never calls up into what a pause does;
 //! * the base: `registry` (the records of NCCL's handles and mappings, which both sides share)
 //!   and `dl` (the loader's real `dlsym`).
@@ -50,7 +53,9 @@
 
 pub mod amem;
 mod appmem;
+mod catchup;
 mod dl;
+mod epochs;
 mod exports;
 mod graphs;
 mod guard;
@@ -82,6 +87,7 @@ static AT_START: StartHook = StartHook {
 };
 
 fn register_tag(a: &'static Allocator) -> Result<(), String> {
+    catchup::install();
     if let Err(e) = a.register_external("nccl", Arc::new(NcclTag::new(a))) {
         tracing::warn!(error = %e, "the nccl tag is not available");
     }

@@ -240,6 +240,8 @@ pub(crate) struct Released {
     pub(crate) notices: Notices,
     /// What of each owner's memory the notices release.
     pub(crate) released_imports: BTreeMap<u32, Holding>,
+    /// The first failure: what it did not release stays resident (and imports mapped).
+    pub(crate) error: Option<memsaver_allocator::Error>,
 }
 
 /// Unmaps the run of imports at `base` on `dev` once and releases its driver handle: every
@@ -392,6 +394,38 @@ fn free_dead(reg: &mut Registry, dead: &[(u64, u64)]) {
     }
 }
 
+/// Unmaps and releases every import of `owner`'s buffers this process maps (after the
+/// devices finished what they run), as a pause does: each goes `Mapped` → `Released`, with
+/// its notice to the owner in the answer. For an importer that catches up with an owner that
+/// paused or resumed without it ([`crate::catchup`]).
+pub(crate) fn release_imports_of(a: &'static Allocator, owner: u32) -> Result<Released> {
+    let steps = a.steps(Op::Pause);
+    let mut reg = registry::lock();
+    let ranges = reg.ranges_by_handle();
+    let (_, imports) = releasable(&reg, &ranges);
+    let mine = imports
+        .into_iter()
+        .filter(|vh| reg.physicals[vh].source.is_some_and(|s| s.owner == owner));
+    let mut out = Released::default();
+    for (dev, vhs) in by_device(&reg, &ranges, mine) {
+        let device = a.device(dev)?;
+        steps.synchronize(&device)?;
+        let mut runs = std::collections::BTreeSet::new();
+        for vh in vhs {
+            match reg.physicals[&vh].run {
+                Some(base) => {
+                    runs.insert(base);
+                }
+                None => release_one(&steps, &device, &mut reg, &ranges, vh, &mut out)?,
+            }
+        }
+        for base in runs {
+            release_import_run(&steps, &device, &mut reg, base, &mut out)?;
+        }
+    }
+    Ok(out)
+}
+
 /// Pause step 1, on the engine's steps: per device, synchronise, queue the backup copy of
 /// each buffer this process owns (its piece: key, policy, the bytes `backup` says), let go
 /// of the imports while the copies run, then release each own buffer once its copy is
@@ -516,17 +550,28 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
         .chain(reg.retired_released())
         .collect();
     memsaver_ipc::exported::paused(&exports);
-    match first_error {
-        None => Ok(out),
-        Some(e) => {
-            // Nothing released: NCCL's memory is all there, so NCCL may run. Something
-            // released: the tag is paused (a resume restores what was released).
-            if out.allocations == 0 {
-                crate::guard::set_paused(false);
-            }
-            Err(e)
+    drop(reg);
+    if let Some(e) = first_error {
+        // Nothing released: NCCL's memory is all there, so NCCL may run. Something
+        // released: the tag is paused (a resume restores what was released).
+        if out.allocations == 0 {
+            crate::guard::set_paused(false);
         }
+        out.error = Some(incomplete("pause", e, |p| {
+            p.real().is_some() && p.pausable().is_ok() && p.kind != Kind::Registered
+        }));
     }
+    Ok(out)
+}
+
+/// The owners of the imports this process still maps (those of a pause that failed).
+pub(crate) fn owners_still_mapped() -> BTreeMap<u32, ()> {
+    registry::lock()
+        .physicals
+        .values()
+        .filter(|p| p.mapped_generation().is_some() && p.kind == Kind::Imported)
+        .filter_map(|p| Some((p.source?.owner, ())))
+        .collect()
 }
 
 /// Resume: re-creates and restores this process's own claimed handles, `units` of them (all
@@ -858,6 +903,34 @@ pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
     // driver call).
     drop(released);
     r.map(|()| total)
+}
+
+/// The error of a resume that failed (`e`), saying what it left paused and what to do, as an
+/// out-of-memory error already does.
+pub(crate) fn still_paused(e: memsaver_allocator::Error) -> memsaver_allocator::Error {
+    if matches!(e, memsaver_allocator::Error::ResumeOutOfMemory { .. }) {
+        return e;
+    }
+    incomplete("resume", e, registry::Physical::is_paused_own)
+}
+
+/// `op`'s failure `e`, with how many handles it `left` as they were.
+fn incomplete(
+    op: &'static str,
+    e: memsaver_allocator::Error,
+    left: impl Fn(&registry::Physical) -> bool,
+) -> memsaver_allocator::Error {
+    let failed = registry::lock()
+        .physicals
+        .values()
+        .filter(|p| left(p))
+        .count();
+    memsaver_allocator::Error::Incomplete {
+        op,
+        tags: vec![registry::TAG.into()],
+        failed,
+        first: Box::new(e),
+    }
 }
 
 /// What this process holds of a peer's memory, or a peer of this process's: for messages.

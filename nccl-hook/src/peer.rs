@@ -48,6 +48,31 @@ pub(crate) fn request_fds(
     client::request_fds(group, owner, wants, timeout())
 }
 
+/// Pause, when this process's own pause failed (`message`): tells each owner of imports it
+/// still maps, so that their pauses stop waiting for it (a thread per owner).
+pub(crate) fn tell_pause_failed(
+    group: i64,
+    owners: BTreeMap<u32, ()>,
+    message: String,
+    deadline: Instant,
+) -> PerPeer<std::result::Result<(), String>> {
+    PerPeer::start(
+        "nccl-failed",
+        TIMEOUT_SETTING,
+        owners,
+        deadline,
+        move |owner, ()| {
+            Ok(client::notify_pause_failed(
+                group,
+                owner,
+                &message,
+                timeout(),
+            )?)
+        },
+        |_, _| {},
+    )
+}
+
 /// Tells `owner` that this process released its imports `items`.
 pub(crate) fn notify_released(group: i64, owner: u32, items: &[Buffer]) -> Result<(), String> {
     Ok(client::notify_released(group, owner, items, timeout())?)
@@ -63,6 +88,12 @@ pub(crate) enum Fault {
     StillHolds,
     /// It answered with an error, or could not be reached.
     Failed(String),
+    /// Its own resume failed (its error, as it reported it): it serves its buffers once a
+    /// resume of its completes.
+    ResumeFailed(String),
+    /// Its own pause failed (its error, as it reported it) and left its imports of this
+    /// process's memory mapped.
+    PauseFailed(String),
 }
 
 /// One line of a Peer error: which process, what it holds (`holds`, a clause that follows
@@ -85,6 +116,16 @@ pub(crate) fn describe(
     match fault {
         Fault::Exited => format!(
             "{who}: the process exited: restart the job (or destroy the communicators it was in)"
+        ),
+        // It answered: neither stopped nor hung.
+        Fault::PauseFailed(e) => format!(
+            "{who}: its own pause of 'nccl' failed ({e}), so it still maps that memory: once \
+             the cause is fixed there, call pause('nccl') again there"
+        ),
+        Fault::ResumeFailed(e) => format!(
+            "{who}: its own resume of 'nccl' failed ({e}); its buffers stay paused there and \
+             this process's imports of them stay paused here: once the cause is fixed there, \
+             call resume('nccl') again in every process of the group"
         ),
         _ if zombie => format!(
             "{who}: the process exited (a zombie its parent has not reaped): restart the job"
@@ -148,12 +189,15 @@ pub(crate) fn unacknowledged(
         .collect()
 }
 
+/// What the processes that did not let go still hold, by pid, and the errors of those whose
+/// own pause failed.
+pub(crate) type StillHeld = (BTreeMap<u32, Holding>, BTreeMap<u32, String>);
+
 /// Pause step 3: waits until every importer of this process's paused exported buffers (also
-/// those paused by an earlier, failed call) has let go, or `deadline`: the owner's ledger
-/// (`memsaver_ipc::exported`) records the importers and their notices, and forgets those that
-/// exited (a dead process has let go of everything). Returns what the processes that did not
-/// let go still hold.
-pub(crate) fn wait_importers(group: i64, deadline: Instant) -> BTreeMap<u32, Holding> {
+/// those paused by an earlier, failed call) has let go or said its own pause failed, or
+/// `deadline`: the owner's ledger (`memsaver_ipc::exported`) records the importers and their
+/// notices, and forgets those that exited (a dead process has let go of everything).
+pub(crate) fn wait_importers(group: i64, deadline: Instant) -> StillHeld {
     let describe = |holders: &Holders| {
         let who: Vec<String> = holding(holders)
             .iter()
@@ -164,11 +208,9 @@ pub(crate) fn wait_importers(group: i64, deadline: Instant) -> BTreeMap<u32, Hol
             listed(&who)
         )
     };
-    holding(&exported::wait_released(
-        deadline,
-        TIMEOUT_SETTING,
-        &describe,
-    ))
+    let (holders, failed) = exported::wait_released(deadline, TIMEOUT_SETTING, &describe);
+    let failed = failed.into_iter().map(|(w, e)| (w.pid, e)).collect();
+    (holding(&holders), failed)
 }
 
 /// What `holders` hold, per pid, as the registry describes the buffers (those NCCL freed
@@ -199,7 +241,7 @@ fn released_clause(h: Option<&Holding>) -> String {
 /// The error of a pause whose importers did not all let go.
 pub(crate) fn pause_error(
     group: i64,
-    holders: &BTreeMap<u32, Holding>,
+    (holders, failed): &StillHeld,
     unacked: &BTreeMap<u32, Fault>,
     released_imports: &BTreeMap<u32, Holding>,
 ) -> Error {
@@ -208,7 +250,11 @@ pub(crate) fn pause_error(
         .iter()
         .map(|(pid, h)| {
             let holds = format!(" holds imports of {h} of this process");
-            describe(*pid, group, &holds, &Fault::StillHolds, t)
+            let fault = match failed.get(pid) {
+                Some(e) => Fault::PauseFailed(e.clone()),
+                None => Fault::StillHolds,
+            };
+            describe(*pid, group, &holds, &fault, t)
         })
         .collect();
     // An owner that also holds imports of ours is named once, above.
@@ -249,6 +295,8 @@ pub(crate) struct Fetched {
     pub(crate) owner: Buffer,
     pub(crate) fd: OwnedFd,
     pub(crate) served: (u64, u64),
+    /// The owner's epoch when it served it (`memsaver_ipc::epoch`).
+    pub(crate) epoch: u64,
 }
 
 /// What one owner answered a resume's fetch: the imports it served, and those whose buffer it
@@ -259,7 +307,7 @@ pub(crate) struct Fetch {
     pub(crate) gone: Vec<Wanted>,
 }
 
-pub(crate) type FetchResult = std::result::Result<Fetch, String>;
+pub(crate) type FetchResult = std::result::Result<Fetch, Fault>;
 
 /// The paused imports, per owner: the generation after the one each mapped.
 pub(crate) fn imports_to_fetch() -> BTreeMap<u32, Vec<Wanted>> {
@@ -305,6 +353,7 @@ pub(crate) fn fetch_imports(
                                 },
                                 fd: s.fd,
                                 served: (s.offset, s.size),
+                                epoch: s.epoch,
                             }),
                             client::Answer::Gone => fetch.gone.push(w),
                         }
@@ -315,7 +364,12 @@ pub(crate) fn fetch_imports(
                     if alive(owner) {
                         let _ = notify_released(group, owner, &failed.release);
                     }
-                    Err(failed.error.to_string())
+                    Err(match failed.error {
+                        memsaver_ipc::error::Error::OwnerFailed { message, .. } => {
+                            Fault::ResumeFailed(message)
+                        }
+                        e => Fault::Failed(e.to_string()),
+                    })
                 }
             }
         },
@@ -383,7 +437,12 @@ pub(crate) fn map_imports(
                 }
                 served
             }
-            Outcome::Done(Err(e)) | Outcome::NotStarted(e) => {
+            Outcome::Done(Err(e)) => {
+                let fault = if alive(owner) { e } else { Fault::Exited };
+                out.faults.insert(owner, (Holding::default(), fault));
+                continue;
+            }
+            Outcome::NotStarted(e) => {
                 let fault = if alive(owner) {
                     Fault::Failed(e)
                 } else {
@@ -404,6 +463,9 @@ pub(crate) fn map_imports(
                 continue;
             }
         };
+        // Every import of this owner maps what it served at this epoch, unless one fails.
+        let epoch = served.iter().map(|f| f.epoch).min();
+        let failed_before = unused.get(&owner).map_or(0, Vec::len);
         // Buffers the owner serves inside one memory (a run of its), mapped whole at once.
         let mut runs: BTreeMap<(u64, u64, u64), Vec<Fetched>> = BTreeMap::new();
         for f in served {
@@ -461,6 +523,11 @@ pub(crate) fn map_imports(
                     out.map_error.get_or_insert(e);
                 }
             }
+        }
+        if let Some(epoch) = epoch
+            && unused.get(&owner).map_or(0, Vec::len) == failed_before
+        {
+            crate::epochs::synced(owner, epoch);
         }
     }
     // What this process imported of the owners at fault, for the message.

@@ -78,17 +78,27 @@ impl ExternalTag for NcclTag {
         }
         let backup = crate::options::get().nccl_backup;
         let mut released = local::release_local(self.allocator, backup)?;
-        local::lower_stacks(self.allocator, &released.devices);
-        let local_ms = start.elapsed().as_secs_f64() * 1e3;
         let group = group::id();
         let notifying = peer::notify_owners(group, std::mem::take(&mut released.notices), deadline);
+        if let Some(e) = released.error.take() {
+            // The owners waiting for imports this pause left mapped hear it now, not at their
+            // deadline; the others take the notices of what it released.
+            let owners = local::owners_still_mapped();
+            let failing = peer::tell_pause_failed(group, owners, e.to_string(), deadline);
+            let what = "pause('nccl') tells the owners of its imports that it failed";
+            let _ = failing.finish(deadline, what, group);
+            let _ = notifying.finish(deadline, what, group);
+            return Err(e);
+        }
+        local::lower_stacks(self.allocator, &released.devices);
+        let local_ms = start.elapsed().as_secs_f64() * 1e3;
         let holders = peer::wait_importers(group, deadline);
         let unacked = peer::unacknowledged(notifying.finish(
             deadline,
             "pause('nccl') waits for the owners of its imports to acknowledge their release",
             group,
         ));
-        if !holders.is_empty() {
+        if !holders.0.is_empty() {
             return Err(peer::pause_error(
                 group,
                 &holders,
@@ -132,8 +142,15 @@ impl ExternalTag for NcclTag {
         // One deadline for everything this resume waits for.
         let deadline = start + peer::timeout();
         let group = group::id();
+        memsaver_ipc::exported::resume_started();
         let fetching = peer::fetch_imports(group, peer::imports_to_fetch(), deadline);
-        let local = local::restore_local(self.allocator);
+        let local = local::restore_local(self.allocator).map_err(|e| {
+            let e = local::still_paused(e);
+            // The peers waiting for buffers this resume left paused hear it now, not at
+            // their deadline.
+            memsaver_ipc::exported::resume_failed(e.to_string());
+            e
+        });
         let restored_ms = start.elapsed().as_secs_f64() * 1e3;
         let fetched = fetching.finish(
             deadline,

@@ -136,15 +136,18 @@ pub(crate) fn import(t: &Token) -> Option<Imported> {
             .any(|p| p.source.is_some_and(|s| s.owner == pid))
     });
     match r {
-        Ok(served) => Some(Imported {
-            fd: served.fd,
-            source: Source {
-                owner: t.pid,
-                vh: t.buffer,
-                key: t.key,
-            },
-            generation: served.generation,
-            served: (served.offset, served.size),
+        Ok(served) => Some({
+            crate::epochs::served(t.group, &t.owner(), served.epoch);
+            Imported {
+                fd: served.fd,
+                source: Source {
+                    owner: t.pid,
+                    vh: t.buffer,
+                    key: t.key,
+                },
+                generation: served.generation,
+                served: (served.offset, served.size),
+            }
         }),
         Err(e) => {
             tracing::error!(

@@ -27,7 +27,15 @@ fn nccl_hook_has_no_import_cycle() {
 #[test]
 fn interposition_depends_on_nothing_above_it() {
     let g = graph(&src("nccl-hook"));
-    let above = ["provider", "local", "exports", "peer", "registered", "lib"];
+    let above = [
+        "provider",
+        "local",
+        "exports",
+        "peer",
+        "registered",
+        "catchup",
+        "lib",
+    ];
     for m in [
         "interpose",
         "procaddr",
@@ -37,6 +45,7 @@ fn interposition_depends_on_nothing_above_it() {
         "guard",
         "amem",
         "appmem",
+        "epochs",
         "dl",
         "registry",
     ] {

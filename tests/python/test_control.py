@@ -232,7 +232,7 @@ def test_a_request_from_another_uid_is_refused(spawn):
     memsaver.hook_mode()  # loads the library
     rt = Path(memsaver._memsaver.runtime_dir())
     gdir = rt / f"g{g}"
-    (sock,) = gdir.iterdir()
+    (sock,) = gdir.glob("*.sock")
 
     # Through the API: the runtime directory is root's, mode 0700: refused, naming why.
     def through_api() -> int:

@@ -729,10 +729,8 @@ fn socket_of(dirs: &Dirs, p: &mut Proc) -> std::path::PathBuf {
         .unwrap()
         .map(|e| e.unwrap().path())
         .find(|s| {
-            s.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with(&format!("{pid}-"))
+            let name = s.file_name().unwrap().to_string_lossy().into_owned();
+            name.starts_with(&format!("{pid}-")) && name.ends_with(".sock")
         })
         .expect("the process's socket")
 }

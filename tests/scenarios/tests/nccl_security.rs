@@ -38,7 +38,7 @@ fn socket_of(rt: &Path, group: u32, pid: u32) -> PathBuf {
         .map(|e| e.path())
         .find(|p| {
             let n = p.file_name().unwrap().to_string_lossy().into_owned();
-            n == format!("{pid}.sock") || n.starts_with(&format!("{pid}-"))
+            n == format!("{pid}.sock") || n.starts_with(&format!("{pid}-")) && n.ends_with(".sock")
         })
         .unwrap_or_else(|| panic!("no socket of process {pid} in {}", dir.display()))
 }
@@ -172,8 +172,19 @@ fn jobs_in_two_pid_namespaces_with_the_same_pids_stay_apart() {
     );
     a.all_ok("alloc 4");
     b.all_ok("alloc 4");
-    let sockets = std::fs::read_dir(rt.join("g40")).unwrap().count();
-    assert_eq!(sockets, 4, "one socket per process, none removed");
+    let names: Vec<String> = std::fs::read_dir(rt.join("g40"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    let count = |suffix: &str| names.iter().filter(|n| n.ends_with(suffix)).count();
+    assert_eq!(
+        count(".sock"),
+        4,
+        "one socket per process, none removed: {names:?}"
+    );
+    assert_eq!(count(".epoch"), 4, "one epoch file per process: {names:?}");
+    assert_eq!(names.len(), 8, "{names:?}");
     a.all_ok("exchange");
     b.all_ok("exchange");
     a.write_all(0);

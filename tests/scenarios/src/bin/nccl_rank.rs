@@ -53,6 +53,9 @@
 //! pexport I        NCCL's proxy exports private buffer I as a POSIX fd -> ok | err CODE
 //! pnic I           NCCL's network transport gives private buffer I to a NIC (dmabuf)
 //! failreserve N    the Nth cuMemAddressReserve of this process from now fails (fake driver)
+//! failcreate N     the Nth cuMemCreate of this process from now fails, out of memory
+//! failmap N        the Nth cuMemMap of this process from now fails (CUDA_ERROR_UNKNOWN)
+//! failunmap N      the Nth cuMemUnmap of this process from now fails (CUDA_ERROR_UNKNOWN)
 //! stats            memsaver_nccl_stats_json on one line
 //! mstats           memsaver_stats_json on one line
 //! prepared         waits (up to 30 s) until memsaver has prepared every pinned backup it was
@@ -117,7 +120,11 @@ struct Rank {
     peered: Vec<(usize, FakeNcclAlloc)>,
     extra_imports: Vec<FakeNcclAlloc>,
     counts: CallCounts,
+    /// The fake driver's test controls: the Nth call of a kind from now fails.
     fail_reserve: extern "C" fn(u32) -> i32,
+    fail_create: extern "C" fn(u32) -> i32,
+    fail_map: extern "C" fn(u32) -> i32,
+    fail_unmap: extern "C" fn(u32) -> i32,
     reset_counts: extern "C" fn(),
     /// The wall time of the last pause or resume.
     last: std::time::Duration,
@@ -595,10 +602,18 @@ impl Rank {
                     .ok_or("no such private buffer")?;
                 self.free_all(vec![a])
             }
-            Some("failreserve") => match (self.fail_reserve)(num(1)? as u32) {
-                0 => Ok(String::new()),
-                rc => Err(rc.to_string()),
-            },
+            Some(kind @ ("failreserve" | "failcreate" | "failmap" | "failunmap")) => {
+                let arm = match kind {
+                    "failreserve" => self.fail_reserve,
+                    "failcreate" => self.fail_create,
+                    "failmap" => self.fail_map,
+                    _ => self.fail_unmap,
+                };
+                match arm(num(1)? as u32) {
+                    0 => Ok(String::new()),
+                    rc => Err(rc.to_string()),
+                }
+            }
             Some("pnic") => {
                 let a = self.private_buffer(num(1)?)?;
                 // SAFETY: a buffer of the fake NCCL's.
@@ -839,6 +854,9 @@ fn main() {
         extra_imports: Vec::new(),
         counts: sym(hc, c"fakecuda_call_counts"),
         fail_reserve: sym(hc, c"fakecuda_fail_reserve_at"),
+        fail_create: sym(hc, c"fakecuda_fail_create_at"),
+        fail_map: sym(hc, c"fakecuda_fail_map_at"),
+        fail_unmap: sym(hc, c"fakecuda_fail_unmap_at"),
         reset_counts: sym(hc, c"fakecuda_reset_call_counts"),
         last: std::time::Duration::ZERO,
         tensors: Vec::new(),
