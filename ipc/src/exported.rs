@@ -516,6 +516,34 @@ impl Ledger {
         true
     }
 
+    /// `from` did not receive `answers` (to `items`, in order): a courier export's new import
+    /// was not made, and a collective importer recorded as mapping what the answer gave holds
+    /// nothing of it (a pause must not wait for it).
+    fn undelivered(
+        &mut self,
+        delivery: Delivery,
+        from: &Identity,
+        items: &[Buffer],
+        answers: &[Answer],
+    ) {
+        for (b, (reply, fd)) in items.iter().zip(answers) {
+            let (Some(_), Some(e)) = (fd, self.exports.get_mut(&(delivery, b.id))) else {
+                continue;
+            };
+            match (delivery, reply) {
+                // A new import that was not delivered was not made (a rebuild's counted
+                // nothing).
+                (Delivery::Courier, _) if b.generation == 0 => forget_import(e, from),
+                (Delivery::Collective, Reply::Export { generation, .. })
+                    if e.importers.get(from).map(|i| i.has) == Some(Has::Mapped(*generation)) =>
+                {
+                    e.importers.remove(from);
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// Forgets `who` as an importer of everything, tombstones included: it exited, so its
     /// mappings went with it, and it names nothing any more.
     fn forget(&mut self, who: &Identity) {
@@ -988,25 +1016,9 @@ fn answer(
 }
 
 /// `from` did not receive `answers` (to `items`, in order: it is gone, or gave up): it holds
-/// none of them.
+/// none of them ([`Ledger::undelivered`]).
 fn undelivered(delivery: Delivery, from: &Identity, items: &[Buffer], answers: &[Answer]) {
-    let mut l = LEDGER.lock();
-    for (b, (reply, fd)) in items.iter().zip(answers) {
-        let (Some(_), Some(e)) = (fd, l.exports.get_mut(&(delivery, b.id))) else {
-            continue;
-        };
-        match (delivery, reply) {
-            // A new import that was not delivered was not made (a rebuild's counted nothing).
-            (Delivery::Courier, _) if b.generation == 0 => forget_import(e, from),
-            (Delivery::Collective, Reply::Export { generation, .. })
-                if e.importers.get(from).map(|i| i.has) == Some(Has::Mapped(*generation)) =>
-            {
-                e.importers.remove(from);
-            }
-            _ => {}
-        }
-    }
-    drop(l);
+    LEDGER.lock().undelivered(delivery, from, items, answers);
     SETTLED.notify_all();
 }
 
@@ -1698,6 +1710,59 @@ mod tests {
         // The next resume started: opens wait for it again.
         l.resume_failed = None;
         assert!(answer(&mut l, C, &importer(5), &next[1..], &mut layer).is_empty());
+    }
+
+    /// An importer that hung up while the owner wrote its answers: the collective importer
+    /// recorded as mapping what it was given is forgotten (the next pause waits for nobody),
+    /// one that maps an earlier generation it was not given keeps its record, and a courier
+    /// export's new import is not counted.
+    #[test]
+    fn an_answer_not_delivered_is_undone() {
+        let (mut l, items) = collective(&[1, 2]);
+        let mut layer = Layer::default();
+        answer(&mut l, C, &importer(6), &items, &mut layer);
+        let a = answer(&mut l, C, &importer(5), &items, &mut layer);
+        assert_eq!(has(&l, (C, 1), 5), Some(Has::Mapped(0)));
+        // Importer 6's fetch of generation 1 after a cycle is answered but not delivered.
+        l.mark(C, &[1, 2], Memory::Paused);
+        l.mark(C, &[1, 2], Memory::Resident);
+        let next = at(&items, 1);
+        let late = answer(&mut l, C, &importer(6), &next[..1], &mut layer);
+        assert_eq!(has(&l, (C, 1), 6), Some(Has::Mapped(1)));
+        l.undelivered(C, &importer(6), &next[..1], &late);
+        assert_eq!(
+            has(&l, (C, 1), 6),
+            None,
+            "it holds nothing of what it was not given"
+        );
+        assert_eq!(
+            has(&l, (C, 2), 6),
+            Some(Has::Mapped(0)),
+            "not in this answer"
+        );
+        // Generation 0's answers to 5, undelivered now that 5 is recorded at generation 0:
+        // forgotten too; a later pause waits only for 6's old generation of export 2.
+        l.undelivered(C, &importer(5), &items, &a);
+        l.mark(C, &[1, 2], Memory::Paused);
+        assert_eq!(
+            l.holders(|_| true).0,
+            Holders::from([(importer(6), vec![2])])
+        );
+        // A courier export's new import that was not delivered is not counted.
+        let mut courier_layer = Layer::default();
+        let b = opened_courier(&mut l, 7, 9, &mut courier_layer);
+        let again = answer(
+            &mut l,
+            Delivery::Courier,
+            &importer(9),
+            &[b],
+            &mut courier_layer,
+        );
+        let imports =
+            |l: &Ledger| l.exports[&(Delivery::Courier, 7)].importers[&importer(9)].imports;
+        assert_eq!(imports(&l), 2);
+        l.undelivered(Delivery::Courier, &importer(9), &[b], &again);
+        assert_eq!(imports(&l), 1);
     }
 
     #[test]
