@@ -75,12 +75,14 @@ test-rust: fake-cuda
 	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
 	trap 'rm -rf "$$state"' EXIT; \
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) MEMSAVER_FAKE_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) \
-	FAKE_CUDA_DIR=$$state $(call within,2400,test-rust,$(CARGO) test --release --workspace)
+	FAKE_CUDA_DIR=$$state MEMSAVER_RUNTIME_DIR=$$state/rt \
+	$(call within,2400,test-rust,$(CARGO) test --release --workspace)
 
 test-python: fake-cuda python
 	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
 	trap 'rm -rf "$$state"' EXIT; \
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state \
+	MEMSAVER_RUNTIME_DIR=$$state/rt \
 	MEMSAVER_FAKE_NCCL_LIB=$(CURDIR)/target/fake-nccl/libnccl.so.2 \
 	$(call within,1200,test-python,$(PY) -m pytest tests/python -q -rfEs $(PYTEST_HANG))
 
@@ -96,7 +98,7 @@ test-ray: fake-cuda python $(RAY)
 	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
 	trap 'rm -rf "$$state"' EXIT; \
 	MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state RAY_USAGE_STATS_ENABLED=0 \
-	timeout 300 $(PY) -m pytest tests/ray -q -p no:cacheprovider $(PYTEST_HANG)
+	MEMSAVER_RUNTIME_DIR=$$state/rt timeout 300 $(PY) -m pytest tests/ray -q -p no:cacheprovider $(PYTEST_HANG)
 
 # vLLM 0.33.0's sleep mode on memsaver's plugin (memsaver.vllm), on CPU and the fake driver.
 # vLLM is installed without its dependencies into a virtual environment of its own
@@ -149,6 +151,7 @@ test-vllm: fake-cuda python $(VLLM_STAMP) $(VLLM_SRC)/.stamp
 	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
 	trap 'rm -rf "$$state"' EXIT; \
 	export MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state \
+		MEMSAVER_RUNTIME_DIR=$$state/rt \
 		LD_LIBRARY_PATH=$(CURDIR)/$(FAKE_DIR) VLLM_PLUGINS=memsaver; \
 	timeout 900 $(VLLM_PY) -m pytest tests/vllm -q -rfEs -p no:cacheprovider $(PYTEST_HANG) && \
 	cd $(VLLM_SRC) && MEMSAVER_VLLM=1 PYTHONPATH=$(CURDIR)/tests/vllm timeout 900 \
