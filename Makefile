@@ -151,7 +151,6 @@ test-vllm: fake-cuda python $(VLLM_STAMP) $(VLLM_SRC)/.stamp
 	@state=$$(mktemp -d /dev/shm/memsaver-test.XXXXXX 2>/dev/null || mktemp -d); \
 	trap 'rm -rf "$$state"' EXIT; \
 	export MEMSAVER_CUDA_LIB=$(CURDIR)/$(FAKE_LIB) FAKE_CUDA_DIR=$$state \
-		MEMSAVER_RUNTIME_DIR=$$state/rt \
 		LD_LIBRARY_PATH=$(CURDIR)/$(FAKE_DIR) VLLM_PLUGINS=memsaver; \
 	timeout 900 $(VLLM_PY) -m pytest tests/vllm -q -rfEs -p no:cacheprovider $(PYTEST_HANG) && \
 	cd $(VLLM_SRC) && MEMSAVER_VLLM=1 PYTHONPATH=$(CURDIR)/tests/vllm timeout 900 \
