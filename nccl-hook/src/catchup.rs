@@ -100,16 +100,7 @@ fn catch_up(a: &'static Allocator, group: i64, owner: u32, word: Word) -> Result
             memsaver_ipc::client::Answer::Served(s) => {
                 stale |= mapped != Some(s.generation);
                 at = at.min(s.epoch);
-                fetch.served.push(Fetched {
-                    vh: w.vh,
-                    owner: Buffer {
-                        generation: s.generation,
-                        ..w.owner
-                    },
-                    fd: s.fd,
-                    served: (s.offset, s.size),
-                    epoch: s.epoch,
-                });
+                fetch.served.push(Fetched::of(w, s));
             }
             memsaver_ipc::client::Answer::Gone => {
                 stale = true;

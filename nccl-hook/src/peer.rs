@@ -299,6 +299,22 @@ pub(crate) struct Fetched {
     pub(crate) epoch: u64,
 }
 
+impl Fetched {
+    /// What the owner served `s` for the import `w` asked.
+    pub(crate) fn of(w: Wanted, s: client::Served) -> Self {
+        Self {
+            vh: w.vh,
+            owner: Buffer {
+                generation: s.generation,
+                ..w.owner
+            },
+            fd: s.fd,
+            served: (s.offset, s.size),
+            epoch: s.epoch,
+        }
+    }
+}
+
 /// What one owner answered a resume's fetch: the imports it served, and those whose buffer it
 /// freed while this process held them released (it answered `Gone`).
 #[derive(Default)]
@@ -345,16 +361,7 @@ pub(crate) fn fetch_imports(
                     let mut fetch = Fetch::default();
                     for (w, a) in wants.into_iter().zip(answers) {
                         match a {
-                            client::Answer::Served(s) => fetch.served.push(Fetched {
-                                vh: w.vh,
-                                owner: Buffer {
-                                    generation: s.generation,
-                                    ..w.owner
-                                },
-                                fd: s.fd,
-                                served: (s.offset, s.size),
-                                epoch: s.epoch,
-                            }),
+                            client::Answer::Served(s) => fetch.served.push(Fetched::of(w, s)),
                             client::Answer::Gone => fetch.gone.push(w),
                         }
                     }
