@@ -20,8 +20,10 @@
 //! [`Delivery::Collective`]: nobody carries anything; every importer releases its imports in
 //! its own pause and says so ([`Request::Released`]), and opens the next generation at its
 //! resume. The owner's pause marks what it released ([`paused`]) and waits until the ledger
-//! says every importer of the current generation has released it or is gone
-//! ([`wait_released`]); its resume starts the next generation ([`resumed`]).
+//! says every importer that maps a generation of it has released it, is gone or said its own
+//! pause failed ([`wait_released`]); its resume starts the next generation ([`resumed`]). Each
+//! pause and resume raises the owner's epoch ([`crate::epoch`]), which lets an importer that
+//! did not follow see it for itself.
 //!
 //! **Tombstones.** When the memory of a [`Delivery::Collective`] export is freed (its layer's
 //! NCCL destroyed a communicator, say) while importers still hold imports of it, mapped or
@@ -89,7 +91,7 @@ pub enum Delivery {
     /// Importers release their imports in their own pause, which every process of the group
     /// makes, and tell the owner ([`Request::Released`]); at their resume they open the next
     /// generation ([`Request::Import`], answered [`Reply::Export`]). The owner's pause waits
-    /// until every importer of the current generation has released or is gone
+    /// until every importer that maps a generation of it has released or is gone
     /// ([`wait_released`]). A layer's own buffers, served through
     /// [`crate::server::Service::Buffers`]; the ids are the layer's.
     Collective,
@@ -422,9 +424,9 @@ impl Ledger {
     /// The importers that map a generation of a paused [`Delivery::Collective`] export, the
     /// current one or one an earlier pause gave up on (a stopped importer's, say: its memory
     /// is not free either), with those exports' ids (what a collective pause waits for and
-    /// reports), less the importers
-    /// that `running` says exited; second, every importer of a collective export or of a
-    /// tombstone that exited (nobody else finds those: no courier reaches them).
+    /// reports), less the importers that `running` says exited; second, every importer of a
+    /// collective export or of a tombstone that exited (nobody else finds those: no courier
+    /// reaches them).
     fn holders(&self, running: impl Fn(&Identity) -> bool) -> (Holders, Vec<Identity>) {
         let mut holders = Holders::new();
         let mut importers: BTreeSet<Identity> = self

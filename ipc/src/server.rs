@@ -149,12 +149,11 @@ pub fn peer_cred(s: &UnixStream) -> std::io::Result<(u32, u32)> {
     Ok((c.uid(), u32::try_from(c.pid()).unwrap_or(0)))
 }
 
-/// The socket this process serves, removed at exit by this process only.
 /// This process's entries in its group's directory (the socket, the epoch file), removed at
 /// exit, and the pid that made them (a child forked since does not remove them).
 static SERVING: OnceLock<(Dir, Vec<String>, u32)> = OnceLock::new();
 
-extern "C" fn remove_own_socket() {
+extern "C" fn remove_own_entries() {
     if let Some((dir, names, pid)) = SERVING.get()
         && *pid == std::process::id()
     {
@@ -191,7 +190,7 @@ pub fn ensure_server() -> std::io::Result<()> {
             }
             let _ = SERVING.set((dir, names, me.pid));
             // SAFETY: registers a plain extern "C" function without arguments.
-            unsafe { libc::atexit(remove_own_socket) };
+            unsafe { libc::atexit(remove_own_entries) };
             start(listener, group, me).map_err(|e| e.to_string())
         })
         .clone()
