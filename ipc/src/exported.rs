@@ -242,12 +242,14 @@ struct Ledger {
     /// published for the importers ([`crate::epoch`]) and given with each answer.
     epoch: u64,
     /// Why the owner's last resume of its collective exports failed, while it left some
-    /// paused: an open waiting for one of those is answered with it at once
-    /// ([`Reply::Error`]) instead of at the end of its wait. Cleared when a resume starts.
-    resume_failed: Option<String>,
+    /// paused, and the importers told so: an open waiting for one of those is answered with
+    /// it at once ([`Reply::Error`]) instead of at the end of its wait, once per importer (its
+    /// next open, a retry that may come before the owner's own, waits for the owner's next
+    /// resume as usual). Cleared when a resume starts.
+    resume_failed: Option<(String, BTreeSet<Identity>)>,
     /// Importers of collective exports whose own pause failed, leaving imports mapped, with
     /// their error ([`Request::PauseFailed`]): a pause stops waiting for them and names them
-    /// with it. Forgotten at the importer's next notice or open (it went on).
+    /// with it, once. Forgotten then, or at the importer's next notice or open (it went on).
     pause_failed: BTreeMap<Identity, String>,
 }
 
@@ -754,10 +756,10 @@ pub fn resume_started() {
 }
 
 /// The owner's resume of its [`Delivery::Collective`] exports failed (`why`, the error it
-/// returns), leaving some paused: opens of those are answered with `why` at once, until the
-/// next resume starts, instead of at the end of their wait.
+/// returns), leaving some paused: until the next resume starts, each importer's open of those
+/// is answered with `why` at once instead of at the end of its wait, the first time.
 pub fn resume_failed(why: String) {
-    LEDGER.lock().resume_failed = Some(why);
+    LEDGER.lock().resume_failed = Some((why, BTreeSet::new()));
 }
 
 /// Importers that still map a generation of paused exports, by identity, with the ids of
@@ -794,6 +796,11 @@ pub fn wait_released(
             .filter_map(|w| Some((*w, l.pause_failed.get(w)?.clone())))
             .collect();
         if failed.len() == holders.len() || Instant::now() >= deadline {
+            // Each failure is reported once: the next pause (a retry, maybe before the
+            // importer's own) waits for the importer as usual.
+            for who in failed.keys() {
+                l.pause_failed.remove(who);
+            }
             return (holders, failed);
         }
         parking_lot::MutexGuard::unlocked(&mut l, || progress.say(|| describe(&holders)));
@@ -938,6 +945,12 @@ fn answer(
 ) -> Vec<Answer> {
     let mut out = Vec::with_capacity(items.len());
     l.pause_failed.remove(from);
+    // Whether `from` is yet to hear of the owner's failed resume.
+    let tell = l
+        .resume_failed
+        .as_ref()
+        .is_some_and(|(_, told)| !told.contains(from));
+    let mut told = false;
     for b in items {
         match l.named(delivery, b) {
             Named::Export => {}
@@ -956,10 +969,11 @@ fn answer(
         let e = l.exports.get_mut(&(delivery, b.id)).expect("named above");
         let ready = e.memory == Memory::Resident && e.generation >= b.generation;
         if !(ready || backing.stays(b.id)) {
-            if let (Some(why), Memory::Paused) = (&l.resume_failed, e.memory) {
+            if let (true, Some((why, _)), Memory::Paused) = (tell, &l.resume_failed, e.memory) {
                 // The owner's resume failed: no generation comes until it resumes again.
                 let message = why.clone();
                 out.push((Reply::Error { status: 0, message }, None));
+                told = true;
                 continue;
             }
             break;
@@ -1013,6 +1027,9 @@ fn answer(
             },
         };
         out.push((reply, Some(m.fd)));
+    }
+    if told && let Some((_, who)) = &mut l.resume_failed {
+        who.insert(*from);
     }
     out
 }
@@ -1683,8 +1700,9 @@ mod tests {
 
     /// Each pause and each resume that moves collective exports raises the epoch once (a
     /// courier export's do not), and an answer carries the epoch of its moment. After a resume
-    /// that failed, an open waiting for an export it left paused is answered with the failure
-    /// at once, until the next resume starts; a resident export is served as usual meanwhile.
+    /// that failed, an importer's open waiting for an export it left paused is answered with
+    /// the failure at once, once, until the next resume starts; a resident export is served as
+    /// usual meanwhile.
     #[test]
     fn epochs_count_the_collective_marks_and_a_failed_resume_answers_its_waiting_opens() {
         let (mut l, items) = collective(&[1, 2]);
@@ -1696,7 +1714,7 @@ mod tests {
         assert_eq!(l.epoch, 1, "one collective pause that marked something");
         l.mark(C, &[1], Memory::Resident);
         assert_eq!(l.epoch, 2);
-        l.resume_failed = Some("out of device memory".into());
+        l.resume_failed = Some(("out of device memory".into(), BTreeSet::new()));
         let a = answer(&mut l, C, &importer(5), &next, &mut layer);
         assert!(
             matches!(
@@ -1709,9 +1727,17 @@ mod tests {
             "{a:?}"
         );
         assert_eq!(has(&l, (C, 2), 5), None, "nothing served of export 2");
-        // The next resume started: opens wait for it again.
-        l.resume_failed = None;
+        // Told once: its next open (a retry that came before the owner's) waits for the
+        // owner's next resume; another importer is told.
         assert!(answer(&mut l, C, &importer(5), &next[1..], &mut layer).is_empty());
+        let a = answer(&mut l, C, &importer(6), &next[1..], &mut layer);
+        assert!(
+            matches!(a.as_slice(), [(Reply::Error { .. }, None)]),
+            "{a:?}"
+        );
+        // The next resume started: opens wait for it.
+        l.resume_failed = None;
+        assert!(answer(&mut l, C, &importer(6), &next[1..], &mut layer).is_empty());
     }
 
     /// An importer that hung up while the owner wrote its answers: the collective importer
