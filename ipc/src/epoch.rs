@@ -132,15 +132,24 @@ pub(crate) fn publish(w: Word) {
 pub fn open(group: i64, owner: &Identity) -> std::io::Result<Page> {
     let dir = rundir::group_dir(&rundir::runtime_dir(), group)?;
     let name = file_name(owner);
+    open_page(
+        &dir.entry(&name),
+        &format!("{}/{name}", dir.path().display()),
+    )
+}
+
+/// The page of the file at `path` (`shown` in messages), read-only, if it is a regular file of
+/// this user at least one word long, reached without following a link.
+fn open_page(path: &std::path::Path, shown: &str) -> std::io::Result<Page> {
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(dir.entry(&name))?;
+        .open(path)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{shown}: {e}")))?;
     let m = file.metadata()?;
     if !m.file_type().is_file() || m.uid() != rundir::euid() || m.len() < LEN as u64 {
         return Err(std::io::Error::other(format!(
-            "{}/{name} is not a process's epoch file of this user",
-            dir.path().display()
+            "{shown} is not a process's epoch file of this user"
         )));
     }
     Page::map(&file, libc::PROT_READ)
@@ -156,6 +165,44 @@ mod tests {
             let w = Word { epoch, paused };
             assert_eq!(Word::decode(w.encode()), w);
         }
+    }
+
+    /// An importer maps only a regular file of this user at least one word long, reached
+    /// without following a link: a link to a good file, a short file and (as root) a file of
+    /// another user are refused; the good file is read.
+    #[test]
+    fn only_a_real_epoch_file_of_this_user_is_read() {
+        let dir = std::env::temp_dir().join(format!("memsaver-epoch-own-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good");
+        std::fs::write(&good, 6u64.to_le_bytes()).unwrap();
+        let link = dir.join("link");
+        std::os::unix::fs::symlink(&good, &link).unwrap();
+        let short = dir.join("short");
+        std::fs::write(&short, [1u8]).unwrap();
+        let theirs = dir.join("theirs");
+        std::fs::write(&theirs, 6u64.to_le_bytes()).unwrap();
+        let as_root = rundir::euid() == 0;
+        if as_root {
+            std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+        }
+        let read = |p: &std::path::Path| open_page(p, "x").map(|page| page.read());
+        let results = (read(&good), read(&link), read(&short), read(&theirs));
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            results.0.unwrap(),
+            Word {
+                epoch: 3,
+                paused: false
+            }
+        );
+        assert!(results.1.is_err(), "a link is not followed");
+        assert!(results.2.is_err(), "a file shorter than a word");
+        assert_eq!(
+            results.3.is_err(),
+            as_root,
+            "another user's file (as root only)"
+        );
     }
 
     #[test]
