@@ -38,6 +38,11 @@ fn main() {
             workspace.join(dir).join("src").display()
         );
     }
+    // The packing kernels' PTX, which the allocator embeds.
+    println!(
+        "cargo:rerun-if-changed={}",
+        workspace.join("allocator/kernels/pack.ptx").display()
+    );
     let handed = std::env::var_os("MEMSAVER_BUNDLE_FROM").map(|dir| workspace.join(dir));
     let from = match &handed {
         Some(dir) => dir.clone(),

@@ -12,7 +12,7 @@ use crate::driver::{Driver, Handle};
 use crate::error::{Error, Result};
 use crate::external::ExternalTag;
 use crate::guard::PauseGuard;
-use crate::options::Options;
+use crate::options::{Options, Pack};
 use crate::prepare::Preparer;
 use crate::private_dir::Dir;
 use crate::sharing::Sharing;
@@ -94,6 +94,7 @@ struct Settings {
     /// pause that needs it when the directory came from `MEMSAVER_DISK_DIR`.
     disk_dir_held: Option<Arc<Dir>>,
     disk_chunk: usize,
+    pack: Pack,
 }
 
 impl Allocator {
@@ -124,6 +125,7 @@ impl Allocator {
                 disk_dir: opts.disk_dir.clone(),
                 disk_dir_held: None,
                 disk_chunk: opts.disk_chunk,
+                pack: opts.pack,
             }),
         }
     }
@@ -745,8 +747,10 @@ impl Allocator {
 
     /// The steps of one pause or resume (`steps.rs`), with the settings in force now.
     pub fn steps(&self, op: Op) -> Steps<'_> {
+        let pack = self.settings.lock().pack;
         let plan = match op {
             Op::Pause => Plan {
+                pack,
                 retain: true,
                 margin: 0,
                 merge_limit: 0,
@@ -754,6 +758,7 @@ impl Allocator {
                 disk_chunk: self.disk_chunk(),
             },
             Op::Resume => Plan {
+                pack,
                 retain: self.resume_keeps_backups(),
                 margin: self.memory_margin(),
                 merge_limit: self.merge_limit(),

@@ -80,6 +80,12 @@ impl HostBuffer {
         }
     }
 
+    /// Whether the device may read and write the whole buffer (at its host address, where
+    /// the device can: `packed.rs`): pinned throughout.
+    pub(crate) fn registered(&self) -> bool {
+        matches!(self, HostBuffer::Pinned(b) if b.fully_pinned())
+    }
+
     /// The handle through which the rest of a partly pinned buffer is pinned in the background
     /// (`prepare.rs`); `None` for pageable memory and for a buffer pinned throughout.
     pub(crate) fn pin_job(&self) -> Option<PinJob> {
@@ -161,6 +167,9 @@ enum Way {
 /// The backup of one allocation.
 pub enum Backup {
     Host(HostBuffer),
+    /// The non-zero blocks of the contents, packed in pinned host memory by the device, and
+    /// how many (`packed.rs` says where each lies).
+    Packed(HostBuffer, u32),
     Disk(DiskFile),
 }
 
@@ -168,23 +177,24 @@ impl Backup {
     #[allow(clippy::len_without_is_empty)]
     pub fn len(&self) -> usize {
         match self {
-            Backup::Host(b) => b.len(),
+            Backup::Host(b) | Backup::Packed(b, _) => b.len(),
             Backup::Disk(f) => f.len(),
         }
     }
 
     pub fn kind(&self) -> BackupKind {
         match self {
-            Backup::Host(b) => b.kind(),
+            Backup::Host(b) | Backup::Packed(b, _) => b.kind(),
             Backup::Disk(_) => BackupKind::Disk,
         }
     }
 
-    /// The host copy, for `cpu` and `mmap` backups.
+    /// The host copy, for `cpu` and `mmap` backups (not packed ones: those are no image of
+    /// the memory).
     pub(crate) fn host(&self) -> Option<&HostBuffer> {
         match self {
             Backup::Host(b) => Some(b),
-            Backup::Disk(_) => None,
+            Backup::Packed(..) | Backup::Disk(_) => None,
         }
     }
 }

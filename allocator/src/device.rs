@@ -1,7 +1,10 @@
 //! Per-device runtime state: the primary context, the VMM granularity and the copy stream
 //! (shared by every tag's pause and resume: see `steps`).
 
+use std::sync::OnceLock;
+
 use crate::driver::{Context, Driver, DriverError, Stream};
+use crate::packed::Kernels;
 
 pub struct Device {
     pub ordinal: i32,
@@ -10,6 +13,9 @@ pub struct Device {
     pub granularity: usize,
     /// The stream backups are copied on; one per device so devices copy in parallel.
     pub stream: Stream,
+    /// The packing kernels, loaded at the first packed copy (`None`: packing cannot be used
+    /// here, see `packed.rs`).
+    pub(crate) packing: OnceLock<Option<Kernels>>,
 }
 
 impl Device {
@@ -29,6 +35,7 @@ impl Device {
             ctx,
             granularity,
             stream,
+            packing: OnceLock::new(),
         })
     }
 

@@ -21,6 +21,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::external::{ExternalTag, Report};
 use crate::guard::PauseGuard;
+use crate::options::Pack;
 use crate::steps::{Memory, Op, Piece, Place, Plan, Steps, is_out_of_memory, oom_error};
 use crate::table::{Allocation, Backing, Phase, Run, Table};
 use crate::types::Policy;
@@ -276,10 +277,7 @@ impl Allocator {
             tags: tags.iter().map(|t| t.to_string()).collect(),
             allocations: done().count(),
             bytes: done().map(|j| j.size() as u64).sum(),
-            copied_bytes: done()
-                .filter(|j| j.copies() && j.piece.backup.is_some())
-                .map(|j| j.size() as u64)
-                .sum(),
+            copied_bytes: steps.copied_bytes(),
             elapsed: Duration::ZERO,
         };
         // The staging buffer goes before settle, as every driver call of the work phase.
@@ -360,6 +358,7 @@ impl Allocator {
         let mut jobs = Vec::new();
         let mut released = Vec::new();
         let mut runs = Runs::new();
+        let pack_all = plan.pack == Pack::All;
         let Table {
             allocations,
             runs: table_runs,
@@ -420,7 +419,8 @@ impl Allocator {
                     ptr,
                     a.size,
                     a.backup.take(),
-                ),
+                )
+                .packed(pack_all),
                 backing,
                 error: None,
                 shared: a.shared,

@@ -163,6 +163,22 @@ crate::declare_options! {
             | "TMS_INIT_ENABLE_CPU_BACKUP" | "TMS_INIT_CPU_BACKUP_BACKEND",
             one_of("discard", "cpu", "mmap", "disk"), default "discard", Library;
 
+        /// which pinned (cpu) backups keep only the 4 KiB blocks that hold a non-zero byte,
+        /// packed by the device straight into host memory; resume zero-fills the memory and
+        /// puts them back, exact whatever it holds. nccl (the default): the nccl tag's, whose
+        /// buffers are mostly empty; all: every tag's (the backup is then no image of the
+        /// memory: memsaver_backup_pointer gives none); off: whole copies. Where the device
+        /// cannot (see docs/architecture.md), backups are copied whole
+        PACK = "MEMSAVER_PACK", one_of(Pack {
+                /// The nccl tag's backups (the default).
+                Nccl = "nccl",
+                /// Every tag's cpu backups.
+                All = "all",
+                /// None: whole copies.
+                Off = "off",
+            }), default "nccl", Library
+            => pub pack: Pack;
+
         /// log filter for tracing; logs go to stderr. An invalid filter is one warning line on
         /// stderr and the default (the logger starts where no error can be returned)
         LOG = "MEMSAVER_LOG", log_filter, default "warn", Library

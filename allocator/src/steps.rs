@@ -4,8 +4,9 @@
 //! which order; these steps do the work on one [`Piece`] of physical memory at a time:
 //!
 //! * pause: [`Steps::synchronize`] the device, [`Steps::copy_out`] the contents into the
-//!   piece's backup (queued behind an event for host backups, written through the staging
-//!   buffer for disk), [`Steps::unmap`] each mapping once [`Steps::copied`] says the copy is
+//!   piece's backup (queued behind an event for host backups, only the blocks that hold
+//!   something where the piece asks and the device can: `packed.rs`; written through the
+//!   staging buffer for disk), [`Steps::unmap`] each mapping once [`Steps::copied`] says the copy is
 //!   done, [`Steps::release`] the handle; [`Steps::keep`] a piece that must stay resident;
 //! * resume: [`Steps::map_fresh`] creates physical memory and maps it at the piece's old
 //!   addresses, unless that would leave less than the memory margin free, [`Steps::copy_in`]
@@ -23,6 +24,7 @@
 //! the other way round.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::backup::{Backup, BackupKind, HostBuffer, PinJob};
 use crate::device::Device;
@@ -30,6 +32,8 @@ use crate::disk::DiskFile;
 use crate::driver::sys::{CUmemAccessDesc, CUmemAllocationProp};
 use crate::driver::{Driver, DriverError, Event, Handle};
 use crate::error::{Error, Result};
+use crate::options::Pack;
+use crate::packed::{self, Kernels, Layout};
 use crate::prepare::Preparer;
 use crate::private_dir::Dir;
 use crate::types::Policy;
@@ -75,8 +79,13 @@ pub struct Piece {
     pub len: usize,
     /// Its contents as of the last completed pause, if it has a backup.
     pub backup: Option<Backup>,
+    /// A pinned backup keeps only the blocks that hold something, where the device can pack
+    /// them (`packed.rs`); else it is a whole copy.
+    pub pack: bool,
     /// The copy queued into `backup`, waited for before the memory is unmapped.
     copy_done: Option<Event>,
+    /// That copy is a packing, whose count [`Steps::copied`] reads.
+    packing: bool,
 }
 
 impl Piece {
@@ -97,8 +106,16 @@ impl Piece {
             ptr,
             len,
             backup,
+            pack: false,
             copy_done: None,
+            packing: false,
         }
+    }
+
+    /// The piece, its pinned backup packed where the device can (see [`Piece::pack`]).
+    pub fn packed(mut self, pack: bool) -> Self {
+        self.pack = pack;
+        self
     }
 
     /// Whether a pause copies its contents (every policy but `discard`).
@@ -131,6 +148,8 @@ pub struct Place<'a> {
 
 /// The settings one transition runs with, read once before it claims anything.
 pub struct Plan {
+    /// Pause: which tags' pinned backups keep only their non-zero blocks (`packed.rs`).
+    pub pack: Pack,
     /// Resume: keep the backups of resumed pieces (else release them).
     pub retain: bool,
     /// Resume: bytes to keep free on each device.
@@ -155,6 +174,9 @@ pub struct Steps<'a> {
     pub plan: Plan,
     staging: Staging,
     unpinned: Unpinned<'a>,
+    /// Bytes this transition copied between device and host (blocks and index of packed
+    /// backups, whole pieces otherwise).
+    copied_bytes: AtomicU64,
 }
 
 /// The backups this transition copied that are only partly pinned (a pause took them before
@@ -199,6 +221,7 @@ impl<'a> Steps<'a> {
                 preparer,
                 jobs: Vec::new(),
             },
+            copied_bytes: AtomicU64::new(0),
         }
     }
 }
@@ -228,8 +251,11 @@ impl Steps<'_> {
         if p.policy == Policy::Disk {
             return self.write_disk(p);
         }
-        // A backup of another kind (the pause chose another policy than the last one) or too
-        // small is replaced.
+        // A packed backup's buffer serves again; a backup of another kind (the pause chose
+        // another policy than the last one) or too small is replaced.
+        if let Some(Backup::Packed(buf, _)) = p.backup.take() {
+            p.backup = Some(Backup::Host(buf));
+        }
         let kind = if p.policy == Policy::Mmap {
             BackupKind::Mmap
         } else {
@@ -247,18 +273,31 @@ impl Steps<'_> {
             unreachable!("cpu and mmap pieces hold a host backup")
         };
         let dev = &p.device;
+        let packer = (p.pack && p.len >= packed::MIN_LEN && buf.registered())
+            .then(|| Kernels::of(d, dev))
+            .flatten();
         let r = d.with_context(dev.ctx, || {
-            // SAFETY: the piece is mapped (its owner holds the handle) and the backup has at
-            // least `len` bytes of host memory that lives in the piece until the copy is
-            // waited on (for pageable memory the driver completes the copy before returning).
-            unsafe {
-                buf.copy_from_device(d, dev.ctx, 0, p.ptr, p.len, dev.stream, Some(staging))
+            match packer {
+                // SAFETY: the piece is mapped (its owner holds the handle) and the backup is
+                // registered host memory that lives in the piece until the launch is waited on.
+                Some(k) => unsafe { k.pack(d, dev, p.ptr, p.len, buf.as_mut_ptr(), buf.len()) },
+                // SAFETY: the piece is mapped (its owner holds the handle) and the backup has
+                // at least `len` bytes of host memory that lives in the piece until the copy is
+                // waited on (for pageable memory the driver completes the copy before
+                // returning).
+                None => unsafe {
+                    buf.copy_from_device(d, dev.ctx, 0, p.ptr, p.len, dev.stream, Some(staging))
+                },
             }?;
             d.event_record(dev.stream)
         });
         match r {
             Ok(e) => {
                 p.copy_done = Some(e);
+                p.packing = packer.is_some();
+                if !p.packing {
+                    self.count(p.len as u64);
+                }
                 self.unpinned.note(p.key, buf);
                 Ok(())
             }
@@ -274,15 +313,47 @@ impl Steps<'_> {
     }
 
     /// Waits for the piece's backup copy, if one is queued: after this its memory may be
-    /// unmapped.
+    /// unmapped. A packing that found more non-zero blocks than its backup has slots is
+    /// followed by a whole copy here. On a failure the piece has no backup.
     pub fn copied(&self, p: &mut Piece) -> Result<()> {
-        match p.copy_done.take() {
-            Some(e) => {
-                let d = self.driver;
-                Ok(d.with_context(p.device.ctx, || d.event_wait(e))?)
-            }
-            None => Ok(()),
+        let d = self.driver;
+        if let Some(e) = p.copy_done.take() {
+            d.with_context(p.device.ctx, || d.event_wait(e))?;
         }
+        if !std::mem::take(&mut p.packing) {
+            return Ok(());
+        }
+        let Some(Backup::Host(buf)) = p.backup.take() else {
+            unreachable!("a packing goes into a host backup")
+        };
+        // SAFETY: the launch that packed into `buf` has completed (waited on above).
+        let count = unsafe { packed::count(buf.as_ptr(), buf.len()) };
+        if count as usize <= Layout::of(buf.len()).slots {
+            self.count(Layout::copied(count as usize));
+            p.backup = Some(Backup::Packed(buf, count));
+            return Ok(());
+        }
+        tracing::debug!(tag = %p.tag, ptr = format_args!("{:#x}", p.ptr), blocks = count, "too many blocks to pack: copied whole");
+        let mut buf = buf;
+        let dev = &p.device;
+        d.with_context(dev.ctx, || {
+            // SAFETY: the piece is still mapped (its memory is unmapped only after this), and
+            // the stream is synchronised before the buffer is used again.
+            unsafe { buf.copy_from_device(d, dev.ctx, 0, p.ptr, p.len, dev.stream, None) }?;
+            d.stream_synchronize(dev.stream)
+        })?;
+        self.count(p.len as u64);
+        p.backup = Some(Backup::Host(buf));
+        Ok(())
+    }
+
+    /// Bytes this transition copied so far between device and host memory.
+    pub fn copied_bytes(&self) -> u64 {
+        self.copied_bytes.load(Ordering::Relaxed)
+    }
+
+    fn count(&self, bytes: u64) {
+        self.copied_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// Unmaps `places` on `dev`.
@@ -310,6 +381,7 @@ impl Steps<'_> {
     /// completed pause).
     pub fn keep(&self, p: &mut Piece) {
         let d = self.driver;
+        p.packing = false;
         if let Some(done) = p.copy_done.take() {
             // Waiting also destroys the event.
             let _ = d.with_context(p.device.ctx, || d.event_wait(done));
@@ -386,6 +458,23 @@ impl Steps<'_> {
                     }
                 })?;
                 self.unpinned.note(p.key, buf);
+                self.count(n as u64);
+                Ok(())
+            }
+            Some(Backup::Packed(buf, count)) => {
+                let k = Kernels::of(d, dev).ok_or_else(|| {
+                    Error::Backup(format!(
+                        "the packed backup of tag '{}' at {:#x} needs the packing kernels, which \
+                         no longer load on device {}",
+                        p.tag, p.ptr, dev.ordinal
+                    ))
+                })?;
+                d.with_context(dev.ctx, || {
+                    // SAFETY: just mapped; the backup (registered throughout, as packing
+                    // needs) stays in the piece until the stream is synchronised by `finish`.
+                    unsafe { k.unpack(d, dev, p.ptr, p.len, buf.as_ptr(), buf.len(), *count) }
+                })?;
+                self.count(Layout::copied(*count as usize));
                 Ok(())
             }
             Some(Backup::Disk(file)) => {

@@ -75,6 +75,7 @@ pub use provider::NcclTag;
 pub use registry::{AppMemoryStats, NcclStats};
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use memsaver_allocator::{Allocator, StartHook};
 
@@ -130,5 +131,7 @@ pub fn stats() -> NcclStats {
     s.fallback_exports = tokens::fallback_exports();
     s.fallback_reason = tokens::fallback_reason();
     s.application = appmem::stats();
+    s.bytes_copied_per_pause = provider::COPIED[0].load(Ordering::Relaxed);
+    s.bytes_copied_per_resume = provider::COPIED[1].load(Ordering::Relaxed);
     s
 }

@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use memsaver_allocator::driver::Handle;
+use memsaver_allocator::options::Pack;
 use memsaver_allocator::steps::{Memory, Op, Piece, Place, Steps, external_key, is_out_of_memory};
 use memsaver_allocator::{Allocator, Backup as HostBackup, Device, Error, Policy, Result};
 use memsaver_ipc::protocol::Buffer;
@@ -354,7 +355,6 @@ fn release_run(
         out.bytes += p.size;
         // A buffer NCCL unmapped but still holds has no piece: nothing of it to keep.
         if let Some(piece) = pieces.remove(&vh) {
-            out.copied += piece.backup.as_ref().map_or(0, |_| piece.len as u64);
             p.backup_len = piece.len as u64;
             p.backup = piece.backup;
         }
@@ -478,7 +478,8 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
                 ptr,
                 len,
                 p.backup.take(),
-            );
+            )
+            .packed(steps.plan.pack != Pack::Off);
             if failed.is_none() {
                 failed = steps.copy_out(&mut piece).err();
             }
@@ -523,7 +524,6 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
                     .and_then(|()| release_one(&steps, &device, &mut reg, &ranges, vh, &mut out));
                 match r {
                     Ok(()) => {
-                        out.copied += piece.backup.as_ref().map_or(0, |_| piece.len as u64);
                         let p = reg.physicals.get_mut(&vh).expect("listed above");
                         p.backup_len = piece.len as u64;
                         p.backup = piece.backup;
@@ -551,6 +551,7 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
         .collect();
     memsaver_ipc::exported::paused(&exports);
     drop(reg);
+    out.copied = steps.copied_bytes();
     if let Some(e) = first_error {
         // Nothing released: NCCL's memory is all there, so NCCL may run. Something
         // released: the tag is paused (a resume restores what was released).
@@ -704,9 +705,6 @@ fn restore(
             p.run = (unit.len() > 1).then_some(base);
             total.handles += 1;
             total.bytes += p.size;
-            if piece.backup.is_some() {
-                total.copied += p.backup_len;
-            }
             if steps.plan.retain {
                 p.backup = piece.backup;
             } else {
@@ -902,6 +900,7 @@ pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
     // Backups retention no longer keeps (outside the lock: freeing pinned memory is a
     // driver call).
     drop(released);
+    total.copied = steps.copied_bytes();
     r.map(|()| total)
 }
 

@@ -33,6 +33,7 @@
 //! An owner serves a buffer only once its contents are restored. No lock is held while waiting
 //! for a peer, so processes resuming (or pausing) together cannot deadlock.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use memsaver_allocator::steps::external_key;
@@ -52,6 +53,9 @@ impl NcclTag {
         Self { allocator }
     }
 }
+
+/// Bytes the last pause and the last resume copied (`nccl_stats`).
+pub(crate) static COPIED: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
 
 fn report(allocations: usize, bytes: u64, copied_bytes: u64, start: Instant) -> Report {
     Report {
@@ -120,6 +124,7 @@ impl ExternalTag for NcclTag {
                 peer::describe(*owner, group, &holds, fault, peer::timeout())
             );
         }
+        COPIED[0].store(released.copied, Ordering::Relaxed);
         tracing::info!(
             release_local_ms = local_ms,
             total_ms = start.elapsed().as_secs_f64() * 1e3,
@@ -169,6 +174,7 @@ impl ExternalTag for NcclTag {
         }
         let n = own.handles + imported.mapped;
         let (bytes, copied) = (own.bytes, own.copied);
+        COPIED[1].store(copied, Ordering::Relaxed);
         local::restore_stacks(self.allocator);
         crate::guard::set_paused(false);
         tracing::info!(
@@ -178,6 +184,7 @@ impl ExternalTag for NcclTag {
             allocations = n,
             orphaned_imports = imported.orphaned,
             bytes,
+            copied_bytes = copied,
             "nccl resume"
         );
         Ok(report(n, bytes, copied, start))

@@ -935,6 +935,10 @@ pub struct NcclStats {
     /// buffers NCCL freed inside them, held until the next pause or until the run is unused.
     pub runs: u64,
     pub freed_held_bytes: u64,
+    /// Bytes the last pause copied to backups, and the last resume back from them (only the
+    /// blocks that hold something, where packed: `MEMSAVER_PACK`).
+    pub bytes_copied_per_pause: u64,
+    pub bytes_copied_per_resume: u64,
     /// Local memory the current pause freed by lowering the kernel stack size (per device:
     /// (old - new limit) x multiprocessors x threads per multiprocessor).
     pub stack_lowered_bytes: u64,

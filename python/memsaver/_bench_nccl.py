@@ -22,7 +22,8 @@ collectives are checked after every resume.
   torch: each communicator is laid out as NCCL lays it out (2 private buffers of 2 MiB, then per
   peer a buffer of ``--mib`` exported to that peer, sent over a Unix socket and imported there,
   and a private buffer of 2 MiB); the "collectives" are every peer's pattern read through the
-  imports, and the private buffers' own patterns.
+  imports, and the private buffers' own contents. Those hold what NCCL's do: a few KiB of
+  structures in each 2 MiB granule, zeros elsewhere.
 """
 
 from __future__ import annotations
@@ -343,6 +344,8 @@ class Switch:
     resume: Callable[[], None]
     owned: Callable[[], int]  # the bytes a pause should free in this rank
     calls: Callable[[], dict[str, int]] | None  # driver calls so far, by kind (None: not counted)
+    # bytes the last pause and the last resume copied to and from backups (None: not counted)
+    copied: Callable[[], tuple[int, int]] | None = None
 
 
 def _nccl_owned_bytes() -> int:
@@ -365,7 +368,15 @@ def _memsaver_switch() -> Switch:
         resume=lambda: memsaver.resume("nccl"),
         owned=_nccl_owned_bytes,
         calls=lambda: memsaver.stats().driver_calls,
+        copied=_copied_bytes,
     )
+
+
+def _copied_bytes() -> tuple[int, int]:
+    import memsaver
+
+    s = memsaver.nccl_stats()
+    return int(s["bytes_copied_per_pause"]), int(s["bytes_copied_per_resume"])
 
 
 def _native_switch(comms: list[int]) -> Switch:
@@ -408,6 +419,7 @@ def _cycles(rank: int, o: Options, w: Workload) -> dict[str, Any]:
     pause_ms: list[float] = []
     resume_ms: list[float] = []
     calls: tuple[int | None, int | None] = (None, None)
+    copied: tuple[int | None, int | None] = (None, None)
     freed_pct = 0.0
     for k in range(1, o.cycles + 1):
         owned = s.owned()
@@ -431,6 +443,8 @@ def _cycles(rank: int, o: Options, w: Workload) -> dict[str, Any]:
         c3 = snap()
         if s.calls:
             calls = (_vmm_calls(c0, c1), _vmm_calls(c2, c3))
+        if s.copied:
+            copied = s.copied()
         w.barrier()  # every rank has resumed
         w.check(k)
     return {
@@ -442,6 +456,8 @@ def _cycles(rank: int, o: Options, w: Workload) -> dict[str, Any]:
         "resume_ms": [round(t, 3) for t in resume_ms],
         "calls_per_pause": calls[0],
         "calls_per_resume": calls[1],
+        "bytes_copied_per_pause": copied[0],
+        "bytes_copied_per_resume": copied[1],
         "freed_pct": freed_pct,
     }
 
@@ -470,6 +486,16 @@ def _pattern(key: str, size: int) -> bytes:
     """``size`` bytes (a multiple of 4 KiB) that only ``key`` gives."""
     block = b"".join(hashlib.sha256(f"{key}/{i}".encode()).digest() for i in range(128))
     return block * (size // len(block))
+
+
+def _private(key: str, size: int) -> bytes:
+    """``size`` bytes shaped as one of NCCL's private buffers: 3 KiB of structures at the start,
+    100 bytes near the end, zeros between (NCCL rounds each small structure up to a granule)."""
+    out = bytearray(size)
+    live = _pattern(key, 4096)
+    out[:3072] = live[:3072]
+    out[size - 4089 : size - 3989] = live[3072:3172]
+    return bytes(out)
 
 
 def _shared_bytes_kept() -> int:
@@ -522,12 +548,12 @@ def _fake_workload(rank: int, o: Options, cfg: dict[str, Any], barrier: FileBarr
             exported[p].append(alloc(o.mib * MIB, True))
             private.append(alloc(2 * MIB, False))
     for i, a in enumerate(private):
-        ctypes.memmove(a.ptr, _pattern(f"private/{rank}/{i}", a.size), a.size)
+        ctypes.memmove(a.ptr, _private(f"private/{rank}/{i}", a.size), a.size)
     for p in peers:
         for c, a in enumerate(exported[p]):
             ctypes.memmove(a.ptr, _pattern(f"shared/{rank}->{p}/{c}", a.size), a.size)
     imports = _exchange(rank, o, cfg["dir"], exported, nccl, cuda_b, barrier)
-    expected = {i: _pattern(f"private/{rank}/{i}", a.size) for i, a in enumerate(private)}
+    expected = {i: _private(f"private/{rank}/{i}", a.size) for i, a in enumerate(private)}
     kept = _shared_bytes_kept()
 
     def check(step: int) -> None:

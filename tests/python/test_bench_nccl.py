@@ -10,7 +10,11 @@ import sys
 
 import pytest
 
-FIELDS = {"rank", "ranks", "comms", "mode", "pause_ms", "resume_ms", "calls_per_pause", "calls_per_resume", "freed_pct"}
+FIELDS = {
+    "rank", "ranks", "comms", "mode", "pause_ms", "resume_ms", "calls_per_pause", "calls_per_resume",
+    "bytes_copied_per_pause", "bytes_copied_per_resume", "freed_pct",
+}
+MIB = 1 << 20
 
 
 @pytest.fixture
@@ -36,8 +40,8 @@ def lines(r: subprocess.CompletedProcess[str]) -> list[dict[str, object]]:
     return out
 
 
-def test_pause_calls_do_not_grow_with_communicators(bench_env):
-    calls = {}
+def test_pause_calls_and_bytes_do_not_grow_with_communicators(bench_env):
+    calls, copied = {}, {}
     for comms in (1, 4):
         r = bench(bench_env, "--ranks", "2", "--comms", str(comms), "--cycles", "2")
         assert r.returncode == 0, r.stdout + r.stderr
@@ -51,16 +55,27 @@ def test_pause_calls_do_not_grow_with_communicators(bench_env):
             assert g["freed_pct"] > 0, g  # type: ignore[operator]
             assert g["calls_per_pause"] > 0 and g["calls_per_resume"] > 0, g  # type: ignore[operator]
         calls[comms] = {g["rank"]: g["calls_per_pause"] for g in got}
+        copied[comms] = {g["rank"]: (g["bytes_copied_per_pause"], g["bytes_copied_per_resume"]) for g in got}
     # After the first resume each rank backs its buffers with one physical allocation and maps
     # each peer's whole, once: a pause's driver calls do not depend on the communicators.
     assert calls[1] == calls[4], calls
+    # Each communicator's 3 private 2 MiB buffers hold a few KiB (as NCCL's do) and its shared
+    # buffer a 64 KiB header kept: only the blocks that hold something are copied, about 88 KiB
+    # per communicator where whole copies would be 6 MiB and 64 KiB.
+    for rank in (0, 1):
+        one, four = copied[1][rank], copied[4][rank]
+        assert one[0] == one[1] and four[0] == four[1], copied
+        assert 0 < one[0] < 128 << 10, copied
+        assert four[0] <= one[0] + 16 * MIB and four[0] < 4 * (128 << 10), copied
 
 
 def test_every_byte_comes_back_with_cpu_and_the_headers_with_the_default(bench_env):
     # The ranks read every byte of each peer's shared buffers after each resume with `cpu`, and
-    # their first 64 KiB with `headers` (the default): what NCCL keeps across collectives.
+    # their first 64 KiB with `headers` (the default): what NCCL keeps across collectives. Fresh
+    # device memory holds junk: the zeros of the private buffers come back only because resume
+    # zero-fills what the packed backups leave out.
     for policy in ("cpu", "headers"):
-        env = dict(bench_env, MEMSAVER_NCCL_BACKUP=policy)
+        env = dict(bench_env, MEMSAVER_NCCL_BACKUP=policy, FAKE_CUDA_FRESH="junk")
         r = bench(env, "--ranks", "2", "--comms", "2", "--cycles", "2")
         assert r.returncode == 0, policy + r.stdout + r.stderr
         assert len(lines(r)) == 2, r.stdout

@@ -19,6 +19,7 @@
 //! Calls that need a current context (copies, streams, events, `cuMemGetInfo`) are made inside
 //! [`Driver::with_context`].
 
+mod kernels;
 pub mod sys;
 
 use std::ffi::{CStr, CString, c_int, c_void};
@@ -27,6 +28,8 @@ use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use sys::*;
+
+pub use kernels::{Function, Module};
 
 /// A failed driver call: which entry point, and the status code it returned.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -177,13 +180,16 @@ entry_points!(
     cuMemHostRegister_v2,
     cuMemHostUnregister,
     cuThreadExchangeStreamCaptureMode,
+    cuModuleLoadData,
+    cuModuleGetFunction,
+    cuLaunchKernel,
 );
 
 /// The kinds of driver call [`Driver::calls`] counts: the VMM calls whose number decides what a
 /// pause or resume costs (each one's cost is per call, not per byte), the copies, and the
 /// calls that pin host memory (slow, and they hold up every other driver call of the process
 /// while they run: see `backup.rs`). Named as the fake driver's counts are.
-pub const CALL_KINDS: [&str; 15] = [
+pub const CALL_KINDS: [&str; 16] = [
     "create",
     "map",
     "set_access",
@@ -199,6 +205,7 @@ pub const CALL_KINDS: [&str; 15] = [
     "host_register",
     "host_unregister",
     "memset",
+    "launch",
 ];
 
 #[derive(Clone, Copy)]
@@ -218,6 +225,7 @@ enum Call {
     HostRegister,
     HostUnregister,
     Memset,
+    Launch,
 }
 
 /// How many calls of each kind of [`CALL_KINDS`] this driver has made, failed ones included.
@@ -415,14 +423,7 @@ impl Driver {
     /// one stack per thread that can be resident (multiprocessors x threads per
     /// multiprocessor; 132 x 2048 on an H200).
     pub fn stack_bytes_per_thread_byte(&self, ordinal: i32) -> Result<u64, DriverError> {
-        let attribute = |attr| {
-            let mut v = 0;
-            // SAFETY: `v` is a valid out-pointer; plain values otherwise.
-            check("cuDeviceGetAttribute", unsafe {
-                (self.f.cuDeviceGetAttribute)(&mut v, attr, ordinal)
-            })?;
-            Ok::<_, DriverError>(v.max(0) as u64)
-        };
+        let attribute = |attr| Ok::<_, DriverError>(self.attribute(ordinal, attr)?.max(0) as u64);
         Ok(attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             * attribute(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?)
     }

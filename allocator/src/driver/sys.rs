@@ -18,6 +18,8 @@ pub type CUevent = *mut c_void;
 pub type CUgraph = *mut c_void;
 pub type CUgraphExec = *mut c_void;
 pub type CUgraphNode = *mut c_void;
+pub type CUmodule = *mut c_void;
+pub type CUfunction = *mut c_void;
 
 pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
@@ -58,6 +60,9 @@ pub const CU_LIMIT_STACK_SIZE: c_uint = 0;
 /// thread that can be resident: multiprocessors x threads per multiprocessor).
 pub const CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 16;
 pub const CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: c_int = 39;
+/// `CUdevice_attribute`: the device reaches registered host memory at its host address (so a
+/// kernel may be given a pointer into a registered backup).
+pub const CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: c_int = 91;
 pub const CU_MEM_LOCATION_TYPE_HOST: c_uint = 2;
 pub const CU_MEM_LOCATION_TYPE_HOST_NUMA: c_uint = 3;
 pub const CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: c_uint = 4;
@@ -282,6 +287,27 @@ pub mod fns {
     pub type cuMemHostRegister_v2 =
         unsafe extern "C" fn(p: *mut c_void, bytes: usize, flags: c_uint) -> CUresult;
     pub type cuMemHostUnregister = unsafe extern "C" fn(p: *mut c_void) -> CUresult;
+    pub type cuModuleLoadData =
+        unsafe extern "C" fn(module: *mut CUmodule, image: *const c_void) -> CUresult;
+    pub type cuModuleGetFunction = unsafe extern "C" fn(
+        function: *mut CUfunction,
+        module: CUmodule,
+        name: *const c_char,
+    ) -> CUresult;
+    #[allow(clippy::too_many_arguments)]
+    pub type cuLaunchKernel = unsafe extern "C" fn(
+        f: CUfunction,
+        grid_x: c_uint,
+        grid_y: c_uint,
+        grid_z: c_uint,
+        block_x: c_uint,
+        block_y: c_uint,
+        block_z: c_uint,
+        shared_bytes: c_uint,
+        stream: CUstream,
+        params: *mut *mut c_void,
+        extra: *mut *mut c_void,
+    ) -> CUresult;
     pub type cuThreadExchangeStreamCaptureMode = unsafe extern "C" fn(mode: *mut c_int) -> CUresult;
     pub type cuGetProcAddress_v2 = unsafe extern "C" fn(
         symbol: *const c_char,

@@ -9,6 +9,7 @@
 //! | `FAKE_CUDA_FAIL_MAP_AT`    | unset                                     | the Nth `cuMemMap` of the process fails     |
 //! | `FAKE_CUDA_PIN_MS_PER_GIB` | 100                                       | how long pinning holds the driver lock, per GiB |
 //! | `FAKE_CUDA_FRESH`          | `zeros`                                   | what new device memory holds: `zeros`, or `junk` (0xA5 bytes: the driver promises nothing) |
+//! | `FAKE_CUDA_HOST_POINTER`   | 1                                         | 0: the device does not reach registered host memory at its host address (no packed backups) |
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -29,6 +30,8 @@ pub struct Config {
     /// New device memory is filled with [`JUNK`] instead of zeros: the driver does not say what
     /// `cuMemCreate` returns, so code that needs zeros must write them.
     pub fresh_junk: bool,
+    /// `CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`.
+    pub host_pointer: bool,
 }
 
 /// The byte new device memory holds under `FAKE_CUDA_FRESH=junk`.
@@ -78,6 +81,11 @@ impl Config {
                 None | Some("zeros") => false,
                 Some("junk") => true,
                 Some(s) => return Err(format!("FAKE_CUDA_FRESH={s:?}: want zeros or junk")),
+            },
+            host_pointer: match var("FAKE_CUDA_HOST_POINTER").as_deref().map(str::trim) {
+                None | Some("1") => true,
+                Some("0") => false,
+                Some(s) => return Err(format!("FAKE_CUDA_HOST_POINTER={s:?}: want 0 or 1")),
             },
         })
     }

@@ -37,10 +37,12 @@ pub enum Call {
     HostUnregister,
     /// `cuMemsetD8` and its `Async` form.
     Memset,
+    /// `cuLaunchKernel`.
+    Launch,
 }
 
 /// How many kinds there are.
-pub const KINDS: usize = 15;
+pub const KINDS: usize = 16;
 
 static COUNTS: [AtomicU64; KINDS] = [const { AtomicU64::new(0) }; KINDS];
 

@@ -27,7 +27,7 @@
 //! `fakecuda_instantiate_unseen(exec, graph)` for a graph instantiation that no wrapper saw.
 //!
 //! Call counts, per process: `fakecuda_call_counts(out: *mut u64, n: usize) -> usize` writes
-//! the first `min(n, 15)` counts to `out` and returns 15, `fakecuda_reset_call_counts()` sets
+//! the first `min(n, 16)` counts to `out` and returns 16, `fakecuda_reset_call_counts()` sets
 //! them to 0. Every call entered is counted (failed ones too), with one relaxed atomic add. The
 //! order is fixed:
 //!
@@ -48,6 +48,11 @@
 //! | 12    | `host_register`   | `cuMemHostRegister_v2` |
 //! | 13    | `host_unregister` | `cuMemHostUnregister` |
 //! | 14    | `memset`       | `cuMemsetD8` (`_v2` or not) and `cuMemsetD8Async` |
+//! | 15    | `launch`       | `cuLaunchKernel` |
+//!
+//! Kernels (`kernels.rs`): `cuModuleLoadData` of PTX and launches of memsaver's packing kernels,
+//! run on the host; `fakecuda_transfer_stats(out, n)` gives the bytes copied each way and the
+//! bytes those kernels moved.
 //!
 //! Pinning, per process (`pinning.rs`): every entry point takes the driver lock shared and a
 //! pinning call (`cuMemHostAlloc`, `cuMemHostRegister_v2`) takes it exclusive for
@@ -103,9 +108,10 @@
 //!
 //! # Simplified
 //!
-//! * Everything is synchronous: async copies complete before they return; streams and events
-//!   are validated tokens. There are no kernels: graphs are empty, and a kernel's need for
-//!   stack is the test control above.
+//! * Everything is synchronous: async copies and launches complete before they return; streams
+//!   and events are validated tokens. The only kernels are memsaver's own (`kernels.rs`):
+//!   graphs are empty, and a kernel's need for stack is the test control above. A kernel's
+//!   fault is reported by its launch.
 //! * A lost context is checked for the calling thread's current context (and the graph's own
 //!   device at launch), not for whatever context a stream or handle belongs to.
 //! * One memory for all devices: access flags for any device apply to the whole process.
@@ -131,12 +137,13 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use counts::Call;
 use memsaver_allocator::driver::sys::fns;
 use memsaver_allocator::driver::sys::{
+    CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
     CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
     CU_EVENT_DISABLE_TIMING, CU_LIMIT_STACK_SIZE, CU_STREAM_NON_BLOCKING,
     CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_UNKNOWN,
     CUDA_ERROR_UNSUPPORTED_LIMIT, CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_SUCCESS, CUcontext, CUdevice,
-    CUdeviceptr, CUevent, CUgraph, CUgraphExec, CUgraphNode, CUmemAccessDesc, CUmemAllocationProp,
-    CUmemGenericAllocationHandle, CUresult, CUstream,
+    CUdeviceptr, CUevent, CUfunction, CUgraph, CUgraphExec, CUgraphNode, CUmemAccessDesc,
+    CUmemAllocationProp, CUmemGenericAllocationHandle, CUmodule, CUresult, CUstream,
 };
 
 mod capture;
@@ -147,6 +154,7 @@ mod errors;
 mod faults;
 mod gate;
 mod graphs;
+mod kernels;
 mod physical;
 mod pinning;
 mod procaddr;
@@ -770,12 +778,73 @@ cuda_exports! {
     /// `CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT` (132) and
     /// `CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR` (2048), an H200's; other
     /// attributes are `CUDA_ERROR_INVALID_VALUE`.
+    fn cuModuleLoadData(module: *mut CUmodule, image: *const c_void) {
+        let out = non_null(module)?;
+        context::initialised()?;
+        context::current_alive()?;
+        context::require_current()?;
+        if image.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null; PTX images are NUL-terminated text.
+        let m = kernels::load(unsafe { CStr::from_ptr(image.cast()) })?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(m) };
+        Ok(())
+    }
+
+    /// The kernel `name` of a loaded module.
+    fn cuModuleGetFunction(function: *mut CUfunction, module: CUmodule, name: *const c_char) {
+        let out = non_null(function)?;
+        context::initialised()?;
+        if name.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null and NUL-terminated per the driver API.
+        let f = kernels::function(module, unsafe { CStr::from_ptr(name) })?;
+        // SAFETY: non-null; the caller passes a valid out-pointer.
+        unsafe { out.write(f) };
+        Ok(())
+    }
+
+    /// Runs memsaver's packing kernels at once (`kernels.rs`).
+    fn cuLaunchKernel(
+        f: CUfunction,
+        grid_x: c_uint,
+        grid_y: c_uint,
+        grid_z: c_uint,
+        block_x: c_uint,
+        block_y: c_uint,
+        block_z: c_uint,
+        shared_bytes: c_uint,
+        stream: CUstream,
+        params: *mut *mut c_void,
+        extra: *mut *mut c_void,
+    ) {
+        counts::count(Call::Launch);
+        context::initialised()?;
+        context::check_stream(stream)?;
+        if grid_x == 0 || grid_y != 1 || grid_z != 1 || block_y != 1 || block_z != 1
+            || shared_bytes != 0 || !extra.is_null()
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: the caller passes one pointer per kernel parameter.
+        unsafe { kernels::launch(f, block_x, params) }
+    }
+
+    /// The attributes memsaver reads: an H200's multiprocessors and threads per multiprocessor,
+    /// and whether registered host memory is reached at its host address
+    /// (`FAKE_CUDA_HOST_POINTER`).
     fn cuDeviceGetAttribute(value: *mut c_int, attribute: c_int, dev: CUdevice) {
         let out = non_null(value)?;
         context::device(context::initialised()?, dev)?;
         let v = match attribute {
             CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT => 132,
             CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR => 2048,
+            CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM => {
+                context::initialised()?.host_pointer.into()
+            }
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
         };
         // SAFETY: non-null; the caller passes a valid out-pointer.
@@ -982,7 +1051,8 @@ same_signature! {
     cuMemHostAlloc: cuMemHostAlloc, cuMemFreeHost: cuMemFreeHost,
     cuMemHostRegister_v2: cuMemHostRegister_v2, cuMemHostUnregister: cuMemHostUnregister,
     cuThreadExchangeStreamCaptureMode: cuThreadExchangeStreamCaptureMode,
-    cuGetProcAddress_v2: cuGetProcAddress_v2,
+    cuGetProcAddress_v2: cuGetProcAddress_v2, cuModuleLoadData: cuModuleLoadData,
+    cuModuleGetFunction: cuModuleGetFunction, cuLaunchKernel: cuLaunchKernel,
     // Aliases: same types as the variant they stand for.
     cuMemGetInfo: cuMemGetInfo_v2, cuCtxPushCurrent: cuCtxPushCurrent_v2,
     cuCtxPopCurrent: cuCtxPopCurrent_v2, cuEventDestroy: cuEventDestroy_v2,
@@ -1014,6 +1084,7 @@ unsafe fn copy_dtoh(dst: *mut c_void, src: CUdeviceptr, bytes: usize) -> Result<
     let dst = non_null(dst)?;
     pinning::check_host_side(dst, bytes)?;
     let _held = state::access(src, bytes, false)?;
+    kernels::COPIED_TO_HOST.fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
     // SAFETY: `access` checked that the source is mapped readable and holds it mapped; the
     // destination is valid per this function's contract. `copy` tolerates overlap.
     unsafe { std::ptr::copy(src as *const u8, dst.cast::<u8>(), bytes) };
@@ -1034,6 +1105,7 @@ unsafe fn copy_htod(dst: CUdeviceptr, src: *const c_void, bytes: usize) -> Resul
     }
     pinning::check_host_side(src, bytes)?;
     let _held = state::access(dst, bytes, true)?;
+    kernels::COPIED_TO_DEVICE.fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
     // SAFETY: `access` checked that the destination is mapped writable and holds it mapped;
     // the source is valid per this function's contract. `copy` tolerates overlap.
     unsafe { std::ptr::copy(src.cast::<u8>(), dst as *mut u8, bytes) };
@@ -1248,6 +1320,23 @@ pub extern "C" fn fakecuda_hold_pinning(mode: u32, ms: u64) -> c_int {
 pub extern "C" fn fakecuda_pass_pinning(n: u64) -> c_int {
     pinning::pass(n);
     0
+}
+
+/// Writes the first `min(n, 6)` figures of this process's transfers to `out` (`kernels.rs`):
+/// bytes copied device to host and host to device, bytes memsaver's kernels wrote to host
+/// memory and read from it, and their launches (pack, unpack). Returns 6.
+///
+/// # Safety
+///
+/// `out` must be valid for `n` writes of `u64`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fakecuda_transfer_stats(out: *mut u64, n: usize) -> usize {
+    let n = n.min(kernels::STATS);
+    if n > 0 && !out.is_null() {
+        // SAFETY: per this function's contract.
+        kernels::read_stats(unsafe { std::slice::from_raw_parts_mut(out, n) });
+    }
+    kernels::STATS
 }
 
 /// Writes the first `min(n, 3)` figures of this process's copies to `out`: copies whose host

@@ -317,6 +317,23 @@ pub fn unregister(p: *mut c_void) -> Result<(), CUresult> {
         .ok_or(NOT_REGISTERED)
 }
 
+/// Whether `[p, p + bytes)` is registered throughout (in one registration or in several that
+/// follow each other): what a kernel may touch.
+pub fn registered(p: usize, bytes: usize) -> bool {
+    let Some(end) = p.checked_add(bytes) else {
+        return false;
+    };
+    let r = REGISTERED.lock();
+    let mut at = p;
+    while at < end {
+        match r.range(..=at).next_back() {
+            Some((&s, &n)) if s + n > at => at = s + n,
+            _ => return false,
+        }
+    }
+    true
+}
+
 /// The host side of a copy: `[p, p + bytes)` lies in one registration or touches none
 /// (counted as such, for `fakecuda_host_copy_stats`).
 pub fn check_host_side(p: *const c_void, bytes: usize) -> Result<(), CUresult> {

@@ -683,6 +683,13 @@ pub fn access(addr: CUdeviceptr, len: usize, write: bool) -> Result<Access, CUre
     }
 }
 
+/// Whether `[p, p + len)` lies in one block of `cuMemHostAlloc` memory.
+pub fn is_host_block(p: u64, len: u64) -> bool {
+    let blocks = HOST_BLOCKS.lock();
+    matches!(blocks.range(..=p as usize).next_back(),
+        Some((&start, &size)) if p + len <= (start + size) as u64)
+}
+
 /// `cuMemHostAlloc`: page-aligned host memory (it is not device memory and is not counted).
 pub fn host_alloc(bytes: usize) -> Result<*mut c_void, CUresult> {
     if bytes == 0 {
