@@ -49,7 +49,7 @@ mod error;
 mod export;
 mod external;
 mod guard;
-mod packed;
+pub mod packed;
 mod prepare;
 mod reserve;
 mod sharing;

@@ -10,9 +10,15 @@
 //! * `memsaver_pack` reads the piece on the device, and each thread block that finds a
 //!   non-zero block takes the next slot and writes the block there, straight into the pinned
 //!   host backup (the device writes registered host memory at its host address), with the
-//!   block's number in the index. One launch per piece, and no copy per block.
-//! * `memsaver_unpack` writes each slot back at its block, after a `cuMemsetD8Async` of the
-//!   whole piece.
+//!   block's number in the index. No copy per block.
+//! * `memsaver_unpack` writes each slot back at its block, once the piece is zero-filled
+//!   (`cuMemsetD8Async`: of the piece, or of the run of pieces the caller filled at once).
+//!
+//! A launch serves a batch of up to [`MAX_PIECES`] pieces of one device, described in its
+//! parameters ([`PackBatch`], [`UnpackBatch`]: the kernels' ABI, which the fake driver reads
+//! too), so a pause or a resume launches once per batch, not once per buffer ([`Batches`]): a
+//! pause queues its pieces and launches when a batch is full or when it first waits for one of
+//! them, then waits once per device; a resume launches at the end of each device's restores.
 //!
 //! The layout of a backup of `cap` bytes ([`Layout::of`]): slots of [`BLOCK`] bytes from the
 //! start, the index (`u32` per slot) before the last 8 bytes, and the count of non-zero
@@ -24,8 +30,11 @@
 //! Every launch on a device goes on memsaver's stream of that device, so no two run at once:
 //! the counters of the pack kernel serve one launch at a time.
 
+use std::collections::BTreeMap;
 use std::ffi::{CStr, c_void};
+use std::sync::Arc;
 
+use crate::backup::HostBuffer;
 use crate::device::Device;
 use crate::driver::sys::{
     CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
@@ -35,15 +44,72 @@ use crate::driver::{Driver, DriverError, Function};
 
 /// Bytes of one block: the unit a packed backup keeps or drops.
 pub const BLOCK: usize = 4096;
+/// Pieces one launch serves at most (`MAX_PIECES` of `pack.cu`).
+pub const MAX_PIECES: usize = 64;
 /// Threads of a thread block (x 16 bytes = one block).
 const THREADS: u32 = 256;
 /// Thread blocks per multiprocessor of a launch (each loops over the blocks it is given).
 const PER_SM: u32 = 8;
-/// Pieces smaller than this are copied whole (the launch would cost more than it saves).
+/// Pieces smaller than this are copied whole (a slot and its index cost more than they save).
 pub const MIN_LEN: usize = 64 << 10;
 
 /// The kernels' PTX, NUL-terminated for `cuModuleLoadData`.
 const PTX: &str = concat!(include_str!("../kernels/pack.ptx"), "\0");
+
+/// One piece of a [`PackBatch`] (`PackPiece` of `pack.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PackPiece {
+    /// The piece's device memory, and its length.
+    pub src: u64,
+    pub len: u64,
+    /// Its backup: slots, index, count ([`Layout`]), and how many slots.
+    pub dst: u64,
+    pub index: u64,
+    pub count: u64,
+    pub slots: u32,
+    /// Its first block in the batch (the blocks of the pieces before it).
+    pub first: u32,
+}
+
+/// The one parameter of `memsaver_pack`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PackBatch {
+    pub piece: [PackPiece; MAX_PIECES],
+    pub pieces: u32,
+    /// Blocks of all pieces.
+    pub blocks: u32,
+}
+
+/// One piece of an [`UnpackBatch`] (`UnpackPiece` of `pack.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct UnpackPiece {
+    pub dst: u64,
+    pub len: u64,
+    pub src: u64,
+    pub index: u64,
+    pub count: u32,
+    /// Its first slot in the batch (the slots of the pieces before it).
+    pub first: u32,
+}
+
+/// The one parameter of `memsaver_unpack`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct UnpackBatch {
+    pub piece: [UnpackPiece; MAX_PIECES],
+    pub pieces: u32,
+    /// Slots of all pieces.
+    pub slots: u32,
+}
+
+// What pack.cu's structs take (x86-64 and aarch64), within the 4 KiB of kernel parameters that
+// PTX ISA 7.0 allows.
+const _: () = assert!(std::mem::size_of::<PackBatch>() == 64 * 48 + 8);
+const _: () = assert!(std::mem::size_of::<UnpackBatch>() == 64 * 40 + 8);
+const _: () = assert!(std::mem::size_of::<PackBatch>() <= 4096);
 
 /// Where a packed backup keeps what, in a host buffer of `cap` bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,8 +124,9 @@ pub(crate) struct Layout {
 
 impl Layout {
     pub fn of(cap: usize) -> Self {
-        let slots = cap.saturating_sub(8) / (BLOCK + 4);
-        let count_at = cap.saturating_sub(8);
+        // The count on 8 bytes and the index on 4, whatever `cap` is.
+        let count_at = cap.saturating_sub(8) & !7;
+        let slots = count_at / (BLOCK + 4);
         Self {
             slots,
             index_at: count_at - 4 * slots,
@@ -118,94 +185,209 @@ impl Kernels {
         let image = CStr::from_bytes_with_nul(PTX.as_bytes()).expect("one NUL, at the end");
         let name = |n: &'static [u8]| CStr::from_bytes_with_nul(n).expect("NUL-terminated");
         d.with_context(dev.ctx, || {
-            let m = d.load_module(image)?;
             // The module is never unloaded: it stays for the life of the process.
-            let pack = d.function(&m, name(b"memsaver_pack\0"))?;
-            let unpack = d.function(&m, name(b"memsaver_unpack\0"))?;
+            let m = d.load_module(image)?;
             Ok::<_, DriverError>(Kernels {
-                pack,
-                unpack,
+                pack: d.function(&m, name(b"memsaver_pack\0"))?,
+                unpack: d.function(&m, name(b"memsaver_unpack\0"))?,
                 grid: (sms.max(1) as u32) * PER_SM,
             })
         })
         .map_err(|e| format!("the packing kernels did not load ({e})"))
     }
 
-    /// Queues the packing of `len` bytes at `src` into the host buffer `buf` of `cap` bytes,
-    /// on the device's stream (the context of `dev` current). The count is in the buffer once
-    /// the stream reaches this point ([`count`]).
+    /// Launches `batch` on `kernel` of `dev` with a grid for `units` blocks or slots.
     ///
     /// # Safety
-    /// `src..src+len` is mapped device memory, `buf..buf+cap` registered host memory, and both
-    /// stay so, untouched by the host, until the launch completes.
-    pub unsafe fn pack(
-        &self,
+    /// `T` is the kernel's parameter; what it points to stays valid until the launch completes.
+    unsafe fn launch<T>(
         d: &Driver,
         dev: &Device,
-        src: u64,
-        len: usize,
-        buf: *mut u8,
-        cap: usize,
+        kernel: fn(&Kernels) -> Function,
+        batch: &mut T,
+        units: u32,
     ) -> Result<(), DriverError> {
-        let l = Layout::of(cap);
-        let base = buf as u64;
-        let (mut src, mut len) = (src, len as u64);
-        let (mut dst, mut index) = (base, base + l.index_at as u64);
-        let (mut count, mut slots) = (base + l.count_at as u64, l.slots as u32);
-        let blocks = len.div_ceil(BLOCK as u64).max(1);
-        let grid = (self.grid as u64).min(blocks) as u32;
-        let mut params: [*mut c_void; 6] = [
-            (&raw mut src).cast(),
-            (&raw mut len).cast(),
-            (&raw mut dst).cast(),
-            (&raw mut index).cast(),
-            (&raw mut count).cast(),
-            (&raw mut slots).cast(),
-        ];
-        // SAFETY: the parameters are memsaver_pack's, in order; the rest is the caller's.
-        unsafe { d.launch(self.pack, grid, THREADS, dev.stream, &mut params) }
-    }
-
-    /// Queues zero-filling `len` bytes at `dst` and putting back the `count` blocks packed in
-    /// `buf` (`cap` bytes), on the device's stream (the context of `dev` current).
-    ///
-    /// # Safety
-    /// `dst..dst+len` is mapped device memory, `buf..buf+cap` registered host memory holding a
-    /// packed backup of `count` blocks of that memory, and both stay so until the launch
-    /// completes.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn unpack(
-        &self,
-        d: &Driver,
-        dev: &Device,
-        dst: u64,
-        len: usize,
-        buf: *const u8,
-        cap: usize,
-        count: u32,
-    ) -> Result<(), DriverError> {
-        // SAFETY: mapped, per the caller.
-        unsafe { d.memset_d8_async(dst, 0, len, dev.stream) }?;
-        if count == 0 {
-            return Ok(());
-        }
-        let l = Layout::of(cap);
-        let (mut dst, mut len) = (dst, len as u64);
-        let (mut src, mut index, mut count) = (buf as u64, buf as u64 + l.index_at as u64, count);
-        let grid = self.grid.min(count);
-        let mut params: [*mut c_void; 5] = [
-            (&raw mut dst).cast(),
-            (&raw mut len).cast(),
-            (&raw mut src).cast(),
-            (&raw mut index).cast(),
-            (&raw mut count).cast(),
-        ];
-        // SAFETY: the parameters are memsaver_unpack's, in order; the rest is the caller's.
-        unsafe { d.launch(self.unpack, grid, THREADS, dev.stream, &mut params) }
+        let k = Kernels::of(d, dev).expect("loaded: a batch is opened only where they are");
+        let (kernel, grid) = (kernel(k), k.grid.min(units.max(1)));
+        let mut params: [*mut c_void; 1] = [(batch as *mut T).cast()];
+        // SAFETY: per this function's contract.
+        d.with_context(dev.ctx, || unsafe {
+            d.launch(kernel, grid, THREADS, dev.stream, &mut params)
+        })
     }
 }
 
-/// The count a completed [`Kernels::pack`] left in `buf` (`cap` bytes).
+/// An open batch: its device, its sequence number and what it holds.
+struct Open<B> {
+    device: Arc<Device>,
+    seq: u64,
+    batch: Box<B>,
+}
+
+/// The launches a transition has queued and not made yet, and those it made and has not waited
+/// for, per device (see the module documentation).
+#[derive(Default)]
+pub(crate) struct Batches {
+    pack: Option<Open<PackBatch>>,
+    unpack: Option<Open<UnpackBatch>>,
+    /// The sequence number of the next batch.
+    next: u64,
+    /// Per device: the last pack batch launched, and the last known complete.
+    launched: BTreeMap<i32, u64>,
+    complete: BTreeMap<i32, u64>,
+}
+
+impl Batches {
+    /// Queues packing `len` bytes at `src` into the host buffer `buf`, on `dev`; returns the
+    /// batch's number for [`Batches::wait`]. The count is in the buffer once that returns
+    /// ([`count`]).
+    ///
+    /// # Safety
+    /// `src..src+len` is mapped device memory and `buf` registered throughout; both stay so,
+    /// `buf` untouched by the host, until [`Batches::wait`] for the number returned.
+    pub unsafe fn pack(
+        &mut self,
+        d: &Driver,
+        dev: &Arc<Device>,
+        src: u64,
+        len: usize,
+        buf: &mut HostBuffer,
+    ) -> Result<u64, DriverError> {
+        let cap = buf.len();
+        let blocks = len.div_ceil(BLOCK) as u32;
+        if let Some(o) = &self.pack
+            && (o.device.ordinal != dev.ordinal
+                || o.batch.pieces as usize == MAX_PIECES
+                || o.batch.blocks.checked_add(blocks).is_none())
+        {
+            self.launch_pack(d)?;
+        }
+        let seq = self.next;
+        let o = self.pack.get_or_insert_with(|| Open {
+            device: dev.clone(),
+            seq,
+            batch: Box::new(PackBatch {
+                piece: [PackPiece::default(); MAX_PIECES],
+                pieces: 0,
+                blocks: 0,
+            }),
+        });
+        if o.seq == seq {
+            self.next += 1;
+        }
+        let l = Layout::of(cap);
+        let base = buf.as_mut_ptr() as u64;
+        let b = &mut o.batch;
+        b.piece[b.pieces as usize] = PackPiece {
+            src,
+            len: len as u64,
+            dst: base,
+            index: base + l.index_at as u64,
+            count: base + l.count_at as u64,
+            slots: l.slots as u32,
+            first: b.blocks,
+        };
+        b.pieces += 1;
+        b.blocks += blocks;
+        Ok(o.seq)
+    }
+
+    /// Launches the open pack batch, if any.
+    fn launch_pack(&mut self, d: &Driver) -> Result<(), DriverError> {
+        let Some(mut o) = self.pack.take() else {
+            return Ok(());
+        };
+        let blocks = o.batch.blocks;
+        // SAFETY: the batch describes pieces its callers keep valid until they wait for it.
+        unsafe { Kernels::launch(d, &o.device, |k| k.pack, &mut *o.batch, blocks) }?;
+        self.launched.insert(o.device.ordinal, o.seq);
+        Ok(())
+    }
+
+    /// Waits until pack batch `seq` of `dev` has completed (launching it first if it is open).
+    pub fn wait(&mut self, d: &Driver, dev: &Device, seq: u64) -> Result<(), DriverError> {
+        if self.pack.as_ref().is_some_and(|o| o.seq == seq) {
+            self.launch_pack(d)?;
+        }
+        if self.complete.get(&dev.ordinal).is_some_and(|&c| c >= seq) {
+            return Ok(());
+        }
+        d.with_context(dev.ctx, || d.stream_synchronize(dev.stream))?;
+        if let Some(&l) = self.launched.get(&dev.ordinal) {
+            self.complete.insert(dev.ordinal, l);
+        }
+        Ok(())
+    }
+
+    /// Queues putting back the `count` blocks packed in `buf` into the zero-filled `len` bytes
+    /// at `dst` on `dev`; launched when the batch is full or by [`Batches::flush_unpack`].
+    ///
+    /// # Safety
+    /// `dst..dst+len` is mapped device memory and `buf`, registered throughout, holds a packed
+    /// backup of `count` blocks of it; both stay so until the device's stream is synchronised
+    /// after the flush.
+    pub unsafe fn unpack(
+        &mut self,
+        d: &Driver,
+        dev: &Arc<Device>,
+        (dst, len): (u64, usize),
+        buf: &HostBuffer,
+        count: u32,
+    ) -> Result<(), DriverError> {
+        let (cap, buf) = (buf.len(), buf.as_ptr());
+        if count == 0 {
+            return Ok(());
+        }
+        if let Some(o) = &self.unpack
+            && (o.device.ordinal != dev.ordinal
+                || o.batch.pieces as usize == MAX_PIECES
+                || o.batch.slots.checked_add(count).is_none())
+        {
+            let other = o.device.clone();
+            self.flush_unpack(d, &other)?;
+        }
+        let o = self.unpack.get_or_insert_with(|| Open {
+            device: dev.clone(),
+            seq: 0,
+            batch: Box::new(UnpackBatch {
+                piece: [UnpackPiece::default(); MAX_PIECES],
+                pieces: 0,
+                slots: 0,
+            }),
+        });
+        let l = Layout::of(cap);
+        let b = &mut o.batch;
+        b.piece[b.pieces as usize] = UnpackPiece {
+            dst,
+            len: len as u64,
+            src: buf as u64,
+            index: buf as u64 + l.index_at as u64,
+            count,
+            first: b.slots,
+        };
+        b.pieces += 1;
+        b.slots += count;
+        Ok(())
+    }
+
+    /// Launches the open unpack batch of `dev`, if any (before its stream is synchronised).
+    pub fn flush_unpack(&mut self, d: &Driver, dev: &Device) -> Result<(), DriverError> {
+        if self
+            .unpack
+            .as_ref()
+            .is_none_or(|o| o.device.ordinal != dev.ordinal)
+        {
+            return Ok(());
+        }
+        let mut o = self.unpack.take().expect("checked above");
+        let slots = o.batch.slots;
+        // SAFETY: the batch describes pieces its callers keep valid until the stream is
+        // synchronised, which they do after this.
+        unsafe { Kernels::launch(d, &o.device, |k| k.unpack, &mut *o.batch, slots) }
+    }
+}
+
+/// The count a completed pack launch left in `buf` (`cap` bytes).
 ///
 /// # Safety
 /// `buf..buf+cap` is readable, and the launch that packed into it has completed.
@@ -220,14 +402,25 @@ mod tests {
 
     #[test]
     fn layout_keeps_slots_index_and_count_apart() {
-        for cap in [64 << 10, (2 << 20) + 4096, 2 << 20, 196 << 20] {
+        for cap in [
+            64 << 10,
+            (2 << 20) + 4096,
+            2 << 20,
+            196 << 20,
+            70_001,
+            70_003,
+        ] {
             let l = Layout::of(cap);
             assert!(
                 l.slots * BLOCK <= l.index_at,
                 "{cap}: slots run into the index"
             );
             assert_eq!(l.index_at + 4 * l.slots, l.count_at, "{cap}");
-            assert_eq!(l.count_at + 8, cap, "{cap}");
+            assert!(
+                l.count_at + 8 <= cap && l.count_at.is_multiple_of(8),
+                "{cap}"
+            );
+            assert!(l.index_at.is_multiple_of(4), "{cap}");
             // One more slot would not fit.
             assert!(
                 (l.slots + 1) * (BLOCK + 4) + 8 > cap,

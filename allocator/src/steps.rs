@@ -26,6 +26,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use parking_lot::Mutex;
+
 use crate::backup::{Backup, BackupKind, HostBuffer, PinJob};
 use crate::device::Device;
 use crate::disk::DiskFile;
@@ -33,7 +35,7 @@ use crate::driver::sys::{CUmemAccessDesc, CUmemAllocationProp};
 use crate::driver::{Driver, DriverError, Event, Handle};
 use crate::error::{Error, Result};
 use crate::options::Pack;
-use crate::packed::{self, Kernels, Layout};
+use crate::packed::{self, Batches, Kernels, Layout};
 use crate::prepare::Preparer;
 use crate::private_dir::Dir;
 use crate::types::Policy;
@@ -84,8 +86,8 @@ pub struct Piece {
     pub pack: bool,
     /// The copy queued into `backup`, waited for before the memory is unmapped.
     copy_done: Option<Event>,
-    /// That copy is a packing, whose count [`Steps::copied`] reads.
-    packing: bool,
+    /// The copy is a packing, in this batch, whose count [`Steps::copied`] reads.
+    packing: Option<u64>,
 }
 
 impl Piece {
@@ -108,7 +110,7 @@ impl Piece {
             backup,
             pack: false,
             copy_done: None,
-            packing: false,
+            packing: None,
         }
     }
 
@@ -177,6 +179,10 @@ pub struct Steps<'a> {
     /// Bytes this transition copied between device and host (blocks and index of packed
     /// backups, whole pieces otherwise).
     copied_bytes: AtomicU64,
+    /// The packing launches queued, made and waited for.
+    batches: Mutex<Batches>,
+    /// Ranges [`Steps::zero`] filled: a packed restore into one needs no fill of its own.
+    zeroed: Mutex<Vec<(u64, u64)>>,
 }
 
 /// The backups this transition copied that are only partly pinned (a pause took them before
@@ -222,6 +228,8 @@ impl<'a> Steps<'a> {
                 jobs: Vec::new(),
             },
             copied_bytes: AtomicU64::new(0),
+            batches: Mutex::new(Batches::default()),
+            zeroed: Mutex::new(Vec::new()),
         }
     }
 }
@@ -273,31 +281,35 @@ impl Steps<'_> {
             unreachable!("cpu and mmap pieces hold a host backup")
         };
         let dev = &p.device;
-        let packer = (p.pack && p.len >= packed::MIN_LEN && buf.registered())
-            .then(|| Kernels::of(d, dev))
-            .flatten();
+        if p.pack && p.len >= packed::MIN_LEN && buf.registered() && Kernels::of(d, dev).is_some() {
+            // SAFETY: the piece is mapped (its owner holds the handle) and the backup is
+            // registered host memory that lives in the piece until `copied` waits for the
+            // batch.
+            let r = unsafe { self.batches.lock().pack(d, dev, p.ptr, p.len, buf) };
+            return match r {
+                Ok(seq) => {
+                    p.packing = Some(seq);
+                    Ok(())
+                }
+                Err(e) => {
+                    p.backup = None;
+                    Err(e.into())
+                }
+            };
+        }
         let r = d.with_context(dev.ctx, || {
-            match packer {
-                // SAFETY: the piece is mapped (its owner holds the handle) and the backup is
-                // registered host memory that lives in the piece until the launch is waited on.
-                Some(k) => unsafe { k.pack(d, dev, p.ptr, p.len, buf.as_mut_ptr(), buf.len()) },
-                // SAFETY: the piece is mapped (its owner holds the handle) and the backup has
-                // at least `len` bytes of host memory that lives in the piece until the copy is
-                // waited on (for pageable memory the driver completes the copy before
-                // returning).
-                None => unsafe {
-                    buf.copy_from_device(d, dev.ctx, 0, p.ptr, p.len, dev.stream, Some(staging))
-                },
+            // SAFETY: the piece is mapped (its owner holds the handle) and the backup has at
+            // least `len` bytes of host memory that lives in the piece until the copy is
+            // waited on (for pageable memory the driver completes the copy before returning).
+            unsafe {
+                buf.copy_from_device(d, dev.ctx, 0, p.ptr, p.len, dev.stream, Some(staging))
             }?;
             d.event_record(dev.stream)
         });
         match r {
             Ok(e) => {
                 p.copy_done = Some(e);
-                p.packing = packer.is_some();
-                if !p.packing {
-                    self.count(p.len as u64);
-                }
+                self.count(p.len as u64);
                 self.unpinned.note(p.key, buf);
                 Ok(())
             }
@@ -320,8 +332,12 @@ impl Steps<'_> {
         if let Some(e) = p.copy_done.take() {
             d.with_context(p.device.ctx, || d.event_wait(e))?;
         }
-        if !std::mem::take(&mut p.packing) {
+        let Some(seq) = p.packing.take() else {
             return Ok(());
+        };
+        if let Err(e) = self.batches.lock().wait(d, &p.device, seq) {
+            p.backup = None;
+            return Err(e.into());
         }
         let Some(Backup::Host(buf)) = p.backup.take() else {
             unreachable!("a packing goes into a host backup")
@@ -381,7 +397,10 @@ impl Steps<'_> {
     /// completed pause).
     pub fn keep(&self, p: &mut Piece) {
         let d = self.driver;
-        p.packing = false;
+        if let Some(seq) = p.packing.take() {
+            // The batch may be queued or running: it writes into the backup until done.
+            let _ = self.batches.lock().wait(d, &p.device, seq);
+        }
         if let Some(done) = p.copy_done.take() {
             // Waiting also destroys the event.
             let _ = d.with_context(p.device.ctx, || d.event_wait(done));
@@ -462,18 +481,33 @@ impl Steps<'_> {
                 Ok(())
             }
             Some(Backup::Packed(buf, count)) => {
-                let k = Kernels::of(d, dev).ok_or_else(|| {
-                    Error::Backup(format!(
+                if Kernels::of(d, dev).is_none() {
+                    return Err(Error::Backup(format!(
                         "the packed backup of tag '{}' at {:#x} needs the packing kernels, which \
                          no longer load on device {}",
                         p.tag, p.ptr, dev.ordinal
-                    ))
-                })?;
-                d.with_context(dev.ctx, || {
-                    // SAFETY: just mapped; the backup (registered throughout, as packing
-                    // needs) stays in the piece until the stream is synchronised by `finish`.
-                    unsafe { k.unpack(d, dev, p.ptr, p.len, buf.as_ptr(), buf.len(), *count) }
-                })?;
+                    )));
+                }
+                let (start, end) = (p.ptr, p.ptr + p.len as u64);
+                if !self
+                    .zeroed
+                    .lock()
+                    .iter()
+                    .any(|&(s, e)| s <= start && end <= e)
+                {
+                    // SAFETY: just mapped, until `finish` synchronises.
+                    d.with_context(dev.ctx, || unsafe {
+                        d.memset_d8_async(p.ptr, 0, p.len, dev.stream)
+                    })?;
+                }
+                // SAFETY: just mapped and zero-filled; the backup (registered throughout, as
+                // packing needs) stays in the piece until `finish` launches the batch and
+                // synchronises.
+                unsafe {
+                    self.batches
+                        .lock()
+                        .unpack(d, dev, (p.ptr, p.len), buf, *count)
+                }?;
                 self.count(Layout::copied(*count as usize));
                 Ok(())
             }
@@ -514,16 +548,22 @@ impl Steps<'_> {
     /// allocations start with, not whatever the driver's fresh memory holds.
     pub fn zero(&self, dev: &Device, ptr: u64, n: usize) -> Result<()> {
         let d = self.driver;
-        Ok(d.with_context(dev.ctx, || {
+        d.with_context(dev.ctx, || {
             // SAFETY: mapped by the caller and kept mapped until `finish` synchronises.
             unsafe { d.memset_d8_async(ptr, 0, n, dev.stream) }
-        })?)
+        })?;
+        self.zeroed.lock().push((ptr, ptr + n as u64));
+        Ok(())
     }
 
-    /// Waits for every restore queued on `dev`: the memory is usable once this returns.
+    /// Waits for every restore queued on `dev` (launching the packed ones still queued): the
+    /// memory is usable once this returns.
     pub fn finish(&self, dev: &Device) -> Result<()> {
         let d = self.driver;
-        Ok(d.with_context(dev.ctx, || d.stream_synchronize(dev.stream))?)
+        let launched = self.batches.lock().flush_unpack(d, dev);
+        let synced = d.with_context(dev.ctx, || d.stream_synchronize(dev.stream));
+        self.zeroed.lock().clear();
+        Ok(launched.and(synced)?)
     }
 
     /// The settings, for the caller's settle phase (drops the staging buffer, and has the

@@ -273,3 +273,38 @@ fn whole_copies_where_the_device_cannot_reach_host_memory() {
     assert!(bytes(p, 2 * MIB) == image.as_slice());
     a.free(p).unwrap();
 }
+
+/// One launch packs up to 64 pieces of a device, and a pause waits once for them all: 100
+/// allocations take 2 launches each way, not 100.
+#[test]
+fn pieces_are_packed_and_put_back_in_batches() {
+    let a = junk_allocator(Pack::All);
+    let ptrs: Vec<u64> = (0..100)
+        .map(|_| a.malloc(2 * MIB, 0, "many", Policy::Cpu).unwrap())
+        .collect();
+    let images: Vec<Vec<u8>> = ptrs
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| shape(p, 2 * MIB, &[(i * 4096, &[i as u8 + 1; 10])]))
+        .collect();
+    let t = transfers();
+    let r = a.pause(&["many"]).unwrap();
+    let d = delta(t);
+    assert_eq!(
+        (d[4], d[0]),
+        (2, 0),
+        "two packing launches, no cuMemcpy: {d:?}"
+    );
+    assert_eq!(r.copied_bytes, 100 * (BLOCK as u64 + 4));
+    a.resume(&["many"]).unwrap();
+    assert_eq!(delta(t)[5], 2, "two unpack launches");
+    for (p, image) in ptrs.iter().zip(&images) {
+        assert!(
+            bytes(*p, 2 * MIB) == image.as_slice(),
+            "contents differ at {p:#x}"
+        );
+    }
+    for p in ptrs {
+        a.free(p).unwrap();
+    }
+}

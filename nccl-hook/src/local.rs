@@ -227,6 +227,11 @@ pub(crate) struct Restored {
     pub(crate) handles: usize,
     pub(crate) bytes: u64,
     pub(crate) copied: u64,
+    /// Where the time went: creating and mapping memory (with its access), queueing the
+    /// zero fills and restores, and waiting for them.
+    pub(crate) map_time: std::time::Duration,
+    pub(crate) queue_time: std::time::Duration,
+    pub(crate) wait_time: std::time::Duration,
 }
 
 /// What pause step 1 did.
@@ -633,22 +638,28 @@ fn restore(
             }]
         };
         // Buffers backed up in part (`headers`) get zeros behind what comes back, as NCCL's
-        // zeroed allocations had: one fill over the unit, queued before its restores.
+        // zeroed allocations had, and packed ones zeros where their blocks held nothing: one
+        // fill over the unit, queued before its restores.
         let partial = backup != Backup::Discard
-            && unit.iter().any(|vh| {
+            && unit.iter().zip(&pieces).any(|(vh, piece)| {
                 let p = &reg.physicals[vh];
-                p.backup_len < p.size
+                p.backup_len < p.size || matches!(piece.backup, Some(HostBackup::Packed(..)))
             });
+        let t0 = std::time::Instant::now();
         let mapped = steps
             .map_fresh(&dev, Memory::Like(&prop), size as usize, &pl, TAG)
             .and_then(|h| {
+                total.map_time += t0.elapsed();
+                let t1 = std::time::Instant::now();
                 let filled = if partial {
                     steps.zero(&dev, pl[0].ptr, size as usize)
                 } else {
                     Ok(())
                 };
-                match filled.and_then(|()| pieces.iter().try_for_each(|piece| steps.copy_in(piece)))
-                {
+                let copied =
+                    filled.and_then(|()| pieces.iter().try_for_each(|piece| steps.copy_in(piece)));
+                total.queue_time += t1.elapsed();
+                match copied {
                     Ok(()) => Ok(h),
                     Err(e) => {
                         let _ = steps.finish(&dev);
@@ -677,7 +688,9 @@ fn restore(
         }
     }
     // Whatever happened, the queued copies finish before anyone may use the memory.
+    let t0 = std::time::Instant::now();
     let mut r = steps.finish(&dev).and(r);
+    total.wait_time += t0.elapsed();
     // Exported buffers restored: each starts its next generation in the owner's ledger.
     let mut exports = Vec::new();
     for (unit, h, pieces) in made {

@@ -175,12 +175,18 @@ impl ExternalTag for NcclTag {
         let n = own.handles + imported.mapped;
         let (bytes, copied) = (own.bytes, own.copied);
         COPIED[1].store(copied, Ordering::Relaxed);
+        let mapped_ms = start.elapsed().as_secs_f64() * 1e3;
         local::restore_stacks(self.allocator);
         crate::guard::set_paused(false);
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         tracing::info!(
             restore_local_ms = restored_ms,
+            create_map_ms = ms(own.map_time),
+            queue_copies_ms = ms(own.queue_time),
+            wait_copies_ms = ms(own.wait_time),
             fetch_wait_ms = fetched_ms - restored_ms,
-            map_imports_ms = start.elapsed().as_secs_f64() * 1e3 - fetched_ms,
+            map_imports_ms = mapped_ms - fetched_ms,
+            restore_stack_ms = start.elapsed().as_secs_f64() * 1e3 - mapped_ms,
             allocations = n,
             orphaned_imports = imported.orphaned,
             bytes,

@@ -273,7 +273,8 @@ def _run_ranks(o: Options, config: dict[str, Any], env: dict[str, str]) -> int:
         if p.returncode not in (0, -9) or (p.returncode == 0 and len(mine) != 1):
             said = [line for line in text.splitlines() if line.startswith(f"rank {r}:")]
             problems.insert(0, said[-1] if said else f"rank {r} failed (exit status {p.returncode})")
-        if p.returncode != 0 and text.strip():
+        # A failed rank's stderr, and every rank's when logs were asked for (MEMSAVER_LOG).
+        if (p.returncode != 0 or env.get("MEMSAVER_LOG")) and text.strip():
             errors += [f"[rank {r}] {line}" for line in text.rstrip("\n").splitlines()]
         lines += mine
     if problems:
@@ -282,6 +283,8 @@ def _run_ranks(o: Options, config: dict[str, Any], env: dict[str, str]) -> int:
         for line in problems:
             print(f"memsaver bench nccl: {line}", file=sys.stderr)
         return 1
+    for line in errors:
+        print(line, file=sys.stderr)
     for line in lines:
         print(line)
     return 0
@@ -376,7 +379,10 @@ def _copied_bytes() -> tuple[int, int]:
     import memsaver
 
     s = memsaver.nccl_stats()
-    return int(s["bytes_copied_per_pause"]), int(s["bytes_copied_per_resume"])
+    pause, resume = s["bytes_copied_per_pause"], s["bytes_copied_per_resume"]
+    if not isinstance(pause, int) or not isinstance(resume, int):
+        raise BenchError(f"nccl_stats() has no byte counts of copies: {s}")
+    return pause, resume
 
 
 def _native_switch(comms: list[int]) -> Switch:

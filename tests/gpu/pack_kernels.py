@@ -1,9 +1,10 @@
 """Checks memsaver's packing kernels (allocator/kernels/pack.ptx) on a GPU, through the driver
-API as memsaver calls them: the packed blocks and their index are exactly the non-zero 4 KiB
-blocks, the round trip (zero fill, unpack) is bit-exact, for a partial last block, all zeros,
-nothing zero (the buffer too small: the count says so), a block that turns zero and back, and
-memory NCCL-shaped (a few KiB live at the start of each 2 MiB granule). Prints the time of a
-pack and an unpack of 3 GiB so shaped. Exits non-zero on any failure.
+API as memsaver calls them (one batch parameter, allocator/src/packed.rs): the packed blocks and
+their index are exactly the non-zero 4 KiB blocks, the round trip (zero fill, unpack) is
+bit-exact, for a partial last block, all zeros, nothing zero (the buffer too small: the count
+says so), a block that turns zero and back, a batch of 64 pieces, and memory NCCL-shaped (a few
+KiB live at the start of each 2 MiB granule). Prints the time of a pack and an unpack of 3 GiB so
+shaped, in 2 MiB pieces as NCCL's buffers are. Exits non-zero on any failure.
 
     python3 tests/gpu/pack_kernels.py [--ptx allocator/kernels/pack.ptx]
 """
@@ -17,6 +18,36 @@ import torch
 
 BLOCK = 4096
 THREADS = 256
+MAX_PIECES = 64
+
+
+class PackPiece(ctypes.Structure):
+    _fields_ = [("src", ctypes.c_uint64), ("len", ctypes.c_uint64), ("dst", ctypes.c_uint64),
+                ("index", ctypes.c_uint64), ("count", ctypes.c_uint64), ("slots", ctypes.c_uint32),
+                ("first", ctypes.c_uint32)]
+
+
+class PackBatch(ctypes.Structure):
+    _fields_ = [("piece", PackPiece * MAX_PIECES), ("pieces", ctypes.c_uint32), ("blocks", ctypes.c_uint32)]
+
+
+class UnpackPiece(ctypes.Structure):
+    _fields_ = [("dst", ctypes.c_uint64), ("len", ctypes.c_uint64), ("src", ctypes.c_uint64),
+                ("index", ctypes.c_uint64), ("count", ctypes.c_uint32), ("first", ctypes.c_uint32)]
+
+
+class UnpackBatch(ctypes.Structure):
+    _fields_ = [("piece", UnpackPiece * MAX_PIECES), ("pieces", ctypes.c_uint32), ("slots", ctypes.c_uint32)]
+
+
+assert ctypes.sizeof(PackBatch) == 64 * 48 + 8 and ctypes.sizeof(UnpackBatch) == 64 * 40 + 8
+
+
+def layout(cap: int) -> tuple[int, int, int]:
+    """(slots, index offset, count offset) of a packed backup of ``cap`` bytes."""
+    count_at = (cap - 8) & ~7
+    slots = count_at // (BLOCK + 4)
+    return slots, count_at - 4 * slots, count_at
 
 
 def check(ok: bool, what: str) -> None:
@@ -40,38 +71,53 @@ class Kernels:
     def _ok(self, r: int, what: str) -> None:
         check(r == 0, f"{what} returned CUDA error {r}")
 
-    def _launch(self, f, grid: int, args: list) -> None:
+    def _launch(self, f, grid: int, args: list) -> None:  # args: one ctypes value per parameter
         arr = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         self._ok(self.cu.cuLaunchKernel(f, grid, 1, 1, THREADS, 1, 1, 0, stream, arr, None), "cuLaunchKernel")
 
-    def pack(self, src: torch.Tensor, host: torch.Tensor) -> tuple[int, int]:
-        """Packs src (uint8, device) into host (pinned uint8); returns (count, capacity)."""
-        length, cap_bytes = src.numel(), host.numel()
-        capacity = (cap_bytes - 8) // (BLOCK + 4)
-        base = host.data_ptr()
-        index_at = base + cap_bytes - 8 - 4 * capacity
-        count_at = base + cap_bytes - 8
-        blocks = (length + BLOCK - 1) // BLOCK
-        grid = max(1, min(blocks, self.sms * 8))
-        args = [ctypes.c_uint64(src.data_ptr()), ctypes.c_uint64(length), ctypes.c_uint64(base),
-                ctypes.c_uint64(index_at), ctypes.c_uint64(count_at), ctypes.c_uint32(capacity)]
-        self._launch(self.pack_f, grid, args)
+    def pack_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+        """Packs each (device uint8 tensor, pinned uint8 tensor) pair in launches of up to 64;
+        returns the counts."""
+        counts = []
+        for at in range(0, len(pairs), MAX_PIECES):
+            b = PackBatch()
+            blocks = 0
+            for i, (src, host) in enumerate(pairs[at:at + MAX_PIECES]):
+                slots, index_at, count_at = layout(host.numel())
+                base = host.data_ptr()
+                b.piece[i] = PackPiece(src.data_ptr(), src.numel(), base, base + index_at, base + count_at, slots, blocks)
+                blocks += (src.numel() + BLOCK - 1) // BLOCK
+            b.pieces, b.blocks = len(pairs[at:at + MAX_PIECES]), blocks
+            self._launch(self.pack_f, max(1, min(blocks, self.sms * 8)), [b])
         torch.cuda.synchronize()
-        return ctypes.c_uint32.from_address(count_at).value, capacity
+        for src, host in pairs:
+            counts.append(ctypes.c_uint32.from_address(host.data_ptr() + layout(host.numel())[2]).value)
+        return counts
+
+    def pack(self, src: torch.Tensor, host: torch.Tensor) -> tuple[int, int]:
+        """Packs src (uint8, device) into host (pinned uint8); returns (count, slots)."""
+        return self.pack_many([(src, host)])[0], layout(host.numel())[0]
+
+    def unpack_many(self, triples: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        """Zero-fills each device tensor and puts back the blocks packed in its host tensor."""
+        for dst, _, _ in triples:
+            dst.zero_()
+        for at in range(0, len(triples), MAX_PIECES):
+            b = UnpackBatch()
+            slots_all = 0
+            for i, (dst, host, count) in enumerate(triples[at:at + MAX_PIECES]):
+                _, index_at, _ = layout(host.numel())
+                base = host.data_ptr()
+                b.piece[i] = UnpackPiece(dst.data_ptr(), dst.numel(), base, base + index_at, count, slots_all)
+                slots_all += count
+            b.pieces, b.slots = len(triples[at:at + MAX_PIECES]), slots_all
+            if slots_all:
+                self._launch(self.unpack_f, max(1, min(slots_all, self.sms * 8)), [b])
+        torch.cuda.synchronize()
 
     def unpack(self, dst: torch.Tensor, host: torch.Tensor, count: int) -> None:
-        cap_bytes = host.numel()
-        capacity = (cap_bytes - 8) // (BLOCK + 4)
-        base = host.data_ptr()
-        index_at = base + cap_bytes - 8 - 4 * capacity
-        dst.zero_()
-        grid = max(1, min(count, self.sms * 8))
-        args = [ctypes.c_uint64(dst.data_ptr()), ctypes.c_uint64(dst.numel()), ctypes.c_uint64(base),
-                ctypes.c_uint64(index_at), ctypes.c_uint32(count)]
-        if count:
-            self._launch(self.unpack_f, grid, args)
-        torch.cuda.synchronize()
+        self.unpack_many([(dst, host, count)])
 
 
 def nonzero_blocks(t: torch.Tensor) -> set[int]:
@@ -132,18 +178,33 @@ def main() -> int:
     view = big.view(-1, gran)
     view[:, :3072] = torch.randint(1, 255, (view.shape[0], 3072), dtype=torch.uint8, device=dev, generator=g)
     host = torch.empty(3 << 30, dtype=torch.uint8, pin_memory=True)
+    pieces = list(big.split(gran))
+    hosts = list(host.split(gran))
+    out = torch.empty_like(big)
+    outs = list(out.split(gran))
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        count, _ = k.pack(big, host)
+        counts = k.pack_many(list(zip(pieces, hosts)))
         t1 = time.perf_counter()
-        out = torch.empty_like(big)
+        k.unpack_many(list(zip(outs, hosts, counts)))
         t2 = time.perf_counter()
-        k.unpack(out, host, count)
-        t3 = time.perf_counter()
-        times.append((t1 - t0, t3 - t2))
+        times.append((t1 - t0, t2 - t1))
+    count = sum(counts)
     check(torch.equal(out, big), "NCCL-shaped: contents differ after the round trip")
     check(count == view.shape[0], f"NCCL-shaped: {count} blocks packed, want {view.shape[0]}")
+    # A batch of 64 pieces with different shapes, in one launch each way.
+    srcs = [torch.zeros(BLOCK * (i + 17) + 13 * i, dtype=torch.uint8, device=dev) for i in range(64)]
+    for i, t in enumerate(srcs):
+        t[(i * 977) % t.numel()] = i + 1
+        t[-1] = 255 - i
+    hs = [torch.empty(t.numel() + 16 * BLOCK, dtype=torch.uint8, pin_memory=True) for t in srcs]
+    cs = k.pack_many(list(zip(srcs, hs)))
+    check(cs == [len(nonzero_blocks(t)) for t in srcs], f"batch of 64: counts {cs}")
+    outs64 = [torch.full_like(t, 0xA5) for t in srcs]
+    k.unpack_many(list(zip(outs64, hs, cs)))
+    check(all(torch.equal(a, b) for a, b in zip(outs64, srcs)), "batch of 64: contents differ")
+    print("ok batch of 64 pieces: exact")
     full = torch.empty(3 << 30, dtype=torch.uint8, pin_memory=True)
     t0 = time.perf_counter()
     full.copy_(big, non_blocking=True)

@@ -3,7 +3,8 @@
 //!
 //! `cuModuleLoadData` accepts PTX text (NUL-terminated, with `.version`, `.target` and at least
 //! one `.entry`) and remembers its entry names; `cuModuleGetFunction` finds one. A launch of
-//! `memsaver_pack` or `memsaver_unpack` does what the kernel does, at once; any other kernel is
+//! `memsaver_pack` or `memsaver_unpack` does what the kernel does to each piece of its batch
+//! (the structs of `memsaver_allocator::packed`), at once; any other kernel is
 //! `CUDA_ERROR_NOT_SUPPORTED` (the fake runs no code it was not written for). As on a GPU, a
 //! kernel reaches host memory only where it is registered (or from `cuMemHostAlloc`): anything
 //! else is `CUDA_ERROR_ILLEGAL_ADDRESS` and loses the context, as a fault would. The device
@@ -21,6 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use memsaver_allocator::driver::sys::{
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_SUPPORTED, CUresult,
 };
+use memsaver_allocator::packed::{PackBatch, PackPiece, UnpackBatch, UnpackPiece};
 use parking_lot::Mutex;
 
 use crate::{context, pinning, state};
@@ -128,19 +130,11 @@ pub fn function(module: *mut c_void, name: &CStr) -> Result<*mut c_void, CUresul
     })
 }
 
-/// Reads parameter `i` of a launch as a `T`.
-///
-/// # Safety
-/// `params` holds at least `i + 1` pointers, the `i`th to a value of type `T`.
-unsafe fn param<T: Copy>(params: *mut *mut c_void, i: usize) -> T {
-    // SAFETY: per this function's contract.
-    unsafe { (*params.add(i)).cast::<T>().read_unaligned() }
-}
-
 /// `cuLaunchKernel` of a function of [`function`], with `threads` threads per block: runs it.
 ///
 /// # Safety
-/// `params` holds one pointer per parameter of the kernel, each to a value of its type.
+/// `params` holds one pointer per parameter of the kernel, each to a value of its type (for
+/// memsaver's kernels, one: their batch).
 pub unsafe fn launch(
     f: *mut c_void,
     threads: u32,
@@ -153,28 +147,13 @@ pub unsafe fn launch(
     }
     let dev = context::require_current()?;
     context::alive(dev)?;
+    // SAFETY: per this function's contract, the first parameter is the kernel's batch.
+    let first = unsafe { *params };
     let r = match kind {
-        // SAFETY: memsaver_pack's parameters (pack.cu), per this function's contract.
-        Kernel::Pack => unsafe {
-            pack(
-                param(params, 0),
-                param(params, 1),
-                param(params, 2),
-                param(params, 3),
-                param(params, 4),
-                param(params, 5),
-            )
-        },
-        // SAFETY: memsaver_unpack's parameters, likewise.
-        Kernel::Unpack => unsafe {
-            unpack(
-                param(params, 0),
-                param(params, 1),
-                param(params, 2),
-                param(params, 3),
-                param(params, 4),
-            )
-        },
+        // SAFETY: memsaver_pack's one parameter (pack.cu, packed.rs).
+        Kernel::Pack => pack(&unsafe { first.cast::<PackBatch>().read_unaligned() }),
+        // SAFETY: memsaver_unpack's one parameter.
+        Kernel::Unpack => unpack(&unsafe { first.cast::<UnpackBatch>().read_unaligned() }),
         Kernel::Other => return Err(CUDA_ERROR_NOT_SUPPORTED),
     };
     if r == Err(ILLEGAL_ADDRESS) {
@@ -193,14 +172,34 @@ fn host(p: u64, len: u64) -> Result<*mut u8, CUresult> {
     }
 }
 
-/// `memsaver_pack(src, len, dst, index, count, slots)`.
-fn pack(src: u64, len: u64, dst: u64, index: u64, count: u64, slots: u32) -> Result<(), CUresult> {
+/// `memsaver_pack`: each piece of the batch, whose first block must be where the blocks of
+/// those before it end.
+fn pack(b: &PackBatch) -> Result<(), CUresult> {
     PACKS.fetch_add(1, Ordering::Relaxed);
-    let _held = state::access(src, len as usize, false).map_err(|_| ILLEGAL_ADDRESS)?;
+    let pieces = b
+        .piece
+        .get(..b.pieces as usize)
+        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let mut first = 0u64;
+    for q in pieces {
+        if q.first as u64 != first {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        first += q.len.div_ceil(BLOCK);
+        pack_one(q)?;
+    }
+    if first != b.blocks as u64 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    Ok(())
+}
+
+fn pack_one(q: &PackPiece) -> Result<(), CUresult> {
+    let _held = state::access(q.src, q.len as usize, false).map_err(|_| ILLEGAL_ADDRESS)?;
     let mut found: u32 = 0;
-    for b in 0..len.div_ceil(BLOCK) {
-        let n = BLOCK.min(len - b * BLOCK);
-        let at = src + b * BLOCK;
+    for b in 0..q.len.div_ceil(BLOCK) {
+        let n = BLOCK.min(q.len - b * BLOCK);
+        let at = q.src + b * BLOCK;
         // SAFETY: inside the mapped range held above.
         let bytes = unsafe { std::slice::from_raw_parts(at as *const u8, n as usize) };
         if bytes.iter().all(|&x| x == 0) {
@@ -208,11 +207,11 @@ fn pack(src: u64, len: u64, dst: u64, index: u64, count: u64, slots: u32) -> Res
         }
         let slot = found;
         found += 1;
-        if slot >= slots {
+        if slot >= q.slots {
             continue;
         }
-        let out = host(dst + slot as u64 * BLOCK, n)?;
-        let ix = host(index + 4 * slot as u64, 4)?;
+        let out = host(q.dst + slot as u64 * BLOCK, n)?;
+        let ix = host(q.index + 4 * slot as u64, 4)?;
         // SAFETY: both checked to be host memory the kernel may write.
         unsafe {
             std::ptr::copy_nonoverlapping(bytes.as_ptr(), out, n as usize);
@@ -220,28 +219,48 @@ fn pack(src: u64, len: u64, dst: u64, index: u64, count: u64, slots: u32) -> Res
         }
         KERNEL_TO_HOST.fetch_add(n + 4, Ordering::Relaxed);
     }
-    let c = host(count, 4)?;
+    let c = host(q.count, 4)?;
     // SAFETY: checked to be host memory the kernel may write.
     unsafe { c.cast::<u32>().write_unaligned(found) };
     Ok(())
 }
 
-/// `memsaver_unpack(dst, len, src, index, count)`.
-fn unpack(dst: u64, len: u64, src: u64, index: u64, count: u32) -> Result<(), CUresult> {
+/// `memsaver_unpack`: each piece of the batch, whose first slot must be where the slots of
+/// those before it end.
+fn unpack(b: &UnpackBatch) -> Result<(), CUresult> {
     UNPACKS.fetch_add(1, Ordering::Relaxed);
-    let _held = state::access(dst, len as usize, true).map_err(|_| ILLEGAL_ADDRESS)?;
-    for s in 0..count as u64 {
-        let ix = host(index + 4 * s, 4)?;
+    let pieces = b
+        .piece
+        .get(..b.pieces as usize)
+        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let mut first = 0u64;
+    for q in pieces {
+        if q.first as u64 != first {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        first += q.count as u64;
+        unpack_one(q)?;
+    }
+    if first != b.slots as u64 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    Ok(())
+}
+
+fn unpack_one(q: &UnpackPiece) -> Result<(), CUresult> {
+    let _held = state::access(q.dst, q.len as usize, true).map_err(|_| ILLEGAL_ADDRESS)?;
+    for s in 0..q.count as u64 {
+        let ix = host(q.index + 4 * s, 4)?;
         // SAFETY: checked to be host memory the kernel may read.
         let b = unsafe { ix.cast::<u32>().read_unaligned() } as u64;
         let at = b * BLOCK;
-        if at >= len {
+        if at >= q.len {
             continue;
         }
-        let n = BLOCK.min(len - at);
-        let from = host(src + s * BLOCK, n)?;
+        let n = BLOCK.min(q.len - at);
+        let from = host(q.src + s * BLOCK, n)?;
         // SAFETY: `from` checked above; `dst + at .. + n` inside the mapped range held above.
-        unsafe { std::ptr::copy_nonoverlapping(from, (dst + at) as *mut u8, n as usize) };
+        unsafe { std::ptr::copy_nonoverlapping(from, (q.dst + at) as *mut u8, n as usize) };
         KERNEL_FROM_HOST.fetch_add(n + 4, Ordering::Relaxed);
     }
     Ok(())
