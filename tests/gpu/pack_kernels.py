@@ -22,9 +22,15 @@ MAX_PIECES = 64
 
 
 class PackPiece(ctypes.Structure):
-    _fields_ = [("src", ctypes.c_uint64), ("len", ctypes.c_uint64), ("dst", ctypes.c_uint64),
-                ("index", ctypes.c_uint64), ("count", ctypes.c_uint64), ("slots", ctypes.c_uint32),
-                ("first", ctypes.c_uint32)]
+    _fields_ = [
+        ("src", ctypes.c_uint64),
+        ("len", ctypes.c_uint64),
+        ("dst", ctypes.c_uint64),
+        ("index", ctypes.c_uint64),
+        ("count", ctypes.c_uint64),
+        ("slots", ctypes.c_uint32),
+        ("first", ctypes.c_uint32),
+    ]
 
 
 class PackBatch(ctypes.Structure):
@@ -32,8 +38,14 @@ class PackBatch(ctypes.Structure):
 
 
 class UnpackPiece(ctypes.Structure):
-    _fields_ = [("dst", ctypes.c_uint64), ("len", ctypes.c_uint64), ("src", ctypes.c_uint64),
-                ("index", ctypes.c_uint64), ("count", ctypes.c_uint32), ("first", ctypes.c_uint32)]
+    _fields_ = [
+        ("dst", ctypes.c_uint64),
+        ("len", ctypes.c_uint64),
+        ("src", ctypes.c_uint64),
+        ("index", ctypes.c_uint64),
+        ("count", ctypes.c_uint32),
+        ("first", ctypes.c_uint32),
+    ]
 
 
 class UnpackBatch(ctypes.Structure):
@@ -83,15 +95,17 @@ class Kernels:
         for at in range(0, len(pairs), MAX_PIECES):
             b = PackBatch()
             blocks = 0
-            for i, (src, host) in enumerate(pairs[at:at + MAX_PIECES]):
+            for i, (src, host) in enumerate(pairs[at : at + MAX_PIECES]):
                 slots, index_at, count_at = layout(host.numel())
                 base = host.data_ptr()
-                b.piece[i] = PackPiece(src.data_ptr(), src.numel(), base, base + index_at, base + count_at, slots, blocks)
+                b.piece[i] = PackPiece(
+                    src.data_ptr(), src.numel(), base, base + index_at, base + count_at, slots, blocks
+                )
                 blocks += (src.numel() + BLOCK - 1) // BLOCK
-            b.pieces, b.blocks = len(pairs[at:at + MAX_PIECES]), blocks
+            b.pieces, b.blocks = len(pairs[at : at + MAX_PIECES]), blocks
             self._launch(self.pack_f, max(1, min(blocks, self.sms * 8)), [b])
         torch.cuda.synchronize()
-        for src, host in pairs:
+        for _, host in pairs:
             counts.append(ctypes.c_uint32.from_address(host.data_ptr() + layout(host.numel())[2]).value)
         return counts
 
@@ -106,12 +120,12 @@ class Kernels:
         for at in range(0, len(triples), MAX_PIECES):
             b = UnpackBatch()
             slots_all = 0
-            for i, (dst, host, count) in enumerate(triples[at:at + MAX_PIECES]):
+            for i, (dst, host, count) in enumerate(triples[at : at + MAX_PIECES]):
                 _, index_at, _ = layout(host.numel())
                 base = host.data_ptr()
                 b.piece[i] = UnpackPiece(dst.data_ptr(), dst.numel(), base, base + index_at, count, slots_all)
                 slots_all += count
-            b.pieces, b.slots = len(triples[at:at + MAX_PIECES]), slots_all
+            b.pieces, b.slots = len(triples[at : at + MAX_PIECES]), slots_all
             if slots_all:
                 self._launch(self.unpack_f, max(1, min(slots_all, self.sms * 8)), [b])
         torch.cuda.synchronize()
@@ -137,8 +151,8 @@ def round_trip(k: Kernels, src: torch.Tensor, name: str, cap_bytes: int | None =
     if count > capacity:
         print(f"ok {name}: {count} non-zero blocks > capacity {capacity}: reported as too small")
         return count
-    index_at = host.numel() - 8 - 4 * capacity
-    index = host[index_at:index_at + 4 * count].view(torch.int32).tolist()
+    _, index_at, _ = layout(host.numel())
+    index = host[index_at : index_at + 4 * count].view(torch.int32).tolist()
     check(set(index) == want, f"{name}: the index names other blocks than the non-zero ones")
     out = torch.full_like(src, 0xA5)  # fresh memory holds junk
     k.unpack(out, host, count)
@@ -185,9 +199,9 @@ def main() -> int:
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        counts = k.pack_many(list(zip(pieces, hosts)))
+        counts = k.pack_many(list(zip(pieces, hosts, strict=True)))
         t1 = time.perf_counter()
-        k.unpack_many(list(zip(outs, hosts, counts)))
+        k.unpack_many(list(zip(outs, hosts, counts, strict=True)))
         t2 = time.perf_counter()
         times.append((t1 - t0, t2 - t1))
     count = sum(counts)
@@ -199,11 +213,11 @@ def main() -> int:
         t[(i * 977) % t.numel()] = i + 1
         t[-1] = 255 - i
     hs = [torch.empty(t.numel() + 16 * BLOCK, dtype=torch.uint8, pin_memory=True) for t in srcs]
-    cs = k.pack_many(list(zip(srcs, hs)))
+    cs = k.pack_many(list(zip(srcs, hs, strict=True)))
     check(cs == [len(nonzero_blocks(t)) for t in srcs], f"batch of 64: counts {cs}")
     outs64 = [torch.full_like(t, 0xA5) for t in srcs]
-    k.unpack_many(list(zip(outs64, hs, cs)))
-    check(all(torch.equal(a, b) for a, b in zip(outs64, srcs)), "batch of 64: contents differ")
+    k.unpack_many(list(zip(outs64, hs, cs, strict=True)))
+    check(all(torch.equal(a, b) for a, b in zip(outs64, srcs, strict=True)), "batch of 64: contents differ")
     print("ok batch of 64 pieces: exact")
     full = torch.empty(3 << 30, dtype=torch.uint8, pin_memory=True)
     t0 = time.perf_counter()
@@ -212,8 +226,10 @@ def main() -> int:
     t_full = time.perf_counter() - t0
     pk = sorted(t[0] for t in times)[len(times) // 2] * 1e3
     up = sorted(t[1] for t in times)[len(times) // 2] * 1e3
-    print(f"PACK_BENCH {{\"bytes\": {3 << 30}, \"packed_bytes\": {count * BLOCK}, \"pack_ms\": {pk:.2f}, "
-          f"\"unpack_with_zero_fill_ms\": {up:.2f}, \"whole_copy_ms\": {t_full * 1e3:.2f}}}")
+    print(
+        f'PACK_BENCH {{"bytes": {3 << 30}, "packed_bytes": {count * BLOCK}, "pack_ms": {pk:.2f}, '
+        f'"unpack_with_zero_fill_ms": {up:.2f}, "whole_copy_ms": {t_full * 1e3:.2f}}}'
+    )
     print("PASS pack_kernels")
     return 0
 
