@@ -250,6 +250,11 @@ impl Allocator {
         }
     }
 
+    /// Which tags' pinned backups are packed (`MEMSAVER_PACK`).
+    pub fn pack(&self) -> Pack {
+        self.settings.lock().pack
+    }
+
     /// The bytes prepared for the piece `key`, for its tag's stats.
     pub fn prepared_bytes(&self, key: u64) -> u64 {
         self.preparer.ready_bytes(key).unwrap_or(0) as u64

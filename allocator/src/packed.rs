@@ -53,6 +53,13 @@ const PER_SM: u32 = 8;
 /// Pieces smaller than this are copied whole (a slot and its index cost more than they save).
 pub const MIN_LEN: usize = 64 << 10;
 
+/// The bytes a packed backup of a `len`-byte piece starts with: room for a sixteenth of its
+/// blocks, at least 64 KiB, never more than `len`. A pause that finds more blocks holding
+/// something grows it to `len` once (pinning on the critical path), and later pauses reuse it.
+pub fn start_len(len: usize) -> usize {
+    (len / 16).max(MIN_LEN).next_multiple_of(BLOCK).min(len)
+}
+
 /// The kernels' PTX, NUL-terminated for `cuModuleLoadData`.
 const PTX: &str = concat!(include_str!("../kernels/pack.ptx"), "\0");
 
@@ -427,6 +434,15 @@ mod tests {
                 "{cap}: a slot left unused"
             );
         }
+    }
+
+    #[test]
+    fn a_packed_backup_starts_small_and_never_beyond_its_piece() {
+        assert_eq!(start_len(2 << 20), 128 << 10);
+        assert_eq!(start_len(64 << 10), 64 << 10);
+        assert_eq!(start_len(100 << 10), 64 << 10);
+        assert_eq!(start_len(40 << 10), 40 << 10);
+        assert_eq!(start_len(1 << 30), 64 << 20);
     }
 
     #[test]

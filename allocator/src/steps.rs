@@ -261,27 +261,47 @@ impl Steps<'_> {
         }
         // A packed backup's buffer serves again; a backup of another kind (the pause chose
         // another policy than the last one) or too small is replaced.
-        if let Some(Backup::Packed(buf, _)) = p.backup.take() {
-            p.backup = Some(Backup::Host(buf));
-        }
+        p.backup = match p.backup.take() {
+            Some(Backup::Packed(buf, _)) => Some(Backup::Host(buf)),
+            other => other,
+        };
         let kind = if p.policy == Policy::Mmap {
             BackupKind::Mmap
         } else {
             BackupKind::Pinned
         };
+        let d = self.driver;
+        // A packed backup needs room for the blocks that hold something only (it grows at
+        // `copied` when they do not fit).
+        let packs = p.pack
+            && p.policy == Policy::Cpu
+            && p.len >= packed::MIN_LEN
+            && Kernels::of(d, &p.device).is_some();
+        let need = if packs {
+            packed::start_len(p.len)
+        } else {
+            p.len
+        };
         if p.backup
             .as_ref()
-            .is_none_or(|b| b.len() < p.len || b.kind() != kind)
+            .is_none_or(|b| b.len() < need || b.kind() != kind)
+        {
+            p.backup = None;
+            p.backup = Some(self.host_backup(p.key, &p.device, p.policy, need)?);
+        }
+        // Not pinned throughout yet (a first pause that came before its preparation ended):
+        // copied whole, into a buffer of the piece's size.
+        if matches!(&p.backup, Some(Backup::Host(b)) if b.len() < p.len && !(packs && b.registered()))
         {
             p.backup = None;
             p.backup = Some(self.host_backup(p.key, &p.device, p.policy, p.len)?);
         }
-        let (d, staging) = (self.driver, self.preparer.staging());
+        let staging = self.preparer.staging();
         let Some(Backup::Host(buf)) = p.backup.as_mut() else {
             unreachable!("cpu and mmap pieces hold a host backup")
         };
         let dev = &p.device;
-        if p.pack && p.len >= packed::MIN_LEN && buf.registered() && Kernels::of(d, dev).is_some() {
+        if packs && buf.registered() {
             // SAFETY: the piece is mapped (its owner holds the handle) and the backup is
             // registered host memory that lives in the piece until `copied` waits for the
             // batch.
@@ -350,7 +370,17 @@ impl Steps<'_> {
             return Ok(());
         }
         tracing::debug!(tag = %p.tag, ptr = format_args!("{:#x}", p.ptr), blocks = count, "too many blocks to pack: copied whole");
-        let mut buf = buf;
+        // A backup too small for the whole piece grows to its size, once: later pauses pack
+        // into it, or copy whole, without allocating.
+        let mut buf = if buf.len() < p.len {
+            drop(buf);
+            match self.host_backup(p.key, &p.device, p.policy, p.len)? {
+                Backup::Host(b) => b,
+                _ => unreachable!("a cpu piece's backup is a host buffer"),
+            }
+        } else {
+            buf
+        };
         let dev = &p.device;
         d.with_context(dev.ctx, || {
             // SAFETY: the piece is still mapped (its memory is unmapped only after this), and

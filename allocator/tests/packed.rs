@@ -98,6 +98,8 @@ fn a_pause_copies_only_the_blocks_that_hold_something_and_resume_gives_back_ever
         4 * (BLOCK as u64 + 4),
         "the report counts what crossed"
     );
+    let backup = a.stats().tag("weights").unwrap().usage.backup_bytes;
+    assert_eq!(backup, (len / 16) as u64, "a packed backup starts at 1/16");
     a.resume(&["weights"]).unwrap();
     let d = delta(t);
     assert_eq!((d[5], d[1]), (1, 0), "one unpack, no cuMemcpy: {d:?}");
@@ -145,9 +147,20 @@ fn a_backup_with_more_blocks_than_room_is_copied_whole() {
     // its index: the memory was then copied whole.
     assert_eq!((d[4], d[0]), (1, len as u64), "{d:?}");
     assert_eq!(r.copied_bytes, len as u64);
+    let backup = a.stats().tag("dense").unwrap().usage.backup_bytes;
+    assert_eq!(
+        backup, len as u64,
+        "the backup grew to the allocation's size"
+    );
     a.resume(&["dense"]).unwrap();
     assert_eq!(delta(t)[1], len as u64, "restored by a whole copy");
     assert!(check(p, len, 3));
+    // Sparse again: packed into the grown backup, nothing allocated.
+    let image = shape(p, len, &[(7, b"sparse")]);
+    let r = a.pause(&["dense"]).unwrap();
+    assert_eq!(r.copied_bytes, BLOCK as u64 + 4);
+    a.resume(&["dense"]).unwrap();
+    assert!(bytes(p, len) == image.as_slice());
     a.free(p).unwrap();
 }
 
@@ -239,6 +252,33 @@ fn a_prefix_whose_last_block_is_partial_comes_back_exact() {
     unsafe { d.address_free(ptr, size) }.unwrap();
 }
 
+/// A backup whose blocks outnumber its room first (the backup starts at 1/16 of the piece):
+/// it grows to the piece's size and the memory is copied whole, then packed again later.
+#[test]
+fn a_small_packed_backup_grows_when_the_memory_fills() {
+    let a = junk_allocator(Pack::All);
+    let len = 4 * MIB;
+    let p = a.malloc(len, 0, "grows", Policy::Cpu).unwrap();
+    let image = shape(p, len, &[(0, b"a")]);
+    a.pause(&["grows"]).unwrap();
+    a.resume(&["grows"]).unwrap();
+    assert!(bytes(p, len) == image.as_slice());
+    let backup = |a: &TestAllocator| a.stats().tag("grows").unwrap().usage.backup_bytes;
+    assert_eq!(backup(&a), (len / 16) as u64);
+    fill(p, len, 9);
+    let t = transfers();
+    let r = a.pause(&["grows"]).unwrap();
+    assert_eq!(
+        (r.copied_bytes, delta(t)[0]),
+        (len as u64, len as u64),
+        "copied whole"
+    );
+    assert_eq!(backup(&a), len as u64);
+    a.resume(&["grows"]).unwrap();
+    assert!(check(p, len, 9));
+    a.free(p).unwrap();
+}
+
 /// Where the device does not reach registered host memory at its host address, backups are
 /// copied whole (run in a child process of this test binary, whose fake driver says so).
 #[test]
@@ -307,4 +347,23 @@ fn pieces_are_packed_and_put_back_in_batches() {
     for p in ptrs {
         a.free(p).unwrap();
     }
+}
+
+/// A whole backup kept across cycles serves the next pause: nothing is pinned again.
+#[test]
+fn a_kept_whole_backup_serves_the_next_pause() {
+    let a = junk_allocator(Pack::Nccl);
+    let p = a.malloc(4 * MIB, 0, "kept", Policy::Cpu).unwrap();
+    fill(p, 4 * MIB, 5);
+    a.pause(&["kept"]).unwrap();
+    a.resume(&["kept"]).unwrap();
+    let before = fake_calls();
+    a.pause(&["kept"]).unwrap();
+    let after = fake_calls();
+    for k in ["host_alloc", "host_register", "host_unregister"] {
+        assert_eq!(kind(&after, k), kind(&before, k), "{k} in the second pause");
+    }
+    a.resume(&["kept"]).unwrap();
+    assert!(check(p, 4 * MIB, 5));
+    a.free(p).unwrap();
 }

@@ -15,6 +15,7 @@ use crate::registry::{self, Gone, Keep, Kind, Mapping, Physical, Registration};
 use crate::tokens;
 use memsaver_allocator::driver::Handle;
 use memsaver_allocator::driver::sys::{fns, *};
+use memsaver_allocator::options::Pack;
 use memsaver_allocator::steps::external_key;
 use memsaver_ipc::token::Token;
 
@@ -118,8 +119,10 @@ fn answered(f: impl FnOnce() -> CUresult) -> CUresult {
 /// Asks for the pinned backup of NCCL's new buffer `vh` (`size` bytes on `device`) to be
 /// prepared in the background, as for any `cpu` allocation, so that the first pause of `nccl`
 /// only copies (with `headers` too: whole until NCCL shares the buffer, see
-/// [`prepare_header`]). Bounded by the prepare budget and off with retention, like every tag's.
-/// Starts the allocator: call with no lock held.
+/// [`prepare_header`]). A packed backup (`MEMSAVER_PACK`, on for `nccl` by default) starts at
+/// a sixteenth of the buffer (`packed::start_len`): NCCL's buffers hold a few KiB each. Bounded
+/// by the prepare budget and off with retention, like every tag's. Starts the allocator: call
+/// with no lock held.
 fn prepare_backup(vh: u64, device: i32, size: usize) {
     if !matches!(
         options::get().nccl_backup,
@@ -127,7 +130,11 @@ fn prepare_backup(vh: u64, device: i32, size: usize) {
     ) && let Ok(a) = memsaver_allocator::global()
         && a.retain_backups()
     {
-        a.prepare_backup(external_key(vh), device, size);
+        let len = match a.pack() {
+            Pack::Off => size,
+            Pack::Nccl | Pack::All => memsaver_allocator::packed::start_len(size),
+        };
+        a.prepare_backup(external_key(vh), device, len);
     }
 }
 

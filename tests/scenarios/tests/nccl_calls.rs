@@ -66,7 +66,9 @@ type Cycle = Vec<((BTreeMap<String, u64>, u64), (BTreeMap<String, u64>, u64))>;
 /// Starts the job, sets it up, then runs `cycles` pauses and resumes of every rank at once.
 fn measure(l: &Layout, group: u32, cycles: usize) -> Vec<Cycle> {
     let dirs = Dirs::new();
-    let mut job = Job::start(l.ranks, group, &dirs.fake, &dirs.rt, 30_000);
+    // Whole copies (packed backups, the default, are counted by tests/packed.rs and the bench).
+    let env = [("MEMSAVER_PACK", "off")];
+    let mut job = Job::start_with(l.ranks, group, &dirs.fake, &dirs.rt, 30_000, &env);
     // The main buffer is one of the shared ones.
     job.all_ok(&format!("alloc {}", l.shared_mib));
     if l.shared > 1 {
@@ -190,11 +192,11 @@ fn the_counts_do_not_grow_with_communicators() {
         let peers = ranks as u64 - 1;
         let one = steady_counts(ranks, 1, group);
         let eight = steady_counts(ranks, 8, group + 10);
-        // Every VMM call of the driver's (not the copies, not host memory).
+        // Every VMM call of the driver's (not the copies and launches, not host memory).
         let calls = |c: &BTreeMap<String, u64>| -> u64 {
             CALL_KINDS
                 .iter()
-                .filter(|k| **k != "copy" && !k.starts_with("host"))
+                .filter(|k| !["copy", "launch"].contains(k) && !k.starts_with("host"))
                 .map(|k| c[*k])
                 .sum()
         };
@@ -224,7 +226,10 @@ fn the_counts_do_not_grow_with_communicators() {
 #[test]
 fn with_headers_the_first_pause_finds_the_headers_prepared() {
     let dirs = Dirs::new();
-    let env = [("MEMSAVER_NCCL_BACKUP", "headers")];
+    let env = [
+        ("MEMSAVER_NCCL_BACKUP", "headers"),
+        ("MEMSAVER_PACK", "off"),
+    ];
     let mut job = Job::start_with(2, 67, &dirs.fake, &dirs.rt, 30_000, &env);
     job.all_ok("alloc 4");
     job.all_ok("shared 2 4");
