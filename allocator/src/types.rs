@@ -32,6 +32,11 @@
 //!   pageable (`mmap`) host buffer, or a file (`disk`). With **retention** on (the default) it
 //!   is kept across cycles and reused, so pausing allocates no host memory after the first
 //!   time; with retention off it is released as soon as its allocation has resumed.
+//! * **packed backup**: a pinned backup that holds only the 4 KiB blocks with a non-zero byte,
+//!   packed by a kernel, with their index (`packed.rs`); resume zero-fills and puts them back.
+//!   The `nccl` tag's by default (`MEMSAVER_PACK`).
+//! * **piece**: the unit the pause and resume steps work on: one allocation's (or one NCCL
+//!   buffer's) physical memory, its backup and how many bytes a pause keeps (`steps.rs`).
 
 use std::fmt;
 use std::str::FromStr;

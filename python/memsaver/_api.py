@@ -251,6 +251,9 @@ def nccl_stats() -> dict[str, int | bool | str | dict[str, object] | None]:
     and why (``None`` when none did). ``runs``: physical allocations a resume made for several
     adjacent buffers each (see docs/nccl.md), and ``freed_held_bytes``: buffers NCCL freed inside
     one, whose memory goes back to the device with the run at the next pause.
+    ``bytes_copied_per_pause`` and ``bytes_copied_per_resume``: what the last pause copied to
+    backups and the last resume back (only the blocks that hold something, where packed:
+    ``MEMSAVER_PACK``).
     ``application``: memory the application took from ``ncclMemAlloc`` (torch's NCCL pools and
     symmetric memory, vLLM's and SGLang's NCCL allocators), which is not NCCL's and not in the
     figures above: ``allocations``, ``bytes``, ``tagged_bytes`` (per tag: memsaver memory of
