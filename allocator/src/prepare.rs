@@ -23,7 +23,9 @@
 //! With a backup reserve (`reserve.rs`), a request is carved from the reserve's pinned memory
 //! first, at once, and only what does not fit is prepared as above. The same thread pins the
 //! reserve, before any request it cannot carve yet (requests wait for the reserve rather than
-//! pin memory of their own beside it), and carves queued requests from it as it grows.
+//! pin memory of their own beside it), and carves queued requests from it as it grows; but
+//! after the backups that pauses took partly pinned, which are in use: a first pause that came
+//! before the reserve was pinned then costs later cycles nothing.
 //! Buffers carved from the reserve are not bounded by the limit (the reserve is its own bound)
 //! and go back to the reserve when they are dropped.
 //!
@@ -393,7 +395,7 @@ impl Preparer {
 
     /// What the thread does next, waiting until there is something (`None`: stop): the
     /// staging buffers once the backlog is large enough, requests the reserve can take now
-    /// (carved at once), a step of the reserve, a request to prepare, a backup to finish.
+    /// (carved at once), a backup to finish, a step of the reserve, a request to prepare.
     fn next_work(&self) -> Option<Work> {
         let mut s = self.state.lock();
         loop {
@@ -409,6 +411,26 @@ impl Preparer {
                 return Some(Work::Staging(ctx));
             }
             self.carve_queued(&mut s);
+            // Backups a pause took partly pinned before the reserve: in use, so pinned before
+            // the reserve grows (else every cycle copies them as pageable memory until the
+            // whole reserve is pinned, seconds for gigabytes).
+            if let Some(f) = s.finishing.pop_front() {
+                if f.job.released() {
+                    continue;
+                }
+                s.in_flight = Some(InFlight {
+                    key: f.key,
+                    len: f.job.len(),
+                    buf: None,
+                    finish: true,
+                    cancelled: false,
+                });
+                return Some(Work::Buffer {
+                    key: f.key,
+                    finish: true,
+                    job: f.job,
+                });
+            }
             if let Some((id, job)) = self.reserve.next_step() {
                 return Some(Work::Reserve(id, job));
             }
@@ -444,23 +466,6 @@ impl Preparer {
                         continue;
                     }
                 }
-            }
-            if let Some(f) = s.finishing.pop_front() {
-                if f.job.released() {
-                    continue;
-                }
-                s.in_flight = Some(InFlight {
-                    key: f.key,
-                    len: f.job.len(),
-                    buf: None,
-                    finish: true,
-                    cancelled: false,
-                });
-                return Some(Work::Buffer {
-                    key: f.key,
-                    finish: true,
-                    job: f.job,
-                });
             }
             self.changed.wait(&mut s);
         }

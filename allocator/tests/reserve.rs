@@ -300,6 +300,43 @@ fn a_pause_while_the_reserve_is_being_pinned_never_waits_for_it() {
     a.free(q).unwrap();
 }
 
+/// A backup a pause took partly pinned while the reserve was still being pinned is pinned
+/// before the reserve grows further: the cycles after that pause copy at pinned speed without
+/// waiting for the whole reserve (which may take seconds), as they do with no reserve.
+#[test]
+fn a_backup_taken_before_the_reserve_is_pinned_goes_first() {
+    let a = with_reserve(RESERVE, true);
+    let held = HeldPinning::new(PinHold::AtEntry);
+    a.device(0).unwrap();
+    assert_eq!(wait_pinning_held(1), 1, "the reserve's first step waits");
+    let p = a.malloc(SIZE, 0, "first", Policy::Cpu).unwrap();
+    fill(p, SIZE, 6);
+    a.pause(&["first"]).unwrap();
+    // The reserve's held step, then the next piece of work: p's steps come before the
+    // reserve's next one.
+    held.pass(1);
+    assert_eq!(wait_pinning_held(1), 1);
+    held.pass(3);
+    assert_eq!(wait_pinning_held(1), 1);
+    assert_eq!(
+        reserve_figures(&a).1,
+        PIN_CHUNK as u64,
+        "the reserve did not grow while p was pinned"
+    );
+    a.resume(&["first"]).unwrap();
+    let copies = fake_host_copies();
+    a.pause(&["first"]).unwrap();
+    assert_eq!(
+        copies_since(copies),
+        (3, 0),
+        "p's three steps copied pinned"
+    );
+    drop(held);
+    a.resume(&["first"]).unwrap();
+    assert!(check(p, SIZE, 6));
+    a.free(p).unwrap();
+}
+
 /// Lowering the reserve below what it holds releases the free memory beyond the new size,
 /// also when the reserve is one segment (made from the environment): the segment goes, and
 /// the new size is pinned again in the background.
