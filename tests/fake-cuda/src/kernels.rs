@@ -172,23 +172,33 @@ fn host(p: u64, len: u64) -> Result<*mut u8, CUresult> {
     }
 }
 
-/// `memsaver_pack`: each piece of the batch, whose first block must be where the blocks of
-/// those before it end.
+/// `memsaver_pack`: each piece of the batch.
 fn pack(b: &PackBatch) -> Result<(), CUresult> {
     PACKS.fetch_add(1, Ordering::Relaxed);
-    let pieces = b
-        .piece
-        .get(..b.pieces as usize)
-        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    let mut first = 0u64;
+    let units = |q: &PackPiece| q.len.div_ceil(BLOCK);
+    each(&b.piece, b.pieces, b.blocks, |q| q.first, units, pack_one)
+}
+
+/// Runs `one` on the first `n` pieces of a batch, each of whose `first` unit (block or slot) must
+/// be where the units of those before it end, as they must add up to `total`.
+fn each<P>(
+    pieces: &[P],
+    n: u32,
+    total: u32,
+    first: impl Fn(&P) -> u32,
+    units: impl Fn(&P) -> u64,
+    one: impl Fn(&P) -> Result<(), CUresult>,
+) -> Result<(), CUresult> {
+    let pieces = pieces.get(..n as usize).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let mut at = 0u64;
     for q in pieces {
-        if q.first as u64 != first {
+        if first(q) as u64 != at {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        first += q.len.div_ceil(BLOCK);
-        pack_one(q)?;
+        at += units(q);
+        one(q)?;
     }
-    if first != b.blocks as u64 {
+    if at != total as u64 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     Ok(())
@@ -225,26 +235,11 @@ fn pack_one(q: &PackPiece) -> Result<(), CUresult> {
     Ok(())
 }
 
-/// `memsaver_unpack`: each piece of the batch, whose first slot must be where the slots of
-/// those before it end.
+/// `memsaver_unpack`: each piece of the batch.
 fn unpack(b: &UnpackBatch) -> Result<(), CUresult> {
     UNPACKS.fetch_add(1, Ordering::Relaxed);
-    let pieces = b
-        .piece
-        .get(..b.pieces as usize)
-        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    let mut first = 0u64;
-    for q in pieces {
-        if q.first as u64 != first {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        first += q.count as u64;
-        unpack_one(q)?;
-    }
-    if first != b.slots as u64 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
-    }
-    Ok(())
+    let units = |q: &UnpackPiece| q.count as u64;
+    each(&b.piece, b.pieces, b.slots, |q| q.first, units, unpack_one)
 }
 
 fn unpack_one(q: &UnpackPiece) -> Result<(), CUresult> {
