@@ -6,8 +6,9 @@
 //! * pause: [`Steps::synchronize`] the device, [`Steps::copy_out`] the contents into the
 //!   piece's backup (queued behind an event for host backups, only the blocks that hold
 //!   something where the piece asks and the device can: `packed.rs`; written through the
-//!   staging buffer for disk), [`Steps::unmap`] each mapping once [`Steps::copied`] says the copy is
-//!   done, [`Steps::release`] the handle; [`Steps::keep`] a piece that must stay resident;
+//!   staging buffer for disk), [`Steps::unmap`] each mapping once [`Steps::copied`] says the
+//!   copy is done, [`Steps::release`] the handle; [`Steps::keep`] a piece that must stay
+//!   resident;
 //! * resume: [`Steps::map_fresh`] creates physical memory and maps it at the piece's old
 //!   addresses, unless that would leave less than the memory margin free, [`Steps::copy_in`]
 //!   queues the restore, and [`Steps::finish`] waits for a device's restores;
@@ -28,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::backup::{Backup, BackupKind, HostBuffer, PinJob};
+use crate::backup::{Backup, BackupKind, HostBuffer, PinJob, PinnedBuffer};
 use crate::device::Device;
 use crate::disk::DiskFile;
 use crate::driver::sys::{CUmemAccessDesc, CUmemAllocationProp};
@@ -289,12 +290,15 @@ impl Steps<'_> {
             p.backup = None;
             p.backup = Some(self.host_backup(p.key, &p.device, p.policy, need)?);
         }
-        // Not pinned throughout yet (a first pause that came before its preparation ended):
-        // copied whole, into a buffer of the piece's size.
+        // A packed backup not pinned throughout yet (a first pause that came before its
+        // preparation ended) cannot be packed into: the piece is copied whole, into a buffer
+        // of its size whose steps are copied as pageable memory and pinned in the background
+        // afterwards, as a first pause does with a whole backup it takes unpinned.
         if matches!(&p.backup, Some(Backup::Host(b)) if b.len() < p.len && !(packs && b.registered()))
         {
             p.backup = None;
-            p.backup = Some(self.host_backup(p.key, &p.device, p.policy, p.len)?);
+            let buf = PinnedBuffer::reserve(d, p.device.ctx, p.len)?;
+            p.backup = Some(Backup::Host(HostBuffer::Pinned(buf)));
         }
         let staging = self.preparer.staging();
         let Some(Backup::Host(buf)) = p.backup.as_mut() else {
