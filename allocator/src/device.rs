@@ -1,10 +1,7 @@
 //! Per-device runtime state: the primary context, the VMM granularity and the copy stream
 //! (shared by every tag's pause and resume: see `steps`).
 
-use std::sync::OnceLock;
-
 use crate::driver::{Context, Driver, DriverError, Stream};
-use crate::packed::Kernels;
 
 pub struct Device {
     pub ordinal: i32,
@@ -13,9 +10,6 @@ pub struct Device {
     pub granularity: usize,
     /// The stream backups are copied on; one per device so devices copy in parallel.
     pub stream: Stream,
-    /// The packing kernels, loaded at the first packed copy (`None`: packing cannot be used
-    /// here, see `packed.rs`).
-    pub(crate) packing: OnceLock<Option<Kernels>>,
 }
 
 impl Device {
@@ -35,7 +29,6 @@ impl Device {
             ctx,
             granularity,
             stream,
-            packing: OnceLock::new(),
         })
     }
 

@@ -34,6 +34,8 @@ use std::collections::BTreeMap;
 use std::ffi::{CStr, c_void};
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use crate::backup::HostBuffer;
 use crate::device::Device;
 use crate::driver::sys::{
@@ -157,21 +159,28 @@ pub(crate) struct Kernels {
 
 impl Kernels {
     /// The device's kernels, loaded on first use; `None` (said once per device) where packing
-    /// cannot be used.
-    pub fn of<'a>(d: &Driver, dev: &'a Device) -> Option<&'a Kernels> {
-        dev.packing
-            .get_or_init(|| match Self::load(d, dev) {
-                Ok(k) => Some(k),
-                Err(why) => {
-                    tracing::info!(
-                        device = dev.ordinal,
-                        why,
-                        "memsaver: backups are copied whole on this device (no packing)"
-                    );
-                    None
-                }
-            })
-            .as_ref()
+    /// cannot be used. Loaded into the device's primary context, which lives as long as the
+    /// process, and so do they.
+    pub fn of(d: &Driver, dev: &Device) -> Option<&'static Kernels> {
+        static LOADED: Mutex<BTreeMap<i32, Option<&'static Kernels>>> = Mutex::new(BTreeMap::new());
+        // Held across the first load of a device's module only; nothing else is taken under it.
+        let mut loaded = LOADED.lock();
+        if let Some(k) = loaded.get(&dev.ordinal) {
+            return *k;
+        }
+        let k = match Self::load(d, dev) {
+            Ok(k) => Some(&*Box::leak(Box::new(k))),
+            Err(why) => {
+                tracing::info!(
+                    device = dev.ordinal,
+                    why,
+                    "memsaver: backups are copied whole on this device (no packing)"
+                );
+                None
+            }
+        };
+        loaded.insert(dev.ordinal, k);
+        k
     }
 
     fn load(d: &Driver, dev: &Device) -> Result<Kernels, String> {
