@@ -138,11 +138,14 @@ fn pausing_nccl_releases_its_memory_and_restores_it_in_place() {
 
 #[test]
 fn the_nccl_tag_honours_the_memory_margin_and_retention() {
-    // Every byte backed up (with the default, headers, a shared buffer's backup is 64 KiB).
+    // Every byte backed up (with the default, headers, a shared buffer's backup is 64 KiB),
+    // packed: the buffer holds a few blocks, so its backup is the 256 KiB a packed backup of
+    // 4 MiB starts with.
     let r = run(true, &[("MEMSAVER_NCCL_BACKUP", "cpu")]);
+    let packed = (256u64 << 10).to_string();
     // Only the exported 4 MiB buffer is left at this point of nccl-like.
     assert_eq!(r["margin_pause_rc"], "0");
-    assert_eq!(r["margin_backup_paused"], (4 << 20).to_string());
+    assert_eq!(r["margin_backup_paused"], packed);
     // A margin of every free byte: the resume stops before creating anything, out of memory
     // (status 6), naming the margin; the buffer stays paused with its backup.
     assert_eq!(r["margin_resume_rc"], "6");
@@ -157,10 +160,10 @@ fn the_nccl_tag_honours_the_memory_margin_and_retention() {
     );
     assert_eq!(r["margin_resume_again_rc"], "0");
     // Retention on (the default): the backup stays after resume, for the next pause.
-    assert_eq!(r["retained_backup"], (4 << 20).to_string());
+    assert_eq!(r["retained_backup"], packed);
     // Off: the pause still backs up, and the resume lets the backup go.
     assert_eq!(r["noretain_pause_rc"], "0");
-    assert_eq!(r["noretain_backup_paused"], (4 << 20).to_string());
+    assert_eq!(r["noretain_backup_paused"], packed);
     assert_eq!(r["noretain_resume_rc"], "0");
     assert_eq!(r["noretain_backup_resumed"], "0");
 }
