@@ -676,10 +676,10 @@ pub fn access(addr: CUdeviceptr, len: usize, write: bool) -> Result<Access, CUre
         }
         return Ok(Access { _guard: guard });
     }
-    let blocks = HOST_BLOCKS.lock();
-    match blocks.range(..=addr as usize).next_back() {
-        Some((&start, &size)) if end <= (start + size) as u64 => Ok(Access { _guard: guard }),
-        _ => Err(CUDA_ERROR_INVALID_VALUE),
+    if is_host_block(addr, len) {
+        Ok(Access { _guard: guard })
+    } else {
+        Err(CUDA_ERROR_INVALID_VALUE)
     }
 }
 
