@@ -42,9 +42,9 @@ pub struct AllocationInfo {
 /// One tag-based VMM allocator. A process normally has exactly one, started by
 /// [`crate::start_global`]; tests may build more over the same driver.
 ///
-/// Lock order (docs/architecture.md, "Locks"): `transition`, then nccl-hook's `GRAPHS`, then
-/// `external`, then nccl-hook's `REGISTRY`, then `table`, `devices`, `settings`; a thread
-/// holding one of them takes only locks after it.
+/// Lock order: docs/architecture.md, "Locks", which lists every lock of the process in its
+/// order (this struct's among nccl-hook's and memsaver-ipc's); a thread holding one of them
+/// takes only locks after it.
 pub struct Allocator {
     pub(crate) driver: Arc<Driver>,
     /// Guards the map of opened devices only; a device is opened once and never closed. Held
@@ -52,8 +52,9 @@ pub struct Allocator {
     /// under it. Taken under `REGISTRY` and `GRAPHS` (the `nccl` tag's steps open its devices).
     devices: Mutex<HashMap<i32, Arc<Device>>>,
     /// Guards the allocation table and the tag registry. Held for bookkeeping only, never
-    /// across a driver call, so allocations proceed while a pause copies or unmaps; nothing is
-    /// taken under it. Taken under `external` when tag names are resolved.
+    /// across a driver call, so allocations proceed while a pause copies or unmaps; only
+    /// `preparer` is taken under it (the stats read the prepared backups). Taken under
+    /// `external` when tag names are resolved.
     pub(crate) table: Mutex<Table>,
     /// Serialises pause and resume: one transition at a time per allocator, held across the
     /// whole transition (driver calls and the external tags' steps included). malloc and free

@@ -22,7 +22,7 @@
 //!   the sharing layer hears of its pauses and resumes (`sharing.rs`).
 //! * **generation**: how many times an exported buffer's physical memory has been re-created by
 //!   a resume; it names which incarnation a cross-process reference points at. The core does
-//!   not count it: the owner's ledger does (memsaver-ipc's `exported`), for every export,
+//!   not count it: the owner's ledger does (memsaver-ipc's `shared`), for every export,
 //!   shared allocations and the buffers a layer above exports of its own alike.
 //! * **pause**: unmap and release an allocation's physical memory, keeping its virtual range
 //!   reserved (after backing up its contents if its policy says so).
@@ -37,6 +37,18 @@
 //!   The `nccl` tag's by default (`MEMSAVER_PACK`).
 //! * **piece**: the unit the pause and resume steps work on: one allocation's (or one NCCL
 //!   buffer's) physical memory, its backup and how many bytes a pause keeps (`steps.rs`).
+//! * **run**: one physical allocation a resume makes behind several adjacent NCCL buffers, and
+//!   an importer's one mapping of a peer's whole run: the driver's cost is per physical
+//!   allocation, not per byte (docs/nccl.md, "Runs").
+//! * **ledger**: an owner's record of everything it exported, which generation of each every
+//!   importer holds, and its tombstones (memsaver-ipc's `shared/ledger.rs`).
+//! * **courier**: an owner's thread that brings one importer of its shared allocations to the
+//!   owner's state: released before a pause, mapped again after a resume.
+//! * **token**: what an owner hands out instead of an exported buffer's fd (its identity, the
+//!   buffer's id and a random key); the importer trades it for the fd with the owner, who
+//!   checks it (memsaver-ipc's `token.rs`).
+//! * **tombstone**: what a ledger keeps of a freed buffer that importers may still name, so
+//!   that their opens of it are answered "gone" rather than refused.
 
 use std::fmt;
 use std::str::FromStr;

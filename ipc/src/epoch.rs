@@ -1,6 +1,6 @@
 //! An owner's **epoch**, published where its importers read it without asking.
 //!
-//! The importers of a [`Delivery::Collective`](crate::exported::Delivery) export follow their
+//! The importers of a [`Delivery::Collective`](crate::shared::Delivery) export follow their
 //! owner's pauses and resumes in pauses and resumes of their own. One that did not (it was
 //! stopped across them, or did not pause with the others) still maps a generation the owner no
 //! longer uses, and must catch up before NCCL touches it again; nothing the owner sends can
@@ -8,7 +8,7 @@
 //!
 //! The owner counts every change of its collective exports' state: each pause that marks
 //! exported buffers paused and each resume that marks some resident again raises the epoch
-//! (under the ledger's lock, [`crate::exported`]). It writes the epoch, and whether some
+//! (under the ledger's lock, [`crate::shared`]). It writes the epoch, and whether some
 //! exported buffer is paused now, to a file of its own in the group's directory
 //! (`<pid>-<start>-<nonce>.epoch`, mode 0600, made with the server's socket and removed with
 //! it), as one 64-bit word mapped shared: `epoch << 1 | paused`. Every answer to an import

@@ -20,15 +20,15 @@
 //! * [`epoch`]: an owner's count of its pauses and resumes, in a file its importers read;
 //! * [`server`]: a process's server: admission (user, pid namespace, identity, group) and
 //!   routing of each request to the [`server::Handler`] a layer above registered for it;
-//! * [`client`]: connecting to another process's server, and the importer's side of exported
-//!   buffers;
+//! * [`client`]: connecting to another process's server and exchanging requests and replies
+//!   under one deadline;
 //! * [`control`]: pause, resume, stats and profile stages of one process run for another;
-//! * [`handle`]: the CUDA IPC handle of memsaver memory;
-//! * [`exported`] and [`imported`]: memory shared with other processes, the owner's ledger of
-//!   every export (whether couriers carry the owner's pauses and resumes to its importers, or
-//!   the importers follow in a pause of their own that the owner waits for) and the importer's
-//!   imports, which [`shared`] puts together: released and rebuilt in the importers around the
-//!   owner's pauses and resumes.
+//! * [`shared`]: memory shared with other processes, a folder of its own: the CUDA IPC handle
+//!   of memsaver memory, the owner's ledger of every export (whether couriers carry the
+//!   owner's pauses and resumes to its importers, or the importers follow in a pause of their
+//!   own that the owner waits for), its serve path, couriers and `Sharing`, and the importer's
+//!   requests and imports: released and rebuilt in the importers around the owner's pauses and
+//!   resumes.
 //!
 //! Who may talk to whom, and what enforces it, is docs/security.md.
 
@@ -37,12 +37,9 @@ pub mod control;
 pub mod deadline;
 pub mod epoch;
 pub mod error;
-pub mod exported;
 pub mod frame;
 pub mod group;
-pub mod handle;
 pub mod identity;
-pub mod imported;
 pub mod log;
 pub mod options;
 pub mod protocol;

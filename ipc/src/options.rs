@@ -59,6 +59,14 @@ memsaver_allocator::declare_options! {
     }
 }
 
+/// The option that sets [`timeout`], named in messages.
+pub const TIMEOUT_SETTING: &str = "MEMSAVER_IPC_TIMEOUT_MS";
+
+/// How long an owner waits for its importers, and an importer for an owner.
+pub fn timeout() -> std::time::Duration {
+    get().ipc_timeout
+}
+
 /// The CUDA IPC deadline (`MEMSAVER_IPC_TIMEOUT_MS`), or the error naming the variable, its
 /// value and what it accepts when it is invalid: what waits on it for the application (an
 /// importer's open) calls this, never the default in its place.

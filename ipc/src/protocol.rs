@@ -50,7 +50,7 @@
 //! counts the times it re-created the memory). A buffer that the owner does not have with that
 //! key makes the owner refuse the whole request, saying nothing of which part was wrong; one it
 //! had with that key and freed while importers held it is answered `Gone` (the owner keeps a
-//! tombstone of it for as long as they may name it: [`crate::exported`]).
+//! tombstone of it for as long as they may name it: [`crate::shared`]).
 
 pub use crate::identity::Identity;
 

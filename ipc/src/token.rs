@@ -6,7 +6,7 @@
 //! sealed memfd holding (group, owner identity, buffer id, key, generation, and where the
 //! buffer lies in the owner: address and length, 0 when it says nothing). The importer's
 //! layer recognises the token ([`read`]: a memfd with exactly these seals and the magic) and
-//! trades it for the real fd with the owner's server ([`crate::client::import`]). So the owner
+//! trades it for the real fd with the owner's server ([`crate::shared::requests::import`]). So the owner
 //! knows every importer of each buffer, and every importer knows the owner and buffer behind
 //! each import. The **key** is 64 random bits the owner draws when it first exports a buffer
 //! ([`crate::identity::new_key`]): the owner hands out the buffer's fd only to a request that

@@ -97,12 +97,12 @@ fn catch_up(a: &'static Allocator, group: i64, owner: u32, word: Word) -> Result
     let mut at = u64::MAX;
     for ((w, mapped), answer) in wants.into_iter().zip(answers) {
         match answer {
-            memsaver_ipc::client::Answer::Served(s) => {
+            memsaver_ipc::shared::requests::Answer::Served(s) => {
                 stale |= mapped != Some(s.generation);
                 at = at.min(s.epoch);
                 fetch.served.push(Fetched::of(w, s));
             }
-            memsaver_ipc::client::Answer::Gone => {
+            memsaver_ipc::shared::requests::Answer::Gone => {
                 stale = true;
                 fetch.gone.push(w);
             }

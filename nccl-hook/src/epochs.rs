@@ -22,7 +22,7 @@ struct Owner {
 }
 
 /// The owners, by pid (one process per pid at a time: an import of another process with the
-/// same pid is refused while this one's are held, `memsaver_ipc::client::import`).
+/// same pid is refused while this one's are held, `memsaver_ipc::shared::requests::import`).
 static OWNERS: Mutex<BTreeMap<u32, Owner>> = Mutex::new(BTreeMap::new());
 
 /// Catches up with every owner [`behind`] finds, or says why the NCCL call must be refused.

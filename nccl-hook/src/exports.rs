@@ -4,7 +4,7 @@
 //! Who imports what, each buffer's key and generation, and whether it is paused are the
 //! owner's ledger's (`memsaver_ipc::exported`, [`Delivery::Collective`], each buffer by its
 //! virtual handle): the opens go through the ledger's one serve path
-//! ([`memsaver_ipc::exported::serve_opens`]), as the opens of allocations shared through CUDA
+//! ([`memsaver_ipc::shared::serve_opens`]), as the opens of allocations shared through CUDA
 //! IPC handles do, and the notices are recorded there. This module only says what the ledger
 //! cannot know: the fd of a buffer's memory now (its own handle's, or its run's, with where
 //! the buffer lies in it), read from the registry under its lock, and which buffers stay
@@ -15,9 +15,9 @@ use std::os::fd::OwnedFd;
 
 use memsaver_allocator::ExportedMemory;
 use memsaver_allocator::driver::{Driver, Handle};
-use memsaver_ipc::exported::{self, Backing, Delivery, Exports};
 use memsaver_ipc::protocol::Request;
 use memsaver_ipc::server::{self, Connection, Handler, Route, Service};
+use memsaver_ipc::shared::{self, Backing, Delivery, Exports};
 
 use crate::{peer, registry};
 
@@ -37,13 +37,13 @@ impl Handler for Served {
                 let exports = Buffers {
                     driver: memsaver_allocator::global_driver(),
                 };
-                exported::serve_opens(&conn, &from, &buffers, peer::timeout(), &exports);
+                shared::serve_opens(&conn, &from, &buffers, peer::timeout(), &exports);
             }
             Request::Released { from, buffers, .. } => {
-                exported::serve_released(&conn, &from, &buffers);
+                shared::serve_released(&conn, &from, &buffers);
             }
             Request::PauseFailed { from, message, .. } => {
-                exported::serve_pause_failed(&conn, &from, message);
+                shared::serve_pause_failed(&conn, &from, message);
             }
             Request::Control { .. } | Request::Shared { .. } => {
                 conn.refuse("not a request for buffers")

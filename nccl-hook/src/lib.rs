@@ -38,8 +38,9 @@
 //!
 //! Layers, each module importing only those below it (`tests/layers.rs` checks):
 //! * this crate root: [`stats`], [`diagnose`], the start hook that registers the `nccl` tag;
-//! * the NCCL memory model: `provider` (the tag's pause and resume), `exports` (the memory
-//!   behind the owner's answers to peers, routed to it by `memsaver_ipc`'s server), `peer` (requests to owners),
+//! * the NCCL memory model: `provider` (the tag's pause and resume), `local` (its memory on the
+//!   engine's steps), `exports` (the memory behind the owner's answers to peers, routed to it
+//!   by `memsaver_ipc`'s server), `peer` (requests to owners),
 //!   `registered` (registered imports, reached through `memsaver_ipc::shared::HOLDERS`),
 //!   `catchup` (an importer behind its owners catches up);
 //! * interposition: `interpose` -> `amem`, `appmem` -> `guard` -> `epochs`, `procaddr` -> `vmm`

@@ -373,7 +373,7 @@ fn release_run(
 /// runs without them) for those a failed pause left.
 pub(crate) fn forget_retired(reg: &mut Registry) {
     for vh in reg.forget_retired_released() {
-        memsaver_ipc::exported::forget(memsaver_ipc::exported::Delivery::Collective, vh);
+        memsaver_ipc::shared::forget(memsaver_ipc::shared::Delivery::Collective, vh);
     }
 }
 
@@ -554,7 +554,7 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
         .map(|(vh, _)| *vh)
         .chain(reg.retired_released())
         .collect();
-    memsaver_ipc::exported::paused(&exports);
+    memsaver_ipc::shared::paused(&exports);
     drop(reg);
     out.copied = steps.copied_bytes();
     if let Some(e) = first_error {
@@ -726,7 +726,7 @@ fn restore(
             }
         }
     }
-    memsaver_ipc::exported::resumed(&exports);
+    memsaver_ipc::shared::resumed(&exports);
     match r {
         Ok(()) => Ok(()),
         Err(e) if is_out_of_memory(&e) => {

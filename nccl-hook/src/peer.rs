@@ -16,10 +16,9 @@ use std::time::{Duration, Instant};
 
 use memsaver_allocator::steps::Op;
 use memsaver_allocator::{Allocator, Error};
-use memsaver_ipc::client;
 use memsaver_ipc::deadline::{Outcome, PerPeer, listed};
-use memsaver_ipc::exported::{self, Holders};
 use memsaver_ipc::protocol::Buffer;
+use memsaver_ipc::shared::{self, Holders, requests};
 
 use crate::local::{Holding, Notices, device_of, places};
 use crate::options;
@@ -44,8 +43,8 @@ pub(crate) fn request_fds(
     group: i64,
     owner: u32,
     wants: &[Buffer],
-) -> Result<Vec<client::Answer>, client::FetchFailed> {
-    client::request_fds(group, owner, wants, timeout())
+) -> Result<Vec<requests::Answer>, requests::FetchFailed> {
+    requests::request_fds(group, owner, wants, timeout())
 }
 
 /// Pause, when this process's own pause failed (`message`): tells each owner of imports it
@@ -62,7 +61,7 @@ pub(crate) fn tell_pause_failed(
         owners,
         deadline,
         move |owner, ()| {
-            Ok(client::notify_pause_failed(
+            Ok(requests::notify_pause_failed(
                 group,
                 owner,
                 &message,
@@ -75,7 +74,7 @@ pub(crate) fn tell_pause_failed(
 
 /// Tells `owner` that this process released its imports `items`.
 pub(crate) fn notify_released(group: i64, owner: u32, items: &[Buffer]) -> Result<(), String> {
-    Ok(client::notify_released(group, owner, items, timeout())?)
+    Ok(requests::notify_released(group, owner, items, timeout())?)
 }
 
 /// Why a peer did not do its part, as a user can act on it.
@@ -208,7 +207,7 @@ pub(crate) fn wait_importers(group: i64, deadline: Instant) -> StillHeld {
             listed(&who)
         )
     };
-    let (holders, failed) = exported::wait_released(deadline, TIMEOUT_SETTING, &describe);
+    let (holders, failed) = shared::wait_released(deadline, TIMEOUT_SETTING, &describe);
     let failed = failed.into_iter().map(|(w, e)| (w.pid, e)).collect();
     (holding(&holders), failed)
 }
@@ -301,7 +300,7 @@ pub(crate) struct Fetched {
 
 impl Fetched {
     /// What the owner served `s` for the import `w` asked.
-    pub(crate) fn of(w: Wanted, s: client::Served) -> Self {
+    pub(crate) fn of(w: Wanted, s: requests::Served) -> Self {
         Self {
             vh: w.vh,
             owner: Buffer {
@@ -361,8 +360,8 @@ pub(crate) fn fetch_imports(
                     let mut fetch = Fetch::default();
                     for (w, a) in wants.into_iter().zip(answers) {
                         match a {
-                            client::Answer::Served(s) => fetch.served.push(Fetched::of(w, s)),
-                            client::Answer::Gone => fetch.gone.push(w),
+                            requests::Answer::Served(s) => fetch.served.push(Fetched::of(w, s)),
+                            requests::Answer::Gone => fetch.gone.push(w),
                         }
                     }
                     Ok(fetch)

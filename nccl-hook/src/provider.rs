@@ -147,13 +147,13 @@ impl ExternalTag for NcclTag {
         // One deadline for everything this resume waits for.
         let deadline = start + peer::timeout();
         let group = group::id();
-        memsaver_ipc::exported::resume_started();
+        memsaver_ipc::shared::resume_started();
         let fetching = peer::fetch_imports(group, peer::imports_to_fetch(), deadline);
         let local = local::restore_local(self.allocator).map_err(|e| {
             let e = local::still_paused(e);
             // The peers waiting for buffers this resume left paused hear it now, not at
             // their deadline.
-            memsaver_ipc::exported::resume_failed(e.to_string());
+            memsaver_ipc::shared::resume_failed(e.to_string());
             e
         });
         let restored_ms = start.elapsed().as_secs_f64() * 1e3;

@@ -205,7 +205,7 @@ pub(crate) struct Physical {
     /// the owner's ledger (`memsaver_ipc::exported`, [`Delivery::Collective`], by its virtual
     /// handle), which holds its key, its generation and its importers.
     ///
-    /// [`Delivery::Collective`]: memsaver_ipc::exported::Delivery::Collective
+    /// [`Delivery::Collective`]: memsaver_ipc::shared::Delivery::Collective
     pub exported: bool,
     /// For an import: where the buffer lies in the memory its owner served (offset, size of
     /// that memory): (0, the buffer's size) when the owner backs it alone.

@@ -23,10 +23,9 @@ use crate::registry::{self, Physical, Registration, Source};
 use memsaver_allocator::driver::sys::{
     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CUmemAllocationProp, CUmemGenericAllocationHandle,
 };
-use memsaver_ipc::exported::{self, Delivery};
-use memsaver_ipc::shared::Opened;
+use memsaver_ipc::shared::{self, Delivery, Opened, requests};
 use memsaver_ipc::token::{self, Names, Token};
-use memsaver_ipc::{client, group, server};
+use memsaver_ipc::{group, server};
 
 /// Whether exports hand out tokens (every process of the job must then be preloaded).
 /// `MEMSAVER_NCCL_TOKENS=0` turns them off: NCCL gets driver fds, and exported buffers and
@@ -50,8 +49,7 @@ pub(crate) fn for_buffer(
     let made = server::ensure_server()
         .map_err(|e| e.to_string())
         .and_then(|()| {
-            exported::add(Delivery::Collective, vh, registry::TAG, p.size)
-                .map_err(|e| e.to_string())
+            shared::add(Delivery::Collective, vh, registry::TAG, p.size).map_err(|e| e.to_string())
         })
         .and_then(|(key, generation)| {
             let token =
@@ -129,7 +127,7 @@ pub(crate) struct Imported {
 /// a buffer still resuming). Refused while this process holds imports of another process with
 /// the token's pid; `None` then, and on any failure, with the reason logged.
 pub(crate) fn import(t: &Token) -> Option<Imported> {
-    let r = client::import(t, options::get().nccl_timeout, |pid| {
+    let r = requests::import(t, options::get().nccl_timeout, |pid| {
         registry::lock()
             .physicals
             .values()
@@ -237,7 +235,11 @@ pub(crate) fn import_gone(p: &Physical) {
             id = s.vh,
             "an import of a peer's NCCL buffer went"
         );
-        memsaver_ipc::imported::close_later_of(memsaver_ipc::group::id(), s.owner, s.item(g));
+        memsaver_ipc::shared::imported::close_later_of(
+            memsaver_ipc::group::id(),
+            s.owner,
+            s.item(g),
+        );
     }
 }
 

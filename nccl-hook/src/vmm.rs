@@ -196,7 +196,7 @@ fn forget_backup(vh: u64) {
 /// buffers retired in a run that goes with it; an exported buffer of a run that lives on is
 /// retired instead: its importers map the whole run ([`registry::Retired`]).
 fn collect(reg: &mut registry::Registry, vh: u64) -> Option<Gone> {
-    use memsaver_ipc::exported::{Delivery, forget};
+    use memsaver_ipc::shared::{Delivery, forget};
     let gone = reg.collect(vh);
     if let Some(Gone::Run { retired, .. }) = &gone {
         for id in retired {

@@ -3,8 +3,9 @@
 //! module imports another that imports it back (directly or not), and nccl-hook's
 //! interposition never reaches the `nccl` tag's pause and resume, the owner's server or the
 //! crate root above it. The allocator core's layering is checked in `allocator/tests`.
+//! Also that docs/architecture.md's module map names every module file of the crates.
 
-use memsaver_test_support::layers::{cycles, graph, reach};
+use memsaver_test_support::layers::{cycles, graph, missing_from_module_map, reach};
 
 fn src(crate_dir: &str) -> std::path::PathBuf {
     memsaver_test_support::layers::src(env!("CARGO_MANIFEST_DIR"), crate_dir)
@@ -70,4 +71,16 @@ fn ipc_has_no_import_cycle() {
         "{g:?}"
     );
     assert_eq!(cycles(&g), Vec::<String>::new(), "{g:#?}");
+}
+
+#[test]
+fn the_module_map_names_every_module_file() {
+    for krate in ["allocator", "ipc", "nccl-hook", "torch-shim", "profile"] {
+        let missing = missing_from_module_map(&src(krate));
+        assert_eq!(
+            missing,
+            Vec::<String>::new(),
+            "{krate}: files that docs/architecture.md's module map does not name"
+        );
+    }
 }

@@ -629,7 +629,7 @@ fn many_importers_of_many_allocations_follow_every_cycle() {
     }
 }
 
-/// The owner's cap on its courier threads (`exported::MAX_COURIERS` in memsaver-ipc).
+/// The owner's cap on its courier threads (`shared::MAX_COURIERS` in memsaver-ipc).
 const MAX_COURIERS: usize = 8;
 
 /// The threads of process `pid` now.

@@ -203,6 +203,44 @@ pub fn src(manifest_dir: &str, crate_dir: &str) -> PathBuf {
     root.join(crate_dir).join("src")
 }
 
+/// The module files under `src` (relative paths) that docs/architecture.md's "Module map"
+/// section does not name: every file but `lib.rs`, `mod.rs` and a folder's `tests.rs` must be
+/// there by its file name (`ledger.rs`), so the map and the folders cannot drift apart.
+pub fn missing_from_module_map(src: &Path) -> Vec<String> {
+    let doc_path = src
+        .ancestors()
+        .map(|a| a.join("docs/architecture.md"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| panic!("no docs/architecture.md above {}", src.display()));
+    let doc = std::fs::read_to_string(&doc_path).expect("architecture.md is readable");
+    let start = doc
+        .find("## Module map")
+        .expect("architecture.md has a Module map");
+    let end = doc[start + 2..]
+        .find("\n## ")
+        .map_or(doc.len(), |i| start + 2 + i);
+    let map = &doc[start..end];
+    let mut missing = Vec::new();
+    let mut dirs = vec![src.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("src is readable") {
+            let path = entry.expect("a directory entry").path();
+            let name = path.file_name().unwrap_or_default().to_string_lossy();
+            if path.is_dir() {
+                dirs.push(path.clone());
+            } else if name.ends_with(".rs")
+                && !matches!(name.as_ref(), "lib.rs" | "mod.rs" | "tests.rs")
+                && !map.contains(name.as_ref())
+            {
+                let rel = path.strip_prefix(src).unwrap_or(&path);
+                missing.push(rel.display().to_string());
+            }
+        }
+    }
+    missing.sort();
+    missing
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -28,13 +28,14 @@ use memsaver_allocator::Allocator;
 use memsaver_allocator::driver::Handle;
 use parking_lot::Mutex;
 
+use super::handle::{HANDLE_BYTES, IpcHandle};
+use super::requests;
 use crate::client;
 use crate::error::{Error, Result};
-use crate::exported::timeout;
 use crate::group;
-use crate::handle::{HANDLE_BYTES, IpcHandle};
 use crate::identity::{self, Identity};
 use crate::log::note;
+use crate::options::timeout;
 use crate::protocol::{Buffer, Reply, Request, Share};
 use crate::server::{self, BUSY, Connection, WRITE_TIMEOUT};
 use crate::token::{Names, Token};
@@ -466,7 +467,7 @@ pub fn close_later(group: i64, owner: Identity, b: Buffer) {
 /// one of its tokens (a layer that maps imports itself names owners by pid): nothing when no
 /// token of that pid was seen.
 pub fn close_later_of(group: i64, owner: u32, b: Buffer) {
-    match client::owner_identity(owner) {
+    match requests::owner_identity(owner) {
         Ok(who) => close_later(group, who, b),
         Err(e) => tracing::debug!("an import of process {owner} went untold: {e}"),
     }
