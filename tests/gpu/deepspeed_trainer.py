@@ -40,33 +40,25 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from trainer_harness import (  # noqa: E402
+    MICRO_BATCH,
     MODES,
-    Borrower,
-    CycleLog,
-    device_used,
+    SEED,
+    SEQ,
+    VOCAB,
     digest,
-    memsaver_failures,
     memsaver_offload,
     optimizer_tensors,
+    parser,
+    passthrough,
     run_mode,
+    start_rank,
     verdict,
 )
 
-SEED = 1234
-SEQ = 256
-MICRO_BATCH = 4
-VOCAB = 32000
-
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p = parser(__doc__)
     p.add_argument("--stage", type=int, choices=(2, 3), default=3)
-    p.add_argument("--cycles", type=int, default=5)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -90,12 +82,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    torch.zeros(1, device="cuda")
-    borrower = Borrower(local) if args.mode != "none" else None
-    log = CycleLog(args.mode, local)
-    log.extra["context_bytes"] = device_used(local)
+    rank, local, borrower, log = start_rank(args)
 
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -143,22 +130,11 @@ def worker(args: argparse.Namespace) -> None:
             ms.resume("nccl", "trainer")
         return {}
 
-    for cycle in range(args.cycles):
-        log.losses.append(train_step(cycle))
-        if args.mode != "none":
-            log.offload_cycle(cycle, offload, reload, borrower)
-            print(f"rank {rank} cycle {cycle}: loss {log.losses[-1]:.6f} {log.rows[-1]}", flush=True)
-    log.losses.append(train_step(args.cycles))  # one more step after the last reload
-
-    failures = memsaver_failures(log.rows, handles) if args.mode == "memsaver" else []
-    if ms is not None:
-        log.extra["nccl_handles"] = handles
+    log.train(args, rank, train_step, offload, reload, borrower)
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
-    log.write(os.path.join(args.out, f"rank{rank}.json"), params=digest(params),
-              optimizer=digest(optimizer_tensors(inner)), failures=failures,
-              trainer=f"deepspeed {version('deepspeed')}, transformers {version('transformers')}")
-    if borrower:
-        borrower.close()
+    log.finish(args, rank, handles, borrower, params=digest(params),
+               optimizer=digest(optimizer_tensors(inner)),
+               trainer=f"deepspeed {version('deepspeed')}, transformers {version('transformers')}")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -168,8 +144,6 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    passthrough = ["--stage", str(args.stage), "--cycles", str(args.cycles), "--layers",
-                   str(args.layers), "--hidden", str(args.hidden)]
     # DeepSpeed's JIT builder reads TORCH_CUDA_ARCH_LIST but cannot parse architectures with a
     # letter suffix (9.0a), which CUDA images often list: keep their plain form.
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
@@ -180,7 +154,7 @@ def main() -> int:
         results = {}
         for m in MODES:
             env = {"MEMSAVER_PROCESS_TAG": "trainer", "MEMSAVER_PROCESS_BACKUP": "cpu"} if m == "memsaver" else {}
-            results[m] = run_mode(os.path.abspath(__file__), m, passthrough, work, 2, env)
+            results[m] = run_mode(os.path.abspath(__file__), m, passthrough(args, "stage"), work, 2, env)
     return verdict(f"DEEPSPEED_ZERO{args.stage}", results)
 
 

@@ -49,34 +49,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from trainer_harness import (  # noqa: E402
     MIB,
+    MICRO_BATCH,
     MODES,
-    Borrower,
-    CycleLog,
+    SEED,
+    SEQ,
+    VOCAB,
     device_used,
     digest,
-    memsaver_failures,
     memsaver_offload,
     optimizer_tensors,
+    parser,
+    passthrough,
     run_mode,
+    start_rank,
     verdict,
 )
 
 PROFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_trainer.yaml")
-SEED = 1234
-SEQ = 256
-MICRO_BATCH = 4
-VOCAB = 32000
-
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p = parser(__doc__)
     p.add_argument("--layout", choices=("tp2", "dp2"), default="tp2")
-    p.add_argument("--cycles", type=int, default=5)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -199,12 +192,7 @@ def worker(args: argparse.Namespace) -> None:
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    torch.zeros(1, device="cuda")
-    borrower = Borrower(local) if args.mode != "none" else None
-    log = CycleLog(args.mode, local)
-    log.extra["context_bytes"] = device_used(local)
+    rank, local, borrower, log = start_rank(args)
 
     ms = profile = None
     if args.mode == "memsaver":
@@ -295,32 +283,20 @@ def worker(args: argparse.Namespace) -> None:
         profile.run("onload")
         return {}
 
-    for cycle in range(args.cycles):
-        log.losses.append(train_step(cycle))
-        if cycle == 0:
-            # Every state the step leaves on the GPU: parameters, DDP's buffers, the optimizer's.
-            states.tensors = list(model.parameters())
-            for buf in model.buffers + model.expert_parallel_buffers:
-                states.tensors += [buf.param_data, buf.grad_data]
-            states.tensors += optimizer_tensors(inner)
-            if args.mode == "framework":
-                rebuild.survey()
-                rebuild.build()  # the twins of the job's communicators, destroyed at each offload
-        if args.mode != "none":
-            log.offload_cycle(cycle, offload, reload, borrower)
-            print(f"rank {rank} cycle {cycle}: loss {log.losses[-1]:.6f} {log.rows[-1]}", flush=True)
-    log.losses.append(train_step(args.cycles))  # one more step after the last reload
+    def after_first() -> None:
+        # Every state the step leaves on the GPU: parameters, DDP's buffers, the optimizer's.
+        states.tensors = list(model.parameters())
+        for buf in model.buffers + model.expert_parallel_buffers:
+            states.tensors += [buf.param_data, buf.grad_data]
+        states.tensors += optimizer_tensors(inner)
+        if args.mode == "framework":
+            rebuild.survey()
+            rebuild.build()  # the twins of the job's communicators, destroyed at each offload
 
-    failures = []
-    if args.mode == "memsaver":
-        failures += memsaver_failures(log.rows, handles)
-        log.extra["nccl_handles"] = handles
-    params = digest(p for p in model.parameters())
-    opt = digest(optimizer_tensors(inner))
-    log.write(os.path.join(args.out, f"rank{rank}.json"), params=params, optimizer=opt,
-              failures=failures, trainer=f"megatron-core {version('megatron-core')}")
-    if borrower:
-        borrower.close()
+    log.train(args, rank, train_step, offload, reload, borrower, after_first)
+    log.finish(args, rank, handles, borrower, params=digest(p for p in model.parameters()),
+               optimizer=digest(optimizer_tensors(inner)),
+               trainer=f"megatron-core {version('megatron-core')}")
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
@@ -331,11 +307,9 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    passthrough = ["--layout", args.layout, "--cycles", str(args.cycles), "--layers",
-                   str(args.layers), "--hidden", str(args.hidden)]
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # what Megatron asks for with TP and overlap
     with tempfile.TemporaryDirectory() as work:
-        results = {m: run_mode(os.path.abspath(__file__), m, passthrough, work, 2, env) for m in MODES}
+        results = {m: run_mode(os.path.abspath(__file__), m, passthrough(args, "layout"), work, 2, env) for m in MODES}
     return verdict(f"MEGATRON_{args.layout.upper()}", results)
 
 

@@ -20,6 +20,7 @@ tag by memsaver's stats), offload and reload times.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -33,6 +34,12 @@ MIB = 1 << 20
 GIB = 1 << 30
 BORROW_SHARE = 0.9  # of the freed bytes, taken by the borrower
 MODES = ("none", "framework", "memsaver")
+# The run's shape, the same in every trainer check: seed, tokens per sequence, sequences per
+# step and rank, vocabulary.
+SEED = 1234
+SEQ = 256
+MICRO_BATCH = 4
+VOCAB = 32000
 
 # The borrower: one process per GPU, without memsaver, that takes memory on request, fills it
 # with a pattern, checks the pattern and frees it again.
@@ -90,6 +97,20 @@ class Borrower:
         self.proc.wait(timeout=60)
 
 
+def start_rank(args: argparse.Namespace) -> tuple[int, int, Borrower | None, CycleLog]:
+    """A torchrun worker's start: its rank and GPU (CUDA context made), the borrower beside it
+    (none in mode `none`), and its log, which records the context's size first."""
+    import torch
+
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    torch.zeros(1, device="cuda")
+    borrower = Borrower(local) if args.mode != "none" else None
+    log = CycleLog(args.mode, local)
+    log.extra["context_bytes"] = device_used(local)
+    return rank, local, borrower, log
+
+
 def device_used(device: int) -> int:
     import torch
 
@@ -121,6 +142,26 @@ def optimizer_tensors(opt: Any) -> list[Any]:
             out.append(p)
             state = opt.state.get(p, {})
             out.extend(v for _, v in sorted(state.items()) if isinstance(v, torch.Tensor))
+    return out
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The options every trainer check takes (`doc`: its module doc), and the worker's own."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[1])
+    p.add_argument("--cycles", type=int, default=5)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p
+
+
+def passthrough(args: argparse.Namespace, *extra: str) -> list[str]:
+    """The driver's options for its workers: the common ones and `extra` (option names)."""
+    out = []
+    for name in ("cycles", "layers", "hidden", *extra):
+        out += [f"--{name}", str(getattr(args, name))]
     return out
 
 
@@ -156,10 +197,34 @@ class CycleLog:
         self.rows.append(dict(cycle=cycle, used_before=before, freed=freed, borrowed=borrowed,
                               offload_s=t_off, reload_s=t_on, borrow_s=t_borrow, **info))
 
-    def write(self, path: str, **final: Any) -> None:
-        with open(path, "w") as f:
+    def train(self, args: argparse.Namespace, rank: int, step: Callable[[int], float],
+              offload: Callable[[], dict[str, Any]], reload: Callable[[], dict[str, Any]],
+              borrower: Borrower | None,
+              after_first: Callable[[], None] | None = None) -> None:
+        """`args.cycles` cycles of one training step then (but in mode `none`) an offload
+        cycle, and one more step after the last reload; `after_first` runs after the first
+        step."""
+        for cycle in range(args.cycles):
+            self.losses.append(step(cycle))
+            if cycle == 0 and after_first is not None:
+                after_first()
+            if args.mode != "none":
+                self.offload_cycle(cycle, offload, reload, borrower)
+                print(f"rank {rank} cycle {cycle}: loss {self.losses[-1]:.6f} {self.rows[-1]}",
+                      flush=True)
+        self.losses.append(step(args.cycles))
+
+    def finish(self, args: argparse.Namespace, rank: int, handles: list[int],
+               borrower: Borrower | None, **final: Any) -> None:
+        """Checks a memsaver run's pauses, writes this rank's results for the driver."""
+        failures = memsaver_failures(self.rows, handles) if args.mode == "memsaver" else []
+        if args.mode == "memsaver":
+            self.extra["nccl_handles"] = handles
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
             json.dump(dict(mode=self.mode, losses=self.losses, cycles=self.rows,
-                           **self.extra, **final), f)
+                           failures=failures, **self.extra, **final), f)
+        if borrower is not None:
+            borrower.close()
 
 
 def memsaver_offload(ms: Any, tags: tuple[str, ...], pause: Callable[[], Any],
