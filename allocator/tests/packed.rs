@@ -12,19 +12,23 @@ use common::*;
 use memsaver_allocator::driver::Handle;
 use memsaver_allocator::options::Pack;
 use memsaver_allocator::steps::{Memory, Op, Piece, Place};
-use memsaver_allocator::{Backup, Options, Policy};
+use memsaver_allocator::{Backup, Options, Policy, packed};
 
 const BLOCK: usize = 4096;
 
 /// Fresh device memory holds junk in this process, set before the fake driver reads its knobs
-/// (every test calls this first).
-fn junk_allocator(pack: Pack) -> TestAllocator {
+/// (every test calls this, or [`junk_allocator`], first).
+fn junk() {
     static JUNK: Once = Once::new();
     JUNK.call_once(|| {
         // SAFETY: before the first driver load of this process, which every test waits for
         // here; nothing else in the process reads the environment meanwhile.
         unsafe { std::env::set_var("FAKE_CUDA_FRESH", "junk") };
     });
+}
+
+fn junk_allocator(pack: Pack) -> TestAllocator {
+    junk();
     allocator_with(&Options {
         pack,
         // Backups pinned whole at the first pause (prepared ones may be pinned in part then).
@@ -366,4 +370,90 @@ fn a_kept_whole_backup_serves_the_next_pause() {
     a.resume(&["kept"]).unwrap();
     assert!(check(p, 4 * MIB, 5));
     a.free(p).unwrap();
+}
+
+/// A packed backup prepared in the background (as the `nccl` tag asks for a sixteenth of each
+/// buffer) and taken by a pause before it was pinned cannot be packed into, since the kernel
+/// reaches only registered host memory, and it is too small for a whole copy: the piece is
+/// copied whole, as pageable memory into a backup of its size, with no launch and no pinning
+/// call, and every byte comes back.
+#[test]
+fn a_small_packed_backup_not_pinned_yet_is_replaced_by_a_whole_one() {
+    junk();
+    let a = allocator_with(&Options {
+        pack: Pack::All,
+        ..Options::default()
+    });
+    let d = driver();
+    let dev = a.device(0).unwrap();
+    let size = 4 * MIB;
+    let key = 1 << 41;
+    let held = HeldPinning::new(PinHold::AtEntry);
+    a.prepare_backup(key + 1, 0, size);
+    assert_eq!(
+        wait_pinning_held(1),
+        1,
+        "the thread waits in another backup's first step"
+    );
+    a.prepare_backup(key, 0, packed::start_len(size));
+
+    let ptr = d.reserve(size, 0, 0).unwrap();
+    let h = d.create(0, size, false).unwrap();
+    // SAFETY: a fresh reservation of `size` bytes and a handle of that size.
+    unsafe { d.map(ptr, size, h, 0) }.unwrap();
+    let image = shape(ptr, size, &[(7, b"head"), (3 * MIB + 5, b"tail")]);
+    let place = [Place {
+        ptr,
+        size,
+        access: None,
+    }];
+    let mut piece = Piece::new(
+        key,
+        Arc::from("small"),
+        dev.clone(),
+        Policy::Cpu,
+        ptr,
+        size,
+        None,
+    )
+    .packed(true);
+    let (calls, t) = (fake_calls(), transfers());
+    let mut steps = a.steps(Op::Pause);
+    steps.copy_out(&mut piece).unwrap();
+    steps.copied(&mut piece).unwrap();
+    let dt = delta(t);
+    assert_eq!(
+        (dt[4], dt[0]),
+        (0, size as u64),
+        "copied whole, no launch: {dt:?}"
+    );
+    assert!(
+        matches!(&piece.backup, Some(Backup::Host(b)) if b.len() == size),
+        "a backup of the piece's size"
+    );
+    let after = fake_calls();
+    for k in ["host_alloc", "host_register"] {
+        assert_eq!(kind(&after, k), kind(&calls, k), "{k} in the pause");
+    }
+    assert_eq!(fake_pin_hold(), [1, 0], "the thread is still held");
+    // SAFETY: mapped above; the copy is done.
+    unsafe { steps.unmap(&dev, &place) }.unwrap();
+    steps.release(h, ptr);
+    drop(steps);
+
+    let mut steps = a.steps(Op::Resume);
+    let h: Handle = steps
+        .map_fresh(&dev, Memory::Plain, size, &place, "small")
+        .unwrap();
+    steps.copy_in(&piece).unwrap();
+    steps.finish(&dev).unwrap();
+    drop(steps);
+    assert!(bytes(ptr, size) == image.as_slice(), "every byte back");
+    drop(held);
+    drop(piece);
+    // SAFETY: mapped by map_fresh; nothing uses it.
+    unsafe { d.unmap(ptr, size) }.unwrap();
+    d.release(h).unwrap();
+    // SAFETY: the reservation made above, nothing mapped in it.
+    unsafe { d.address_free(ptr, size) }.unwrap();
 }
