@@ -436,12 +436,29 @@ fn first_pause_of_a_cpu_tag_takes_the_backups_prepared_in_the_background() {
         (12 * MIB as u64, 0)
     );
 
-    let (ours, fakes) = (a.driver().calls(), fake_calls());
+    let (ours, fakes, time) = (a.driver().calls(), fake_calls(), a.driver().call_time());
+    let t0 = std::time::Instant::now();
     a.pause(&["prep"]).unwrap();
+    let elapsed = t0.elapsed().as_nanos() as u64;
+    let time: Vec<u64> = (a.driver().call_time().iter().zip(&time))
+        .map(|(after, before)| after - before)
+        .collect();
     let (ours, fakes) = (
         delta(&ours, &a.driver().calls()),
         delta(&fakes, &fake_calls()),
     );
+    // The time in the driver is counted by kind: only the kinds called took any, and all of
+    // it lies within the pause.
+    let kinds = memsaver_allocator::driver::TIMED_KINDS;
+    for (i, k) in kinds
+        .iter()
+        .enumerate()
+        .take(memsaver_allocator::driver::CALL_KINDS.len())
+    {
+        assert_eq!(time[i] > 0, kind(&ours, k) > 0, "{k}: {} ns", time[i]);
+    }
+    assert!(time[kinds.len() - 2] > 0, "the pause waited for its copies");
+    assert!(time.iter().sum::<u64>() <= elapsed);
     for pin in ["host_alloc", "host_register"] {
         assert_eq!(kind(&ours, pin), 0, "the pause pinned no memory ({pin})");
         assert_eq!(

@@ -72,6 +72,7 @@ impl Exports for Buffers {
         Box::new(Held {
             reg,
             staying,
+            in_runs: None,
             exported: HashMap::new(),
             driver: &self.driver,
         })
@@ -83,6 +84,9 @@ struct Held<'a> {
     reg: parking_lot::MappedMutexGuard<'static, registry::Registry>,
     /// The runs that pauses keep whole ([`registry::Registry::runs_that_stay`]).
     staying: HashSet<u64>,
+    /// Where the buffers of runs lie in them, read at the first one served: a peer asks for
+    /// hundreds of buffers of one run at once.
+    in_runs: Option<registry::RunPlaces>,
     /// The buffers of one run share its memory: exported once per batch, its fd copied for the
     /// others.
     exported: HashMap<registry::Real, OwnedFd>,
@@ -99,7 +103,9 @@ impl Backing for Held<'_> {
             // Its export stays only for the owner's pause to wait for its importers.
             return Err("NCCL freed this buffer".into());
         }
-        let Some((h, offset, size)) = self.reg.served_layout(vh) else {
+        let reg = &self.reg;
+        let in_runs = self.in_runs.get_or_insert_with(|| reg.run_places());
+        let Some((h, offset, size)) = reg.served_layout(vh, in_runs) else {
             return Ok(None); // released, or not restored yet
         };
         let fd = match self.exported.get(&h) {

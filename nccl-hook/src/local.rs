@@ -133,8 +133,9 @@ pub(crate) fn lower_stacks(a: &'static Allocator, devices: &[i32]) {
     }
 }
 
-/// Resume: gives NCCL's kernels their stack size back now rather than at their next
-/// launch, never lowering it (a graph instantiated while paused may have needed more).
+/// Resume, first: gives NCCL's kernels their stack size back now rather than at their next
+/// launch, never lowering it (a graph instantiated while paused may have needed more). Called
+/// before NCCL's memory is mapped again, when the driver's `cuCtxSetLimit` is cheapest.
 pub(crate) fn restore_stacks(a: &'static Allocator) {
     let d = a.driver();
     let mut g = graphs::lock();
@@ -232,6 +233,10 @@ pub(crate) struct Restored {
     pub(crate) map_time: std::time::Duration,
     pub(crate) queue_time: std::time::Duration,
     pub(crate) wait_time: std::time::Duration,
+    /// Choosing the units (claims, runs) and recording the buffers restored (the ledger
+    /// included).
+    pub(crate) plan_time: std::time::Duration,
+    pub(crate) record_time: std::time::Duration,
 }
 
 /// What pause step 1 did.
@@ -248,6 +253,14 @@ pub(crate) struct Released {
     pub(crate) released_imports: BTreeMap<u32, Holding>,
     /// The first failure: what it did not release stays resident (and imports mapped).
     pub(crate) error: Option<memsaver_allocator::Error>,
+    /// Where the time went: choosing what to release, waiting for the devices, queueing the
+    /// backups (and releasing imports), releasing own memory once its backups are done (the
+    /// wait for them included), telling the ledger.
+    pub(crate) plan_time: std::time::Duration,
+    pub(crate) sync_time: std::time::Duration,
+    pub(crate) queue_time: std::time::Duration,
+    pub(crate) release_time: std::time::Duration,
+    pub(crate) ledger_time: std::time::Duration,
 }
 
 /// Unmaps the run of imports at `base` on `dev` once and releases its driver handle: every
@@ -437,6 +450,7 @@ pub(crate) fn release_imports_of(a: &'static Allocator, owner: u32) -> Result<Re
 /// done. A buffer that cannot be released stays resident without a backup; the error is
 /// returned after every device is done.
 pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Released> {
+    let t0 = std::time::Instant::now();
     let mut steps = a.steps(Op::Pause);
     let mut reg = registry::lock();
     crate::guard::set_paused(true);
@@ -456,6 +470,7 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
         .max()
         .unwrap_or(0);
     steps.expect_disk(largest_disk);
+    out.plan_time = t0.elapsed();
     let mut first_error = None;
     for dev in devices {
         let device = match a.device(dev) {
@@ -468,7 +483,10 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
         let own = own.get(&dev).map_or(&[][..], Vec::as_slice);
         let imports = imports.get(&dev).map_or(&[][..], Vec::as_slice);
         // NCCL's kernels (here) may still use the memory.
+        let t = std::time::Instant::now();
         let mut failed = steps.synchronize(&device).err();
+        out.sync_time += t.elapsed();
+        let t = std::time::Instant::now();
         // Back up what this process owns (imports are backed up by their owners).
         let mut pieces: Vec<(u64, Piece)> = Vec::with_capacity(own.len());
         for vh in own {
@@ -504,6 +522,8 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
                 failed = release_import_run(&steps, &device, &mut reg, base, &mut out).err();
             }
         }
+        out.queue_time += t.elapsed();
+        let t = std::time::Instant::now();
         // Runs are released whole, each once the copies of all its buffers are done.
         let mut runs: BTreeMap<u64, Vec<(u64, Piece)>> = BTreeMap::new();
         let mut singles = Vec::with_capacity(pieces.len());
@@ -540,10 +560,12 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
             // Stays resident: its copy may still run, and its backup is not a pause's.
             steps.keep(&mut piece);
         }
+        out.release_time += t.elapsed();
         if let Some(e) = failed {
             first_error.get_or_insert(e);
         }
     }
+    let t = std::time::Instant::now();
     // Exported buffers released (now or by an earlier pause that failed), and those NCCL
     // freed inside the runs released, which their importers map whole: paused in the owner's
     // ledger, whose importers step 3 waits for.
@@ -556,6 +578,7 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
         .collect();
     memsaver_ipc::shared::paused(&exports);
     drop(reg);
+    out.ledger_time = t.elapsed();
     out.copied = steps.copied_bytes();
     if let Some(e) = first_error {
         // Nothing released: NCCL's memory is all there, so NCCL may run. Something
@@ -691,6 +714,7 @@ fn restore(
     let t0 = std::time::Instant::now();
     let mut r = steps.finish(&dev).and(r);
     total.wait_time += t0.elapsed();
+    let t0 = std::time::Instant::now();
     // Exported buffers restored: each starts its next generation in the owner's ledger.
     let mut exports = Vec::new();
     for (unit, h, pieces) in made {
@@ -727,6 +751,7 @@ fn restore(
         }
     }
     memsaver_ipc::shared::resumed(&exports);
+    total.record_time += t0.elapsed();
     match r {
         Ok(()) => Ok(()),
         Err(e) if is_out_of_memory(&e) => {
@@ -826,6 +851,7 @@ fn units(
 /// handle (`Resuming`) first, so that the handles still to restore while the lock is
 /// handed over are marked; what could not be restored goes back to `Paused`.
 pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
+    let t0 = std::time::Instant::now();
     let mut steps = a.steps(Op::Resume);
     let plan = {
         let mut reg = registry::lock();
@@ -857,7 +883,10 @@ pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
         }
         plan
     };
-    let mut total = Restored::default();
+    let mut total = Restored {
+        plan_time: t0.elapsed(),
+        ..Restored::default()
+    };
     let mut released = Vec::new();
     // The units peers import from in one go; then the private ones in batches, handing the
     // lock over between batches (fairly, to a waiting thread first), so that peers' requests
@@ -870,7 +899,11 @@ pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
             .collect::<Vec<_>>()
     });
     let mut r = Ok(());
-    for (device, units) in exported.into_iter().chain(private) {
+    let mut batches = exported.into_iter().chain(private).peekable();
+    // The lock of the last batch, kept to unclaim what was not restored: handed over, it
+    // would go to the thread serving a peer, which holds it for its whole answer.
+    let mut last = None;
+    while let Some((device, units)) = batches.next() {
         let mut reg = registry::lock();
         // NCCL may have freed some meanwhile (a run then leaves a gap: its buffers go alone).
         let units: Vec<Vec<u64>> = units
@@ -900,12 +933,13 @@ pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
             &mut total,
             &mut released,
         );
-        parking_lot::MappedMutexGuard::unlock_fair(reg);
-        if r.is_err() {
+        if r.is_err() || batches.peek().is_none() {
+            last = Some(reg);
             break;
         }
+        parking_lot::MappedMutexGuard::unlock_fair(reg);
     }
-    let mut reg = registry::lock();
+    let mut reg = last.unwrap_or_else(registry::lock);
     for p in reg.physicals.values_mut() {
         let _ = p.unclaim();
     }

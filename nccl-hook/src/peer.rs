@@ -355,7 +355,15 @@ pub(crate) fn fetch_imports(
         deadline,
         move |owner, wants: Vec<Wanted>| {
             let asks: Vec<Buffer> = wants.iter().map(|w| w.owner).collect();
-            match request_fds(group, owner, &asks) {
+            let t = Instant::now();
+            let r = request_fds(group, owner, &asks);
+            tracing::debug!(
+                owner,
+                buffers = asks.len(),
+                ms = t.elapsed().as_secs_f64() * 1e3,
+                "nccl resume: the owner served its buffers"
+            );
+            match r {
                 Ok(answers) => {
                     let mut fetch = Fetch::default();
                     for (w, a) in wants.into_iter().zip(answers) {
@@ -416,8 +424,15 @@ pub(crate) fn map_imports(
     let steps = a.steps(Op::Resume);
     let mut out = Imported::default();
     let mut unused = Notices::new();
+    let t = Instant::now();
     let mut reg = registry::lock();
+    let locked_ms = t.elapsed().as_secs_f64() * 1e3;
     let ranges = reg.ranges_by_handle();
+    tracing::debug!(
+        locked_ms,
+        ranges_ms = t.elapsed().as_secs_f64() * 1e3 - locked_ms,
+        "nccl resume: imports"
+    );
     for (owner, outcome) in fetched {
         let served = match outcome {
             Outcome::Done(Ok(Fetch { served, gone })) => {

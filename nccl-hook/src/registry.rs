@@ -526,6 +526,10 @@ pub(crate) struct Mapping {
 /// One mapping of a handle: (address, size, the access NCCL granted).
 pub(crate) type Range = (CUdeviceptr, u64, Vec<CUmemAccessDesc>);
 
+/// The address of each run member's mapping in its run, by virtual handle
+/// ([`Registry::run_places`]).
+pub(crate) type RunPlaces = HashMap<u64, CUdeviceptr>;
+
 /// One physical allocation a resume mapped across adjacent own buffers of NCCL's (one
 /// `cuMemCreate`, `cuMemMap` and `cuMemSetAccess` instead of one per buffer: the driver's cost
 /// is per physical allocation). It lives until the next pause or until NCCL has freed all its
@@ -659,23 +663,29 @@ impl Registry {
     }
 
     /// What an owner serves of its buffer `vh`: the driver's handle of its memory now and
-    /// where the buffer lies in it (offset, size of that memory): a run's, or its own.
-    pub fn served_layout(&self, vh: u64) -> Option<(Real, u64, u64)> {
+    /// where the buffer lies in it (offset, size of that memory): a run's (where `in_runs`
+    /// says it is mapped), or its own.
+    pub fn served_layout(&self, vh: u64, in_runs: &RunPlaces) -> Option<(Real, u64, u64)> {
         let p = self.physicals.get(&vh)?;
         let real = p.real()?;
         Some(
             match p.run.and_then(|base| Some((base, self.runs.get(&base)?))) {
-                Some((base, run)) => {
-                    // Its mapping, among the run's only (the mappings are keyed by address).
-                    let (at, _) = self
-                        .mappings
-                        .range(base..base + run.size)
-                        .find(|(_, m)| m.vh == vh)?;
-                    (real, at - base, run.size)
-                }
+                Some((base, run)) => (real, in_runs.get(&vh)? - base, run.size),
                 None => (real, 0, p.size),
             },
         )
+    }
+
+    /// Where each buffer of a run is mapped in it, read once for a batch of
+    /// [`Registry::served_layout`] calls (the mappings are keyed by address, not by buffer).
+    pub fn run_places(&self) -> RunPlaces {
+        let mut out = RunPlaces::new();
+        for (&base, run) in &self.runs {
+            for (&at, m) in self.mappings.range(base..base + run.size) {
+                out.entry(m.vh).or_insert(at);
+            }
+        }
+        out
     }
 
     /// The runs that hold a buffer that must stay resident (given to a NIC, bound to
@@ -1150,6 +1160,41 @@ mod tests {
         };
         reg.runs.insert(base, run);
         vhs
+    }
+
+    /// A peer is served each buffer of a run as the run's memory with the buffer's offset in
+    /// it (read from its mapping in the run, not from one elsewhere), and a buffer alone as
+    /// its own memory.
+    #[test]
+    fn a_run_member_is_served_at_its_offset_in_the_run() {
+        let mut reg = Registry::default();
+        let (base, m) = (0x7000_0000_0000, 2 << 20);
+        let vhs = run_of(&mut reg, base, &[true, false, true]);
+        let map = |reg: &mut Registry, at: u64, vh: u64| {
+            let access = Vec::new();
+            reg.mappings.insert(
+                at,
+                Mapping {
+                    size: m,
+                    vh,
+                    access,
+                },
+            );
+        };
+        for (i, vh) in vhs.iter().enumerate() {
+            map(&mut reg, base + i as u64 * m, *vh);
+        }
+        // The last one mapped a second time, at a lower address outside the run.
+        map(&mut reg, base - 4 * m, vhs[2]);
+        let alone = reg.insert(own());
+        map(&mut reg, base + 8 * m, alone);
+        let in_runs = reg.run_places();
+        assert_eq!(in_runs.len(), 3, "{in_runs:?}");
+        let size = 3 * m;
+        assert_eq!(reg.served_layout(vhs[0], &in_runs), Some((7, 0, size)));
+        assert_eq!(reg.served_layout(vhs[2], &in_runs), Some((7, 2 * m, size)));
+        assert_eq!(reg.served_layout(alone, &in_runs), Some((7, 0, m)));
+        assert_eq!(reg.served_layout(VH_BASE | 999, &in_runs), None);
     }
 
     #[test]

@@ -59,7 +59,7 @@ impl Driver {
         s: Stream,
         params: &mut [*mut c_void],
     ) -> Result<(), DriverError> {
-        self.calls.count(Call::Launch);
+        let _timer = self.calls.start(Call::Launch);
         // SAFETY: guaranteed by the caller.
         check("cuLaunchKernel", unsafe {
             (self.f.cuLaunchKernel)(

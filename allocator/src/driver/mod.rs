@@ -13,8 +13,8 @@
 //!   ranges are valid for the operation. Handles, streams and events are plain values; their
 //!   owners (the allocator's tables) release them.
 //! * Nothing here takes a lock or keeps state besides the immutable table of entry points and
-//!   relaxed counters of the calls made ([`Driver::calls`]), so every function may be called
-//!   from any thread at any time.
+//!   relaxed counters of the calls made and the time they took ([`Driver::calls`],
+//!   [`Driver::call_time`]), so every function may be called from any thread at any time.
 //!
 //! Calls that need a current context (copies, streams, events, `cuMemGetInfo`) are made inside
 //! [`Driver::with_context`].
@@ -228,14 +228,77 @@ enum Call {
     Launch,
 }
 
-/// How many calls of each kind of [`CALL_KINDS`] this driver has made, failed ones included.
+/// The kinds of call [`Driver::call_time`] times: those of [`CALL_KINDS`], then the waits for
+/// the device (`cuCtxSynchronize`, `cuStreamSynchronize`, `cuEventSynchronize`) and the
+/// changes of a context's limits (`cuCtxSetLimit`, which waits for the device too).
+pub const TIMED_KINDS: [&str; CALL_KINDS.len() + 2] = {
+    let mut out = [""; CALL_KINDS.len() + 2];
+    let mut i = 0;
+    while i < CALL_KINDS.len() {
+        out[i] = CALL_KINDS[i];
+        i += 1;
+    }
+    out[i] = "wait";
+    out[i + 1] = "set_limit";
+    out
+};
+
+/// The timed calls that [`CALL_KINDS`] does not count, by their place in [`TIMED_KINDS`].
+const WAIT: usize = CALL_KINDS.len();
+const SET_LIMIT: usize = CALL_KINDS.len() + 1;
+
+/// How many calls of each kind of [`CALL_KINDS`] this driver has made, failed ones included,
+/// and the nanoseconds spent in each kind of [`TIMED_KINDS`].
 #[derive(Default)]
-struct CallCounts([AtomicU64; CALL_KINDS.len()]);
+struct CallCounts {
+    calls: [AtomicU64; CALL_KINDS.len()],
+    nanos: [AtomicU64; TIMED_KINDS.len()],
+}
 
 impl CallCounts {
-    fn count(&self, c: Call) {
-        self.0[c as usize].fetch_add(1, Ordering::Relaxed);
+    /// Counts a call of kind `c` and times it until the guard returned is dropped.
+    fn start(&self, c: Call) -> Timer<'_> {
+        self.calls[c as usize].fetch_add(1, Ordering::Relaxed);
+        self.time(c as usize)
     }
+
+    /// Times a call of [`TIMED_KINDS`] `i` until the guard returned is dropped.
+    fn time(&self, i: usize) -> Timer<'_> {
+        Timer {
+            into: &self.nanos[i],
+            since: std::time::Instant::now(),
+        }
+    }
+}
+
+/// Adds the time from its making to its drop to one kind's total.
+struct Timer<'a> {
+    into: &'a AtomicU64,
+    since: std::time::Instant,
+}
+
+impl Drop for Timer<'_> {
+    fn drop(&mut self) {
+        let ns = u64::try_from(self.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.into.fetch_add(ns, Ordering::Relaxed);
+    }
+}
+
+/// The time spent in each kind of [`TIMED_KINDS`] between two readings of
+/// [`Driver::call_time`], the kinds that took 10 µs or more, longest first: `unmap 3.10 ms, wait 1.20 ms`.
+pub fn time_spent(before: &[u64; TIMED_KINDS.len()], after: &[u64; TIMED_KINDS.len()]) -> String {
+    let mut spent: Vec<(u64, &str)> = TIMED_KINDS
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (after[i].saturating_sub(before[i]), *k))
+        .filter(|(ns, _)| *ns >= 10_000)
+        .collect();
+    spent.sort_by_key(|s| std::cmp::Reverse(s.0));
+    let parts: Vec<String> = spent
+        .iter()
+        .map(|(ns, k)| format!("{k} {:.2} ms", *ns as f64 / 1e6))
+        .collect();
+    parts.join(", ")
 }
 
 /// A physical allocation handle (`CUmemGenericAllocationHandle`).
@@ -333,7 +396,14 @@ impl Driver {
     /// A figure that does not depend on the machine: the difference across a pause is what the
     /// pause asked of the driver.
     pub fn calls(&self) -> [u64; CALL_KINDS.len()] {
-        std::array::from_fn(|i| self.calls.0[i].load(Ordering::Relaxed))
+        std::array::from_fn(|i| self.calls.calls[i].load(Ordering::Relaxed))
+    }
+
+    /// Nanoseconds this process has spent in each kind of [`TIMED_KINDS`] call through
+    /// memsaver's driver layer so far, in that order: the difference across a pause says
+    /// which driver calls its time went to ([`time_spent`]).
+    pub fn call_time(&self) -> [u64; TIMED_KINDS.len()] {
+        std::array::from_fn(|i| self.calls.nanos[i].load(Ordering::Relaxed))
     }
 
     /// The path the driver was opened from.
@@ -413,6 +483,7 @@ impl Driver {
     /// Sets the current context's per-thread stack size; the driver resizes the context's
     /// local memory to match (and grows it again when a kernel needs more).
     pub fn set_stack_size(&self, bytes: usize) -> Result<(), DriverError> {
+        let _timer = self.calls.time(SET_LIMIT);
         // SAFETY: plain values.
         check("cuCtxSetLimit", unsafe {
             (self.f.cuCtxSetLimit)(CU_LIMIT_STACK_SIZE, bytes)
@@ -430,6 +501,7 @@ impl Driver {
 
     /// Waits until all work queued in the current context has finished.
     pub fn synchronize(&self) -> Result<(), DriverError> {
+        let _timer = self.calls.time(WAIT);
         // SAFETY: no arguments.
         check("cuCtxSynchronize", unsafe { (self.f.cuCtxSynchronize)() })
     }
@@ -490,7 +562,7 @@ impl Driver {
         size: usize,
     ) -> Result<Handle, DriverError> {
         let mut h = 0;
-        self.calls.count(Call::Create);
+        let _timer = self.calls.start(Call::Create);
         // SAFETY: `h` and `prop` are valid for the call.
         check("cuMemCreate", unsafe {
             (self.f.cuMemCreate)(&mut h, size, prop, 0)
@@ -499,7 +571,7 @@ impl Driver {
     }
 
     pub fn release(&self, h: Handle) -> Result<(), DriverError> {
-        self.calls.count(Call::Release);
+        let _timer = self.calls.start(Call::Release);
         // SAFETY: no pointers involved; an invalid handle is reported by the driver.
         check("cuMemRelease", unsafe { (self.f.cuMemRelease)(h.0) })
     }
@@ -513,7 +585,7 @@ impl Driver {
         hint: CUdeviceptr,
     ) -> Result<CUdeviceptr, DriverError> {
         let mut p = 0;
-        self.calls.count(Call::Reserve);
+        let _timer = self.calls.start(Call::Reserve);
         // SAFETY: `p` is a valid out-pointer.
         check("cuMemAddressReserve", unsafe {
             (self.f.cuMemAddressReserve)(&mut p, size, align, hint, 0)
@@ -525,7 +597,7 @@ impl Driver {
     /// 1. `[ptr, ptr+size)` is a range returned by [`Driver::reserve`] with nothing mapped in it.
     /// 2. No one uses addresses in it afterwards.
     pub unsafe fn address_free(&self, ptr: CUdeviceptr, size: usize) -> Result<(), DriverError> {
-        self.calls.count(Call::AddressFree);
+        let _timer = self.calls.start(Call::AddressFree);
         // SAFETY: guaranteed by the caller.
         check("cuMemAddressFree", unsafe {
             (self.f.cuMemAddressFree)(ptr, size)
@@ -566,21 +638,25 @@ impl Driver {
         h: Handle,
         access: &[CUmemAccessDesc],
     ) -> Result<(), DriverError> {
-        self.calls.count(Call::Map);
-        // SAFETY: guaranteed by the caller.
-        check("cuMemMap", unsafe {
-            (self.f.cuMemMap)(ptr, size, 0, h.0, 0)
-        })?;
+        {
+            let _timer = self.calls.start(Call::Map);
+            // SAFETY: guaranteed by the caller.
+            check("cuMemMap", unsafe {
+                (self.f.cuMemMap)(ptr, size, 0, h.0, 0)
+            })?;
+        }
         if access.is_empty() {
             return Ok(());
         }
-        self.calls.count(Call::SetAccess);
-        // SAFETY: the range was just mapped; `access` is valid for the call.
-        let r = check("cuMemSetAccess", unsafe {
-            (self.f.cuMemSetAccess)(ptr, size, access.as_ptr(), access.len())
-        });
+        let r = {
+            let _timer = self.calls.start(Call::SetAccess);
+            // SAFETY: the range was just mapped; `access` is valid for the call.
+            check("cuMemSetAccess", unsafe {
+                (self.f.cuMemSetAccess)(ptr, size, access.as_ptr(), access.len())
+            })
+        };
         if r.is_err() {
-            self.calls.count(Call::Unmap);
+            let _timer = self.calls.start(Call::Unmap);
             // SAFETY: we mapped this range above and nobody has seen it yet.
             let _ = unsafe { (self.f.cuMemUnmap)(ptr, size) };
         }
@@ -591,7 +667,7 @@ impl Driver {
     /// 1. `[ptr, ptr+size)` is mapped.
     /// 2. No work queued on the device still reads or writes it.
     pub unsafe fn unmap(&self, ptr: CUdeviceptr, size: usize) -> Result<(), DriverError> {
-        self.calls.count(Call::Unmap);
+        let _timer = self.calls.start(Call::Unmap);
         // SAFETY: guaranteed by the caller.
         check("cuMemUnmap", unsafe { (self.f.cuMemUnmap)(ptr, size) })
     }
@@ -599,7 +675,7 @@ impl Driver {
     /// Exports `h` as a new POSIX file descriptor, owned by the caller.
     pub fn export_fd(&self, h: Handle) -> Result<OwnedFd, DriverError> {
         let mut fd: c_int = -1;
-        self.calls.count(Call::Export);
+        let _timer = self.calls.start(Call::Export);
         // SAFETY: for POSIX fds the driver writes one `int` to the out-pointer.
         check("cuMemExportToShareableHandle", unsafe {
             (self.f.cuMemExportToShareableHandle)(
@@ -617,7 +693,7 @@ impl Driver {
     /// ownership of `fd`.
     pub fn import_fd(&self, fd: RawFd) -> Result<Handle, DriverError> {
         let mut h = 0;
-        self.calls.count(Call::Import);
+        let _timer = self.calls.start(Call::Import);
         // SAFETY: for POSIX fds the driver reads the fd from the pointer value itself.
         check("cuMemImportFromShareableHandle", unsafe {
             (self.f.cuMemImportFromShareableHandle)(
@@ -651,6 +727,7 @@ impl Driver {
     }
 
     pub fn stream_synchronize(&self, s: Stream) -> Result<(), DriverError> {
+        let _timer = self.calls.time(WAIT);
         // SAFETY: `s` was created by `stream_create` and not destroyed.
         check("cuStreamSynchronize", unsafe {
             (self.f.cuStreamSynchronize)(s.0)
@@ -694,10 +771,13 @@ impl Driver {
 
     /// Waits for `e`, then destroys it.
     pub fn event_wait(&self, e: Event) -> Result<(), DriverError> {
-        // SAFETY: `e` is live until destroyed below.
-        let r = check("cuEventSynchronize", unsafe {
-            (self.f.cuEventSynchronize)(e.0)
-        });
+        let r = {
+            let _timer = self.calls.time(WAIT);
+            // SAFETY: `e` is live until destroyed below.
+            check("cuEventSynchronize", unsafe {
+                (self.f.cuEventSynchronize)(e.0)
+            })
+        };
         // SAFETY: `e` is consumed here.
         let d = check("cuEventDestroy", unsafe { (self.f.cuEventDestroy_v2)(e.0) });
         r.and(d)
@@ -713,7 +793,7 @@ impl Driver {
         n: usize,
         s: Stream,
     ) -> Result<(), DriverError> {
-        self.calls.count(Call::Copy);
+        let _timer = self.calls.start(Call::Copy);
         // SAFETY: guaranteed by the caller.
         check("cuMemcpyDtoHAsync", unsafe {
             (self.f.cuMemcpyDtoHAsync_v2)(dst.cast(), src, n, s.0)
@@ -730,7 +810,7 @@ impl Driver {
         n: usize,
         s: Stream,
     ) -> Result<(), DriverError> {
-        self.calls.count(Call::Copy);
+        let _timer = self.calls.start(Call::Copy);
         // SAFETY: guaranteed by the caller.
         check("cuMemcpyHtoDAsync", unsafe {
             (self.f.cuMemcpyHtoDAsync_v2)(dst, src.cast(), n, s.0)
@@ -763,7 +843,7 @@ impl Driver {
         n: usize,
         s: Stream,
     ) -> Result<(), DriverError> {
-        self.calls.count(Call::Memset);
+        let _timer = self.calls.start(Call::Memset);
         // SAFETY: guaranteed by the caller.
         check("cuMemsetD8Async", unsafe {
             (self.f.cuMemsetD8Async)(dst, value, n, s.0)
@@ -773,7 +853,7 @@ impl Driver {
     /// Allocates `n` bytes of pinned (page-locked) host memory.
     pub fn host_alloc(&self, n: usize) -> Result<*mut u8, DriverError> {
         let mut p: *mut c_void = std::ptr::null_mut();
-        self.calls.count(Call::HostAlloc);
+        let _timer = self.calls.start(Call::HostAlloc);
         // SAFETY: `p` is a valid out-pointer.
         check("cuMemHostAlloc", unsafe {
             (self.f.cuMemHostAlloc)(&mut p, n, CU_MEMHOSTALLOC_PORTABLE)
@@ -785,7 +865,7 @@ impl Driver {
     /// `p` came from [`Driver::host_alloc`], is not used afterwards, and no copy into or out of
     /// it is pending.
     pub unsafe fn host_free(&self, p: *mut u8) -> Result<(), DriverError> {
-        self.calls.count(Call::HostFree);
+        let _timer = self.calls.start(Call::HostFree);
         // SAFETY: guaranteed by the caller.
         check("cuMemFreeHost", unsafe { (self.f.cuMemFreeHost)(p.cast()) })
     }
@@ -797,7 +877,7 @@ impl Driver {
     /// # Safety
     /// `p..p+n` is mapped host memory that stays mapped until [`Driver::host_unregister`].
     pub unsafe fn host_register(&self, p: *mut u8, n: usize) -> Result<(), DriverError> {
-        self.calls.count(Call::HostRegister);
+        let _timer = self.calls.start(Call::HostRegister);
         // SAFETY: guaranteed by the caller.
         check("cuMemHostRegister", unsafe {
             (self.f.cuMemHostRegister_v2)(p.cast(), n, CU_MEMHOSTREGISTER_PORTABLE)
@@ -810,7 +890,7 @@ impl Driver {
     /// `p` is the start of a range registered by [`Driver::host_register`], and no copy into or
     /// out of it is pending.
     pub unsafe fn host_unregister(&self, p: *mut u8) -> Result<(), DriverError> {
-        self.calls.count(Call::HostUnregister);
+        let _timer = self.calls.start(Call::HostUnregister);
         // SAFETY: guaranteed by the caller.
         check("cuMemHostUnregister", unsafe {
             (self.f.cuMemHostUnregister)(p.cast())
@@ -826,5 +906,27 @@ fn dlerror_string() -> String {
     } else {
         // SAFETY: non-null and NUL-terminated, per dlerror's contract.
         unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_spent_names_the_kinds_that_took_10_us_or_more_longest_first() {
+        let before = [0; TIMED_KINDS.len()];
+        let mut after = before;
+        after[Call::Unmap as usize] = 3_100_000;
+        after[WAIT] = 12_500_000;
+        after[Call::Map as usize] = 9_999;
+        after[SET_LIMIT] = 10_000;
+        assert_eq!(
+            time_spent(&before, &after),
+            "wait 12.50 ms, unmap 3.10 ms, set_limit 0.01 ms"
+        );
+        assert_eq!(time_spent(&after, &after), "");
+        assert_eq!(&TIMED_KINDS[..CALL_KINDS.len()], &CALL_KINDS[..]);
+        assert_eq!(TIMED_KINDS[WAIT], "wait");
     }
 }

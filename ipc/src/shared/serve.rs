@@ -119,10 +119,15 @@ pub fn serve_opens(
         conn.refuse(NO_BUFFER);
         return;
     }
-    let deadline = Instant::now() + wait;
+    let started = Instant::now();
+    let deadline = started + wait;
     let write_by = deadline + WRITE_TIMEOUT;
     let mut next = 0;
+    let mut rounds = 0;
+    let (mut answering, mut sending) = (Duration::ZERO, Duration::ZERO);
     while next < items.len() {
+        rounds += 1;
+        let t = Instant::now();
         let answers = {
             let mut backing = exports.backing();
             answer(
@@ -133,6 +138,8 @@ pub fn serve_opens(
                 &mut *backing,
             )
         };
+        answering += t.elapsed();
+        let t = Instant::now();
         for (i, (reply, fd)) in answers.iter().enumerate() {
             if conn
                 .send(reply, fd.as_ref().map(|f| f.as_fd()), write_by)
@@ -142,6 +149,7 @@ pub fn serve_opens(
                 return;
             }
         }
+        sending += t.elapsed();
         next += answers.len();
         if next < items.len() {
             if Instant::now() >= deadline {
@@ -158,6 +166,15 @@ pub fn serve_opens(
             std::thread::sleep(Duration::from_micros(500));
         }
     }
+    tracing::debug!(
+        importer = from.pid,
+        buffers = items.len(),
+        rounds,
+        answer_ms = answering.as_secs_f64() * 1e3,
+        send_ms = sending.as_secs_f64() * 1e3,
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "served a peer's opens"
+    );
 }
 
 /// Answers `items` in order (under [`LEDGER`] and the layer's lock, held by `backing`), as many
