@@ -4,9 +4,9 @@
 //! `dlsym(libcuda, "cuGetProcAddress_v2")` and the functions that lookup returns, so when
 //! libmemsaver.so is preloaded:
 //!
-//! 1. [`interpose`]: our `dlsym` answers lookups of `cuGetProcAddress(_v2)` made *from libnccl*
+//! 1. [`interpose::dlsym`]: our `dlsym` answers lookups of `cuGetProcAddress(_v2)` made *from libnccl*
 //!    with our wrapper, and forwards everything else untouched (tail jump).
-//! 2. [`procaddr`]: that wrapper asks the driver and swaps in our wrappers for NCCL's VMM calls.
+//! 2. [`interpose::procaddr`]: that wrapper asks the driver and swaps in our wrappers for NCCL's VMM calls.
 //! 3. `vmm`: the wrappers give NCCL virtual handles and record every handle and mapping in
 //!    `registry`, so the memory behind them can be released and re-created; their exports and
 //!    imports between processes carry tokens instead of fds (`tokens`).
@@ -36,44 +36,27 @@
 //!
 //! [`options`]: this crate's `MEMSAVER_*` options, one list.
 //!
-//! Layers, each module importing only those below it (`tests/layers.rs` checks):
+//! Layers, one folder each, each importing only those below it (`tests/layers.rs` reads the
+//! folders and checks):
 //! * this crate root: [`stats`], [`diagnose`], the start hook that registers the `nccl` tag;
-//! * the NCCL memory model: `provider` (the tag's pause and resume), `local` (its memory on the
-//!   engine's steps), `exports` (the memory behind the owner's answers to peers, routed to it
-//!   by `memsaver_ipc`'s server), `peer` (requests to owners),
-//!   `registered` (registered imports, reached through `memsaver_ipc::shared::HOLDERS`),
-//!   `catchup` (an importer behind its owners catches up);
-//! * interposition: `interpose` -> `amem`, `appmem` -> `guard` -> `epochs`, `procaddr` -> `vmm`
-//!   -> `tokens` -> `epochs`, `appmem`, `graphs`:
-//!   it records what NCCL does and never calls up into what a pause does;
-//! * the base: `registry` (the records of NCCL's handles and mappings, which both sides share)
-//!   and `dl` (the loader's real `dlsym`).
+//! * `tag`: the `nccl` tag's pause and resume, and the exchanges with peers;
+//! * [`interpose`]: what NCCL does with the driver, recorded; it never calls up into what a
+//!   pause does;
+//! * `registry`: the records of NCCL's handles and mappings, which both sides share;
+//! * below them all, [`options`].
 //!
 //! Below the crate: `memsaver_ipc` (everything between processes) and `memsaver_allocator`
 //! (the core, and the process start-up: `memsaver_allocator::global`).
 
-pub mod amem;
-mod appmem;
-mod catchup;
-mod dl;
-mod epochs;
-mod exports;
-mod graphs;
-mod guard;
 pub mod interpose;
-mod local;
 pub mod options;
-mod peer;
-pub mod procaddr;
-mod provider;
-mod registered;
 mod registry;
-mod tokens;
-mod vmm;
+mod tag;
 
-pub use appmem::{APP_ALLOCATORS, AppAllocator};
-pub use provider::NcclTag;
+pub use interpose::amem;
+pub use interpose::appmem::{APP_ALLOCATORS, AppAllocator};
 pub use registry::{AppMemoryStats, NcclStats};
+pub use tag::provider::NcclTag;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -89,7 +72,7 @@ static AT_START: StartHook = StartHook {
 };
 
 fn register_tag(a: &'static Allocator) -> Result<(), String> {
-    catchup::install();
+    tag::catchup::install();
     if let Err(e) = a.register_external("nccl", Arc::new(NcclTag::new(a))) {
         tracing::warn!(error = %e, "the nccl tag is not available");
     }
@@ -111,7 +94,7 @@ pub struct Diagnosis {
 pub fn diagnose() -> Diagnosis {
     Diagnosis {
         peers: memsaver_ipc::diagnose(),
-        fallback_reason: tokens::fallback_reason(),
+        fallback_reason: interpose::tokens::fallback_reason(),
     }
 }
 
@@ -119,9 +102,13 @@ pub fn diagnose() -> Diagnosis {
 pub fn stats() -> NcclStats {
     // NCCL's own variable, not an option of memsaver's (see `options`).
     let cumem_disabled = std::env::var("NCCL_CUMEM_ENABLE").is_ok_and(|v| v.trim() == "0");
-    let mut s = registry::stats(procaddr::installed(), cumem_disabled, guard::is_paused());
+    let mut s = registry::stats(
+        interpose::procaddr::installed(),
+        cumem_disabled,
+        interpose::guard::is_paused(),
+    );
     let mut reasons = Vec::new();
-    for (dev, p) in &graphs::lock().paused {
+    for (dev, p) in &interpose::graphs::lock().paused {
         s.stack_lowered_bytes += p.lowered_bytes;
         s.stack_kept_bytes += p.kept_bytes;
         if let Some(why) = p.why {
@@ -129,10 +116,10 @@ pub fn stats() -> NcclStats {
         }
     }
     s.stack_kept_reason = (!reasons.is_empty()).then(|| reasons.join("; "));
-    s.fallback_exports = tokens::fallback_exports();
-    s.fallback_reason = tokens::fallback_reason();
-    s.application = appmem::stats();
-    s.bytes_copied_per_pause = provider::COPIED[0].load(Ordering::Relaxed);
-    s.bytes_copied_per_resume = provider::COPIED[1].load(Ordering::Relaxed);
+    s.fallback_exports = interpose::tokens::fallback_exports();
+    s.fallback_reason = interpose::tokens::fallback_reason();
+    s.application = interpose::appmem::stats();
+    s.bytes_copied_per_pause = tag::provider::COPIED[0].load(Ordering::Relaxed);
+    s.bytes_copied_per_resume = tag::provider::COPIED[1].load(Ordering::Relaxed);
     s
 }

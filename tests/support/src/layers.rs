@@ -47,7 +47,7 @@ pub fn after(text: &str, prefix: &str) -> Vec<String> {
         }
         out.push(ident(rest));
         // `use crate::{a, b::c}`: every name of the group.
-        if prefix == "crate::" && rest.starts_with('{') {
+        if prefix.ends_with("::") && rest.starts_with('{') {
             let group = &rest[1..rest.find('}').unwrap_or(rest.len())];
             for part in group.split(',') {
                 out.push(ident(part.trim()));
@@ -162,6 +162,45 @@ pub fn graph(src: &Path) -> Graph {
     g
 }
 
+/// The folders of `src`: each a module of several files (`driver/`), or a crate's layer.
+pub fn folders(src: &Path) -> Vec<String> {
+    let mut out: Vec<String> = std::fs::read_dir(src)
+        .unwrap_or_else(|e| panic!("{}: {e}", src.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    out.sort();
+    out
+}
+
+/// Each file of the folder `folder` of `src` but its `mod.rs` (by stem), and the files of the
+/// folder it imports: the `crate::<folder>::<file>` and `super::<file>` paths in its code.
+/// `mod.rs` is the folder's face (its declarations and re-exports), left out: a path to an
+/// item it re-exports counts as no import.
+pub fn folder_graph(src: &Path, folder: &str) -> Graph {
+    let dir = src.join(folder);
+    let mut files = BTreeMap::new();
+    for e in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let p = e.unwrap().path();
+        let stem = p.file_stem().unwrap().to_string_lossy().into_owned();
+        if p.extension().is_some_and(|x| x == "rs") && stem != "mod" {
+            files.insert(stem, code(&std::fs::read_to_string(&p).unwrap()));
+        }
+    }
+    let prefix = format!("crate::{folder}::");
+    let mut g = Graph::new();
+    for (m, text) in &files {
+        let deps = after(text, &prefix)
+            .into_iter()
+            .chain(after(text, "super::"))
+            .filter(|d| d != m && files.contains_key(d))
+            .collect();
+        g.insert(m.clone(), deps);
+    }
+    g
+}
+
 /// Every module `m` reaches through its imports.
 pub fn reach(g: &Graph, m: &str) -> BTreeSet<String> {
     let mut seen = BTreeSet::new();
@@ -256,6 +295,9 @@ mod tests {
         g.insert("b".into(), ["a".to_owned()].into());
         g.insert("c".into(), ["a".to_owned()].into());
         assert_eq!(cycles(&g).len(), 2, "{:?}", cycles(&g));
+        // A group after a longer path, as a folder's files import each other.
+        let text = code("use crate::tag::{peer, local::Restored};");
+        assert_eq!(after(&text, "crate::tag::"), ["peer", "local"]);
     }
 
     #[test]

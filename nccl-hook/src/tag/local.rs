@@ -1,8 +1,8 @@
 //! The `nccl` tag's work on this process's own memory and its mappings of peers' memory, on
 //! the engine's steps (`memsaver_allocator::steps`, shared with every tag): pause step 1
-//! ([`release_local`]), resume step 1 ([`restore_local`]), and the kernel stack limit NCCL
-//! made the driver raise ([`lower_stacks`], [`restore_stacks`]). The order of the steps and the
-//! exchanges with peers are [`crate::provider`]'s and [`crate::peer`]'s.
+//! ([`release_local`]) and resume step 1 ([`restore_local`]). The order of the steps and the
+//! exchanges with peers are [`crate::tag::provider`]'s and [`crate::tag::peer`]'s; the kernel
+//! stack limit NCCL made the driver raise is [`crate::interpose::graphs`]'.
 //!
 //! What is backed up: the `nccl` tag's policy (`MEMSAVER_NCCL_BACKUP`, pinned by default).
 //! `headers` backs up only the first [`HEADER_BYTES`] of the buffers NCCL shares with peers:
@@ -20,7 +20,6 @@ use memsaver_allocator::steps::{Memory, Op, Piece, Place, Steps, external_key, i
 use memsaver_allocator::{Allocator, Backup as HostBackup, Device, Error, Policy, Result};
 use memsaver_ipc::protocol::Buffer;
 
-use crate::graphs::{self, DEFAULT_STACK_SIZE};
 use crate::options::HEADER_BYTES;
 use crate::registry::{self, Kind, Range, Registry, TAG};
 
@@ -48,7 +47,9 @@ impl Backup {
 fn backup_len(backup: Backup, p: &registry::Physical) -> u64 {
     match backup {
         Backup::Discard => 0,
-        Backup::Headers if p.exported && crate::vmm::headers_apply() => p.size.min(HEADER_BYTES),
+        Backup::Headers if p.exported && crate::interpose::vmm::headers_apply() => {
+            p.size.min(HEADER_BYTES)
+        }
         _ => p.size,
     }
 }
@@ -68,95 +69,6 @@ pub(crate) fn places(rs: &[Range]) -> Vec<Place<'_>> {
             access: Some(access),
         })
         .collect()
-}
-
-/// NCCL's kernels make the driver raise the context's per-thread stack size (to 1744 bytes
-/// with NCCL 2.28 and 2+ ranks) and keep local memory for it on every SM: 186 MiB on an
-/// H200. Pause lowers it on the devices NCCL uses, to the floor [`graphs`] gives (CUDA's
-/// default unless a live graph or the application needs more), which frees that memory;
-/// kernels that need more while paused grow it again, as the driver always does.
-pub(crate) fn lower_stacks(a: &'static Allocator, devices: &[i32]) {
-    let d = a.driver();
-    // Held throughout: no graph is instantiated or limit set between reading the floor and
-    // setting the limit.
-    let mut g = graphs::lock();
-    for &dev in devices {
-        let (floor, why) = g.floor(dev);
-        let r = a.device(dev).and_then(|device| {
-            Ok(d.with_context(device.ctx, || {
-                let cur = d.stack_size()?;
-                let to = floor.min(cur);
-                if to < cur {
-                    d.set_stack_size(to)?;
-                }
-                Ok((cur, to))
-            })?)
-        });
-        let (cur, to) = match r {
-            Ok(v) => v,
-            Err(e) => {
-                tracing::warn!(
-                    device = dev,
-                    error = %e,
-                    "memsaver: could not lower the kernel stack size NCCL raised; its local memory stays"
-                );
-                continue;
-            }
-        };
-        if cur <= DEFAULT_STACK_SIZE {
-            continue; // nothing was raised
-        }
-        let per_byte = d.stack_bytes_per_thread_byte(dev).unwrap_or_else(|e| {
-            tracing::warn!(device = dev, error = %e, "memsaver: cannot size local memory");
-            0
-        });
-        let kept = to.saturating_sub(DEFAULT_STACK_SIZE);
-        let why = why.filter(|_| kept > 0);
-        let p = g.paused.entry(dev).or_insert(graphs::StackPause {
-            saved: cur,
-            lowered_bytes: 0,
-            kept_bytes: 0,
-            why: None,
-        });
-        p.lowered_bytes += ((cur - to) as u64) * per_byte;
-        p.kept_bytes = kept as u64 * per_byte;
-        p.why = why;
-        tracing::info!(
-            device = dev,
-            from = cur,
-            to,
-            lowered_bytes = (cur - to) as u64 * per_byte,
-            kept_bytes = p.kept_bytes,
-            reason = why.map(graphs::Keep::reason),
-            "nccl pause: kernel stack size"
-        );
-    }
-}
-
-/// Resume, first: gives NCCL's kernels their stack size back now rather than at their next
-/// launch, never lowering it (a graph instantiated while paused may have needed more). Called
-/// before NCCL's memory is mapped again, when the driver's `cuCtxSetLimit` is cheapest.
-pub(crate) fn restore_stacks(a: &'static Allocator) {
-    let d = a.driver();
-    let mut g = graphs::lock();
-    for (dev, p) in std::mem::take(&mut g.paused) {
-        let r = a.device(dev).and_then(|device| {
-            Ok(d.with_context(device.ctx, || {
-                if d.stack_size()? < p.saved {
-                    d.set_stack_size(p.saved)?;
-                }
-                Ok(())
-            })?)
-        });
-        if let Err(e) = r {
-            tracing::warn!(
-                device = dev,
-                bytes = p.saved,
-                error = %e,
-                "memsaver: could not give NCCL's kernels their stack size back; the driver grows it again at their next launch"
-            );
-        }
-    }
 }
 
 /// The device whose context handles `vh` here: for an import, the device NCCL granted access
@@ -415,7 +327,7 @@ fn free_dead(reg: &mut Registry, dead: &[(u64, u64)]) {
 /// Unmaps and releases every import of `owner`'s buffers this process maps (after the
 /// devices finished what they run), as a pause does: each goes `Mapped` → `Released`, with
 /// its notice to the owner in the answer. For an importer that catches up with an owner that
-/// paused or resumed without it ([`crate::catchup`]).
+/// paused or resumed without it ([`crate::tag::catchup`]).
 pub(crate) fn release_imports_of(a: &'static Allocator, owner: u32) -> Result<Released> {
     let steps = a.steps(Op::Pause);
     let mut reg = registry::lock();
@@ -453,7 +365,7 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
     let t0 = std::time::Instant::now();
     let mut steps = a.steps(Op::Pause);
     let mut reg = registry::lock();
-    crate::guard::set_paused(true);
+    crate::interpose::guard::set_paused(true);
     let ranges = reg.ranges_by_handle();
     let (own, imports) = releasable(&reg, &ranges);
     let own = by_device(&reg, &ranges, own);
@@ -584,7 +496,7 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
         // Nothing released: NCCL's memory is all there, so NCCL may run. Something
         // released: the tag is paused (a resume restores what was released).
         if out.allocations == 0 {
-            crate::guard::set_paused(false);
+            crate::interpose::guard::set_paused(false);
         }
         out.error = Some(incomplete("pause", e, |p| {
             p.real().is_some() && p.pausable().is_ok() && p.kind != Kind::Registered

@@ -3,23 +3,23 @@
 //! libnccl links the CUDA runtime statically; that runtime opens `libcuda.so.1` with `dlopen`
 //! and looks up `cuGetProcAddress_v2` with `dlsym`, then resolves every driver function NCCL
 //! uses through it. When libmemsaver.so is preloaded its `dlsym` comes first, so for exactly
-//! those lookups it hands out one of [`crate::procaddr`]'s wrappers instead of the driver's
+//! those lookups it hands out one of `crate::interpose::procaddr`'s wrappers instead of the driver's
 //! function: libnccl's pair (VMM and graph calls) to libnccl, the other pair (graph calls and
-//! `cuCtxSetLimit`, see [`crate::graphs`]) to every other object, the CUDA runtime included,
+//! `cuCtxSetLimit`, see `crate::interpose::graphs`) to every other object, the CUDA runtime included,
 //! but never to libmemsaver.so itself (its driver layer resolves through `dlsym` too). Direct
 //! lookups of those graph and limit names by objects other than libnccl and libmemsaver.so are
-//! answered with [`crate::graphs`]' wrappers. Every other lookup is forwarded untouched.
+//! answered with `crate::interpose::graphs`' wrappers. Every other lookup is forwarded untouched.
 //!
 //! Forwarding must be a tail jump: glibc derives what `RTLD_NEXT` means from the return
 //! address of its caller, so a plain call from here would make every other library's
 //! `dlsym(RTLD_NEXT, ...)` resolve relative to libmemsaver.so. The entry point is therefore a
-//! naked function that asks [`decide`] (a normal function: no locks, no allocation on the
+//! naked function that asks `decide` (a normal function: no locks, no allocation on the
 //! pass-through path) whether to answer, and otherwise jumps to the real `dlsym` with the
 //! caller's registers and return address intact.
 
 use std::ffi::{CStr, c_char, c_void};
 
-use crate::dl::{Caller, REAL_DLSYM, call_real_dlsym, caller, real_dlsym};
+use crate::interpose::dl::{Caller, REAL_DLSYM, call_real_dlsym, caller, real_dlsym};
 
 /// Decides whether the interposer answers a lookup itself. Returns the pointer to hand out,
 /// or NULL to forward the call to the real `dlsym` (also on any internal failure).
@@ -40,8 +40,9 @@ extern "C" fn decide(
             // Looked up in libnccl's handle by pynccl-style code. AMem's API: ours, unless the
             // library really has it (a patched NCCL). Collectives and `ncclMemAlloc`/`Free`:
             // ours, when they forward to the very function found.
-            let ours = crate::amem::lookup(name);
-            let forwards = crate::guard::is_guarded(name) || crate::appmem::is_interposed(name);
+            let ours = crate::interpose::amem::lookup(name);
+            let forwards = crate::interpose::guard::is_guarded(name)
+                || crate::interpose::appmem::is_interposed(name);
             if ours.is_none() && !forwards {
                 return std::ptr::null_mut(); // NCCL's own lookups (plugins ...): forwarded
             }
@@ -51,13 +52,13 @@ extern "C" fn decide(
                 Some(ours) if real.is_null() => ours,
                 Some(_) => std::ptr::null_mut(),
                 None if real.is_null() => std::ptr::null_mut(),
-                None => crate::guard::lookup(name, real)
-                    .or_else(|| crate::appmem::lookup(name, real))
+                None => crate::interpose::guard::lookup(name, real)
+                    .or_else(|| crate::interpose::appmem::lookup(name, real))
                     .unwrap_or(std::ptr::null_mut()),
             };
         }
-        let entry = crate::procaddr::is_entry_name(name);
-        if !entry && !crate::graphs::is_direct_name(name) {
+        let entry = crate::interpose::procaddr::is_entry_name(name);
+        if !entry && !crate::interpose::graphs::is_direct_name(name) {
             return std::ptr::null_mut();
         }
         let who = caller(from);
@@ -70,9 +71,9 @@ extern "C" fn decide(
             return std::ptr::null_mut();
         }
         if entry {
-            crate::procaddr::wrap_entry(name, real, who == Caller::Nccl)
+            crate::interpose::procaddr::wrap_entry(name, real, who == Caller::Nccl)
         } else {
-            crate::graphs::wrap(name, None, true, real).unwrap_or(std::ptr::null_mut())
+            crate::interpose::graphs::wrap(name, None, true, real).unwrap_or(std::ptr::null_mut())
         }
     });
     r.unwrap_or(std::ptr::null_mut())

@@ -3,7 +3,7 @@
 //! this process imported and mapped follows the owner's tag.
 //!
 //! The owner's NCCL retains the handle of the tensor's memory and exports it; memsaver hands
-//! NCCL a token naming the allocation (`crate::vmm`), and this process's import trades it for
+//! NCCL a token naming the allocation (`crate::interpose::vmm`), and this process's import trades it for
 //! the fd through `memsaver_ipc::shared`, so the owner tracks this process as an importer like
 //! any CUDA IPC receiver. The mapping is NCCL's, recorded in the registry
 //! ([`registry::Kind::Registered`]). When the owner pauses the tag, its release request comes
@@ -32,8 +32,8 @@ use memsaver_ipc::identity::Identity;
 use memsaver_ipc::protocol::Buffer;
 use memsaver_ipc::shared::{self, ALIASES, Aliases, HOLDERS, Holder, ImportStats};
 
-use crate::local::device_of;
 use crate::registry::{self, Kind, Range, Registration, Registry, State};
+use crate::tag::local::device_of;
 
 /// The imports of peers' memsaver memory that NCCL registered.
 struct Registered;

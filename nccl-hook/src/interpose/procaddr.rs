@@ -1,9 +1,9 @@
 //! `cuGetProcAddress` wrappers: the second door. NCCL's runtime asks the driver's
 //! `cuGetProcAddress(_v2)` for every entry point; ours asks the real one and swaps in
-//! [`crate::vmm`]'s wrapper for the VMM calls NCCL makes, leaving everything else as it is.
+//! `crate::interpose::vmm`'s wrapper for the VMM calls NCCL makes, leaving everything else as it is.
 //!
 //! Two pairs of wrappers, told apart by the const parameter `NCCL`: libnccl's (VMM calls and
-//! [`crate::graphs`]' graph calls, so graphs NCCL captures count) and everyone else's, the CUDA
+//! `crate::interpose::graphs`' graph calls, so graphs NCCL captures count) and everyone else's, the CUDA
 //! runtime's included (graph calls and `cuCtxSetLimit` only: the limits the application sets).
 
 use std::ffi::{CStr, c_char, c_int, c_ulonglong, c_void};
@@ -86,10 +86,10 @@ unsafe fn substitute(symbol: *const c_char, pfn: *mut *mut c_void, version: c_in
         // Asked for the lookup function itself: the _v2 signature from CUDA 12.0 on.
         Some(pair(version >= 12000, real, nccl))
     } else if nccl {
-        crate::vmm::wrap(name, version, real)
-            .or_else(|| crate::graphs::wrap(name, Some(version), false, real))
+        crate::interpose::vmm::wrap(name, version, real)
+            .or_else(|| crate::interpose::graphs::wrap(name, Some(version), false, real))
     } else {
-        crate::graphs::wrap(name, Some(version), true, real)
+        crate::interpose::graphs::wrap(name, Some(version), true, real)
     };
     if let Some(w) = wrapper {
         // SAFETY: `pfn` is the caller's valid out-pointer.

@@ -19,7 +19,8 @@ use memsaver_ipc::protocol::Request;
 use memsaver_ipc::server::{self, Connection, Handler, Route, Service};
 use memsaver_ipc::shared::{self, Backing, Delivery, Exports};
 
-use crate::{peer, registry};
+use crate::registry;
+use crate::tag::peer;
 
 /// NCCL's exported buffers, served to the peers that import them.
 struct Served;

@@ -1,4 +1,6 @@
-//! What the `nccl` pause must know before it lowers a device's per-thread stack limit.
+//! The kernel stack limit: what the `nccl` pause must know before it lowers a device's
+//! per-thread stack limit, and the lowering and raising themselves ([`lower_stacks`],
+//! [`restore_stacks`]).
 //!
 //! NCCL's kernels make the driver grow the context's stack limit (`CU_LIMIT_STACK_SIZE`,
 //! 1024 -> 1744-1984 bytes with 2+ ranks), and the driver keeps local memory for it on every
@@ -14,12 +16,12 @@
 //!
 //! and not at all once an executable this module never saw instantiated was launched on the
 //! device (some instantiation path escaped the wrappers). Resume never lowers: it restores
-//! max(saved, current).
+//! max(saved, current), first, before NCCL's memory is mapped again.
 //!
 //! The events come from wrappers of `cuGraphInstantiate*`, `cuGraphExecDestroy`,
-//! `cuGraphLaunch` and `cuCtxSetLimit`, handed out by [`crate::procaddr`]'s `cuGetProcAddress`
+//! `cuGraphLaunch` and `cuCtxSetLimit`, handed out by [`crate::interpose::procaddr`]'s `cuGetProcAddress`
 //! wrappers (to every caller but memsaver itself; `cuCtxSetLimit` only to non-NCCL callers) and
-//! by [`crate::interpose`] for direct `dlsym` lookups of those names.
+//! by [`crate::interpose::dlsym`] for direct `dlsym` lookups of those names.
 
 use std::collections::BTreeMap;
 use std::ffi::{c_uint, c_ulonglong, c_void};
@@ -27,6 +29,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
+use memsaver_allocator::Allocator;
 use memsaver_allocator::driver::sys::{fns, *};
 
 /// CUDA's default per-thread stack size (bytes): pause never goes below it.
@@ -397,4 +400,92 @@ unsafe extern "C" fn set_limit<const S: usize>(limit: c_uint, value: usize) -> C
         });
     }
     r
+}
+/// NCCL's kernels make the driver raise the context's per-thread stack size (to 1744 bytes
+/// with NCCL 2.28 and 2+ ranks) and keep local memory for it on every SM: 186 MiB on an
+/// H200. Pause lowers it on the devices NCCL uses, to the floor [`graphs`] gives (CUDA's
+/// default unless a live graph or the application needs more), which frees that memory;
+/// kernels that need more while paused grow it again, as the driver always does.
+pub(crate) fn lower_stacks(a: &'static Allocator, devices: &[i32]) {
+    let d = a.driver();
+    // Held throughout: no graph is instantiated or limit set between reading the floor and
+    // setting the limit.
+    let mut g = lock();
+    for &dev in devices {
+        let (floor, why) = g.floor(dev);
+        let r = a.device(dev).and_then(|device| {
+            Ok(d.with_context(device.ctx, || {
+                let cur = d.stack_size()?;
+                let to = floor.min(cur);
+                if to < cur {
+                    d.set_stack_size(to)?;
+                }
+                Ok((cur, to))
+            })?)
+        });
+        let (cur, to) = match r {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(
+                    device = dev,
+                    error = %e,
+                    "memsaver: could not lower the kernel stack size NCCL raised; its local memory stays"
+                );
+                continue;
+            }
+        };
+        if cur <= DEFAULT_STACK_SIZE {
+            continue; // nothing was raised
+        }
+        let per_byte = d.stack_bytes_per_thread_byte(dev).unwrap_or_else(|e| {
+            tracing::warn!(device = dev, error = %e, "memsaver: cannot size local memory");
+            0
+        });
+        let kept = to.saturating_sub(DEFAULT_STACK_SIZE);
+        let why = why.filter(|_| kept > 0);
+        let p = g.paused.entry(dev).or_insert(StackPause {
+            saved: cur,
+            lowered_bytes: 0,
+            kept_bytes: 0,
+            why: None,
+        });
+        p.lowered_bytes += ((cur - to) as u64) * per_byte;
+        p.kept_bytes = kept as u64 * per_byte;
+        p.why = why;
+        tracing::info!(
+            device = dev,
+            from = cur,
+            to,
+            lowered_bytes = (cur - to) as u64 * per_byte,
+            kept_bytes = p.kept_bytes,
+            reason = why.map(Keep::reason),
+            "nccl pause: kernel stack size"
+        );
+    }
+}
+
+/// Resume, first: gives NCCL's kernels their stack size back now rather than at their next
+/// launch, never lowering it (a graph instantiated while paused may have needed more). Called
+/// before NCCL's memory is mapped again, when the driver's `cuCtxSetLimit` is cheapest.
+pub(crate) fn restore_stacks(a: &'static Allocator) {
+    let d = a.driver();
+    let mut g = lock();
+    for (dev, p) in std::mem::take(&mut g.paused) {
+        let r = a.device(dev).and_then(|device| {
+            Ok(d.with_context(device.ctx, || {
+                if d.stack_size()? < p.saved {
+                    d.set_stack_size(p.saved)?;
+                }
+                Ok(())
+            })?)
+        });
+        if let Err(e) = r {
+            tracing::warn!(
+                device = dev,
+                bytes = p.saved,
+                error = %e,
+                "memsaver: could not give NCCL's kernels their stack size back; the driver grows it again at their next launch"
+            );
+        }
+    }
 }

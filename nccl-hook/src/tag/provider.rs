@@ -1,8 +1,8 @@
 //! The `nccl` tag: pause releases NCCL's device memory behind its virtual handles, in this
 //! process and, together with the peers, the references between processes; resume rebuilds it
 //! at the same addresses. This module is the order of the steps; the work on this process's
-//! memory is [`crate::local`] (on the engine's steps, as every tag's), the exchanges with the
-//! peers [`crate::peer`].
+//! memory is [`crate::tag::local`] (on the engine's steps, as every tag's), the exchanges with the
+//! peers [`crate::tag::peer`].
 //!
 //! Pause, in every process of the group:
 //! 1. (registry locked, local work only) synchronise the devices; queue the backup copies of
@@ -41,9 +41,10 @@ use memsaver_allocator::steps::external_key;
 use memsaver_allocator::{Allocator, DeviceUsage, ExternalTag, Report, Result, Usage};
 use memsaver_ipc::group;
 
-use crate::local;
-use crate::peer;
+use crate::interpose::graphs;
 use crate::registry::{self, Kind, TAG};
+use crate::tag::local;
+use crate::tag::peer;
 
 pub struct NcclTag {
     allocator: &'static Allocator,
@@ -79,7 +80,7 @@ impl ExternalTag for NcclTag {
         memsaver_allocator::check_options()?;
         // Buffers exported as plain fds cannot be released: say so instead of reporting a
         // pause that freed nothing of them (nothing is changed).
-        if let Some(why) = crate::tokens::fallback_reason() {
+        if let Some(why) = crate::interpose::tokens::fallback_reason() {
             return Err(peer::peer_error(why));
         }
         let backup = crate::options::get().nccl_backup;
@@ -96,7 +97,7 @@ impl ExternalTag for NcclTag {
             let _ = notifying.finish(deadline, what, group);
             return Err(e);
         }
-        local::lower_stacks(self.allocator, &released.devices);
+        graphs::lower_stacks(self.allocator, &released.devices);
         let local_ms = start.elapsed().as_secs_f64() * 1e3;
         let holders = peer::wait_importers(group, deadline);
         let unacked = peer::unacknowledged(notifying.finish(
@@ -160,7 +161,7 @@ impl ExternalTag for NcclTag {
         memsaver_ipc::shared::resume_started();
         // First, while NCCL's memory is not mapped yet: `cuCtxSetLimit` then takes about a
         // millisecond, against 5-13 ms once 16 communicators' memory is back (2 x H200).
-        local::restore_stacks(self.allocator);
+        graphs::restore_stacks(self.allocator);
         let stack_ms = start.elapsed().as_secs_f64() * 1e3;
         let fetching = peer::fetch_imports(group, peer::imports_to_fetch(), deadline);
         let local = local::restore_local(self.allocator).map_err(|e| {
@@ -192,7 +193,7 @@ impl ExternalTag for NcclTag {
         COPIED[1].store(copied, Ordering::Relaxed);
         let mapped_ms = start.elapsed().as_secs_f64() * 1e3;
         let after_imports = self.allocator.driver().call_time();
-        crate::guard::set_paused(false);
+        crate::interpose::guard::set_paused(false);
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         tracing::info!(
             restore_local_ms = restored_ms,
@@ -216,7 +217,7 @@ impl ExternalTag for NcclTag {
     }
 
     fn paused(&self) -> bool {
-        crate::guard::is_paused()
+        crate::interpose::guard::is_paused()
     }
 
     fn usage(&self) -> Vec<DeviceUsage> {

@@ -32,8 +32,8 @@ use std::sync::atomic::AtomicUsize;
 
 use parking_lot::Mutex;
 
-use crate::dl;
-use crate::guard::{
+use crate::interpose::dl;
+use crate::interpose::guard::{
     NCCL_INVALID_ARGUMENT, NCCL_INVALID_USAGE, NCCL_SUCCESS, NCCL_SYSTEM_ERROR,
     NCCL_UNHANDLED_CUDA_ERROR, resolve,
 };
@@ -216,7 +216,7 @@ extern "C" fn mem_alloc_from(ptr: *mut *mut c_void, size: usize, caller: *const 
 }
 
 /// `ncclInternalError`, for a panic caught at the boundary.
-const NCCL_INTERNAL: c_int = crate::guard::NCCL_INTERNAL_ERROR;
+const NCCL_INTERNAL: c_int = crate::interpose::guard::NCCL_INTERNAL_ERROR;
 
 /// `ncclMemFree`, interposed: memsaver's memory is freed by memsaver (in any state, paused
 /// included), the rest by libnccl.

@@ -1,10 +1,10 @@
 //! Exports and imports between processes (`memsaver_ipc`): tokens instead of fds.
 //!
-//! When NCCL exports one of its buffers as a POSIX fd, [`crate::vmm`]'s wrapper hands it a
+//! When NCCL exports one of its buffers as a POSIX fd, [`crate::interpose::vmm`]'s wrapper hands it a
 //! token naming the buffer ([`for_buffer`]) instead of the driver's fd; the importer's
 //! memsaver recognises the token ([`read`]) and trades it with the owner for the real fd
 //! ([`import`]), so the owner learns who imports what (`memsaver_ipc::token`,
-//! [`crate::exports`]). Memsaver memory that NCCL registers gets a token naming the
+//! [`crate::tag::exports`]). Memsaver memory that NCCL registers gets a token naming the
 //! allocation ([`for_allocation`]), opened through `memsaver_ipc::shared`
 //! ([`open_registered`]), so its imports follow the allocation's tag. An export that could not
 //! get a token falls back to a plain fd and is recorded ([`fallback_reason`]).
@@ -135,7 +135,7 @@ pub(crate) fn import(t: &Token) -> Option<Imported> {
     });
     match r {
         Ok(served) => Some({
-            crate::epochs::served(t.group, &t.owner(), served.epoch);
+            crate::interpose::epochs::served(t.group, &t.owner(), served.epoch);
             Imported {
                 fd: served.fd,
                 source: Source {
@@ -159,7 +159,7 @@ pub(crate) fn import(t: &Token) -> Option<Imported> {
 
 /// Opens the allocation token `t` names (a peer's memsaver memory NCCL registered) through
 /// `memsaver_ipc::shared`, which records this process as an importer, so the owner's pause
-/// releases the import and its resume maps it again ([`crate::registered`]). `None` on a
+/// releases the import and its resume maps it again ([`crate::tag::registered`]). `None` on a
 /// failure, with the reason logged.
 pub(crate) fn open_registered(t: &Token) -> Option<Opened> {
     memsaver_ipc::shared::open_for_holder(t)

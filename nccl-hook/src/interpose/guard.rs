@@ -3,7 +3,7 @@
 //! `ncclInvalidUsage` with a clear message instead of letting NCCL touch released memory (a
 //! crash, a hang, or silent corruption; with registration, the peers' mappings of the buffer
 //! are released too). A peer that paused or resumed `nccl` without this process is caught up
-//! with first ([`crate::epochs`]): refused when it cannot be. Otherwise they forward to
+//! with first ([`crate::interpose::epochs`]): refused when it cannot be. Otherwise they forward to
 //! libnccl.
 //!
 //! With libmemsaver.so preloaded these definitions come first in the global lookup scope, so
@@ -15,7 +15,7 @@
 use std::ffi::{CStr, c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use crate::dl;
+use crate::interpose::dl;
 
 /// `ncclResult_t` values (also returned by `amem`'s functions).
 pub(crate) const NCCL_SUCCESS: c_int = 0;
@@ -65,7 +65,7 @@ fn refuse_buffer(name: &str, (ptr, tag): (usize, std::sync::Arc<str>)) -> c_int 
 }
 
 /// Refuses a call that would run on peers' memory this process could not bring up to date
-/// ([`crate::epochs`]).
+/// ([`crate::interpose::epochs`]).
 fn refuse_behind(name: &str, why: &str) -> c_int {
     tracing::error!("{name} refused: {why}");
     NCCL_INVALID_USAGE
@@ -145,7 +145,7 @@ macro_rules! guarded {
                 if let Some(paused) = paused_buffer(&[$($buf as usize),*]) {
                     return refuse_buffer(stringify!($name), paused);
                 }
-                if let Err(why) = crate::epochs::before_nccl() {
+                if let Err(why) = crate::interpose::epochs::before_nccl() {
                     return refuse_behind(stringify!($name), &why);
                 }
                 match resolve(&$name::REAL, $name::NAME) {

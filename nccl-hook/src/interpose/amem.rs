@@ -3,18 +3,19 @@
 //!
 //! pynccl-style code looks these functions up in *libnccl's* handle
 //! (`dlsym(libnccl, "ncclPause")`), where stock NCCL has no such symbol; the `dlsym`
-//! interposer answers those lookups with the functions below (see [`lookup`]).
+//! interposer answers those lookups with the functions below (see `lookup`).
 
 use std::ffi::{c_int, c_void};
 
 use memsaver_allocator::Error;
 use memsaver_ipc::group::{self, SetError};
 
-use crate::guard::{
+use crate::interpose::guard::{
     NCCL_INTERNAL_ERROR, NCCL_INVALID_ARGUMENT, NCCL_INVALID_USAGE, NCCL_SUCCESS,
     NCCL_SYSTEM_ERROR, NCCL_UNHANDLED_CUDA_ERROR,
 };
-use crate::{guard, procaddr, registry};
+use crate::interpose::{guard, procaddr};
+use crate::registry;
 
 /// Sets the group id (`ncclSetGroupID`, `memsaver.set_group`): the process group of
 /// `memsaver_ipc` (AMem's group id), which namespaces the cross-process coordination of the

@@ -6,7 +6,7 @@
 //! generation before, which the owner released, or the owner's paused memory. NCCL must not
 //! run on it: a collective would hang or give wrong results, silently.
 //!
-//! So each guarded NCCL call ([`crate::guard`]) first compares, for each owner this process
+//! So each guarded NCCL call ([`crate::interpose::guard`]) first compares, for each owner this process
 //! imports from, the owner's published epoch (`memsaver_ipc::epoch`: raised by each of its
 //! pauses and resumes) with the epoch its imports were served at. While they agree the call
 //! goes on (one load of shared memory per owner). When the owner's is later:
@@ -21,7 +21,7 @@
 //!
 //! One thread catches up at a time; the others' calls wait for it. An owner without an epoch
 //! file (it could not make one) cannot be followed this way: its importers catch up in their
-//! next pause and resume only. Which owners are ahead is [`crate::epochs`]'s, below the
+//! next pause and resume only. Which owners are ahead is [`crate::interpose::epochs`]'s, below the
 //! interposition; this module is installed there at start.
 
 use std::collections::BTreeMap;
@@ -33,10 +33,10 @@ use memsaver_ipc::group;
 use memsaver_ipc::protocol::Buffer;
 use parking_lot::Mutex;
 
-use crate::epochs::{self, synced};
-use crate::local;
-use crate::peer::{self, Fetch, Fetched, Wanted};
+use crate::interpose::epochs::{self, synced};
 use crate::registry::{self, Kind};
+use crate::tag::local;
+use crate::tag::peer::{self, Fetch, Fetched, Wanted};
 
 /// Held by the one thread catching up.
 static CATCHING_UP: Mutex<()> = Mutex::new(());

@@ -1,18 +1,18 @@
-//! Wrappers of the driver's VMM entry points, handed to libnccl by [`crate::procaddr`].
+//! Wrappers of the driver's VMM entry points, handed to libnccl by [`crate::interpose::procaddr`].
 //!
 //! Each calls the driver's own function (the one NCCL asked for) and keeps
 //! [`crate::registry`] up to date. Handles are virtual (see the registry): the wrappers that
 //! take a handle translate it, and a paused range is answered from the registry. Exports and
-//! imports between processes carry tokens instead of fds: [`crate::tokens`] makes, reads and
+//! imports between processes carry tokens instead of fds: [`crate::interpose::tokens`] makes, reads and
 //! trades them; the wrappers here make the driver calls.
 
 use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
 use std::os::fd::{AsRawFd, IntoRawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use crate::interpose::tokens;
 use crate::options::{self, NcclBackup};
 use crate::registry::{self, Gone, Keep, Kind, Mapping, Physical, Registration};
-use crate::tokens;
 use memsaver_allocator::driver::Handle;
 use memsaver_allocator::driver::sys::{fns, *};
 use memsaver_allocator::options::Pack;
@@ -145,7 +145,7 @@ fn prepare_backup(vh: u64, device: i32, size: usize) {
 pub(crate) fn headers_apply() -> bool {
     static DECIDED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *DECIDED.get_or_init(|| {
-        let version = crate::guard::nccl_version();
+        let version = crate::interpose::guard::nccl_version();
         if version.is_some_and(|v| v <= options::LAST_CHECKED_NCCL) {
             return true;
         }
@@ -294,7 +294,7 @@ unsafe extern "C" fn mem_create(
     if r != CUDA_SUCCESS
         || handle.is_null()
         || prop.is_null()
-        || crate::appmem::in_application_alloc()
+        || crate::interpose::appmem::in_application_alloc()
     {
         return r;
     }
@@ -508,7 +508,7 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
 /// NCCL reserves an address range. Right after creating a buffer of that size: the range is
 /// carved from address space memsaver reserved for NCCL's buffers, lowest address first
 /// ([`registry::Registry::carve_own`]), so that buffers NCCL allocates one after another are
-/// adjacent and a resume can back them with one physical allocation ([`crate::local`]). Right
+/// adjacent and a resume can back them with one physical allocation ([`crate::tag::local`]). Right
 /// after importing a peer's buffer: at its place in the owner's layout
 /// ([`registry::Registry::place_import`]). Any other reservation (a fixed address, host
 /// memory) is forwarded as it is.
@@ -735,7 +735,7 @@ fn record_import(
 
 /// NCCL imports a peer's memsaver memory it registered (token `t`): the fd comes from the
 /// owner ([`tokens::open_registered`]), which records this process as an importer, so the
-/// owner's pause releases the import and its resume maps it again ([`crate::registered`]).
+/// owner's pause releases the import and its resume maps it again ([`crate::tag::registered`]).
 fn import_registered(
     handle: *mut CUmemGenericAllocationHandle,
     t: &Token,

@@ -1,8 +1,8 @@
 //! The owners this process imports NCCL buffers from, and the epoch at which its imports of
 //! each were last known to map the owner's current memory (`memsaver_ipc::epoch`). Each
-//! guarded NCCL call ([`crate::guard`]) compares those with what the owners publish: one load
+//! guarded NCCL call ([`crate::interpose::guard`]) compares those with what the owners publish: one load
 //! of shared memory per owner. An owner found ahead is caught up with by the `nccl` tag's
-//! layer ([`crate::catchup`], set as [`CATCH_UP`] at start: this module, below it, never calls
+//! layer ([`crate::tag::catchup`], set as [`CATCH_UP`] at start: this module, below it, never calls
 //! up into it by name).
 
 use std::collections::BTreeMap;

@@ -1,12 +1,12 @@
 //! The `nccl` tag's exchanges with its peers through the cross-process layer
 //! (`memsaver_ipc`), under the `nccl` timeout: the pause tells owners which imports it released,
-//! the resume asks owners for the new generation of its imports ([`crate::provider`]).
+//! the resume asks owners for the new generation of its imports ([`crate::tag::provider`]).
 //!
 //! NCCL shares a P2P buffer by exporting its handle as a POSIX fd, sending the fd over its own
-//! Unix socket and importing it in the peer. The export wrapper ([`crate::vmm`]) hands NCCL a
+//! Unix socket and importing it in the peer. The export wrapper ([`crate::interpose::vmm`]) hands NCCL a
 //! token instead (`memsaver_ipc::token`, naming the buffer by its virtual handle); the
 //! importer's wrapper trades it for the real fd with the owner; the owner serves it from its
-//! registry ([`crate::exports`]). So the owner knows every importer of each buffer, and every
+//! registry ([`crate::tag::exports`]). So the owner knows every importer of each buffer, and every
 //! importer knows the owner and buffer behind each import. Who may talk to whom, and what
 //! enforces it, is docs/security.md.
 
@@ -20,9 +20,9 @@ use memsaver_ipc::deadline::{Outcome, PerPeer, listed};
 use memsaver_ipc::protocol::Buffer;
 use memsaver_ipc::shared::{self, Holders, requests};
 
-use crate::local::{Holding, Notices, device_of, places};
 use crate::options;
 use crate::registry::{self, TAG};
+use crate::tag::local::{Holding, Notices, device_of, places};
 
 pub(crate) use memsaver_ipc::identity::alive;
 
@@ -548,7 +548,7 @@ pub(crate) fn map_imports(
         if let Some(epoch) = epoch
             && unused.get(&owner).map_or(0, Vec::len) == failed_before
         {
-            crate::epochs::synced(owner, epoch);
+            crate::interpose::epochs::synced(owner, epoch);
         }
     }
     // What this process imported of the owners at fault, for the message.

@@ -1,0 +1,236 @@
+//! Where NCCL's buffers and imports lie in the address space: this process's own buffers
+//! carved side by side from memsaver's arenas (so that a resume can back adjacent buffers with
+//! one physical allocation, a run), and each owner's buffers imported at the same distance
+//! from the start of their block as in the owner (so that an importer maps an owner's run
+//! whole). Methods of [`Registry`], under its lock.
+
+use memsaver_allocator::driver::sys::CUdeviceptr;
+
+use super::Registry;
+
+/// Address space reserved at once for NCCL's own buffers ([`Registry::carve_own`]).
+pub(crate) const OWN_ARENA: u64 = 64 << 30;
+
+/// A range of memsaver's reservations that NCCL reserved, and from where.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Handed {
+    pub len: u64,
+    /// Carved from the own arenas (its space goes back there), or placed in an owner's layout
+    /// (its space stays that owner's).
+    pub own: bool,
+}
+
+/// Importers lay out their imports of one owner as the owner lays its buffers out, block by
+/// block of the owner's addresses: an importer reserves one range of this size (addresses
+/// only) per block of an owner it imports from, and places each import at the buffer's offset
+/// in its block. An owner's run never crosses a block boundary, so that an importer can map it
+/// whole ([`crate::tag::local`]).
+pub(crate) const MIRROR_BLOCK: u64 = 64 << 30;
+
+impl Registry {
+    /// The address for an import of `len` bytes of `owner`'s buffer at `place` (aligned to
+    /// `align`): in this process's copy of the owner's layout, at the same distance from the
+    /// start of its block as in the owner; the block's range is reserved with `reserve(size,
+    /// alignment)` the first time. `None` when that cannot be (the reservation failed, the
+    /// place is taken: the same buffer imported twice, or it crosses a block's end).
+    pub fn place_import(
+        &mut self,
+        owner: u32,
+        place: u64,
+        len: u64,
+        align: u64,
+        reserve: impl FnOnce(u64, u64) -> Option<CUdeviceptr>,
+    ) -> Option<CUdeviceptr> {
+        let (block, off) = (place / MIRROR_BLOCK, place % MIRROR_BLOCK);
+        if off + len > MIRROR_BLOCK {
+            return None;
+        }
+        let base = match self.mirrors.get(&(owner, block)) {
+            Some(base) => *base,
+            None => {
+                // Aligned as the block's start would be up to 1 GiB, so that an offset keeps
+                // the alignment NCCL asked of the owner.
+                let base = reserve(MIRROR_BLOCK, 1 << 30)?;
+                self.mirrors.insert((owner, block), base);
+                base
+            }
+        };
+        let at = base + off;
+        let taken = self
+            .handed
+            .range(..at + len)
+            .next_back()
+            .is_some_and(|(p, h)| p + h.len > at);
+        if taken || (align > 1 && !at.is_multiple_of(align)) {
+            return None;
+        }
+        self.handed.insert(at, Handed { len, own: false });
+        Some(at)
+    }
+
+    /// An address range of `len` bytes aligned to `align` for NCCL's own buffer: the lowest
+    /// free one in the own arenas, a new arena reserved with `reserve(size, alignment)` when
+    /// none fits. `None` when that cannot be (the caller asks the driver).
+    pub fn carve_own(
+        &mut self,
+        len: u64,
+        align: u64,
+        reserve: impl FnOnce(u64, u64) -> Option<CUdeviceptr>,
+    ) -> Option<CUdeviceptr> {
+        let align = align.max(1);
+        let fits = |(start, free): (&CUdeviceptr, &u64)| {
+            let at = start.next_multiple_of(align);
+            (at + len <= start + free).then_some((*start, *free, at))
+        };
+        let found = match self.own_free.iter().find_map(fits) {
+            Some(f) => f,
+            None => {
+                let size = OWN_ARENA.max(len.next_multiple_of(1 << 30));
+                let base = reserve(size, (1 << 30).max(align))?;
+                self.own_free.insert(base, size);
+                (base, size, base.next_multiple_of(align))
+            }
+        };
+        let (start, free, at) = found;
+        self.own_free.remove(&start);
+        if at > start {
+            self.own_free.insert(start, at - start);
+        }
+        if start + free > at + len {
+            self.own_free.insert(at + len, start + free - (at + len));
+        }
+        self.handed.insert(at, Handed { len, own: true });
+        Some(at)
+    }
+
+    /// NCCL freed its reservation at `ptr` (or a run that covered it went): `true` when the
+    /// range was memsaver's (an own arena's space is free again, merged with its free
+    /// neighbours; an import's place is forgotten), `false` when it is the driver's to free.
+    pub fn free_range(&mut self, ptr: CUdeviceptr) -> bool {
+        let Some(h) = self.handed.remove(&ptr) else {
+            return false;
+        };
+        if h.own {
+            let (mut start, mut len) = (ptr, h.len);
+            if let Some((&s, &l)) = self.own_free.range(..start).next_back()
+                && s + l == start
+            {
+                self.own_free.remove(&s);
+                (start, len) = (s, l + len);
+            }
+            if let Some(next) = self.own_free.remove(&(start + len)) {
+                len += next;
+            }
+            self.own_free.insert(start, len);
+        }
+        true
+    }
+
+    /// Whether `[ptr, ptr + size)` lies inside one range reserved for an owner's layout.
+    pub fn in_mirror(&self, ptr: CUdeviceptr, size: u64) -> bool {
+        self.mirrors
+            .values()
+            .any(|base| ptr >= *base && ptr + size <= base + MIRROR_BLOCK)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_buffers_are_carved_side_by_side_and_freed_space_is_used_again() {
+        let mut reg = Registry::default();
+        let arenas = std::cell::Cell::new(0u64);
+        let reserve = |size: u64, align: u64| {
+            assert_eq!((size, align), (OWN_ARENA, 1 << 30));
+            arenas.set(arenas.get() + 1);
+            Some(arenas.get() * 0x1000_0000_0000)
+        };
+        let m = 2 << 20;
+        let a = reg.carve_own(m, m, reserve).unwrap();
+        let b = reg.carve_own(2 * m, m, reserve).unwrap();
+        let c = reg.carve_own(m, m, reserve).unwrap();
+        assert_eq!((b - a, c - b), (m, 2 * m), "one after another, adjacent");
+        assert_eq!(arenas.get(), 1, "one arena for all");
+        // An alignment NCCL asks is kept (the space skipped stays free).
+        let d = reg.carve_own(m, 8 * m, reserve).unwrap();
+        assert!(d.is_multiple_of(8 * m) && d > c);
+        // Freed: the space is handed out again, merged with its free neighbours.
+        assert!(reg.free_range(b) && reg.free_range(a));
+        assert_eq!(reg.carve_own(3 * m, m, reserve), Some(a));
+        assert!(
+            !reg.free_range(a + 1),
+            "not one of memsaver's ranges: the driver's"
+        );
+        // The arena full: another.
+        let big = reg.carve_own(OWN_ARENA, m, reserve).unwrap();
+        assert_eq!((arenas.get(), big), (2, 2 * 0x1000_0000_0000));
+        // No address space to be had: the caller asks the driver.
+        assert_eq!(reg.carve_own(OWN_ARENA, m, |_, _| None), None);
+    }
+
+    /// Freeing a range whose lower neighbour is free makes one free range of both (the test
+    /// above frees the upper neighbour last, which covers only the merge with the range after).
+    #[test]
+    fn a_freed_range_merges_with_the_free_range_before_it() {
+        let mut reg = Registry::default();
+        let reserve = |_: u64, _: u64| Some(0x1000_0000_0000);
+        let m = 2 << 20;
+        let a = reg.carve_own(m, m, reserve).unwrap();
+        let b = reg.carve_own(2 * m, m, reserve).unwrap();
+        // Keeps b's end from touching the arena's free tail.
+        let c = reg.carve_own(m, m, reserve).unwrap();
+        assert_eq!((b - a, c - b), (m, 2 * m));
+        assert!(reg.free_range(a) && reg.free_range(b));
+        assert_eq!(
+            reg.carve_own(3 * m, m, reserve),
+            Some(a),
+            "a and b are one free range"
+        );
+    }
+
+    #[test]
+    fn imports_are_placed_as_their_owner_lays_them_out_block_by_block() {
+        let mut reg = Registry::default();
+        let reserved = std::cell::RefCell::new(Vec::new());
+        let reserve = |size: u64, align: u64| {
+            let mut r = reserved.borrow_mut();
+            r.push((size, align));
+            Some(0x7000_0000_0000 + r.len() as u64 * 0x100_0000_0000)
+        };
+        let m = 2 << 20;
+        // Owner 5's buffers at two places of one block: the same distance apart here.
+        let place = 3 * MIRROR_BLOCK + 0x4000_0000;
+        let a = reg.place_import(5, place, m, m, reserve).unwrap();
+        let b = reg.place_import(5, place + 3 * m, m, m, reserve).unwrap();
+        assert_eq!(b - a, 3 * m);
+        assert_eq!(
+            a % MIRROR_BLOCK,
+            0x4000_0000,
+            "the offset in the block is kept"
+        );
+        // Another owner, or another block of the same owner: another range.
+        let c = reg.place_import(6, place, m, m, reserve).unwrap();
+        let d = reg
+            .place_import(5, place + MIRROR_BLOCK, m, m, reserve)
+            .unwrap();
+        assert!(c.abs_diff(a) >= MIRROR_BLOCK && d.abs_diff(a) >= MIRROR_BLOCK);
+        assert_eq!(*reserved.borrow(), vec![(MIRROR_BLOCK, 1 << 30); 3]);
+        // The same buffer imported twice, an overlap, a range across a block's end, an
+        // alignment the place cannot give: the driver's address instead.
+        assert_eq!(reg.place_import(5, place, m, m, reserve), None);
+        assert_eq!(reg.place_import(5, place + m / 2, m, 1, reserve), None);
+        assert_eq!(
+            reg.place_import(5, 4 * MIRROR_BLOCK - m, 2 * m, m, reserve),
+            None
+        );
+        assert_eq!(
+            reg.place_import(5, place + 8 * m, m, 1 << 30, reserve),
+            None
+        );
+        // A block whose range cannot be reserved.
+        assert_eq!(reg.place_import(9, place, m, m, |_, _| None), None);
+        assert!(reg.in_mirror(a, 4 * m) && !reg.in_mirror(a - MIRROR_BLOCK, m));
+    }
+}
