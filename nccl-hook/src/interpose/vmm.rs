@@ -508,7 +508,7 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
 /// NCCL reserves an address range. Right after creating a buffer of that size: the range is
 /// carved from address space memsaver reserved for NCCL's buffers, lowest address first
 /// ([`registry::Registry::carve_own`]), so that buffers NCCL allocates one after another are
-/// adjacent and a resume can back them with one physical allocation ([`crate::tag::local`]). Right
+/// adjacent and a resume can back them with one physical allocation ([`crate::tag::restore`]). Right
 /// after importing a peer's buffer: at its place in the owner's layout
 /// ([`registry::Registry::place_import`]). Any other reservation (a fixed address, host
 /// memory) is forwarded as it is.

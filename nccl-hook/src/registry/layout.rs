@@ -24,7 +24,7 @@ pub(crate) struct Handed {
 /// block of the owner's addresses: an importer reserves one range of this size (addresses
 /// only) per block of an owner it imports from, and places each import at the buffer's offset
 /// in its block. An owner's run never crosses a block boundary, so that an importer can map it
-/// whole ([`crate::tag::local`]).
+/// whole ([`crate::tag::restore`]).
 pub(crate) const MIRROR_BLOCK: u64 = 64 << 30;
 
 impl Registry {

@@ -35,8 +35,8 @@ use parking_lot::Mutex;
 
 use crate::interpose::epochs::{self, synced};
 use crate::registry::{self, Kind};
-use crate::tag::local;
 use crate::tag::peer::{self, Fetch, Fetched, Wanted};
+use crate::tag::release;
 
 /// Held by the one thread catching up.
 static CATCHING_UP: Mutex<()> = Mutex::new(());
@@ -65,7 +65,7 @@ fn catch_up_with() -> Result<(), String> {
 fn catch_up(a: &'static Allocator, group: i64, owner: u32, word: Word) -> Result<(), String> {
     let who = format!("process {owner} (group {group})");
     if word.paused {
-        let released = local::release_imports_of(a, owner).map_err(|e| {
+        let released = release::release_imports_of(a, owner).map_err(|e| {
             format!(
                 "{who} paused 'nccl'; releasing this process's imports of its memory failed: {e}"
             )
@@ -113,7 +113,7 @@ fn catch_up(a: &'static Allocator, group: i64, owner: u32, word: Word) -> Result
         synced(owner, at);
         return Ok(());
     }
-    local::release_imports_of(a, owner).map_err(|e| {
+    release::release_imports_of(a, owner).map_err(|e| {
         format!("{who} paused and resumed 'nccl' without this process; releasing this process's imports of its old memory failed: {e}")
     })?;
     let imported = peer::map_imports(

@@ -4,8 +4,9 @@
 //!
 //! * [`provider`]: the tag the allocator pauses and resumes ([`provider::NcclTag`]), the order
 //!   of its steps and what each reports;
-//! * `local`: this process's own memory and its mappings of peers' memory on the engine's
-//!   steps (`memsaver_allocator::steps`, shared with every tag);
+//! * `release` (pause step 1) and `restore` (resume step 1): this process's own memory and its
+//!   mappings of peers' memory on the engine's steps (`memsaver_allocator::steps`, shared with
+//!   every tag), with what both share in `local`;
 //! * `peer`: the requests to the owners of this process's imports and the waits for its
 //!   importers, over `memsaver_ipc`;
 //! * `exports`: the memory behind the owner's answers to peers, routed to it by
@@ -20,3 +21,5 @@ pub(crate) mod local;
 pub(crate) mod peer;
 pub(crate) mod provider;
 pub(crate) mod registered;
+pub(crate) mod release;
+pub(crate) mod restore;

@@ -1,8 +1,8 @@
 //! The `nccl` tag: pause releases NCCL's device memory behind its virtual handles, in this
 //! process and, together with the peers, the references between processes; resume rebuilds it
 //! at the same addresses. This module is the order of the steps; the work on this process's
-//! memory is [`crate::tag::local`] (on the engine's steps, as every tag's), the exchanges with the
-//! peers [`crate::tag::peer`].
+//! memory is [`crate::tag::release`] and [`crate::tag::restore`] (on the engine's steps, as
+//! every tag's), the exchanges with the peers [`crate::tag::peer`].
 //!
 //! Pause, in every process of the group:
 //! 1. (registry locked, local work only) synchronise the devices; queue the backup copies of
@@ -43,8 +43,8 @@ use memsaver_ipc::group;
 
 use crate::interpose::graphs;
 use crate::registry::{self, Kind, TAG};
-use crate::tag::local;
 use crate::tag::peer;
+use crate::tag::{release, restore};
 
 pub struct NcclTag {
     allocator: &'static Allocator,
@@ -58,6 +58,11 @@ impl NcclTag {
 
 /// Bytes the last pause and the last resume copied (`nccl_stats`).
 pub(crate) static COPIED: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+
+/// `d` in milliseconds, for the log lines.
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
 
 fn report(allocations: usize, bytes: u64, copied_bytes: u64, start: Instant) -> Report {
     Report {
@@ -84,13 +89,13 @@ impl ExternalTag for NcclTag {
             return Err(peer::peer_error(why));
         }
         let backup = crate::options::get().nccl_backup;
-        let mut released = local::release_local(self.allocator, backup)?;
+        let mut released = release::release_local(self.allocator, backup)?;
         let group = group::id();
         let notifying = peer::notify_owners(group, std::mem::take(&mut released.notices), deadline);
         if let Some(e) = released.error.take() {
             // The owners waiting for imports this pause left mapped hear it now, not at their
             // deadline; the others take the notices of what it released.
-            let owners = local::owners_still_mapped();
+            let owners = release::owners_still_mapped();
             let failing = peer::tell_pause_failed(group, owners, e.to_string(), deadline);
             let what = "pause('nccl') tells the owners of its imports that it failed";
             let _ = failing.finish(deadline, what, group);
@@ -114,7 +119,7 @@ impl ExternalTag for NcclTag {
             ));
         }
         // Nobody holds a run this process released: the buffers NCCL freed inside them go.
-        local::forget_retired(&mut registry::lock());
+        release::forget_retired(&mut registry::lock());
         for (owner, fault) in &unacked {
             let holds = released
                 .released_imports
@@ -128,7 +133,6 @@ impl ExternalTag for NcclTag {
             );
         }
         COPIED[0].store(released.copied, Ordering::Relaxed);
-        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         tracing::info!(
             release_local_ms = local_ms,
             plan_ms = ms(released.plan_time),
@@ -164,8 +168,8 @@ impl ExternalTag for NcclTag {
         graphs::restore_stacks(self.allocator);
         let stack_ms = start.elapsed().as_secs_f64() * 1e3;
         let fetching = peer::fetch_imports(group, peer::imports_to_fetch(), deadline);
-        let local = local::restore_local(self.allocator).map_err(|e| {
-            let e = local::still_paused(e);
+        let local = restore::restore_local(self.allocator).map_err(|e| {
+            let e = restore::still_paused(e);
             // The peers waiting for buffers this resume left paused hear it now, not at
             // their deadline.
             memsaver_ipc::shared::resume_failed(e.to_string());
@@ -194,7 +198,6 @@ impl ExternalTag for NcclTag {
         let mapped_ms = start.elapsed().as_secs_f64() * 1e3;
         let after_imports = self.allocator.driver().call_time();
         crate::interpose::guard::set_paused(false);
-        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         tracing::info!(
             restore_local_ms = restored_ms,
             plan_ms = ms(own.plan_time),

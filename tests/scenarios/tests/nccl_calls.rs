@@ -3,9 +3,9 @@
 //! The fake driver counts the calls per process (`fakecuda_call_counts`); `nccl-rank`'s `calls`
 //! command reads and resets them.
 //!
-//! `the_counts_are_what_the_design_implies` pins the current design (`nccl-hook/src/tag/local.rs`
-//! on `allocator/src/steps.rs`): a change that makes fewer (or more) calls must update it
-//! knowingly.
+//! `the_counts_are_what_the_design_implies` pins the current design (`nccl-hook/src/tag/`
+//! `release.rs` and `restore.rs` on `allocator/src/steps.rs`): a change that makes fewer (or
+//! more) calls must update it knowingly.
 //! `table` is the benchmark (docs/benchmarks.md), ignored by default:
 //!
 //! ```text
