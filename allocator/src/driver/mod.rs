@@ -285,7 +285,8 @@ impl Drop for Timer<'_> {
 }
 
 /// The time spent in each kind of [`TIMED_KINDS`] between two readings of
-/// [`Driver::call_time`], the kinds that took 10 µs or more, longest first: `unmap 3.10 ms, wait 1.20 ms`.
+/// [`Driver::call_time`], the kinds that took 10 µs or more, longest first:
+/// `unmap 3.10 ms, wait 1.20 ms`.
 pub fn time_spent(before: &[u64; TIMED_KINDS.len()], after: &[u64; TIMED_KINDS.len()]) -> String {
     let mut spent: Vec<(u64, &str)> = TIMED_KINDS
         .iter()

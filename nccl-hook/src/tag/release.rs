@@ -4,6 +4,7 @@
 //! owner's imports for an importer that catches up ([`release_imports_of`]).
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
 
 use memsaver_allocator::driver::Handle;
 use memsaver_allocator::options::Pack;
@@ -67,11 +68,11 @@ pub(crate) struct Released {
     /// Where the time went: choosing what to release, waiting for the devices, queueing the
     /// backups (and releasing imports), releasing own memory once its backups are done (the
     /// wait for them included), telling the ledger.
-    pub(crate) plan_time: std::time::Duration,
-    pub(crate) sync_time: std::time::Duration,
-    pub(crate) queue_time: std::time::Duration,
-    pub(crate) release_time: std::time::Duration,
-    pub(crate) ledger_time: std::time::Duration,
+    pub(crate) plan_time: Duration,
+    pub(crate) sync_time: Duration,
+    pub(crate) queue_time: Duration,
+    pub(crate) release_time: Duration,
+    pub(crate) ledger_time: Duration,
 }
 
 /// Unmaps the run of imports at `base` on `dev` once and releases its driver handle: every
@@ -261,7 +262,7 @@ pub(crate) fn release_imports_of(a: &'static Allocator, owner: u32) -> Result<Re
 /// done. A buffer that cannot be released stays resident without a backup; the error is
 /// returned after every device is done.
 pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Released> {
-    let t0 = std::time::Instant::now();
+    let t0 = Instant::now();
     let mut steps = a.steps(Op::Pause);
     let mut reg = registry::lock();
     crate::interpose::guard::set_paused(true);
@@ -294,10 +295,10 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
         let own = own.get(&dev).map_or(&[][..], Vec::as_slice);
         let imports = imports.get(&dev).map_or(&[][..], Vec::as_slice);
         // NCCL's kernels (here) may still use the memory.
-        let t = std::time::Instant::now();
+        let t = Instant::now();
         let mut failed = steps.synchronize(&device).err();
         out.sync_time += t.elapsed();
-        let t = std::time::Instant::now();
+        let t = Instant::now();
         // Back up what this process owns (imports are backed up by their owners).
         let mut pieces: Vec<(u64, Piece)> = Vec::with_capacity(own.len());
         for vh in own {
@@ -334,7 +335,7 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
             }
         }
         out.queue_time += t.elapsed();
-        let t = std::time::Instant::now();
+        let t = Instant::now();
         // Runs are released whole, each once the copies of all its buffers are done.
         let mut runs: BTreeMap<u64, Vec<(u64, Piece)>> = BTreeMap::new();
         let mut singles = Vec::with_capacity(pieces.len());
@@ -376,7 +377,7 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
             first_error.get_or_insert(e);
         }
     }
-    let t = std::time::Instant::now();
+    let t = Instant::now();
     // Exported buffers released (now or by an earlier pause that failed), and those NCCL
     // freed inside the runs released, which their importers map whole: paused in the owner's
     // ledger, whose importers step 3 waits for.

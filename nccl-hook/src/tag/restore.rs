@@ -3,6 +3,7 @@
 //! ([`units`]), exported buffers first, and its backups put back.
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
 
 use memsaver_allocator::driver::Handle;
 use memsaver_allocator::steps::{Memory, Op, Piece, Place, Steps, external_key, is_out_of_memory};
@@ -24,13 +25,13 @@ pub(crate) struct Restored {
     pub(crate) copied: u64,
     /// Where the time went: creating and mapping memory (with its access), queueing the
     /// zero fills and restores, and waiting for them.
-    pub(crate) map_time: std::time::Duration,
-    pub(crate) queue_time: std::time::Duration,
-    pub(crate) wait_time: std::time::Duration,
+    pub(crate) map_time: Duration,
+    pub(crate) queue_time: Duration,
+    pub(crate) wait_time: Duration,
     /// Choosing the units (claims, runs) and recording the buffers restored (the ledger
     /// included).
-    pub(crate) plan_time: std::time::Duration,
-    pub(crate) record_time: std::time::Duration,
+    pub(crate) plan_time: Duration,
+    pub(crate) record_time: Duration,
 }
 
 /// Resume: re-creates and restores this process's own claimed handles, `units` of them (all
@@ -98,12 +99,12 @@ fn restore(
                 let p = &reg.physicals[vh];
                 p.backup_len < p.size || matches!(piece.backup, Some(HostBackup::Packed(..)))
             });
-        let t0 = std::time::Instant::now();
+        let t0 = Instant::now();
         let mapped = steps
             .map_fresh(&dev, Memory::Like(&prop), size as usize, &pl, TAG)
             .and_then(|h| {
                 total.map_time += t0.elapsed();
-                let t1 = std::time::Instant::now();
+                let t1 = Instant::now();
                 let filled = if partial {
                     steps.zero(&dev, pl[0].ptr, size as usize)
                 } else {
@@ -141,10 +142,10 @@ fn restore(
         }
     }
     // Whatever happened, the queued copies finish before anyone may use the memory.
-    let t0 = std::time::Instant::now();
+    let t0 = Instant::now();
     let mut r = steps.finish(&dev).and(r);
     total.wait_time += t0.elapsed();
-    let t0 = std::time::Instant::now();
+    let t0 = Instant::now();
     // Exported buffers restored: each starts its next generation in the owner's ledger.
     let mut exports = Vec::new();
     for (unit, h, pieces) in made {
@@ -281,7 +282,7 @@ fn units(
 /// handle (`Resuming`) first, so that the handles still to restore while the lock is
 /// handed over are marked; what could not be restored goes back to `Paused`.
 pub(crate) fn restore_local(a: &'static Allocator) -> Result<Restored> {
-    let t0 = std::time::Instant::now();
+    let t0 = Instant::now();
     let mut steps = a.steps(Op::Resume);
     let plan = {
         let mut reg = registry::lock();
