@@ -1,7 +1,7 @@
-//! The loader's own lookups, past the `dlsym` interposer ([`crate::interpose::dlsym`]): glibc's real
-//! `dlsym`, and which loaded object an address belongs to. Used by the interposer and by the
-//! guarded NCCL entry points ([`crate::interpose::guard`]), which resolve libnccl's functions themselves;
-//! and who calls: libnccl, libmemsaver.so or any other object ([`caller`]).
+//! The loader's own lookups, past the `dlsym` interposer ([`crate::interpose::dlsym`]): glibc's
+//! real `dlsym`, and which loaded object an address belongs to. Used by the interposer and by the
+//! guarded NCCL entry points ([`crate::interpose::guard`]), which resolve libnccl's functions
+//! themselves; and who calls: libnccl, libmemsaver.so or any other object ([`caller`]).
 
 use std::ffi::CStr;
 use std::ffi::{c_char, c_void};

@@ -1,14 +1,15 @@
 //! The `dlsym` interposer: the one door through which NCCL's driver calls are seen.
 //!
-//! libnccl links the CUDA runtime statically; that runtime opens `libcuda.so.1` with `dlopen`
-//! and looks up `cuGetProcAddress_v2` with `dlsym`, then resolves every driver function NCCL
-//! uses through it. When libmemsaver.so is preloaded its `dlsym` comes first, so for exactly
-//! those lookups it hands out one of `crate::interpose::procaddr`'s wrappers instead of the driver's
+//! libnccl links the CUDA runtime statically; that runtime opens `libcuda.so.1` with `dlopen` and
+//! looks up `cuGetProcAddress_v2` with `dlsym`, then resolves every driver function NCCL uses
+//! through it. When libmemsaver.so is preloaded its `dlsym` comes first, so for exactly those
+//! lookups it hands out one of `crate::interpose::procaddr`'s wrappers instead of the driver's
 //! function: libnccl's pair (VMM and graph calls) to libnccl, the other pair (graph calls and
-//! `cuCtxSetLimit`, see `crate::interpose::graphs`) to every other object, the CUDA runtime included,
-//! but never to libmemsaver.so itself (its driver layer resolves through `dlsym` too). Direct
-//! lookups of those graph and limit names by objects other than libnccl and libmemsaver.so are
-//! answered with `crate::interpose::graphs`' wrappers. Every other lookup is forwarded untouched.
+//! `cuCtxSetLimit`, see `crate::interpose::graphs`) to every other object, the CUDA runtime
+//! included, but never to libmemsaver.so itself (its driver layer resolves through `dlsym` too).
+//! Direct lookups of those graph and limit names by objects other than libnccl and libmemsaver.so
+//! are answered with `crate::interpose::graphs`' wrappers. Every other lookup is forwarded
+//! untouched.
 //!
 //! Forwarding must be a tail jump: glibc derives what `RTLD_NEXT` means from the return
 //! address of its caller, so a plain call from here would make every other library's

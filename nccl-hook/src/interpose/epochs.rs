@@ -1,9 +1,9 @@
-//! The owners this process imports NCCL buffers from, and the epoch at which its imports of
-//! each were last known to map the owner's current memory (`memsaver_ipc::epoch`). Each
-//! guarded NCCL call ([`crate::interpose::guard`]) compares those with what the owners publish: one load
-//! of shared memory per owner. An owner found ahead is caught up with by the `nccl` tag's
-//! layer ([`crate::tag::catchup`], set as [`CATCH_UP`] at start: this module, below it, never calls
-//! up into it by name).
+//! The owners this process imports NCCL buffers from, and the epoch at which its imports of each
+//! were last known to map the owner's current memory (`memsaver_ipc::epoch`). Each guarded NCCL
+//! call ([`crate::interpose::guard`]) compares those with what the owners publish: one load of
+//! shared memory per owner. An owner found ahead is caught up with by the `nccl` tag's layer
+//! ([`crate::tag::catchup`], set as [`CATCH_UP`] at start: this module, below it, never calls up
+//! into it by name).
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;

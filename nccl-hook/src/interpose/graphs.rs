@@ -18,10 +18,10 @@
 //! device (some instantiation path escaped the wrappers). Resume never lowers: it restores
 //! max(saved, current), first, before NCCL's memory is mapped again.
 //!
-//! The events come from wrappers of `cuGraphInstantiate*`, `cuGraphExecDestroy`,
-//! `cuGraphLaunch` and `cuCtxSetLimit`, handed out by [`crate::interpose::procaddr`]'s `cuGetProcAddress`
-//! wrappers (to every caller but memsaver itself; `cuCtxSetLimit` only to non-NCCL callers) and
-//! by [`crate::interpose::dlsym`] for direct `dlsym` lookups of those names.
+//! The events come from wrappers of `cuGraphInstantiate*`, `cuGraphExecDestroy`, `cuGraphLaunch`
+//! and `cuCtxSetLimit`, handed out by [`crate::interpose::procaddr`]'s `cuGetProcAddress` wrappers
+//! (to every caller but memsaver itself; `cuCtxSetLimit` only to non-NCCL callers) and by
+//! [`crate::interpose::dlsym`] for direct `dlsym` lookups of those names.
 
 use std::collections::BTreeMap;
 use std::ffi::{c_uint, c_ulonglong, c_void};

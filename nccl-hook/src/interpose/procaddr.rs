@@ -1,10 +1,11 @@
 //! `cuGetProcAddress` wrappers: the second door. NCCL's runtime asks the driver's
 //! `cuGetProcAddress(_v2)` for every entry point; ours asks the real one and swaps in
-//! `crate::interpose::vmm`'s wrapper for the VMM calls NCCL makes, leaving everything else as it is.
+//! `crate::interpose::vmm`'s wrapper for the VMM calls NCCL makes, leaving everything else as it
+//! is.
 //!
 //! Two pairs of wrappers, told apart by the const parameter `NCCL`: libnccl's (VMM calls and
-//! `crate::interpose::graphs`' graph calls, so graphs NCCL captures count) and everyone else's, the CUDA
-//! runtime's included (graph calls and `cuCtxSetLimit` only: the limits the application sets).
+//! `crate::interpose::graphs`' graph calls, so graphs NCCL captures count) and everyone else's, the
+//! CUDA runtime's included (graph calls and `cuCtxSetLimit` only: the limits the application sets).
 
 use std::ffi::{CStr, c_char, c_int, c_ulonglong, c_void};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

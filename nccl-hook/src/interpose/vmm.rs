@@ -1,10 +1,10 @@
 //! Wrappers of the driver's VMM entry points, handed to libnccl by [`crate::interpose::procaddr`].
 //!
-//! Each calls the driver's own function (the one NCCL asked for) and keeps
-//! [`crate::registry`] up to date. Handles are virtual (see the registry): the wrappers that
-//! take a handle translate it, and a paused range is answered from the registry. Exports and
-//! imports between processes carry tokens instead of fds: [`crate::interpose::tokens`] makes, reads and
-//! trades them; the wrappers here make the driver calls.
+//! Each calls the driver's own function (the one NCCL asked for) and keeps [`crate::registry`] up
+//! to date. Handles are virtual (see the registry): the wrappers that take a handle translate it,
+//! and a paused range is answered from the registry. Exports and imports between processes carry
+//! tokens instead of fds: [`crate::interpose::tokens`] makes, reads and trades them; the wrappers
+//! here make the driver calls.
 
 use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
 use std::os::fd::{AsRawFd, IntoRawFd};
@@ -505,13 +505,13 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     release_real(gone);
     CUDA_SUCCESS
 }
-/// NCCL reserves an address range. Right after creating a buffer of that size: the range is
-/// carved from address space memsaver reserved for NCCL's buffers, lowest address first
+/// NCCL reserves an address range. Right after creating a buffer of that size: the range is carved
+/// from address space memsaver reserved for NCCL's buffers, lowest address first
 /// ([`registry::Registry::carve_own`]), so that buffers NCCL allocates one after another are
-/// adjacent and a resume can back them with one physical allocation ([`crate::tag::restore`]). Right
-/// after importing a peer's buffer: at its place in the owner's layout
-/// ([`registry::Registry::place_import`]). Any other reservation (a fixed address, host
-/// memory) is forwarded as it is.
+/// adjacent and a resume can back them with one physical allocation ([`crate::tag::restore`]).
+/// Right after importing a peer's buffer: at its place in the owner's layout
+/// ([`registry::Registry::place_import`]). Any other reservation (a fixed address, host memory) is
+/// forwarded as it is.
 unsafe extern "C" fn mem_reserve(
     ptr: *mut CUdeviceptr,
     size: usize,

@@ -7,11 +7,12 @@
 //! about a paused range (`cuMemRetainAllocationHandle`, `cuMemGetAddressRange`) are answered
 //! from here, so destroying a communicator while paused works.
 //!
-//! These are the records the interposition writes ([`crate::interpose::vmm`]) and the `nccl` tag's pause
-//! and resume ([`crate::tag::provider`]) and the memory it serves to peers ([`crate::tag::exports`]) work
-//! on: records and their lock only, below everything else in this crate (it imports no module
-//! of it). Who imports an exported buffer, its key and its generation are not NCCL's: the
-//! owner's ledger (`memsaver_ipc::exported`) keeps them, as it does for every export.
+//! These are the records the interposition writes ([`crate::interpose::vmm`]) and the `nccl` tag's
+//! pause and resume ([`crate::tag::provider`]) and the memory it serves to peers
+//! ([`crate::tag::exports`]) work on: records and their lock only, below everything else in this
+//! crate (it imports no module of it). Who imports an exported buffer, its key and its generation
+//! are not NCCL's: the owner's ledger (`memsaver_ipc::exported`) keeps them, as it does for every
+//! export.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 

@@ -6,10 +6,10 @@
 //! generation before, which the owner released, or the owner's paused memory. NCCL must not
 //! run on it: a collective would hang or give wrong results, silently.
 //!
-//! So each guarded NCCL call ([`crate::interpose::guard`]) first compares, for each owner this process
-//! imports from, the owner's published epoch (`memsaver_ipc::epoch`: raised by each of its
-//! pauses and resumes) with the epoch its imports were served at. While they agree the call
-//! goes on (one load of shared memory per owner). When the owner's is later:
+//! So each guarded NCCL call ([`crate::interpose::guard`]) first compares, for each owner this
+//! process imports from, the owner's published epoch (`memsaver_ipc::epoch`: raised by each of its
+//! pauses and resumes) with the epoch its imports were served at. While they agree the call goes on
+//! (one load of shared memory per owner). When the owner's is later:
 //! - the owner is paused now: this process releases its imports of it (as its own pause
 //!   would, telling the owner, whose pause then stops waiting for it) and the call is refused,
 //!   as calls are while `nccl` is paused;

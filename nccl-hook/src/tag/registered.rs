@@ -2,15 +2,15 @@
 //! registered (`ncclCommRegister`, or a buffer of a collective captured in a CUDA graph) and
 //! this process imported and mapped follows the owner's tag.
 //!
-//! The owner's NCCL retains the handle of the tensor's memory and exports it; memsaver hands
-//! NCCL a token naming the allocation (`crate::interpose::vmm`), and this process's import trades it for
-//! the fd through `memsaver_ipc::shared`, so the owner tracks this process as an importer like
-//! any CUDA IPC receiver. The mapping is NCCL's, recorded in the registry
-//! ([`registry::Kind::Registered`]). When the owner pauses the tag, its release request comes
-//! here ([`Holder::release`]): the mapping is unmapped and the imported handle released, the
-//! addresses stay reserved and recorded, and the owner's memory is really freed. When it
-//! resumes, [`Holder::rebuild`] maps the new memory at the same addresses, with the access NCCL
-//! granted. This process's own `nccl` tag leaves these imports alone.
+//! The owner's NCCL retains the handle of the tensor's memory and exports it; memsaver hands NCCL a
+//! token naming the allocation (`crate::interpose::vmm`), and this process's import trades it for
+//! the fd through `memsaver_ipc::shared`, so the owner tracks this process as an importer like any
+//! CUDA IPC receiver. The mapping is NCCL's, recorded in the registry
+//! ([`registry::Kind::Registered`]). When the owner pauses the tag, its release request comes here
+//! ([`Holder::release`]): the mapping is unmapped and the imported handle released, the addresses
+//! stay reserved and recorded, and the owner's memory is really freed. When it resumes,
+//! [`Holder::rebuild`] maps the new memory at the same addresses, with the access NCCL granted.
+//! This process's own `nccl` tag leaves these imports alone.
 //!
 //! On the owner's side, NCCL may hold the memory of a registered allocation itself: a window
 //! (`ncclCommWindowRegister`) retains the allocation's handle for its life and maps it again in
