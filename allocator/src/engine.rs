@@ -303,9 +303,9 @@ impl Allocator {
         settled?;
         match peers_behind {
             // This process's part is done; the caller learns what other processes still hold.
-            Some(message) => Err(Error::Peer {
+            Some(e) => Err(Error::Peer {
                 tag: tags.join(", "),
-                message,
+                message: e.to_string(),
             }),
             None => Ok(report),
         }

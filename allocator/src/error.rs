@@ -75,7 +75,12 @@ pub enum Error {
     /// The pause guard (`guard.rs`) refused a pause before anything changed: its memory could
     /// be handed out again while paused.
     #[error("pause refused: {0}")]
-    PauseRefused(String),
+    PauseRefused(LayerError),
+
+    /// A layer's start hook failed (`start.rs`): every operation done for the application
+    /// reports it, as it reports an invalid option.
+    #[error("{0}")]
+    Start(LayerError),
 }
 
 fn margin_note(margin: u64) -> String {
@@ -99,3 +104,33 @@ fn list_or_none(v: &[String]) -> String {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An error that a layer above the core returns through one of the core's contracts (a start
+/// hook, the sharing layer, the pause guard). The core cannot name the layers' error types, so
+/// it keeps the layer's typed error whole behind this (a caller that knows the type gets it
+/// back with [`LayerError::downcast_ref`]) and shows its message.
+#[derive(Clone, Debug)]
+pub struct LayerError(std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>);
+
+impl LayerError {
+    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(e))
+    }
+
+    /// The layer's own error, if it is of type `E`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.0.downcast_ref()
+    }
+}
+
+impl std::fmt::Display for LayerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for LayerError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}

@@ -7,13 +7,15 @@
 //! under the transition lock, for pauses made in this process and for those other processes
 //! ask for (control requests), alike.
 
+use crate::error::LayerError;
+
 /// What a pause guard does around each transition.
 pub trait PauseGuard: Send + Sync {
     /// A pause is about to pause the allocations of `tags` (the tags of the allocation table it
     /// names, every one of them when it names none): make sure nothing hands out their memory
-    /// until they are resumed. `Err` refuses the pause before anything changed, with a message
-    /// that says why and what to do.
-    fn before_pause(&self, tags: &[String]) -> Result<(), String>;
+    /// until they are resumed. `Err` refuses the pause before anything changed
+    /// ([`crate::Error::PauseRefused`]), with a message that says why and what to do.
+    fn before_pause(&self, tags: &[String]) -> Result<(), LayerError>;
     /// A pause or resume has ended, whatever its outcome: tags that are no longer paused may
     /// hand out their memory again.
     fn after_transition(&self);

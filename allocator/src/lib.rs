@@ -62,7 +62,7 @@ pub use allocator::{AllocationInfo, Allocator, validate_tag};
 pub use backup::{Backup, BackupKind};
 pub use device::Device;
 pub use disk::{BackupFile, DiskBackups, disk_backups};
-pub use error::{Error, Result};
+pub use error::{Error, LayerError, Result};
 pub use external::ExternalTag;
 pub use external::Report;
 pub use guard::PauseGuard;

@@ -13,7 +13,7 @@
 
 use std::os::fd::OwnedFd;
 
-use crate::error::Result;
+use crate::error::LayerError;
 
 /// What the sharing layer does around a transition (registered with
 /// [`Allocator::set_sharing`](crate::Allocator::set_sharing) by a start hook).
@@ -22,12 +22,12 @@ pub trait Sharing: Send + Sync {
     /// process must unmap and release its imports of them first, within the layer's deadline.
     /// The pause goes on either way; `Err` names each process that did not let go in time and
     /// what it holds (the pause then reports [`crate::Error::Peer`]: its memory may not be free).
-    fn before_release(&self, ids: &[u64]) -> Result<(), String>;
+    fn before_release(&self, ids: &[u64]) -> Result<(), LayerError>;
     /// A resume mapped these shared allocations again and restored their contents (or a
     /// pause released before failed for them, so they stayed resident): the importers map
     /// the memory again. `Err` names each process that did not within the deadline (the
     /// resume then reports [`crate::Error::Peer`]; those processes follow once they can).
-    fn after_resume(&self, ids: &[u64]) -> Result<(), String>;
+    fn after_resume(&self, ids: &[u64]) -> Result<(), LayerError>;
     /// The shared allocation `id` is being freed: whatever the layer holds of its memory
     /// (an exported fd keeps the memory alive) must go. The importers keep their mappings, as
     /// with CUDA IPC.

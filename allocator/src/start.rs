@@ -23,7 +23,7 @@
 
 use std::sync::{Arc, Once, OnceLock};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, LayerError, Result};
 use crate::{Allocator, driver, options};
 
 /// What a layer does once, when the process-wide allocator starts.
@@ -35,7 +35,7 @@ pub struct StartHook {
     pub order: u32,
     /// Runs with the new allocator. An error is kept: every [`global`] call returns it, as
     /// it returns an invalid option, while [`start_global`] still hands out the allocator.
-    pub run: fn(&'static Allocator) -> std::result::Result<(), String>,
+    pub run: fn(&'static Allocator) -> std::result::Result<(), LayerError>,
 }
 
 /// The start hooks of every layer linked into this process (see the module documentation).
@@ -63,7 +63,7 @@ static GLOBAL: OnceLock<std::result::Result<Allocator, driver::LoadError>> = Onc
 /// Completed once every start hook of the process-wide allocator has run.
 static HOOKS_RUN: Once = Once::new();
 /// The first error a start hook gave.
-static START_ERROR: OnceLock<String> = OnceLock::new();
+static START_ERROR: OnceLock<LayerError> = OnceLock::new();
 
 /// Sends memsaver's log to stderr, at the level `MEMSAVER_LOG` gives (default `warn`), once
 /// per process; a host application's own subscriber, if it has one, is left alone. An invalid
@@ -126,7 +126,7 @@ pub fn global() -> Result<&'static Allocator> {
     check_options()?;
     let a = start_global()?;
     match START_ERROR.get() {
-        Some(e) => Err(Error::InvalidArgument(e.clone())),
+        Some(e) => Err(Error::Start(e.clone())),
         None => Ok(a),
     }
 }

@@ -23,8 +23,10 @@ pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connects to the server of `owner` in `group`'s directory and checks who answers: a process
 /// of this user, in this pid namespace, whose pid and start time are the owner's.
 pub fn connect(group: i64, owner: &Identity) -> Result<UnixStream> {
-    let dir = rundir::group_dir(&rundir::runtime_dir(), group)
-        .map_err(|e| Error::Other(e.to_string()))?;
+    let dir = rundir::group_dir(&rundir::runtime_dir(), group).map_err(|source| Error::Io {
+        what: format!("the directory of group {group}"),
+        source,
+    })?;
     let name = identity::socket_name(owner);
     let shown = || format!("{}/{name}", dir.path().display());
     let stream = loop {
@@ -40,7 +42,10 @@ pub fn connect(group: i64, owner: &Identity) -> Result<UnixStream> {
             }
         }
     };
-    let (uid, pid) = peer_cred(&stream).map_err(|e| Error::Other(format!("{}: {e}", shown())))?;
+    let (uid, pid) = peer_cred(&stream).map_err(|source| Error::Io {
+        what: shown(),
+        source,
+    })?;
     if uid != rundir::euid() {
         return Err(Error::NotThatProcess(format!(
             "{} is served by uid {uid}, not this user ({}): refused",

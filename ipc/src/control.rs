@@ -31,8 +31,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::time::{Duration, Instant};
 
-use memsaver_allocator::{Allocator, StartHook};
+use memsaver_allocator::{Allocator, LayerError, StartHook};
 
+use crate::error::{Error, Result};
 use crate::identity::{self, Identity};
 use crate::log::note;
 use crate::protocol::{self, Reply, Request};
@@ -69,10 +70,11 @@ pub fn set_executor(f: Executor) {
 
 /// Opts this process in: it serves control requests from now on, on its memsaver socket
 /// (started now if it was not).
-pub fn serve() -> Result<(), String> {
+pub fn serve() -> Result<()> {
     SERVING.store(true, Ordering::SeqCst);
-    server::ensure_server().map_err(|e| {
-        format!("cannot serve control requests: {e} (docs/security.md says what memsaver needs)")
+    server::ensure_server().map_err(|source| Error::CannotServe {
+        doing: "cannot serve control requests (docs/security.md says what memsaver needs)",
+        source,
     })
 }
 
@@ -93,18 +95,19 @@ static AT_START: StartHook = StartHook {
 /// A process that was asked to serve control requests and cannot gives the reason: every
 /// operation done for the application fails with it (`memsaver_allocator::global`), as with
 /// an invalid option; the hooks that answer NCCL's driver calls go on.
-fn on_start(_: &'static Allocator) -> Result<(), String> {
+fn on_start(_: &'static Allocator) -> Result<(), LayerError> {
     if !crate::options::get().control {
         return Ok(());
     }
     SERVING.store(true, Ordering::SeqCst);
-    server::ensure_server().map_err(|e| {
-        let message = format!(
-            "MEMSAVER_CONTROL=1 is set, but this process cannot serve control requests: {e}; \
-             or unset MEMSAVER_CONTROL"
-        );
-        tracing::warn!("memsaver: {message}");
-        message
+    server::ensure_server().map_err(|source| {
+        let e = Error::CannotServe {
+            doing: "MEMSAVER_CONTROL=1 is set, but this process cannot serve control requests \
+                    (or unset MEMSAVER_CONTROL)",
+            source,
+        };
+        tracing::warn!("memsaver: {e}");
+        e.into()
     })
 }
 
@@ -114,8 +117,9 @@ struct Job {
     op: Control,
 }
 
-fn queue() -> Result<&'static SyncSender<Job>, String> {
-    static QUEUE: OnceLock<Result<SyncSender<Job>, String>> = OnceLock::new();
+fn queue() -> Result<&'static SyncSender<Job>> {
+    static QUEUE: OnceLock<std::result::Result<SyncSender<Job>, std::sync::Arc<std::io::Error>>> =
+        OnceLock::new();
     QUEUE
         .get_or_init(|| {
             let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(QUEUED);
@@ -127,10 +131,13 @@ fn queue() -> Result<&'static SyncSender<Job>, String> {
                     }
                 })
                 .map(|_| tx)
-                .map_err(|e| format!("cannot start the control thread: {e}"))
+                .map_err(std::sync::Arc::new)
         })
         .as_ref()
-        .map_err(Clone::clone)
+        .map_err(|source| Error::Thread {
+            what: "the control thread",
+            source: source.clone(),
+        })
 }
 
 /// On the control thread: runs one job and answers.
@@ -208,22 +215,16 @@ impl Handler for Requests {
             return conn.refuse("not a control request");
         };
         if let Err((conn, reason)) = submit(conn, from.pid, op) {
-            conn.refuse(&reason);
+            conn.refuse(&reason.to_string());
         }
     }
 }
 
 /// Hands a request to the control thread, or gives the reason to refuse it.
-fn submit(conn: Connection, from: u32, op: Control) -> Result<(), (Connection, String)> {
-    let me = std::process::id();
+fn submit(conn: Connection, from: u32, op: Control) -> Result<(), (Connection, Error)> {
+    let pid = std::process::id();
     if !serving() {
-        return Err((
-            conn,
-            format!(
-                "process {me} does not serve control requests: start it with MEMSAVER_CONTROL=1 \
-                 or call memsaver.serve_control() in it"
-            ),
-        ));
+        return Err((conn, Error::NoControl { pid }));
     }
     let tx = match queue() {
         Ok(tx) => tx,
@@ -233,7 +234,10 @@ fn submit(conn: Connection, from: u32, op: Control) -> Result<(), (Connection, S
         Ok(()) => Ok(()),
         Err(TrySendError::Full(j) | TrySendError::Disconnected(j)) => Err((
             j.conn,
-            format!("process {me} has {QUEUED} control requests waiting already: retry later"),
+            Error::ControlQueueFull {
+                pid,
+                queued: QUEUED,
+            },
         )),
     }
 }
@@ -251,8 +255,11 @@ pub struct Target {
 }
 
 /// The live processes serving sockets in `group`'s directory (this process excluded).
-fn in_group(group: i64) -> Result<Vec<Target>, String> {
-    let dir = rundir::group_dir(&rundir::runtime_dir(), group).map_err(|e| e.to_string())?;
+fn in_group(group: i64) -> Result<Vec<Target>> {
+    let dir = rundir::group_dir(&rundir::runtime_dir(), group).map_err(|source| Error::Io {
+        what: format!("the directory of group {group}"),
+        source,
+    })?;
     let me = std::process::id();
     let mut out: Vec<Target> = dir
         .entries()
@@ -286,26 +293,26 @@ fn groups_of(pid: u32) -> Vec<i64> {
 /// The processes a request is for: every live process serving `group` (this process's group
 /// when `None`), or only `pid` among them. The group is never guessed: a pid that serves
 /// another group is an error naming it.
-pub fn targets(pid: Option<u32>, group: Option<i64>) -> Result<Vec<Target>, String> {
+pub fn targets(pid: Option<u32>, group: Option<i64>) -> Result<Vec<Target>> {
     let named = group.is_some();
     let group = group.unwrap_or_else(group::id);
     let all = in_group(group)?;
     let rt = rundir::runtime_dir();
     let Some(pid) = pid else {
         if all.is_empty() {
-            return Err(format!(
+            return Err(Error::NoTarget(format!(
                 "no process of group {group} serves {}/g{group}: are they running with this \
                  MEMSAVER_RUNTIME_DIR, and did they opt in (MEMSAVER_CONTROL=1 or \
                  memsaver.serve_control())?",
                 rt.display()
-            ));
+            )));
         }
         return Ok(all);
     };
     if pid == std::process::id() {
-        return Err(format!(
+        return Err(Error::NoTarget(format!(
             "process {pid} is this process: call memsaver.pause/resume/stats directly"
-        ));
+        )));
     }
     if let Some(t) = all.iter().find(|t| t.pid == pid) {
         return Ok(vec![*t]);
@@ -316,7 +323,7 @@ pub fn targets(pid: Option<u32>, group: Option<i64>) -> Result<Vec<Target>, Stri
     } else {
         format!("group {group} (this process's: MEMSAVER_GROUP, memsaver.set_group)")
     };
-    Err(match elsewhere.as_slice() {
+    Err(Error::NoTarget(match elsewhere.as_slice() {
         [] => format!(
             "process {pid} serves no memsaver socket in {}: it is not running, runs with \
              another MEMSAVER_RUNTIME_DIR or user, has not opted in (MEMSAVER_CONTROL=1 or \
@@ -327,12 +334,12 @@ pub fn targets(pid: Option<u32>, group: Option<i64>) -> Result<Vec<Target>, Stri
             "process {pid} is in group {}, not {how}: name its group (--group {} or group={})",
             gs[0], gs[0], gs[0]
         ),
-    })
+    }))
 }
 
 /// Sends `op` to one target and waits up to `timeout` for the answer. `Err` when it was not
 /// reached, refused the request or did not answer.
-fn send(t: &Target, op: &Control, timeout: Duration) -> Result<Outcome, String> {
+fn send(t: &Target, op: &Control, timeout: Duration) -> Result<Outcome> {
     let pid = t.pid;
     let stream = client::connect(t.group, &t.identity)?;
     let request = Request::Control {
@@ -342,27 +349,28 @@ fn send(t: &Target, op: &Control, timeout: Duration) -> Result<Outcome, String> 
         op: op.clone(),
     };
     let sent_by = Instant::now() + WRITE_TIMEOUT;
+    let wire = |what: String| Error::Wire { pid, what };
     protocol::write_frame(stream.as_fd(), &request.encode(), None, sent_by)
-        .map_err(|e| format!("process {pid}: {e}"))?;
+        .map_err(|e| wire(e.to_string()))?;
     let answered_by = Instant::now() + timeout;
     let (body, _) =
         protocol::read_frame(stream.as_fd(), answered_by).map_err(|e| match e.kind() {
             std::io::ErrorKind::UnexpectedEof => {
-                format!("process {pid} closed the connection without an answer (did it exit?)")
+                wire("closed the connection without an answer (did it exit?)".into())
             }
-            std::io::ErrorKind::TimedOut => format!(
-                "process {pid} did not answer within {:.0} s (it may still complete the request)",
+            std::io::ErrorKind::TimedOut => wire(format!(
+                "no answer within {:.0} s (it may still complete the request)",
                 timeout.as_secs_f64()
-            ),
-            _ => format!("process {pid}: {e}"),
+            )),
+            _ => wire(e.to_string()),
         })?;
     match Reply::decode(&body) {
         Ok(Reply::Done) => Ok(Outcome::Done),
         Ok(Reply::Json { text }) => Ok(Outcome::Json(text)),
         Ok(Reply::Error { status, message }) => Ok(Outcome::Error { status, message }),
-        Ok(Reply::Refused { reason }) => Err(format!("process {pid} refused: {reason}")),
-        Ok(r) => Err(format!("process {pid} answered {r:?}")),
-        Err(e) => Err(format!("process {pid} sent {e}")),
+        Ok(Reply::Refused { reason }) => Err(Error::Refused { pid, reason }),
+        Ok(r) => Err(wire(format!("answered {r:?}"))),
+        Err(e) => Err(wire(format!("sent {e}"))),
     }
 }
 
@@ -371,7 +379,7 @@ pub fn send_all(
     targets: &[Target],
     op: &Control,
     timeout: Duration,
-) -> Result<Vec<Result<Outcome, String>>, String> {
+) -> Result<Vec<Result<Outcome>>> {
     op.check()?;
     let out = std::thread::scope(|s| {
         let handles: Vec<_> = targets
@@ -381,8 +389,9 @@ pub fn send_all(
         handles
             .into_iter()
             .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err("internal error while sending (a bug)".into()))
+                h.join().unwrap_or(Err(Error::Panicked {
+                    what: "sending a control request",
+                }))
             })
             .collect()
     });

@@ -54,9 +54,106 @@ pub enum Error {
     /// The owner exited.
     #[error("the owner of this memory, process {pid}, exited: {cause}")]
     OwnerExited { pid: u32, cause: Box<Error> },
-    /// Anything else (this process's own driver or server), as its message.
+    /// The owner could not export the memory asked for (its driver failed, or the buffer was
+    /// freed there).
+    #[error("process {pid} could not export {what} (its driver failed, or it was freed there)")]
+    ExportFailed { pid: u32, what: String },
+    /// The owner did not restore the memory within the wait: it is still paused there.
+    #[error(
+        "process {pid} did not restore buffer {id:#x} (generation {generation}) within {waited_ms} \
+         ms; every process of the group must resume that memory too"
+    )]
+    NotRestored {
+        pid: u32,
+        id: u64,
+        generation: u64,
+        waited_ms: u128,
+    },
+    /// The owner freed the buffer before this process imported it.
+    #[error("process {pid} freed buffer {id:#x} before this process imported it")]
+    Freed { pid: u32, id: u64 },
+    /// The owner re-created the memory in a layout that does not fit what this process
+    /// reserved for it.
+    #[error("process {pid} re-created the memory in a layout that does not fit the reserved range")]
+    Layout { pid: u32 },
+    /// An importer answered the owner's release or rebuild with its own failure.
+    #[error("{message}")]
+    ImporterFailed { pid: u32, message: String },
+    /// Importers (or this process's own other holds) did not follow a pause or resume of
+    /// shared memory by the deadline; `report` names each, what it holds and why.
+    #[error("{report}")]
+    Behind { pids: Vec<u32>, report: String },
+    /// This process cannot export the memory asked for; why (freed, not resident).
+    #[error("{why}")]
+    CannotExport { why: &'static str },
+    /// A hold of a layer above on shared memory (nccl-hook: NCCL's own mapping of a buffer it
+    /// registered) could not follow the memory.
+    #[error("{what}: {source}")]
+    Hold {
+        what: &'static str,
+        source: memsaver_allocator::Error,
+    },
+    /// Memory of this very process was asked for as an import.
+    #[error("{how}: this is memory of this very process (use the pointer itself)")]
+    OwnMemory { how: &'static str },
+    /// A token that names something other than a memsaver allocation.
+    #[error("not a token of a memsaver allocation")]
+    NotAnAllocation,
+    /// This process imported nothing of the process with that pid.
+    #[error("process {pid}: this process has no token of it")]
+    NoToken { pid: u32 },
+    /// A control request names no process that serves it (none in the group, this very
+    /// process, or one of another group); says which and what to do.
     #[error("{0}")]
-    Other(String),
+    NoTarget(String),
+    /// This process was asked for a control operation but does not serve them.
+    #[error(
+        "process {pid} does not serve control requests: start it with MEMSAVER_CONTROL=1 or \
+         call memsaver.serve_control() in it"
+    )]
+    NoControl { pid: u32 },
+    /// Too many control requests wait for this process's control thread already.
+    #[error("process {pid} has {queued} control requests waiting already: retry later")]
+    ControlQueueFull { pid: u32, queued: usize },
+    /// A thread of this process panicked (a bug in memsaver).
+    #[error("internal error while {what} (a bug)")]
+    Panicked { what: &'static str },
+    /// A control request beyond the protocol's limits (checked before sending).
+    #[error("invalid control request: {0}")]
+    Request(#[from] crate::protocol::Beyond),
+    /// This process cannot serve its memsaver socket (needed to `doing`).
+    #[error("{doing}: this process cannot serve its socket: {source}")]
+    CannotServe {
+        doing: &'static str,
+        source: std::sync::Arc<std::io::Error>,
+    },
+    /// A file or socket of this process's own (its runtime directory, a random key) failed.
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    /// This process's own allocator or driver failed.
+    #[error("{0}")]
+    Allocator(#[from] memsaver_allocator::Error),
+    /// An import was served but could not be mapped here.
+    #[error("cannot map memory of process {pid}: {source}")]
+    Map {
+        pid: u32,
+        source: memsaver_allocator::Error,
+    },
+    /// An import was closed here, but its owner was not told.
+    #[error("closed, but process {pid} was not told: {cause}")]
+    NotTold { pid: u32, cause: Box<Error> },
+    /// Several errors of one step (each of this process's holders and its importers).
+    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    Several(Vec<Error>),
+    /// A thread of this process could not be started.
+    #[error("cannot start a thread ({what}): {source}")]
+    Thread {
+        what: &'static str,
+        source: std::sync::Arc<std::io::Error>,
+    },
 }
 
 impl Error {
@@ -73,9 +170,9 @@ impl Error {
     }
 }
 
-impl From<Error> for String {
-    fn from(e: Error) -> String {
-        e.to_string()
+impl From<Error> for memsaver_allocator::LayerError {
+    fn from(e: Error) -> Self {
+        Self::new(e)
     }
 }
 

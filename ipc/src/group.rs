@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 
 use memsaver_allocator::options::Kind;
 
+use crate::error::{Error, Result};
 use crate::options::{self, GROUP as OPTION, Options};
 
 /// The group set by [`set`]; `i64::MIN` until then, meaning the option's.
@@ -33,17 +34,17 @@ pub fn id() -> i64 {
 
 /// The group in force, like [`id`]; but when none was set ([`set`]) and the variable is
 /// invalid, its error instead of the default.
-pub fn try_id() -> Result<i64, String> {
+pub fn try_id() -> Result<i64> {
     in_force(GROUP.load(Ordering::Relaxed), options::get())
 }
 
 /// The group in force given the one [`set`] stored (`i64::MIN`: none) and the options.
-fn in_force(set: i64, o: &Options) -> Result<i64, String> {
+fn in_force(set: i64, o: &Options) -> Result<i64> {
     match set {
         i64::MIN => o
             .check_one(&OPTION)
             .map(|()| o.group)
-            .map_err(|e| e.to_string()),
+            .map_err(|e| Error::Option(e.to_string())),
         g => Ok(g),
     }
 }
@@ -102,7 +103,7 @@ pub fn fix() -> i64 {
 
 /// [`fix`], checked: an invalid `MEMSAVER_GROUP` (with no group [`set`]) is the error, and
 /// fixes nothing (a group set later is still taken). Once fixed, the group fixed then.
-pub fn try_fix() -> Result<i64, String> {
+pub fn try_fix() -> Result<i64> {
     if let Some(g) = fixed() {
         return Ok(g);
     }
@@ -132,22 +133,23 @@ mod tests {
             let o = Options::from_vars(&[(var, v)]);
             assert_eq!(o.group, 0, "the default meanwhile");
             let e = in_force(i64::MIN, &o).unwrap_err();
+            assert!(matches!(e, Error::Option(_)), "{e}");
             assert!(
-                e.contains(&format!(
+                e.to_string().contains(&format!(
                     "invalid memsaver option: {var}='{v}': expected a whole number from \
                      -2147483648 to 2147483647"
                 )),
                 "{e}"
             );
-            assert_eq!(in_force(5, &o), Ok(5));
+            assert_eq!(in_force(5, &o).ok(), Some(5));
         }
         let o = Options::from_vars(&[("MEMSAVER_GROUP", "7"), ("MEMSAVER_IPC_TIMEOUT_MS", "0")]);
         assert_eq!(
-            in_force(i64::MIN, &o),
-            Ok(7),
+            in_force(i64::MIN, &o).ok(),
+            Some(7),
             "another variable's error is not the group's"
         );
-        assert_eq!(in_force(i64::MIN, &Options::from_vars(&[])), Ok(0));
+        assert_eq!(in_force(i64::MIN, &Options::from_vars(&[])).ok(), Some(0));
     }
 
     /// The process-wide accessors, in a child test process whose environment has
@@ -157,13 +159,13 @@ mod tests {
     #[test]
     fn try_fix_in_a_process_with_an_invalid_group_variable() {
         if std::env::var_os("IPC_GROUP_TEST_CHILD").is_some() {
-            let e = try_fix().unwrap_err();
+            let e = try_fix().unwrap_err().to_string();
             assert!(e.contains("MEMSAVER_GROUP='7x'"), "{e}");
-            assert_eq!(try_id(), Err(e));
+            assert_eq!(try_id().map_err(|e| e.to_string()), Err(e));
             assert_eq!(fixed(), None, "nothing fixed");
             assert_eq!(id(), 0);
             set(3).unwrap();
-            assert_eq!(try_fix(), Ok(3));
+            assert_eq!(try_fix().ok(), Some(3));
             assert_eq!((fixed(), fix()), (Some(3), 3));
             return;
         }

@@ -48,6 +48,8 @@ pub mod server;
 pub mod shared;
 pub mod token;
 
+pub use error::{Error, Result};
+
 use std::path::PathBuf;
 
 use rundir::Found;

@@ -70,14 +70,14 @@ pub fn timeout() -> std::time::Duration {
 /// The CUDA IPC deadline (`MEMSAVER_IPC_TIMEOUT_MS`), or the error naming the variable, its
 /// value and what it accepts when it is invalid: what waits on it for the application (an
 /// importer's open) calls this, never the default in its place.
-pub fn ipc_timeout() -> Result<std::time::Duration, String> {
+pub fn ipc_timeout() -> crate::error::Result<std::time::Duration> {
     timeout_of(get())
 }
 
-fn timeout_of(o: &Options) -> Result<std::time::Duration, String> {
+fn timeout_of(o: &Options) -> crate::error::Result<std::time::Duration> {
     o.check_one(&IPC_TIMEOUT_MS)
         .map(|()| o.ipc_timeout)
-        .map_err(|e| e.to_string())
+        .map_err(|e| crate::error::Error::Option(e.to_string()))
 }
 
 #[linkme::distributed_slice(memsaver_allocator::OPTION_LAYERS)]
@@ -189,8 +189,9 @@ mod tests {
         for v in ["abc", "0", "-5"] {
             let o = opts(&[("MEMSAVER_IPC_TIMEOUT_MS", v)]);
             let e = timeout_of(&o).unwrap_err();
+            assert!(matches!(e, crate::error::Error::Option(_)), "{e}");
             assert!(
-                e.contains(&format!(
+                e.to_string().contains(&format!(
                     "MEMSAVER_IPC_TIMEOUT_MS='{v}': expected a whole number from 1 to 86400000 (ms)"
                 )),
                 "{e}"
@@ -200,10 +201,13 @@ mod tests {
             ("MEMSAVER_IPC_TIMEOUT_MS", "1500"),
             ("MEMSAVER_GROUP", "7x"),
         ]);
-        assert_eq!(timeout_of(&o), Ok(std::time::Duration::from_millis(1500)));
         assert_eq!(
-            timeout_of(&opts(&[])),
-            Ok(std::time::Duration::from_secs(30))
+            timeout_of(&o).ok(),
+            Some(std::time::Duration::from_millis(1500))
+        );
+        assert_eq!(
+            timeout_of(&opts(&[])).ok(),
+            Some(std::time::Duration::from_secs(30))
         );
     }
 }

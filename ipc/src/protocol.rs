@@ -519,19 +519,34 @@ impl Request {
     }
 }
 
+/// What of a control request is beyond the protocol's limits ([`Control::check`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Beyond {
+    #[error("{0} tags (at most {MAX_TAGS})")]
+    Tags(usize),
+    #[error("invalid tag {0:?}: a tag has 1 to {MAX_TAG} characters")]
+    Tag(String),
+    #[error("a profile name or stage name longer than {MAX_TEXT} bytes")]
+    Name,
+    #[error("{name}: the profile has {bytes} bytes; a control request carries at most {room}")]
+    Profile {
+        name: String,
+        bytes: usize,
+        room: usize,
+    },
+}
+
 impl Control {
     /// Whether the fields are within the protocol's limits (a client checks before sending:
-    /// [`Request::encode`] would make a frame the server refuses).
-    pub fn check(&self) -> Result<(), String> {
+    /// [`Request::encode`] would make a frame the server refuses); else what is beyond them.
+    pub fn check(&self) -> Result<(), Beyond> {
         match self {
             Self::Pause { tags } | Self::Resume { tags } => {
                 if tags.len() > MAX_TAGS {
-                    return Err(format!("{} tags (at most {MAX_TAGS})", tags.len()));
+                    return Err(Beyond::Tags(tags.len()));
                 }
                 match tags.iter().find(|t| t.is_empty() || t.len() > MAX_TAG) {
-                    Some(t) => Err(format!(
-                        "invalid tag {t:?}: a tag has 1 to {MAX_TAG} characters"
-                    )),
+                    Some(t) => Err(Beyond::Tag(t.clone())),
                     None => Ok(()),
                 }
             }
@@ -542,16 +557,15 @@ impl Control {
                 profile,
             } => {
                 if source.len() > MAX_TEXT || stage.len() > MAX_TEXT {
-                    return Err(format!(
-                        "a profile name or stage name longer than {MAX_TEXT} bytes"
-                    ));
+                    return Err(Beyond::Name);
                 }
                 let room = MAX_FRAME - REQUEST_HEAD - 8 - source.len() - stage.len();
                 if profile.len() > room {
-                    return Err(format!(
-                        "{source}: the profile has {} bytes; a control request carries at most {room}",
-                        profile.len()
-                    ));
+                    return Err(Beyond::Profile {
+                        name: source.clone(),
+                        bytes: profile.len(),
+                        room,
+                    });
                 }
                 Ok(())
             }
@@ -1025,7 +1039,12 @@ mod tests {
             stage: "wake".into(),
             profile: "#".repeat(MAX_FRAME),
         };
-        assert!(run.check().unwrap_err().contains("carries at most"));
+        assert!(
+            run.check()
+                .unwrap_err()
+                .to_string()
+                .contains("carries at most")
+        );
         assert!(Control::Stats.check().is_ok());
         assert_eq!(
             Reply::decode(

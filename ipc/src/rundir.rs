@@ -159,13 +159,11 @@ pub fn group_names(runtime_dir: &Path) -> Vec<i64> {
 /// The runtime directory and `g<group>` in it as [`group_dir`] would find them, without
 /// creating anything, and the names of the entries of the group directory.
 pub fn inspect(runtime_dir: &Path, group: i64) -> (Found, Found, Vec<String>) {
-    let open = |parent: &OwnedFd, name: &OsStr, path: &Path| -> Result<Option<OwnedFd>, String> {
+    let open = |parent: &OwnedFd, name: &OsStr, path: &Path| -> std::io::Result<Option<OwnedFd>> {
         match open_at(Some(parent), name, path) {
-            Ok(fd) => check_private(&fd, path)
-                .map(|()| Some(fd))
-                .map_err(|e| e.to_string()),
+            Ok(fd) => check_private(&fd, path).map(|()| Some(fd)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(e),
         }
     };
     let Some(name) = runtime_dir.file_name() else {
@@ -175,20 +173,17 @@ pub fn inspect(runtime_dir: &Path, group: i64) -> (Found, Found, Vec<String>) {
         );
         return (Found::Problem(why), Found::Missing, Vec::new());
     };
-    let base = match open_parent(runtime_dir).map_err(|e| e.to_string()) {
-        Ok((parent, _)) => open(&parent, name, runtime_dir),
-        Err(e) => Err(e),
-    };
-    let base = match base {
-        Ok(Some(fd)) => fd,
-        Ok(None) => return (Found::Missing, Found::Missing, Vec::new()),
-        Err(e) => return (Found::Problem(e), Found::Missing, Vec::new()),
-    };
+    let base =
+        match open_parent(runtime_dir).and_then(|(parent, _)| open(&parent, name, runtime_dir)) {
+            Ok(Some(fd)) => fd,
+            Ok(None) => return (Found::Missing, Found::Missing, Vec::new()),
+            Err(e) => return (Found::Problem(e.to_string()), Found::Missing, Vec::new()),
+        };
     let path = runtime_dir.join(format!("g{group}"));
     match open(&base, OsStr::new(&format!("g{group}")), &path) {
         Ok(Some(fd)) => (Found::Ok, Found::Ok, Dir::new(fd, path).entries()),
         Ok(None) => (Found::Ok, Found::Missing, Vec::new()),
-        Err(e) => (Found::Ok, Found::Problem(e), Vec::new()),
+        Err(e) => (Found::Ok, Found::Problem(e.to_string()), Vec::new()),
     }
 }
 

@@ -165,19 +165,19 @@ extern "C" fn remove_own_entries() {
 
 /// Starts this process's server (once), in its group's directory, which fixes the group
 /// ([`group::fix`]). Later calls give the first one's result.
-pub fn ensure_server() -> std::io::Result<()> {
-    static STARTED: OnceLock<Result<(), String>> = OnceLock::new();
+pub fn ensure_server() -> Result<(), Arc<std::io::Error>> {
+    static STARTED: OnceLock<Result<(), Arc<std::io::Error>>> = OnceLock::new();
     STARTED
         .get_or_init(|| {
-            let group = group::try_fix()?;
-            let dir =
-                rundir::group_dir(&rundir::runtime_dir(), group).map_err(|e| e.to_string())?;
+            let group = group::try_fix().map_err(std::io::Error::other)?;
+            let dir = rundir::group_dir(&rundir::runtime_dir(), group)?;
             let me = identity::me();
             let name = identity::socket_name(&me);
             // bind creates the socket exclusively (EADDRINUSE if the name exists): never
             // another process's socket removed or taken over.
-            let listener = UnixListener::bind(dir.entry(&name))
-                .map_err(|e| format!("{}/{name}: {e}", dir.path().display()))?;
+            let listener = UnixListener::bind(dir.entry(&name)).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("{}/{name}: {e}", dir.path().display()))
+            })?;
             let mut names = vec![name];
             // Without it, this process's importers cannot see its pauses and resumes for
             // themselves: they follow them only in pauses and resumes of their own.
@@ -191,10 +191,9 @@ pub fn ensure_server() -> std::io::Result<()> {
             let _ = SERVING.set((dir, names, me.pid));
             // SAFETY: registers a plain extern "C" function without arguments.
             unsafe { libc::atexit(remove_own_entries) };
-            start(listener, group, me).map_err(|e| e.to_string())
+            start(listener, group, me).map_err(Arc::new)
         })
         .clone()
-        .map_err(std::io::Error::other)
 }
 
 /// A whole request, read, for a worker.

@@ -71,7 +71,7 @@ static AT_START: StartHook = StartHook {
     run: register_tag,
 };
 
-fn register_tag(a: &'static Allocator) -> Result<(), String> {
+fn register_tag(a: &'static Allocator) -> Result<(), memsaver_allocator::LayerError> {
     tag::catchup::install();
     if let Err(e) = a.register_external("nccl", Arc::new(NcclTag::new(a))) {
         tracing::warn!(error = %e, "the nccl tag is not available");

@@ -180,8 +180,9 @@ pub(crate) fn client(request: &str) -> Result<String, ClientError> {
             .map(Duration::from_secs_f64)
             .ok_or_else(|| bad("'timeout_s' must be a number of seconds (0 to 86400)"))?,
     };
-    let targets = control::targets(pid, group).map_err(ClientError)?;
-    let answers = control::send_all(&targets, &op, timeout).map_err(ClientError)?;
+    let targets = control::targets(pid, group).map_err(|e| ClientError(e.to_string()))?;
+    let answers =
+        control::send_all(&targets, &op, timeout).map_err(|e| ClientError(e.to_string()))?;
     let out: Vec<Value> = targets
         .iter()
         .zip(answers)
@@ -197,7 +198,12 @@ pub(crate) fn client(request: &str) -> Result<String, ClientError> {
                 Ok(Outcome::Error { status, message }) => {
                     (false, status, Some(message), Value::Null)
                 }
-                Err(e) => (false, Status::Control as u16, Some(e), Value::Null),
+                Err(e) => (
+                    false,
+                    Status::Control as u16,
+                    Some(e.to_string()),
+                    Value::Null,
+                ),
             };
             json!({"pid": t.pid, "group": t.group, "ok": ok, "status": status,
                    "error": error, "result": result})

@@ -13,7 +13,7 @@ use std::ffi::{CString, c_char, c_int};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
-use memsaver_allocator::{Allocator, PauseGuard, StartHook};
+use memsaver_allocator::{Allocator, LayerError, PauseGuard, StartHook};
 
 use crate::ffi::take_malloc_c_string;
 
@@ -52,6 +52,23 @@ fn call(event: c_int, tags: Option<&[String]>) -> Option<String> {
 
 struct Installed;
 
+/// Why the pause guard refused a pause.
+#[derive(Debug, thiserror::Error)]
+enum Refusal {
+    /// PyTorch's caching allocator is loaded, and no guard is installed to stop it.
+    #[error(
+        "this process has PyTorch's CUDA library loaded ({lib}), whose caching allocator would \
+         hand out blocks of the paused memory of tag(s) {} to new tensors, and nothing here \
+         stops it: import memsaver in this process (the package installs a pause guard in \
+         libmemsaver.so when it is imported)",
+        .tags.join(", ")
+    )]
+    Unguarded { lib: String, tags: Vec<String> },
+    /// The installed guard (the Python package's) refused, with its message.
+    #[error("{0}")]
+    Guard(String),
+}
+
 /// PyTorch's CUDA library, whose caching allocator keeps freed blocks of memsaver's memory.
 const TORCH_CUDA: &std::ffi::CStr = c"libtorch_cuda.so";
 
@@ -68,21 +85,20 @@ fn torch_cuda_loaded() -> bool {
 }
 
 impl PauseGuard for Installed {
-    fn before_pause(&self, tags: &[String]) -> Result<(), String> {
+    fn before_pause(&self, tags: &[String]) -> Result<(), LayerError> {
         if installed().is_none() {
             if torch_cuda_loaded() {
-                return Err(format!(
-                    "this process has PyTorch's CUDA library loaded ({}), whose caching \
-                     allocator would hand out blocks of the paused memory of tag(s) {} to new \
-                     tensors, and nothing here stops it: import memsaver in this process (the \
-                     package installs a pause guard in libmemsaver.so when it is imported)",
-                    TORCH_CUDA.to_string_lossy(),
-                    tags.join(", ")
-                ));
+                return Err(LayerError::new(Refusal::Unguarded {
+                    lib: TORCH_CUDA.to_string_lossy().into_owned(),
+                    tags: tags.to_vec(),
+                }));
             }
             return Ok(());
         }
-        call(crate::MEMSAVER_GUARD_BEFORE_PAUSE, Some(tags)).map_or(Ok(()), Err)
+        match call(crate::MEMSAVER_GUARD_BEFORE_PAUSE, Some(tags)) {
+            Some(message) => Err(LayerError::new(Refusal::Guard(message))),
+            None => Ok(()),
+        }
     }
 
     fn after_transition(&self) {

@@ -726,7 +726,7 @@ pub unsafe extern "C" fn memsaver_set_pause_guard(guard: MemsaverPauseGuard) -> 
 #[unsafe(no_mangle)]
 pub extern "C" fn memsaver_control_serve() -> c_int {
     ffi_with(|| {
-        memsaver_ipc::control::serve().map_err(|message| Failure::new(Status::Control, message))
+        memsaver_ipc::control::serve().map_err(|e| Failure::new(Status::Control, e.to_string()))
     })
 }
 

@@ -95,7 +95,8 @@ impl Status {
             Error::OutOfMemory { .. } => Status::OutOfMemory,
             Error::ResumeOutOfMemory { .. } => Status::ResumeOutOfMemory,
             Error::Incomplete { .. } => Status::Incomplete,
-            Error::InvalidArgument(_) => Status::InvalidArgument,
+            // A start hook that failed is refused as an invalid option is.
+            Error::InvalidArgument(_) | Error::Start(_) => Status::InvalidArgument,
             Error::Peer { .. } => Status::Peer,
             Error::Backup(_) => Status::Backup,
             Error::PauseRefused(_) => Status::PauseRefused,

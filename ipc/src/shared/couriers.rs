@@ -129,7 +129,12 @@ pub(super) fn deliver(group: i64, who: &Identity, op: Share, buffers: &[Buffer])
     let reply = client::exchange(group, who, request, 1, timeout())?;
     match reply.into_iter().next() {
         Some((Reply::Done, _)) => {}
-        Some((Reply::Error { message, .. }, _)) => return Err(Error::Other(message)),
+        Some((Reply::Error { message, .. }, _)) => {
+            return Err(Error::ImporterFailed {
+                pid: who.pid,
+                message,
+            });
+        }
         other => {
             return Err(Error::Wire {
                 pid: who.pid,

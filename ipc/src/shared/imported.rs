@@ -146,12 +146,15 @@ impl Import {
             .checked_sub(o.offset)
             .filter(|at| *at >= base && at + o.handle_size as u64 <= base + reserved as u64);
         let Some(at) = at else {
-            return Err(Error::Other(format!(
-                "process {} re-created the memory in a layout that does not fit the reserved range",
-                self.owner.pid
-            )));
+            return Err(Error::Layout {
+                pid: self.owner.pid,
+            });
         };
-        let handle = map_fd(a, &o.fd, at, o.handle_size, self.device).map_err(Error::Other)?;
+        let handle =
+            map_fd(a, &o.fd, at, o.handle_size, self.device).map_err(|source| Error::Map {
+                pid: self.owner.pid,
+                source,
+            })?;
         self.state = State::Mapped {
             generation: o.generation,
             handle,
@@ -174,10 +177,10 @@ pub trait Holder: Sync {
     /// Unmaps and releases what this process maps of generation `b.generation` or older of
     /// allocation `b` of `owner` (its addresses stay reserved), once no queued work of this
     /// process uses it.
-    fn release(&self, owner: &Identity, b: &Buffer) -> Result<bool, String>;
+    fn release(&self, owner: &Identity, b: &Buffer) -> Result<bool>;
     /// Maps generation `b.generation` of it again where it was, asking the owner for the new
     /// memory with [`fetch`].
-    fn rebuild(&self, owner: &Identity, group: i64, b: &Buffer) -> Result<bool, String>;
+    fn rebuild(&self, owner: &Identity, group: i64, b: &Buffer) -> Result<bool>;
     /// What it holds, for [`imports`].
     fn imports(&self) -> Vec<ImportStats>;
 }
@@ -199,16 +202,14 @@ pub struct Opened {
 /// The checks of every open: not this very process's memory, and the same group (which this
 /// fixes for the process), with this process's server running to answer the owner's release
 /// and rebuild.
-fn check_owner(owner: &Identity, group: i64, how: &str) -> Result<()> {
+fn check_owner(owner: &Identity, group: i64, how: &'static str) -> Result<()> {
     let pid = owner.pid;
     // The options this process uses to import, checked now (an importer may never have
     // allocated through memsaver, which checks them all).
-    crate::options::ipc_timeout().map_err(Error::Option)?;
-    let mine = group::try_fix().map_err(Error::Option)?;
+    crate::options::ipc_timeout()?;
+    let mine = group::try_fix()?;
     if *owner == identity::me() {
-        return Err(Error::Other(format!(
-            "{how}: this is memory of this very process (use the pointer itself)"
-        )));
+        return Err(Error::OwnMemory { how });
     }
     if group != mine {
         return Err(Error::OtherGroup {
@@ -217,10 +218,9 @@ fn check_owner(owner: &Identity, group: i64, how: &str) -> Result<()> {
             mine,
         });
     }
-    server::ensure_server().map_err(|e| {
-        Error::Other(format!(
-            "cannot import memsaver memory of process {pid}: this process cannot serve its socket: {e}"
-        ))
+    server::ensure_server().map_err(|source| Error::CannotServe {
+        doing: "cannot import memsaver memory of another process",
+        source,
     })
 }
 
@@ -228,7 +228,7 @@ fn check_owner(owner: &Identity, group: i64, how: &str) -> Result<()> {
 /// as [`open`], then [`fetch`].
 pub fn open_for_holder(t: &Token) -> Result<Opened> {
     if t.names != Names::Allocation {
-        return Err(Error::Other("not a token of a memsaver allocation".into()));
+        return Err(Error::NotAnAllocation);
     }
     let owner = t.owner();
     check_owner(&owner, t.group, "an import of a token")?;
@@ -285,9 +285,10 @@ pub fn fetch(group: i64, owner: &Identity, b: Buffer) -> Result<Opened> {
             })
         }
         Some((Reply::NotReady { .. }, _)) => Err(Error::Paused { pid }),
-        Some((Reply::Failed { .. }, _)) => Err(Error::Other(format!(
-            "process {pid} could not export this memory (its driver failed)"
-        ))),
+        Some((Reply::Failed { .. }, _)) => Err(Error::ExportFailed {
+            pid,
+            what: "this memory".into(),
+        }),
         other => Err(Error::Wire {
             pid,
             what: format!("answered {other:?}"),
@@ -296,15 +297,21 @@ pub fn fetch(group: i64, owner: &Identity, b: Buffer) -> Result<Opened> {
 }
 
 /// Imports `fd` and maps it at `at` for `device`; the handle on success.
-fn map_fd(a: &Allocator, fd: &OwnedFd, at: u64, len: usize, device: i32) -> Result<Handle, String> {
+fn map_fd(
+    a: &Allocator,
+    fd: &OwnedFd,
+    at: u64,
+    len: usize,
+    device: i32,
+) -> memsaver_allocator::Result<Handle> {
     let d = a.driver();
-    let dev = a.device(device).map_err(|e| e.to_string())?;
-    let h = d.import_fd(fd.as_raw_fd()).map_err(|e| e.to_string())?;
+    let dev = a.device(device)?;
+    let h = d.import_fd(fd.as_raw_fd())?;
     // SAFETY: `[at, at+len)` lies in a range this module reserved, with nothing mapped in it.
     let mapped = d.with_context(dev.ctx, || unsafe { d.map(at, len, h, device) });
     if let Err(e) = mapped {
         let _ = d.release(h);
-        return Err(e.to_string());
+        return Err(e.into());
     }
     Ok(h)
 }
@@ -317,7 +324,7 @@ pub fn open(bytes: &[u8; HANDLE_BYTES]) -> Result<Option<u64>> {
     };
     let pid = h.owner.pid;
     check_owner(&h.owner, h.group, "cudaIpcOpenMemHandle")?;
-    let a = memsaver_allocator::start_global().map_err(|e| Error::Other(e.to_string()))?;
+    let a = memsaver_allocator::start_global()?;
     // Held across the exchange: the owner's release of this import waits until it is recorded.
     let mut imports = IMPORTS.lock();
     // Opened already with this very handle: the same pointer, unless the owner paused it (a
@@ -341,14 +348,13 @@ pub fn open(bytes: &[u8; HANDLE_BYTES]) -> Result<Option<u64>> {
     let started = Instant::now();
     let o = fetch(h.group, &h.owner, want)?;
     let fetched = started.elapsed();
-    let mapped = (|| {
+    let mapped = (|| -> memsaver_allocator::Result<_> {
         let device = a.driver().current_device().unwrap_or(0);
-        let gran = a.granularity(device).map_err(|e| e.to_string())?;
-        let ctx = a.device(device).map_err(|e| e.to_string())?.ctx;
+        let gran = a.granularity(device)?;
+        let ctx = a.device(device)?.ctx;
         let base = a
             .driver()
-            .with_context(ctx, || a.driver().reserve(o.handle_size, gran, 0))
-            .map_err(|e| e.to_string())?;
+            .with_context(ctx, || a.driver().reserve(o.handle_size, gran, 0))?;
         match map_fd(a, &o.fd, base, o.handle_size, device) {
             Ok(handle) => Ok((device, base, handle)),
             Err(e) => {
@@ -363,9 +369,7 @@ pub fn open(bytes: &[u8; HANDLE_BYTES]) -> Result<Option<u64>> {
         Err(e) => {
             drop(imports);
             let _ = close_imports(h.group, &h.owner, &[want]);
-            return Err(Error::Other(format!(
-                "cannot map memory of process {pid}: {e}"
-            )));
+            return Err(Error::Map { pid, source: e });
         }
     };
     tracing::debug!(
@@ -485,18 +489,16 @@ pub fn close(ptr: u64) -> Option<Result<()>> {
     drop(imports);
     let a = match memsaver_allocator::start_global() {
         Ok(a) => a,
-        Err(e) => return Some(Err(Error::Other(e.to_string()))),
+        Err(e) => return Some(Err(e.into())),
     };
     i.release(a, u64::MAX);
     // SAFETY: reserved by `open`, nothing mapped in it any more.
     let _ = unsafe { a.driver().address_free(i.reserved.0, i.reserved.1) };
     // The memory is released here either way.
     Some(
-        close_imports(i.group, &i.owner, &[i.buffer()]).map_err(|e| {
-            Error::Other(format!(
-                "closed, but process {} was not told: {e}",
-                i.owner.pid
-            ))
+        close_imports(i.group, &i.owner, &[i.buffer()]).map_err(|e| Error::NotTold {
+            pid: i.owner.pid,
+            cause: Box::new(e),
         }),
     )
 }
@@ -578,7 +580,7 @@ fn answer(conn: &Connection, from: Identity, group: i64, op: Share, buffers: &[B
                 Share::Release => i.release(a, b.generation),
                 _ => {
                     if let Err(e) = i.rebuild(a, b.generation) {
-                        failed.push(e.to_string());
+                        failed.push(e);
                     }
                 }
             }
@@ -598,7 +600,10 @@ fn answer(conn: &Connection, from: Identity, group: i64, op: Share, buffers: &[B
     }
     let reply = match failed.into_iter().next() {
         None => Reply::Done,
-        Some(message) => Reply::Error { status: 0, message },
+        Some(e) => Reply::Error {
+            status: 0,
+            message: e.to_string(),
+        },
     };
     let _ = conn.send(&reply, None, write_by);
 }

@@ -267,8 +267,10 @@ impl Ledger {
         Ok(match self.exports.entry(id) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
-                let key = identity::new_key()
-                    .map_err(|e| Error::Other(format!("cannot draw a key for an export: {e}")))?;
+                let key = identity::new_key().map_err(|source| Error::Io {
+                    what: "cannot draw a key for an export".into(),
+                    source,
+                })?;
                 v.insert(Export {
                     key,
                     tag: tag.to_owned(),

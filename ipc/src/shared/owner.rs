@@ -8,12 +8,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Instant;
 
-use memsaver_allocator::{Allocator, StartHook};
+use memsaver_allocator::{Allocator, LayerError, StartHook};
 
 use super::couriers::*;
 use super::ledger::*;
 use crate::deadline::{Progress, listed};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::group;
 use crate::identity::Identity;
 use crate::options::{TIMEOUT_SETTING, timeout};
@@ -25,7 +25,7 @@ impl Owner {
     /// Moves the exports `ids` to `memory` (a resume: the next generation), starts the couriers
     /// of their importers and waits until every importer holds what it should, or the deadline.
     /// `Err` says which processes are behind, what they hold, and why.
-    fn transition(&self, ids: &[u64], memory: Memory) -> Result<(), String> {
+    fn transition(&self, ids: &[u64], memory: Memory) -> Result<()> {
         let mut l = LEDGER.lock();
         let importers = l.mark(Delivery::Courier, ids, memory);
         for who in &importers {
@@ -50,7 +50,10 @@ impl Owner {
                 return Ok(());
             }
             if Instant::now() >= deadline {
-                return Err(report(&l, ids, &behind, memory, group));
+                return Err(Error::Behind {
+                    pids: behind.iter().map(|w| w.pid).collect(),
+                    report: report(&l, ids, &behind, memory, group),
+                });
             }
             SETTLED.wait_until(&mut l, progress.next());
             progress.say(|| {
@@ -137,39 +140,42 @@ pub(super) fn report(
 pub trait Aliases: Sync {
     /// Unmaps and releases this process's other holds on the memory of allocations `ids`
     /// (their addresses stay reserved), once no queued work uses them.
-    fn release(&self, ids: &[u64]) -> Result<(), String>;
+    fn release(&self, ids: &[u64]) -> Result<()>;
     /// Maps the new memory of allocations `ids` where those holds were.
-    fn rebuild(&self, ids: &[u64]) -> Result<(), String>;
+    fn rebuild(&self, ids: &[u64]) -> Result<()>;
 }
 
 /// The registered [`Aliases`] (linked in by the layers above).
 #[linkme::distributed_slice]
 pub static ALIASES: [&'static dyn Aliases];
 
-/// `step` on every registered [`Aliases`], then `peers`: every error of either, joined.
+/// `step` on every registered [`Aliases`], then `peers`: every error of either (one as
+/// itself, more as [`Error::Several`]).
 pub(super) fn with_aliases(
-    step: impl Fn(&dyn Aliases) -> Result<(), String>,
-    peers: impl FnOnce() -> Result<(), String>,
-) -> Result<(), String> {
-    let mut errors: Vec<String> = ALIASES.iter().filter_map(|a| step(*a).err()).collect();
+    step: impl Fn(&dyn Aliases) -> Result<()>,
+    peers: impl FnOnce() -> Result<()>,
+) -> Result<()> {
+    let mut errors: Vec<Error> = ALIASES.iter().filter_map(|a| step(*a).err()).collect();
     errors.extend(peers().err());
-    if errors.is_empty() {
-        Ok(())
-    } else {
-        Err(errors.join("; "))
+    match errors.len() {
+        0 => Ok(()),
+        1 => Err(errors.pop().expect("one")),
+        _ => Err(Error::Several(errors)),
     }
 }
 
 impl memsaver_allocator::Sharing for Owner {
-    fn before_release(&self, ids: &[u64]) -> Result<(), String> {
+    fn before_release(&self, ids: &[u64]) -> Result<(), LayerError> {
         with_aliases(|a| a.release(ids), || self.transition(ids, Memory::Paused))
+            .map_err(Into::into)
     }
 
-    fn after_resume(&self, ids: &[u64]) -> Result<(), String> {
+    fn after_resume(&self, ids: &[u64]) -> Result<(), LayerError> {
         with_aliases(
             |a| a.rebuild(ids),
             || self.transition(ids, Memory::Resident),
         )
+        .map_err(Into::into)
     }
 
     fn freed(&self, id: u64) {
@@ -184,7 +190,7 @@ pub(super) static START: StartHook = StartHook {
     run: register,
 };
 
-pub(super) fn register(a: &'static Allocator) -> Result<(), String> {
+pub(super) fn register(a: &'static Allocator) -> Result<(), LayerError> {
     a.set_sharing(Arc::new(Owner));
     Ok(())
 }

@@ -28,7 +28,7 @@ pub(crate) fn owner_identity(pid: u32) -> Result<Identity> {
         .lock()
         .as_ref()
         .and_then(|m| m.get(&pid).copied())
-        .ok_or_else(|| Error::Other(format!("process {pid}: this process has no token of it")))
+        .ok_or(Error::NoToken { pid })
 }
 
 /// Records `t`'s owner as the process behind its pid. Refused while this process still holds
@@ -158,17 +158,17 @@ pub(crate) fn answers(
                 out.push(Answer::Gone);
                 continue;
             }
-            (Reply::NotReady { .. }, _) => Error::Other(format!(
-                "process {pid} did not restore buffer {id:#x} (generation {}) within {} ms; \
-                 every process of the group must resume that memory too",
-                want.generation,
-                wait.as_millis()
-            )),
+            (Reply::NotReady { .. }, _) => Error::NotRestored {
+                pid,
+                id,
+                generation: want.generation,
+                waited_ms: wait.as_millis(),
+            },
             (Reply::Error { message, .. }, None) => Error::OwnerFailed { pid, message },
-            (Reply::Failed { .. }, _) => Error::Other(format!(
-                "process {pid} could not export buffer {id:#x} (its driver failed, or the \
-                 buffer was freed there)"
-            )),
+            (Reply::Failed { .. }, _) => Error::ExportFailed {
+                pid,
+                what: format!("buffer {id:#x}"),
+            },
             (r, _) => Error::Wire {
                 pid,
                 what: format!("answered {r:?} for buffer {id:#x}"),
@@ -197,7 +197,7 @@ pub fn import(
     wait: Duration,
     holds_imports_of: impl FnOnce(u32) -> bool,
 ) -> Result<Served> {
-    let mine = group::try_fix().map_err(Error::Option)?;
+    let mine = group::try_fix()?;
     if t.group != mine {
         return Err(Error::OtherGroup {
             pid: t.pid,
@@ -214,10 +214,10 @@ pub fn import(
     let answer = fetch(t.group, &t.owner(), &[want], wait).map_err(|f| f.error)?;
     match answer.into_iter().next() {
         Some(Answer::Served(s)) => Ok(s),
-        Some(Answer::Gone) => Err(Error::Other(format!(
-            "process {} freed buffer {:#x} before this process imported it",
-            t.pid, t.buffer
-        ))),
+        Some(Answer::Gone) => Err(Error::Freed {
+            pid: t.pid,
+            id: t.buffer,
+        }),
         None => Err(Error::Wire {
             pid: t.pid,
             what: "no answer".into(),

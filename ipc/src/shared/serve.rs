@@ -29,14 +29,13 @@ pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>> {
     let shared = match a.share(ptr) {
         Ok(s) => s,
         Err(memsaver_allocator::Error::UnknownPointer { .. }) => return Ok(None),
-        Err(e) => return Err(Error::Other(e.to_string())),
+        Err(e) => return Err(e.into()),
     };
     // Importers answer the owner's release and rebuild requests on this server, and open
     // through it.
-    server::ensure_server().map_err(|e| {
-        Error::Other(format!(
-            "cannot share memsaver memory with other processes: this process cannot serve its socket: {e}"
-        ))
+    server::ensure_server().map_err(|source| Error::CannotServe {
+        doing: "cannot share memsaver memory with other processes",
+        source,
     })?;
     let key = {
         let mut l = LEDGER.lock();
@@ -54,7 +53,7 @@ pub fn handle_of(ptr: u64) -> Result<Option<IpcHandle>> {
     };
     Ok(Some(IpcHandle {
         owner: identity::me(),
-        group: group::try_fix().map_err(Error::Option)?,
+        group: group::try_fix()?,
         id: shared.id,
         key,
         size: shared.size as u64,
@@ -74,7 +73,7 @@ pub trait Backing {
         &mut self,
         id: u64,
         kept: &mut Option<ExportedMemory>,
-    ) -> Result<Option<ExportedMemory>, String>;
+    ) -> Result<Option<ExportedMemory>>;
 
     /// Whether export `id` stays resident whatever the owner's pauses ask: it keeps its
     /// generation, and is served as it is whatever generation an importer asks.
@@ -316,9 +315,9 @@ impl Allocations {
         a: &Allocator,
         id: u64,
         kept: &mut Option<ExportedMemory>,
-    ) -> Result<Option<ExportedMemory>, String> {
+    ) -> Result<Option<ExportedMemory>> {
         if kept.is_none() {
-            let Some(m) = a.export_shared(id).map_err(|e| e.to_string())? else {
+            let Some(m) = a.export_shared(id)? else {
                 return Ok(None);
             };
             if KEPT_FDS.load(Ordering::Relaxed) >= MAX_KEPT_FDS {
@@ -328,9 +327,10 @@ impl Allocations {
             *kept = Some(m);
         }
         let Some(m) = kept else { return Ok(None) };
-        let fd =
-            m.fd.try_clone()
-                .map_err(|err| format!("cannot copy an exported fd: {err}"))?;
+        let fd = m.fd.try_clone().map_err(|source| Error::Io {
+            what: "cannot copy an exported fd".into(),
+            source,
+        })?;
         Ok(Some(ExportedMemory {
             fd,
             offset: m.offset,
@@ -344,8 +344,8 @@ impl Backing for AllocationBacking {
         &mut self,
         id: u64,
         kept: &mut Option<ExportedMemory>,
-    ) -> Result<Option<ExportedMemory>, String> {
-        let a = self.0.as_ref().map_err(|e| e.to_string())?;
+    ) -> Result<Option<ExportedMemory>> {
+        let a = self.0.as_ref().map_err(|e| Error::Allocator(e.clone()))?;
         Allocations::export_kept(a, id, kept)
     }
 }

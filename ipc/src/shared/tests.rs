@@ -102,11 +102,14 @@ impl Backing for Layer {
         &mut self,
         id: u64,
         _kept: &mut Option<ExportedMemory>,
-    ) -> Result<Option<ExportedMemory>, String> {
+    ) -> crate::Result<Option<ExportedMemory>> {
         if self.away.contains(&id) {
             return Ok(None);
         }
-        let f = std::fs::File::open("/dev/null").map_err(|e| e.to_string())?;
+        let f = std::fs::File::open("/dev/null").map_err(|source| crate::Error::Io {
+            what: "/dev/null".into(),
+            source,
+        })?;
         Ok(Some(ExportedMemory {
             fd: f.into(),
             offset: 4096,

@@ -75,7 +75,7 @@ pub(crate) fn for_buffer(
 pub(crate) fn for_allocation(at: u64) -> Option<OwnedFd> {
     let made = if enabled() {
         memsaver_ipc::shared::handle_of(at)
-            .map_err(String::from)
+            .map_err(|e| e.to_string())
             .and_then(|handle| {
                 let handle = handle.ok_or("it is no longer allocated")?;
                 let token = Token::own(Names::Allocation, handle.group, handle.id, handle.key, 0);

@@ -15,6 +15,7 @@ use std::os::fd::OwnedFd;
 
 use memsaver_allocator::ExportedMemory;
 use memsaver_allocator::driver::{Driver, Handle};
+use memsaver_ipc::Error as IpcError;
 use memsaver_ipc::protocol::Request;
 use memsaver_ipc::server::{self, Connection, Handler, Route, Service};
 use memsaver_ipc::shared::{self, Backing, Delivery, Exports};
@@ -99,22 +100,35 @@ impl Backing for Held<'_> {
         &mut self,
         vh: u64,
         _kept: &mut Option<ExportedMemory>,
-    ) -> Result<Option<ExportedMemory>, String> {
+    ) -> memsaver_ipc::Result<Option<ExportedMemory>> {
         if self.reg.retired.contains_key(&vh) {
             // Its export stays only for the owner's pause to wait for its importers.
-            return Err("NCCL freed this buffer".into());
+            return Err(IpcError::CannotExport {
+                why: "NCCL freed this buffer",
+            });
         }
         let reg = &self.reg;
         let in_runs = self.in_runs.get_or_insert_with(|| reg.run_places());
         let Some((h, offset, size)) = reg.served_layout(vh, in_runs) else {
             return Ok(None); // released, or not restored yet
         };
+        let copy = |fd: &OwnedFd| {
+            fd.try_clone().map_err(|source| IpcError::Io {
+                what: "cannot copy an exported fd".into(),
+                source,
+            })
+        };
         let fd = match self.exported.get(&h) {
-            Some(fd) => fd.try_clone().map_err(|e| e.to_string())?,
+            Some(fd) => copy(fd)?,
             None => {
-                let d = self.driver.as_ref().map_err(|e| e.to_string())?;
-                let fd = d.export_fd(Handle(h)).map_err(|e| e.to_string())?;
-                let copy = fd.try_clone().map_err(|e| e.to_string())?;
+                let d = self
+                    .driver
+                    .as_ref()
+                    .map_err(|e| IpcError::Allocator(e.clone()))?;
+                let fd = d
+                    .export_fd(Handle(h))
+                    .map_err(|e| IpcError::Allocator(e.into()))?;
+                let copy = copy(&fd)?;
                 self.exported.insert(h, fd);
                 copy
             }

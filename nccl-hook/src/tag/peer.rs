@@ -61,12 +61,8 @@ pub(crate) fn tell_pause_failed(
         owners,
         deadline,
         move |owner, ()| {
-            Ok(requests::notify_pause_failed(
-                group,
-                owner,
-                &message,
-                timeout(),
-            )?)
+            requests::notify_pause_failed(group, owner, &message, timeout())
+                .map_err(|e| e.to_string())
         },
         |_, _| {},
     )
@@ -74,7 +70,7 @@ pub(crate) fn tell_pause_failed(
 
 /// Tells `owner` that this process released its imports `items`.
 pub(crate) fn notify_released(group: i64, owner: u32, items: &[Buffer]) -> Result<(), String> {
-    Ok(requests::notify_released(group, owner, items, timeout())?)
+    requests::notify_released(group, owner, items, timeout()).map_err(|e| e.to_string())
 }
 
 /// Why a peer did not do its part, as a user can act on it.

@@ -28,6 +28,7 @@
 use memsaver_allocator::driver::{Driver, Handle};
 use memsaver_allocator::steps::{Op, Place, Steps};
 use memsaver_allocator::{Allocator, Device};
+use memsaver_ipc::Error as IpcError;
 use memsaver_ipc::identity::Identity;
 use memsaver_ipc::protocol::Buffer;
 use memsaver_ipc::shared::{self, ALIASES, Aliases, HOLDERS, Holder, ImportStats};
@@ -67,8 +68,8 @@ fn retained(reg: &Registry, ids: &[u64], paused: bool) -> Vec<(u64, u64)> {
 }
 
 impl Aliases for Retained {
-    fn release(&self, ids: &[u64]) -> Result<(), String> {
-        let a = memsaver_allocator::global().map_err(|e| e.to_string())?;
+    fn release(&self, ids: &[u64]) -> memsaver_ipc::Result<()> {
+        let a = memsaver_allocator::global()?;
         let mut reg = registry::lock();
         let steps = a.steps(Op::Pause);
         let mut synced = Vec::new();
@@ -79,30 +80,32 @@ impl Aliases for Retained {
             let r = device(a, &reg, &ranges, vh).and_then(|dev| {
                 if !synced.contains(&dev.ordinal) {
                     // No kernel of this process may still use the memory through NCCL's mapping.
-                    steps.synchronize(&dev).map_err(|e| e.to_string())?;
+                    steps.synchronize(&dev)?;
                     synced.push(dev.ordinal);
                 }
                 // SAFETY: NCCL's own mappings of the allocation, mapped now; the device is idle.
-                unsafe { steps.unmap(&dev, &places(rs, None)) }.map_err(|e| e.to_string())
+                unsafe { steps.unmap(&dev, &places(rs, None)) }
             });
-            if let Err(e) = r {
-                first_error
-                    .get_or_insert(format!("NCCL's own mapping of a registered buffer: {e}"));
+            if let Err(source) = r {
+                first_error.get_or_insert(IpcError::Hold {
+                    what: "NCCL's own mapping of a registered buffer",
+                    source,
+                });
                 continue;
             }
             let p = reg.physicals.get_mut(&vh).expect("listed under this lock");
             match p.tag_paused() {
                 Ok(real) => steps.release(Handle(real), rs.first().map_or(0, |r| r.0)),
                 Err(e) => {
-                    first_error.get_or_insert(e.to_string());
+                    first_error.get_or_insert(IpcError::Allocator(e.into()));
                 }
             }
         }
         first_error.map_or(Ok(()), Err)
     }
 
-    fn rebuild(&self, ids: &[u64]) -> Result<(), String> {
-        let a = memsaver_allocator::global().map_err(|e| e.to_string())?;
+    fn rebuild(&self, ids: &[u64]) -> memsaver_ipc::Result<()> {
+        let a = memsaver_allocator::global()?;
         let d = a.driver();
         let mut reg = registry::lock();
         let steps = a.steps(Op::Resume);
@@ -111,24 +114,32 @@ impl Aliases for Retained {
             let ranges = reg.ranges_by_handle();
             let rs = ranges.get(&vh).map_or(&[][..], Vec::as_slice);
             // A handle of the allocation's new memory, NCCL's to hold as it held the old one.
-            let r = device(a, &reg, &ranges, vh).and_then(|dev| {
-                let mem = a
-                    .export_shared(id)
-                    .map_err(|e| e.to_string())?
-                    .ok_or("the allocation is not resident")?;
-                map_fd(d, &steps, &dev, &mem.fd, &places(rs, None))
-            });
+            let r = device(a, &reg, &ranges, vh)
+                .map_err(|source| IpcError::Hold {
+                    what: "NCCL's own mapping of a registered buffer could not be mapped again",
+                    source,
+                })
+                .and_then(|dev| {
+                    let mem = a.export_shared(id)?.ok_or(IpcError::CannotExport {
+                        why: "the allocation is not resident",
+                    })?;
+                    map_fd(d, &steps, &dev, &mem.fd, &places(rs, None)).map_err(|source| {
+                        IpcError::Hold {
+                            what: "NCCL's own mapping of a registered buffer could not be \
+                                   mapped again",
+                            source,
+                        }
+                    })
+                });
             match r {
                 Ok(h) => {
                     let p = reg.physicals.get_mut(&vh).expect("listed under this lock");
                     if let Err(e) = p.tag_resumed(h.0) {
-                        first_error.get_or_insert(e.to_string());
+                        first_error.get_or_insert(IpcError::Allocator(e.into()));
                     }
                 }
                 Err(e) => {
-                    first_error.get_or_insert(format!(
-                        "NCCL's own mapping of a registered buffer could not be mapped again: {e}"
-                    ));
+                    first_error.get_or_insert(e);
                 }
             }
         }
@@ -173,14 +184,11 @@ fn map_fd(
     dev: &Device,
     fd: &std::os::fd::OwnedFd,
     places: &[Place<'_>],
-) -> Result<Handle, String> {
+) -> memsaver_allocator::Result<Handle> {
     let raw = std::os::fd::AsRawFd::as_raw_fd(fd);
-    let h = d
-        .with_context(dev.ctx, || d.import_fd(raw))
-        .map_err(|e| e.to_string())?;
-    steps.map_handle(dev, h, places).map_err(|e| {
+    let h = d.with_context(dev.ctx, || d.import_fd(raw))?;
+    steps.map_handle(dev, h, places).inspect_err(|_| {
         let _ = d.release(h);
-        e.to_string()
     })?;
     Ok(h)
 }
@@ -193,20 +201,20 @@ fn release_one(
     reg: &mut Registry,
     vh: u64,
     synced: &mut Vec<i32>,
-) -> Result<(), String> {
+) -> memsaver_allocator::Result<()> {
     let ranges = reg.ranges_by_handle();
     let rs = ranges.get(&vh).map_or(&[][..], Vec::as_slice);
     let dev = device(a, reg, &ranges, vh)?;
     let pl = places(rs, reg.physicals[&vh].window());
     if !synced.contains(&dev.ordinal) {
         // No kernel of this process may still use the owner's memory.
-        steps.synchronize(&dev).map_err(|e| e.to_string())?;
+        steps.synchronize(&dev)?;
         synced.push(dev.ordinal);
     }
     // SAFETY: NCCL's mappings of the import, mapped now; the device is idle.
-    unsafe { steps.unmap(&dev, &pl) }.map_err(|e| e.to_string())?;
+    unsafe { steps.unmap(&dev, &pl) }?;
     let p = reg.physicals.get_mut(&vh).expect("matched under this lock");
-    let real = p.release().map_err(|e| e.to_string())?;
+    let real = p.release()?;
     steps.release(Handle(real), pl.first().map_or(0, |p| p.ptr));
     Ok(())
 }
@@ -216,15 +224,14 @@ fn device(
     reg: &Registry,
     ranges: &std::collections::HashMap<u64, Vec<Range>>,
     vh: u64,
-) -> Result<std::sync::Arc<Device>, String> {
+) -> memsaver_allocator::Result<std::sync::Arc<Device>> {
     a.device(device_of(reg, ranges, vh))
-        .map_err(|e| e.to_string())
 }
 
 impl Holder for Registered {
-    fn release(&self, owner: &Identity, b: &Buffer) -> Result<bool, String> {
+    fn release(&self, owner: &Identity, b: &Buffer) -> memsaver_ipc::Result<bool> {
         // Before the registry lock: this may start the allocator.
-        let a = memsaver_allocator::global().map_err(|e| e.to_string())?;
+        let a = memsaver_allocator::global()?;
         let _registering = registry::REGISTERING.lock();
         let mut reg = registry::lock();
         let vhs = matching(&reg, owner, b);
@@ -241,11 +248,11 @@ impl Holder for Registered {
                 first_error.get_or_insert(e);
             }
         }
-        first_error.map_or(Ok(!vhs.is_empty()), Err)
+        first_error.map_or(Ok(!vhs.is_empty()), |e| Err(e.into()))
     }
 
-    fn rebuild(&self, owner: &Identity, group: i64, b: &Buffer) -> Result<bool, String> {
-        let a = memsaver_allocator::global().map_err(|e| e.to_string())?;
+    fn rebuild(&self, owner: &Identity, group: i64, b: &Buffer) -> memsaver_ipc::Result<bool> {
+        let a = memsaver_allocator::global()?;
         let behind = |reg: &Registry| -> Vec<u64> {
             matching(reg, owner, b)
                 .into_iter()
@@ -282,7 +289,7 @@ impl Holder for Registered {
             if reg.physicals[&vh].mapped_generation().is_some()
                 && let Err(e) = release_one(&release_steps, a, &mut reg, vh, &mut synced)
             {
-                first_error.get_or_insert(e);
+                first_error.get_or_insert(e.into());
                 continue;
             }
             let ranges = reg.ranges_by_handle();
@@ -300,11 +307,7 @@ impl Holder for Registered {
                     .is_some_and(|off| off + len as u64 <= *size)
             };
             if !rs.iter().all(fits) {
-                first_error.get_or_insert(format!(
-                    "process {} re-created memory NCCL registered in a layout that does not fit \
-                     NCCL's mapping here",
-                    owner.pid
-                ));
+                first_error.get_or_insert(IpcError::Layout { pid: owner.pid });
                 continue;
             }
             let off = first - offset;
@@ -321,11 +324,11 @@ impl Holder for Registered {
                         *window = win;
                     }
                     if let Err(e) = p.remapped(h.0, generation) {
-                        first_error.get_or_insert(e.to_string());
+                        first_error.get_or_insert(IpcError::Allocator(e.into()));
                     }
                 }
                 Err(e) => {
-                    first_error.get_or_insert(e);
+                    first_error.get_or_insert(e.into());
                 }
             }
         }
