@@ -177,3 +177,37 @@ impl From<Error> for memsaver_allocator::LayerError {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error handed to the core through one of its contracts stays this layer's error: the
+    /// core shows its message, and a caller that knows the type gets the variant back.
+    #[test]
+    fn an_error_through_the_cores_contracts_keeps_its_type() {
+        let e = memsaver_allocator::LayerError::from(Error::Behind {
+            pids: vec![7, 9],
+            report: "2 process(es) behind".into(),
+        });
+        assert_eq!(e.to_string(), "2 process(es) behind");
+        assert!(
+            matches!(e.downcast_ref::<Error>(), Some(Error::Behind { pids, .. }) if pids == &[7, 9]),
+            "{e:?}"
+        );
+        assert!(e.downcast_ref::<std::io::Error>().is_none());
+        let wrapped = memsaver_allocator::Error::Start(e.clone());
+        assert_eq!(wrapped.to_string(), e.to_string());
+    }
+
+    /// Several errors of one step are each named, in order.
+    #[test]
+    fn several_errors_name_each() {
+        let e = Error::Several(vec![Error::NoToken { pid: 3 }, Error::Layout { pid: 4 }]);
+        assert_eq!(
+            e.to_string(),
+            "process 3: this process has no token of it; process 4 re-created the memory in a \
+             layout that does not fit the reserved range"
+        );
+    }
+}
