@@ -520,8 +520,8 @@ pub unsafe extern "C" fn memsaver_backup_pointer(
 /// opened and held now, and stale backup files of processes no longer running are removed
 /// from it. NULL or "" unsets it. Pausing a disk-backed allocation without one fails with
 /// `MEMSAVER_ERR_INVALID_ARGUMENT` and changes nothing. Files are named
-/// memsaver-<pidns>-<pid>-<start time>-<nonce>-<n>.bin (<pidns>: the inode of this process's
-/// pid namespace), mode 0600 (docs/security.md, "Backup files").
+/// `memsaver-<pidns>-<pid>-<start time>-<nonce>-<n>.bin` (`<pidns>`: the inode of this
+/// process's pid namespace), mode 0600 (docs/security.md, "Backup files").
 ///
 /// # Safety
 /// `dir` is NULL or a NUL-terminated string.

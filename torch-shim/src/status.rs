@@ -1,4 +1,4 @@
-//! The status codes of the C ABI, defined once: the list in [`statuses!`] below makes the Rust
+//! The status codes of the C ABI, defined once: the list in `statuses!` below makes the Rust
 //! enum, the header's `memsaver_status` enum and the Python binding's copy of it
 //! (`python/src/abi.rs`); `tests/abi_files.rs` regenerates the last two and fails when the
 //! checked-in files differ.

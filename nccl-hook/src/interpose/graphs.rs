@@ -403,7 +403,7 @@ unsafe extern "C" fn set_limit<const S: usize>(limit: c_uint, value: usize) -> C
 }
 /// NCCL's kernels make the driver raise the context's per-thread stack size (to 1744 bytes
 /// with NCCL 2.28 and 2+ ranks) and keep local memory for it on every SM: 186 MiB on an
-/// H200. Pause lowers it on the devices NCCL uses, to the floor [`graphs`] gives (CUDA's
+/// H200. Pause lowers it on the devices NCCL uses, to the floor [`Graphs::floor`] gives (CUDA's
 /// default unless a live graph or the application needs more), which frees that memory;
 /// kernels that need more while paused grow it again, as the driver always does.
 pub(crate) fn lower_stacks(a: &'static Allocator, devices: &[i32]) {

@@ -136,7 +136,7 @@ pub(crate) struct Registry {
     /// Ranges reserved for owners' layouts, one per block of an owner's addresses
     /// ([`MIRROR_BLOCK`]): (owner, block) -> base.
     pub mirrors: HashMap<(u32, u64), CUdeviceptr>,
-    /// Address space memsaver reserved for NCCL's own buffers ([`OWN_ARENA`] each), and the
+    /// Address space memsaver reserved for NCCL's own buffers ([`OWN_ARENA`](layout::OWN_ARENA) each), and the
     /// parts of it not handed out, by start: NCCL's buffers are carved from it lowest address
     /// first, so that the buffers NCCL allocates one after another are adjacent and a resume
     /// can back them with one run, whatever else the process maps meanwhile.
