@@ -8,8 +8,8 @@
 //!    with our wrapper, and forwards everything else untouched (tail jump).
 //! 2. [`interpose::procaddr`]: that wrapper asks the driver and swaps in our wrappers for NCCL's VMM calls.
 //! 3. `vmm`: the wrappers give NCCL virtual handles and record every handle and mapping in
-//!    `registry`, so the memory behind them can be released and re-created; their exports and
-//!    imports between processes carry tokens instead of fds (`tokens`).
+//!    `registry`, so the memory behind them can be released and re-created; `sharing`'s
+//!    exports and imports between processes carry tokens instead of fds (`tokens`).
 //! 4. [`NcclTag`]: the `nccl` tag of the allocator. Pause backs up and releases NCCL's device
 //!    memory; resume restores it at the same addresses.
 //!

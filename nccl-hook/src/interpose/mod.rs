@@ -8,8 +8,9 @@
 //!   lookups).
 //! * [`procaddr`]: that wrapper asks the driver and swaps in our wrappers for NCCL's VMM calls.
 //! * `vmm`: the wrappers give NCCL virtual handles and record every handle and mapping in the
-//!   registry; their exports and imports between processes carry tokens instead of fds
-//!   (`tokens`).
+//!   registry; `sharing`'s wrappers export and import between processes with tokens instead of
+//!   fds (`tokens`), and pin what NCCL gives to a NIC or a multicast object. Both call the
+//!   driver's own functions that `real` stores.
 //! * `graphs`: CUDA graph executables and explicit stack limits, seen through wrappers handed
 //!   to every caller, and the kernel stack limit a pause lowers and a resume gives back, as far
 //!   as is safe for the graphs and kernels that run while it is paused.
@@ -29,5 +30,7 @@ pub(crate) mod epochs;
 pub(crate) mod graphs;
 pub(crate) mod guard;
 pub mod procaddr;
+pub(crate) mod real;
+pub(crate) mod sharing;
 pub(crate) mod tokens;
 pub(crate) mod vmm;

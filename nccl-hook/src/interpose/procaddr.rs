@@ -1,7 +1,8 @@
 //! `cuGetProcAddress` wrappers: the second door. NCCL's runtime asks the driver's
 //! `cuGetProcAddress(_v2)` for every entry point; ours asks the real one and swaps in
-//! `crate::interpose::vmm`'s wrapper for the VMM calls NCCL makes, leaving everything else as it
-//! is.
+//! `crate::interpose::vmm`'s and `crate::interpose::sharing`'s wrappers for the VMM calls NCCL
+//! makes ([`wrap`], which stores the driver's function in `crate::interpose::real`), leaving
+//! everything else as it is.
 //!
 //! Two pairs of wrappers, told apart by the const parameter `NCCL`: libnccl's (VMM calls and
 //! `crate::interpose::graphs`' graph calls, so graphs NCCL captures count) and everyone else's, the
@@ -87,7 +88,7 @@ unsafe fn substitute(symbol: *const c_char, pfn: *mut *mut c_void, version: c_in
         // Asked for the lookup function itself: the _v2 signature from CUDA 12.0 on.
         Some(pair(version >= 12000, real, nccl))
     } else if nccl {
-        crate::interpose::vmm::wrap(name, version, real)
+        wrap(name, version, real)
             .or_else(|| crate::interpose::graphs::wrap(name, Some(version), false, real))
     } else {
         crate::interpose::graphs::wrap(name, Some(version), true, real)
@@ -137,4 +138,29 @@ unsafe extern "C" fn get_proc_address_v1<const NCCL: bool>(
         });
     }
     r
+}
+
+/// Our wrapper of the VMM entry point `name` (resolved for CUDA `version`), once the driver's
+/// `real` is stored for it ([`real::store`]); `None` for entry points we do not wrap.
+fn wrap(name: &[u8], version: i32, real: *mut c_void) -> Option<*mut c_void> {
+    use crate::interpose::real::{self, Slot};
+    use crate::interpose::{sharing, vmm};
+    let w: *mut c_void = match real::store(name, version, real)? {
+        Slot::CREATE => vmm::mem_create as *mut c_void,
+        Slot::RELEASE => vmm::mem_release as *mut c_void,
+        Slot::RETAIN => vmm::mem_retain as *mut c_void,
+        Slot::MAP => vmm::mem_map as *mut c_void,
+        Slot::UNMAP => vmm::mem_unmap as *mut c_void,
+        Slot::SET_ACCESS => vmm::mem_set_access as *mut c_void,
+        Slot::PROPS => vmm::mem_props as *mut c_void,
+        Slot::RANGE => vmm::mem_range as *mut c_void,
+        Slot::RESERVE => vmm::mem_reserve as *mut c_void,
+        Slot::FREE => vmm::mem_address_free as *mut c_void,
+        Slot::EXPORT => sharing::mem_export as *mut c_void,
+        Slot::IMPORT => sharing::mem_import as *mut c_void,
+        Slot::NIC_HANDLE => sharing::mem_nic_handle as *mut c_void,
+        Slot::MC_CREATE => sharing::mc_create as *mut c_void,
+        Slot::MC_BIND_MEM => sharing::mc_bind_mem as *mut c_void,
+    };
+    Some(w)
 }

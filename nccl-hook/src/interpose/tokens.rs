@@ -1,6 +1,6 @@
 //! Exports and imports between processes (`memsaver_ipc`): tokens instead of fds.
 //!
-//! When NCCL exports one of its buffers as a POSIX fd, [`crate::interpose::vmm`]'s wrapper hands it
+//! When NCCL exports one of its buffers as a POSIX fd, [`crate::interpose::sharing`]'s wrapper hands it
 //! a token naming the buffer ([`for_buffer`]) instead of the driver's fd; the importer's memsaver
 //! recognises the token ([`read`]) and trades it with the owner for the real fd ([`import`]), so
 //! the owner learns who imports what (`memsaver_ipc::token`, [`crate::tag::exports`]). Memsaver
@@ -10,7 +10,8 @@
 //! ([`fallback_reason`]).
 //!
 //! This module makes and reads the tokens and talks to the owners; the driver calls, and
-//! NCCL's out-pointers, stay in `vmm`. It imports the registry and the options, never `vmm`.
+//! NCCL's out-pointers, stay in `sharing`. It imports the registry and the options, never the
+//! wrappers.
 
 use std::ffi::{c_uint, c_void};
 use std::os::fd::{OwnedFd, RawFd};

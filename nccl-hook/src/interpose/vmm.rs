@@ -1,97 +1,29 @@
-//! Wrappers of the driver's VMM entry points, handed to libnccl by [`crate::interpose::procaddr`].
+//! Wrappers of the driver's VMM entry points, handed to libnccl by [`crate::interpose::procaddr`]:
+//! here those that make, map and free NCCL's memory in this process (create, retain, release,
+//! map, set access, unmap, reserve, free, and the queries), and what every wrapper shares (the
+//! refusal of a paused range, backups prepared for new buffers, the release of a physical
+//! allocation); `sharing` holds those that hand the memory beyond this process's mappings.
 //!
-//! Each calls the driver's own function (the one NCCL asked for) and keeps [`crate::registry`] up
-//! to date. Handles are virtual (see the registry): the wrappers that take a handle translate it,
-//! and a paused range is answered from the registry. Exports and imports between processes carry
-//! tokens instead of fds: [`crate::interpose::tokens`] makes, reads and trades them; the wrappers
-//! here make the driver calls.
+//! Each calls the driver's own function (the one NCCL asked for, [`crate::interpose::real`])
+//! and keeps [`crate::registry`] up to date. Handles are virtual (see the registry): the
+//! wrappers that take a handle translate it, and a paused range is answered from the registry.
 
-use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
-use std::os::fd::{AsRawFd, IntoRawFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::ffi::{c_ulonglong, c_void};
 
-use crate::interpose::tokens;
+use crate::interpose::{real, tokens};
 use crate::options::{self, NcclBackup};
-use crate::registry::{self, Gone, Keep, Kind, Mapping, Physical, Registration};
+use crate::registry::{self, Gone, Kind, Mapping, Physical, Registration};
 use memsaver_allocator::driver::Handle;
-use memsaver_allocator::driver::sys::{fns, *};
+use memsaver_allocator::driver::sys::*;
 use memsaver_allocator::options::Pack;
 use memsaver_allocator::steps::external_key;
-use memsaver_ipc::token::Token;
-
-type GetHandleForAddressRange =
-    unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, c_uint, c_ulonglong) -> CUresult;
-type MulticastCreate =
-    unsafe extern "C" fn(*mut CUmemGenericAllocationHandle, *const c_void) -> CUresult;
-type MulticastBindMem = unsafe extern "C" fn(
-    CUmemGenericAllocationHandle,
-    usize,
-    CUmemGenericAllocationHandle,
-    usize,
-    usize,
-    c_ulonglong,
-) -> CUresult;
-
-/// The driver's functions, stored when NCCL looks them up; `wrap` lists which and since which
-/// CUDA version the driver hands out the signature we implement.
-macro_rules! slots {
-    ($($slot:ident: $ty:ty = $name:literal since $since:literal => $wrapper:ident;)*) => {
-        $(static $slot: AtomicUsize = AtomicUsize::new(0);)*
-
-        /// Our wrapper for `name` (resolved for CUDA `version`), storing the driver's `real`;
-        /// `None` for entry points we do not wrap.
-        pub(crate) fn wrap(name: &[u8], version: i32, real: *mut c_void) -> Option<*mut c_void> {
-            $(
-                if name == $name.as_bytes() {
-                    if version < $since {
-                        return None;
-                    }
-                    $slot.store(real as usize, Ordering::Release);
-                    return Some($wrapper as *mut c_void);
-                }
-            )*
-            None
-        }
-
-        /// Typed access to the stored driver functions.
-        mod real {
-            use super::*;
-            $(
-                #[allow(non_snake_case)]
-                pub(super) fn $slot() -> Option<$ty> {
-                    let p = super::$slot.load(Ordering::Acquire);
-                    // SAFETY: the slot holds 0 or the driver's function of this signature.
-                    (p != 0).then(|| unsafe { std::mem::transmute::<usize, $ty>(p) })
-                }
-            )*
-        }
-    };
-}
-
-slots! {
-    CREATE: fns::cuMemCreate = "cuMemCreate" since 10020 => mem_create;
-    RELEASE: fns::cuMemRelease = "cuMemRelease" since 10020 => mem_release;
-    RETAIN: fns::cuMemRetainAllocationHandle = "cuMemRetainAllocationHandle" since 11000 => mem_retain;
-    MAP: fns::cuMemMap = "cuMemMap" since 10020 => mem_map;
-    UNMAP: fns::cuMemUnmap = "cuMemUnmap" since 10020 => mem_unmap;
-    SET_ACCESS: fns::cuMemSetAccess = "cuMemSetAccess" since 10020 => mem_set_access;
-    EXPORT: fns::cuMemExportToShareableHandle = "cuMemExportToShareableHandle" since 10020 => mem_export;
-    IMPORT: fns::cuMemImportFromShareableHandle = "cuMemImportFromShareableHandle" since 10020 => mem_import;
-    PROPS: fns::cuMemGetAllocationPropertiesFromHandle = "cuMemGetAllocationPropertiesFromHandle" since 10020 => mem_props;
-    RANGE: fns::cuMemGetAddressRange_v2 = "cuMemGetAddressRange" since 3020 => mem_range;
-    RESERVE: fns::cuMemAddressReserve = "cuMemAddressReserve" since 10020 => mem_reserve;
-    FREE: fns::cuMemAddressFree = "cuMemAddressFree" since 10020 => mem_address_free;
-    NIC_HANDLE: GetHandleForAddressRange = "cuMemGetHandleForAddressRange" since 11070 => mem_nic_handle;
-    MC_CREATE: MulticastCreate = "cuMulticastCreate" since 12010 => mc_create;
-    MC_BIND_MEM: MulticastBindMem = "cuMulticastBindMem" since 12010 => mc_bind_mem;
-}
 
 /// Returned when NCCL touches its memory while the `nccl` tag is paused.
 const PAUSED: CUresult = CUDA_ERROR_NOT_PERMITTED;
 
 /// NCCL used released memory: of its own (the `nccl` tag is paused) or, for `p` a peer's
 /// registered buffer, of a peer whose tag is paused.
-fn paused_use(what: &str, p: &Physical) -> CUresult {
+pub(super) fn paused_use(what: &str, p: &Physical) -> CUresult {
     match p.registration {
         Some(Registration::Imported { owner, .. }) => tracing::error!(
             "NCCL called {what} on a buffer that process {} registered and has paused (its tag); \
@@ -107,12 +39,12 @@ fn paused_use(what: &str, p: &Physical) -> CUresult {
 }
 
 /// Runs bookkeeping that must not unwind into NCCL.
-fn quietly(f: impl FnOnce()) {
+pub(super) fn quietly(f: impl FnOnce()) {
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
 }
 
 /// Runs a wrapper's own work, which must not unwind into NCCL: a panic is an unknown error.
-fn answered(f: impl FnOnce() -> CUresult) -> CUresult {
+pub(super) fn answered(f: impl FnOnce() -> CUresult) -> CUresult {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(CUDA_ERROR_UNKNOWN)
 }
 
@@ -176,7 +108,7 @@ pub(crate) fn headers_apply() -> bool {
 /// NCCL shares its buffer `vh` for the first time: with `headers`, its backup is its header
 /// only, so what was prepared for the whole buffer is given back and the header prepared
 /// instead. Call with no lock held.
-fn prepare_header(vh: u64, device: i32, size: u64) {
+pub(super) fn prepare_header(vh: u64, device: i32, size: u64) {
     if options::get().nccl_backup == NcclBackup::Headers && headers_apply() {
         forget_backup(vh);
         prepare_backup(vh, device, size.min(options::HEADER_BYTES) as usize);
@@ -258,7 +190,7 @@ fn release_real(gone: Option<Gone>) {
 
 /// NCCL asked for `what` on one of its buffers that a resume placed in a run: the driver's
 /// handle behind it is the run's, which cannot be mapped, exported or bound in part.
-fn in_run(what: &str) -> CUresult {
+pub(super) fn in_run(what: &str) -> CUresult {
     tracing::error!(
         "NCCL called {what} on a buffer that memsaver's resume backed together with its \
          neighbours (one physical allocation for several buffers), which the driver cannot \
@@ -274,10 +206,10 @@ thread_local! {
     /// The peer's buffer NCCL imported last on this thread, until its next
     /// `cuMemAddressReserve`: (owner, its address there, its length). NCCL imports, then
     /// reserves, maps and grants access.
-    static PLACE: std::cell::Cell<Option<(u32, u64, u64)>> = const { std::cell::Cell::new(None) };
+    pub(super) static PLACE: std::cell::Cell<Option<(u32, u64, u64)>> = const { std::cell::Cell::new(None) };
 }
 
-unsafe extern "C" fn mem_create(
+pub(super) unsafe extern "C" fn mem_create(
     handle: *mut CUmemGenericAllocationHandle,
     size: usize,
     prop: *const CUmemAllocationProp,
@@ -322,7 +254,7 @@ unsafe extern "C" fn mem_create(
     r
 }
 
-unsafe extern "C" fn mem_release(handle: CUmemGenericAllocationHandle) -> CUresult {
+pub(super) unsafe extern "C" fn mem_release(handle: CUmemGenericAllocationHandle) -> CUresult {
     let mut reg = registry::lock();
     let Some(p) = reg.physicals.get_mut(&handle) else {
         drop(reg);
@@ -343,7 +275,7 @@ unsafe extern "C" fn mem_release(handle: CUmemGenericAllocationHandle) -> CUresu
     CUDA_SUCCESS
 }
 
-unsafe extern "C" fn mem_retain(
+pub(super) unsafe extern "C" fn mem_retain(
     handle: *mut CUmemGenericAllocationHandle,
     addr: *mut c_void,
 ) -> CUresult {
@@ -399,7 +331,7 @@ fn retained_tagged(h: CUmemGenericAllocationHandle, addr: u64) -> Option<u64> {
     Some(registry::lock().insert(Physical::retained(h, 0, prop, s.base, s.id)))
 }
 
-unsafe extern "C" fn mem_map(
+pub(super) unsafe extern "C" fn mem_map(
     ptr: CUdeviceptr,
     size: usize,
     offset: usize,
@@ -450,7 +382,7 @@ unsafe extern "C" fn mem_map(
     r
 }
 
-unsafe extern "C" fn mem_set_access(
+pub(super) unsafe extern "C" fn mem_set_access(
     ptr: CUdeviceptr,
     size: usize,
     desc: *const CUmemAccessDesc,
@@ -475,7 +407,7 @@ unsafe extern "C" fn mem_set_access(
     r
 }
 
-unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+pub(super) unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     let Some(f) = real::UNMAP() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
@@ -512,7 +444,7 @@ unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
 /// Right after importing a peer's buffer: at its place in the owner's layout
 /// ([`registry::Registry::place_import`]). Any other reservation (a fixed address, host memory) is
 /// forwarded as it is.
-unsafe extern "C" fn mem_reserve(
+pub(super) unsafe extern "C" fn mem_reserve(
     ptr: *mut CUdeviceptr,
     size: usize,
     align: usize,
@@ -560,7 +492,7 @@ unsafe extern "C" fn mem_reserve(
 /// NCCL frees an address range: while a run's mapping covers it, the range stays reserved
 /// until the run is unmapped (part of a mapping cannot be unmapped, nor a reservation under
 /// a mapping freed), and its bytes are counted in `nccl_stats()` until then.
-unsafe extern "C" fn mem_address_free(ptr: CUdeviceptr, size: usize) -> CUresult {
+pub(super) unsafe extern "C" fn mem_address_free(ptr: CUdeviceptr, size: usize) -> CUresult {
     let Some(f) = real::FREE() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
@@ -578,192 +510,7 @@ unsafe extern "C" fn mem_address_free(ptr: CUdeviceptr, size: usize) -> CUresult
     unsafe { f(ptr, size) }
 }
 
-unsafe extern "C" fn mem_export(
-    shareable: *mut c_void,
-    handle: CUmemGenericAllocationHandle,
-    handle_type: c_uint,
-    flags: c_ulonglong,
-) -> CUresult {
-    let Some(f) = real::EXPORT() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    let mut reg = registry::lock();
-    // Where NCCL maps it here (its token says so to importers); only for one of ours.
-    let place = if reg.physicals.contains_key(&handle) {
-        reg.place_of(handle)
-    } else {
-        0
-    };
-    let Some(p) = reg.physicals.get_mut(&handle) else {
-        drop(reg);
-        // SAFETY: not one of ours: forwarded unchanged.
-        return unsafe { f(shareable, handle, handle_type, flags) };
-    };
-    let Some(h) = p.real() else {
-        return paused_use("cuMemExportToShareableHandle", p);
-    };
-    if p.run.is_some() {
-        return in_run("cuMemExportToShareableHandle");
-    }
-    if let Some(Registration::Retained { at, .. }) = p.registration {
-        drop(reg);
-        return answered(|| export_tagged(shareable, h, at, handle_type, flags, f));
-    }
-    if handle_type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        && tokens::enabled()
-        && !shareable.is_null()
-        && let Some(fd) = tokens::for_buffer(handle, p, place)
-    {
-        let first = !std::mem::replace(&mut p.exported, true);
-        let (device, size) = (p.device(), p.size);
-        drop(reg);
-        // SAFETY: for POSIX fds the out-pointer holds one int; NCCL owns the fd now.
-        unsafe { *shareable.cast::<c_int>() = fd.into_raw_fd() };
-        if first {
-            prepare_header(handle, device, size);
-        }
-        return CUDA_SUCCESS;
-    }
-    // SAFETY: the caller's arguments with the driver's handle.
-    let r = unsafe { f(shareable, h, handle_type, flags) };
-    if r == CUDA_SUCCESS {
-        p.exported = true;
-        // Its importers are unknown: it stays resident (checked above: it is mapped).
-        let _ = p.keep(Keep::ExportedRaw);
-    }
-    r
-}
-
-/// NCCL exports memsaver memory it registers (the allocation at `at`, whose driver handle it
-/// retained as `h`): the peer gets a token naming the allocation, so that its import follows
-/// the allocation's tag (`memsaver_ipc::shared`). A plain fd would let the peers' imports keep
-/// the old memory across a pause and map stale memory after the resume, so when no token can
-/// be made (tokens off, this process cannot serve its socket) the export fails with the reason:
-/// NCCL then fails the registration and says so.
-fn export_tagged(
-    shareable: *mut c_void,
-    h: CUmemGenericAllocationHandle,
-    at: u64,
-    handle_type: c_uint,
-    flags: c_ulonglong,
-    real_export: fns::cuMemExportToShareableHandle,
-) -> CUresult {
-    if handle_type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || shareable.is_null() {
-        // SAFETY: the caller's arguments with the driver's handle (memsaver's memory exports
-        // POSIX fds only: the driver refuses other types itself).
-        return unsafe { real_export(shareable, h, handle_type, flags) };
-    }
-    match tokens::for_allocation(at) {
-        Some(fd) => {
-            // SAFETY: for POSIX fds the out-pointer holds one int; NCCL owns the fd now.
-            unsafe { *shareable.cast::<c_int>() = fd.into_raw_fd() };
-            CUDA_SUCCESS
-        }
-        None => CUDA_ERROR_NOT_SUPPORTED,
-    }
-}
-
-unsafe extern "C" fn mem_import(
-    handle: *mut CUmemGenericAllocationHandle,
-    os_handle: *mut c_void,
-    handle_type: c_uint,
-) -> CUresult {
-    let Some(f) = real::IMPORT() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    if handle.is_null() {
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    let token = tokens::read(handle_type, os_handle);
-    if let Some(t) = token.filter(tokens::names_allocation) {
-        return answered(|| import_registered(handle, &t, handle_type, f));
-    }
-    let (r, source) = match token {
-        None => {
-            // SAFETY: forwarded unchanged.
-            (unsafe { f(handle, os_handle, handle_type) }, None)
-        }
-        Some(t) => match tokens::import(&t) {
-            Some(imported) => {
-                let fd = imported.fd.as_raw_fd();
-                // SAFETY: the owner's real fd, imported the way NCCL asked; we close it after.
-                let r = unsafe { f(handle, fd as isize as *mut c_void, handle_type) };
-                // NCCL reserves the import's addresses next, on this thread: at the buffer's
-                // place in this process's copy of the owner's layout.
-                if r == CUDA_SUCCESS && t.place != 0 && t.len != 0 {
-                    PLACE.set(Some((t.pid, t.place, t.len)));
-                }
-                (r, Some(imported))
-            }
-            None => return CUDA_ERROR_INVALID_VALUE,
-        },
-    };
-    if r == CUDA_SUCCESS {
-        record_import(handle, |h, prop| match source {
-            None => Physical::imported(h, prop, None),
-            Some(i) => {
-                let mut p = Physical::imported(h, prop, Some((i.source, i.generation)));
-                p.served = i.served;
-                p
-            }
-        });
-    }
-    r
-}
-
-/// Records the driver handle NCCL just imported (`*handle`) as `make(handle, properties)` and
-/// gives NCCL the virtual handle instead. Where the memory lives (a peer's device, or host
-/// memory for NCCL's shared-memory transport) is asked of the driver directly: NCCL may never
-/// have looked the query up.
-fn record_import(
-    handle: *mut CUmemGenericAllocationHandle,
-    make: impl FnOnce(CUmemGenericAllocationHandle, CUmemAllocationProp) -> Physical,
-) {
-    quietly(|| {
-        // SAFETY: written by the driver on success.
-        let h = unsafe { *handle };
-        // Before the registry lock: this may start the allocator.
-        let prop = memsaver_allocator::global_driver()
-            .ok()
-            .and_then(|d| d.properties(Handle(h)).ok())
-            .unwrap_or_default();
-        let vh = registry::lock().insert(make(h, prop));
-        // SAFETY: the caller's out-pointer.
-        unsafe { *handle = vh };
-    });
-}
-
-/// NCCL imports a peer's memsaver memory it registered (token `t`): the fd comes from the
-/// owner ([`tokens::open_registered`]), which records this process as an importer, so the
-/// owner's pause releases the import and its resume maps it again ([`crate::tag::registered`]).
-fn import_registered(
-    handle: *mut CUmemGenericAllocationHandle,
-    t: &Token,
-    handle_type: c_uint,
-    real_import: fns::cuMemImportFromShareableHandle,
-) -> CUresult {
-    // Until the import is recorded: the owner's release of it waits (`registered`).
-    let _registering = registry::REGISTERING.lock();
-    let Some(opened) = tokens::open_registered(t) else {
-        return CUDA_ERROR_INVALID_VALUE;
-    };
-    // SAFETY: the owner's real fd, imported the way NCCL asked; it is closed after.
-    let r = unsafe {
-        real_import(
-            handle,
-            opened.fd.as_raw_fd() as isize as *mut c_void,
-            handle_type,
-        )
-    };
-    if r != CUDA_SUCCESS {
-        tokens::not_imported(t);
-    } else {
-        record_import(handle, |h, prop| tokens::registered(h, prop, t, &opened));
-    }
-    r
-}
-
-unsafe extern "C" fn mem_props(
+pub(super) unsafe extern "C" fn mem_props(
     prop: *mut CUmemAllocationProp,
     handle: CUmemGenericAllocationHandle,
 ) -> CUresult {
@@ -782,7 +529,7 @@ unsafe extern "C" fn mem_props(
     unsafe { f(prop, handle) }
 }
 
-unsafe extern "C" fn mem_range(
+pub(super) unsafe extern "C" fn mem_range(
     base: *mut CUdeviceptr,
     size: *mut usize,
     ptr: CUdeviceptr,
@@ -819,101 +566,4 @@ unsafe extern "C" fn mem_range(
         RANGE_ASKED.set((unsafe { *base }, ptr));
     }
     r
-}
-
-unsafe extern "C" fn mem_nic_handle(
-    handle: *mut c_void,
-    ptr: CUdeviceptr,
-    size: usize,
-    handle_type: c_uint,
-    flags: c_ulonglong,
-) -> CUresult {
-    let Some(f) = real::NIC_HANDLE() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    // SAFETY: forwarded unchanged.
-    let r = unsafe { f(handle, ptr, size, handle_type, flags) };
-    if r == CUDA_SUCCESS {
-        quietly(|| {
-            pin(ptr, "given to a NIC (GPUDirect RDMA)");
-            if let Some((_, tag, _)) =
-                memsaver_allocator::global_if_started().and_then(|a| a.allocation_at(ptr))
-            {
-                // The NIC keeps what it was given: the tag's pause cannot free it, and after a
-                // resume the NIC would use memory that is no longer the buffer.
-                tracing::warn!(
-                    "memsaver: NCCL gives memory of tag '{tag}' (a tensor it registered) to a NIC: \
-                     pausing '{tag}' will not free it and the NIC would keep using the old memory \
-                     after a resume; turn NCCL's registration off (NCCL_LOCAL_REGISTER=0, \
-                     NCCL_GRAPH_REGISTER=0) for tensors whose tag is paused"
-                );
-            }
-        });
-    }
-    r
-}
-
-unsafe extern "C" fn mc_create(
-    handle: *mut CUmemGenericAllocationHandle,
-    prop: *const c_void,
-) -> CUresult {
-    let Some(f) = real::MC_CREATE() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    // SAFETY: forwarded unchanged.
-    let r = unsafe { f(handle, prop) };
-    if r == CUDA_SUCCESS {
-        quietly(|| registry::lock().multicast_objects += 1);
-    }
-    r
-}
-
-unsafe extern "C" fn mc_bind_mem(
-    mc: CUmemGenericAllocationHandle,
-    mc_offset: usize,
-    mem: CUmemGenericAllocationHandle,
-    mem_offset: usize,
-    size: usize,
-    flags: c_ulonglong,
-) -> CUresult {
-    let Some(f) = real::MC_BIND_MEM() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    let mut reg = registry::lock();
-    let real_mem = match reg.physicals.get_mut(&mem) {
-        Some(p) => {
-            let Some(h) = p.real() else {
-                return paused_use("cuMulticastBindMem", p);
-            };
-            if p.run.is_some() {
-                return in_run("cuMulticastBindMem");
-            }
-            if p.kind == Kind::Tagged {
-                // Bound, the memory stays with the multicast object: its tag's pause cannot
-                // free it, and its resume would leave the object with the old memory.
-                tracing::warn!(
-                    "memsaver: NCCL binds memsaver memory (a tensor it registered) to a multicast \
-                     object: pausing its tag will not free it; turn NVLS registration off \
-                     (NCCL_NVLS_ENABLE=0) for tensors whose tag is paused"
-                );
-            }
-            let _ = p.keep(Keep::Pinned("bound to a multicast object"));
-            h
-        }
-        None => mem,
-    };
-    drop(reg);
-    // SAFETY: the caller's arguments with the driver's handle.
-    unsafe { f(mc, mc_offset, real_mem, mem_offset, size, flags) }
-}
-
-/// Marks the physical object mapped at `ptr` as one that must stay resident.
-fn pin(ptr: CUdeviceptr, why: &'static str) {
-    let mut reg = registry::lock();
-    if let Some(vh) = reg.mapping_at(ptr).map(|(_, m)| m.vh)
-        && let Some(p) = reg.physicals.get_mut(&vh)
-    {
-        // A paused range cannot be given away (the wrappers refuse it first).
-        let _ = p.keep(Keep::Pinned(why));
-    }
 }

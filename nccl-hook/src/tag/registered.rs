@@ -3,7 +3,7 @@
 //! this process imported and mapped follows the owner's tag.
 //!
 //! The owner's NCCL retains the handle of the tensor's memory and exports it; memsaver hands NCCL a
-//! token naming the allocation (`crate::interpose::vmm`), and this process's import trades it for
+//! token naming the allocation (`crate::interpose::sharing`), and this process's import trades it for
 //! the fd through `memsaver_ipc::shared`, so the owner tracks this process as an importer like any
 //! CUDA IPC receiver. The mapping is NCCL's, recorded in the registry
 //! ([`registry::Kind::Registered`]). When the owner pauses the tag, its release request comes here
