@@ -2,7 +2,7 @@
 //!
 //! 1. **Claim** (table lock): resolve the tags, move every affected allocation to `Pausing` or
 //!    `Resuming` and take its handle and backup out of the table into a [`Job`].
-//! 2. **Work** (no table lock): the driver calls. Copies are queued asynchronously on each
+//! 2. **Work** (no table lock, `work.rs`): the driver calls. Copies are queued asynchronously on each
 //!    device's stream for all jobs first, and unmapping (pause) or mapping (resume) proceeds
 //!    while they run, so copy and VMM work overlap.
 //! 3. **Settle** (table lock): each job ends `Resident` if it holds a handle and `Paused` if
@@ -22,36 +22,36 @@ use crate::error::{Error, Result};
 use crate::external::{ExternalTag, Report};
 use crate::guard::PauseGuard;
 use crate::options::Pack;
-use crate::steps::{Memory, Op, Piece, Place, Plan, Steps, is_out_of_memory, oom_error};
+use crate::steps::{Op, Piece, Plan};
 use crate::table::{Allocation, Backing, Phase, Run, Table};
 use crate::types::Policy;
 
 /// One claimed allocation: its piece of memory (key: the allocation's id; backed up whole)
 /// and what the transition did to it.
-struct Job {
-    piece: Piece,
+pub(crate) struct Job {
+    pub(crate) piece: Piece,
     /// Some while physical memory is mapped: decides the state the job settles in.
-    backing: Option<Backing>,
-    error: Option<Error>,
+    pub(crate) backing: Option<Backing>,
+    pub(crate) error: Option<Error>,
     /// The allocation is shared with other processes (`sharing.rs`): a resume gives it a
     /// physical allocation of its own, and the sharing layer hears of it.
-    shared: bool,
+    pub(crate) shared: bool,
 }
 
 impl Job {
-    fn ptr(&self) -> u64 {
+    pub(crate) fn ptr(&self) -> u64 {
         self.piece.ptr
     }
 
-    fn size(&self) -> usize {
+    pub(crate) fn size(&self) -> usize {
         self.piece.len
     }
 
-    fn copies(&self) -> bool {
+    pub(crate) fn copies(&self) -> bool {
         self.piece.copies()
     }
 
-    fn device(&self) -> &Arc<Device> {
+    pub(crate) fn device(&self) -> &Arc<Device> {
         &self.piece.device
     }
 }
@@ -429,215 +429,6 @@ impl Allocator {
         Ok((tags, jobs, runs, released))
     }
 
-    fn pause_jobs(&self, jobs: &mut [Job], runs: &mut Runs, steps: &mut Steps<'_>) {
-        // Nothing may still be running on memory we are about to copy or unmap.
-        for dev in devices_of(jobs) {
-            if let Err(e) = steps.synchronize(&dev) {
-                for j in jobs
-                    .iter_mut()
-                    .filter(|j| j.device().ordinal == dev.ordinal)
-                {
-                    j.error = Some(e.clone());
-                }
-            }
-        }
-        // Queue every host backup copy; they run while the discard jobs are unmapped below.
-        for j in jobs
-            .iter_mut()
-            .filter(|j| j.error.is_none() && matches!(j.piece.policy, Policy::Cpu | Policy::Mmap))
-        {
-            if let Err(e) = steps.copy_out(&mut j.piece) {
-                j.error = Some(e);
-            }
-        }
-        // Write the disk backups, then unmap and release: discard jobs first (sorted so), each
-        // copy job after its copy.
-        for j in jobs.iter_mut().filter(|j| j.error.is_none()) {
-            if j.piece.policy == Policy::Disk
-                && let Err(e) = steps.copy_out(&mut j.piece)
-            {
-                j.error = Some(e);
-                continue;
-            }
-            // A run is unmapped below, once all of its allocations are ready.
-            let Some(Backing::Own(h)) = j.backing else {
-                continue;
-            };
-            let place = [Place {
-                ptr: j.ptr(),
-                size: j.size(),
-                access: None,
-            }];
-            // SAFETY: mapped; the device was synchronised and our copy has completed.
-            let r = steps
-                .copied(&mut j.piece)
-                .and_then(|()| unsafe { steps.unmap(&j.piece.device, &place) });
-            match r {
-                Ok(()) => {
-                    steps.release(h, j.ptr());
-                    j.backing = None;
-                }
-                Err(e) => {
-                    steps.keep(&mut j.piece);
-                    j.error.get_or_insert(e);
-                }
-            }
-        }
-        // The jobs of each run, in one pass.
-        let mut members_of: Runs<Vec<usize>> = Runs::new();
-        for (i, j) in jobs.iter().enumerate() {
-            if let Some(Backing::Run(base)) = j.backing {
-                members_of.entry(base).or_default().push(i);
-            }
-        }
-        for (base, members) in members_of {
-            let run = &runs[&base];
-            let failed = members.iter().find_map(|&i| jobs[i].error.clone());
-            let r = match failed {
-                // The run's other allocations cannot be unmapped without it: all stay.
-                Some(e) => Err(e),
-                None => members
-                    .iter()
-                    .try_for_each(|&i| steps.copied(&mut jobs[i].piece))
-                    .and_then(|()| {
-                        let place = [Place {
-                            ptr: base,
-                            size: run.size,
-                            access: None,
-                        }];
-                        // SAFETY: the run's mapping; the device was synchronised and every
-                        // copy out of it has completed.
-                        unsafe { steps.unmap(&run.device, &place) }
-                    }),
-            };
-            match r {
-                Ok(()) => {
-                    let run = runs.remove(&base).expect("claimed with its allocations");
-                    self.retire_run(base, &run);
-                    for &i in &members {
-                        jobs[i].backing = None;
-                    }
-                }
-                Err(e) => {
-                    for &i in &members {
-                        steps.keep(&mut jobs[i].piece);
-                        jobs[i].error.get_or_insert(e.clone());
-                    }
-                }
-            }
-        }
-    }
-
-    fn resume_jobs(&self, jobs: &mut [Job], runs: &mut Runs, steps: &mut Steps<'_>) {
-        let mut out_of_memory: Vec<i32> = Vec::new();
-        // A run that does not fit is retried one allocation at a time, so that as much as fits
-        // is resumed, as without runs.
-        let mut todo: std::collections::VecDeque<_> = units(jobs, steps.plan.merge_limit).into();
-        while let Some(unit) = todo.pop_front() {
-            let dev = jobs[unit.start].device().clone();
-            if out_of_memory.contains(&dev.ordinal) {
-                for j in &mut jobs[unit] {
-                    j.error = Some(oom_error().into());
-                }
-                continue;
-            }
-            let base = jobs[unit.start].ptr();
-            let size: usize = jobs[unit.clone()].iter().map(Job::size).sum();
-            let tag = jobs[unit.start].piece.tag.clone();
-            let place = [Place {
-                ptr: base,
-                size,
-                access: None,
-            }];
-            let r = steps
-                .map_fresh(&dev, Memory::Plain, size, &place, &tag)
-                .and_then(|h| {
-                    let restored = jobs[unit.clone()]
-                        .iter()
-                        .filter(|j| j.copies())
-                        .try_for_each(|j| steps.copy_in(&j.piece));
-                    if let Err(e) = restored {
-                        // Nothing of ours may still read or write the range once it is unmapped.
-                        let _ = steps.finish(&dev);
-                        // SAFETY: mapped by map_fresh; the stream was synchronised.
-                        let _ = unsafe { steps.unmap(&dev, &place) };
-                        steps.release(h, base);
-                        return Err(e);
-                    }
-                    Ok(h)
-                });
-            match r {
-                Ok(h) => {
-                    let backing = if unit.len() == 1 {
-                        Backing::Own(h)
-                    } else {
-                        let run = Run {
-                            handle: h,
-                            size,
-                            device: dev.clone(),
-                            live: unit.len(),
-                            dead: Vec::new(),
-                        };
-                        runs.insert(base, run);
-                        Backing::Run(base)
-                    };
-                    for j in &mut jobs[unit] {
-                        j.backing = Some(backing);
-                    }
-                }
-                // A run that does not fit, or one of whose backups cannot be restored (a disk
-                // file that changed), is retried one allocation at a time: the others resume.
-                Err(e)
-                    if unit.len() > 1
-                        && (is_out_of_memory(&e) || matches!(e, Error::Backup(_))) =>
-                {
-                    for i in unit.rev() {
-                        todo.push_front(i..i + 1);
-                    }
-                }
-                Err(e) if is_out_of_memory(&e) => {
-                    out_of_memory.push(dev.ordinal);
-                    jobs[unit.start].error = Some(oom_error().into());
-                }
-                Err(e) => {
-                    for j in &mut jobs[unit] {
-                        j.error = Some(e.clone());
-                    }
-                }
-            }
-        }
-        // Wait for the restores; a device whose copies failed rolls its jobs back to paused.
-        for dev in devices_of(jobs) {
-            let Err(e) = steps.finish(&dev) else {
-                continue;
-            };
-            for j in jobs
-                .iter_mut()
-                .filter(|j| j.device().ordinal == dev.ordinal)
-            {
-                let (ptr, size, h) = match j.backing.take() {
-                    None => continue,
-                    Some(Backing::Own(h)) => (j.ptr(), j.size(), Some(h)),
-                    Some(Backing::Run(base)) => match runs.remove(&base) {
-                        Some(run) => (base, run.size, Some(run.handle)),
-                        None => (base, 0, None), // released with an earlier allocation of it
-                    },
-                };
-                if let Some(h) = h {
-                    let place = [Place {
-                        ptr,
-                        size,
-                        access: None,
-                    }];
-                    // SAFETY: mapped by this resume; the failed stream has no pending work.
-                    let _ = unsafe { steps.unmap(&dev, &place) };
-                    steps.release(h, ptr);
-                }
-                j.error = Some(e.clone());
-            }
-        }
-    }
-
     /// Writes the jobs' outcomes back to the table and turns failures into one error. A resumed
     /// allocation's backup goes back to the table with retention on and is released (outside
     /// the lock) with retention off.
@@ -783,7 +574,7 @@ impl Drop for KeepBackups<'_> {
 
 /// Runs taken out of the table by a pause, or made by a resume (or what goes with each), by
 /// base address.
-type Runs<T = Run> = std::collections::BTreeMap<u64, T>;
+pub(crate) type Runs<T = Run> = std::collections::BTreeMap<u64, T>;
 
 /// Tells the pause guard that the transition has ended, when the transition returns (also
 /// early, and also when the guard refused it), with the transition lock still held.
@@ -793,42 +584,6 @@ impl Drop for AfterTransition<'_> {
     fn drop(&mut self) {
         self.0.after_transition();
     }
-}
-
-/// The jobs of a resume, sorted by device, policy kind and address, cut into runs of adjacent
-/// allocations of one tag that one physical allocation of at most `limit` bytes can back
-/// (a run of one when `limit` is smaller than the allocation).
-fn units(jobs: &[Job], limit: usize) -> Vec<std::ops::Range<usize>> {
-    let mut out = Vec::new();
-    let mut start = 0;
-    for i in 1..=jobs.len() {
-        let cut = jobs.get(i).is_none_or(|j| {
-            let (first, prev) = (&jobs[start], &jobs[i - 1]);
-            j.device().ordinal != first.device().ordinal
-                || j.piece.tag != first.piece.tag
-                || j.shared
-                || first.shared
-                || j.copies() != first.copies()
-                || j.ptr() != prev.ptr() + prev.size() as u64
-                || (j.ptr() + j.size() as u64 - first.ptr()) > limit as u64
-        });
-        if cut {
-            out.push(start..i);
-            start = i;
-        }
-    }
-    out
-}
-
-/// The distinct devices of `jobs`, in order.
-fn devices_of(jobs: &[Job]) -> Vec<Arc<Device>> {
-    let mut out: Vec<Arc<Device>> = Vec::new();
-    for j in jobs {
-        if !out.iter().any(|d| d.ordinal == j.device().ordinal) {
-            out.push(j.device().clone());
-        }
-    }
-    out
 }
 
 /// The interned tags named by `names`, or every known tag when `names` is empty.

@@ -8,7 +8,8 @@
 //!
 //! Modules, one topic each:
 //! * [`driver`]: the only code that calls the CUDA driver (loaded at run time).
-//! * `allocator`: malloc, free, stats; `engine`: pause and resume; `table`: the allocation
+//! * `allocator`: malloc, free, stats; `engine`: pause and resume (claim and settle; `work`:
+//!   the driver calls between); `table`: the allocation
 //!   table; `device`: per-device context and copy stream; `backup`: host backups (pinned,
 //!   mmap) and the backup enum; `disk`: disk backup files; `prepare`: pinned backups allocated
 //!   ahead of the first pause, on a background thread; `reserve`: the backup reserve, pinned
@@ -30,7 +31,7 @@
 //!
 //! No module imports one that imports it back (`tests/layers.rs` checks): `allocator` holds
 //! the [`Allocator`] and its everyday methods and imports what they need (`steps`, `sharing`,
-//! `external`, `table`, ...); `engine` and `export` add its other methods from above; nothing
+//! `external`, `table`, ...); `engine`, `work` and `export` add its other methods from above; nothing
 //! below names `Allocator`.
 
 pub mod driver;
@@ -57,6 +58,7 @@ mod start;
 pub mod steps;
 mod table;
 mod units;
+mod work;
 
 pub use allocator::{AllocationInfo, Allocator, validate_tag};
 pub use backup::{Backup, BackupKind};
