@@ -7,7 +7,7 @@
 //! `docs/architecture.md` for the design.
 //!
 //! Modules, one topic each:
-//! * [`driver`]: the only code that calls the CUDA driver (loaded at run time).
+//! * [`driver`]: the only code of the core that calls the CUDA driver (loaded at run time).
 //! * `allocator`: malloc, free, stats; `engine`: pause and resume (claim and settle; `work`:
 //!   the driver calls between); `table`: the allocation
 //!   table; `device`: per-device context and copy stream; `backup`: host backups (pinned,
