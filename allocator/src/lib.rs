@@ -9,7 +9,7 @@
 //! Modules, one topic each:
 //! * [`driver`]: the only code of the core that calls the CUDA driver (loaded at run time).
 //! * `allocator`: malloc, free, stats; `engine`: pause and resume (claim and settle; `work`:
-//!   the driver calls between); `table`: the allocation
+//!   the driver calls between); `settings`: the run-time settings; `table`: the allocation
 //!   table; `device`: per-device context and copy stream; `backup`: host backups (pinned,
 //!   mmap) and the backup enum; `disk`: disk backup files; `prepare`: pinned backups allocated
 //!   ahead of the first pause, on a background thread; `reserve`: the backup reserve, pinned
@@ -31,7 +31,7 @@
 //!
 //! No module imports one that imports it back (`tests/layers.rs` checks): `allocator` holds
 //! the [`Allocator`] and its everyday methods and imports what they need (`steps`, `sharing`,
-//! `external`, `table`, ...); `engine`, `work` and `export` add its other methods from above; nothing
+//! `external`, `table`, ...); `engine`, `work`, `settings` and `export` add its other methods from above; nothing
 //! below names `Allocator`.
 
 pub mod driver;
@@ -53,6 +53,7 @@ mod guard;
 pub mod packed;
 mod prepare;
 mod reserve;
+mod settings;
 mod sharing;
 mod start;
 pub mod steps;
