@@ -2,9 +2,9 @@
 //!
 //! 1. **Claim** (table lock): resolve the tags, move every affected allocation to `Pausing` or
 //!    `Resuming` and take its handle and backup out of the table into a [`Job`].
-//! 2. **Work** (no table lock, `work.rs`): the driver calls. Copies are queued asynchronously on each
-//!    device's stream for all jobs first, and unmapping (pause) or mapping (resume) proceeds
-//!    while they run, so copy and VMM work overlap.
+//! 2. **Work** (no table lock, `work.rs`): the driver calls. Copies are queued asynchronously
+//!    on each device's stream for all jobs first, and unmapping (pause) or mapping (resume)
+//!    proceeds while they run, so copy and VMM work overlap.
 //! 3. **Settle** (table lock): each job ends `Resident` if it holds a handle and `Paused` if
 //!    not, so a failure leaves every allocation in one of the two stable states. Frees requested
 //!    during the transition are carried out now.

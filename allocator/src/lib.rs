@@ -8,13 +8,14 @@
 //!
 //! Modules, one topic each:
 //! * [`driver`]: the only code of the core that calls the CUDA driver (loaded at run time).
-//! * `allocator`: malloc, free, stats; `engine`: pause and resume (claim and settle; `work`:
-//!   the driver calls between); `settings`: the run-time settings; `table`: the allocation
-//!   table; `device`: per-device context and copy stream; `backup`: host backups (pinned,
-//!   mmap) and the backup enum; `disk`: disk backup files; `prepare`: pinned backups allocated
-//!   ahead of the first pause, on a background thread; `reserve`: the backup reserve, pinned
-//!   host memory made before any allocation that those backups are carved from; [`steps`]: the steps of a pause and a
-//!   resume on one piece of memory, used by every tag (the table's and the external ones).
+//! * `allocator`: malloc, free, stats; `engine`: pause and resume (claim and settle; `work`: the
+//!   driver calls between); `settings`: the run-time settings; `table`: the allocation table;
+//!   `device`: per-device context and copy stream; `backup`: host backups (pinned, mmap) and the
+//!   backup enum; `pinned`: host memory pinned in steps; `disk`: disk backup files; `prepare`:
+//!   pinned backups allocated ahead of the first pause, on a background thread; `reserve`: the
+//!   backup reserve, pinned host memory made before any allocation that those backups are carved
+//!   from; [`steps`]: the steps of a pause and a resume on one piece of memory, used by every tag
+//!   (the table's and the external ones).
 //! * [`options`]: [`declare_options!`], with which every layer declares its `MEMSAVER_*`
 //!   options in one list, and the core's list.
 //! * [`process`]: process identity (pid, start time, nonce) and liveness; [`private_dir`]:
@@ -31,8 +32,8 @@
 //!
 //! No module imports one that imports it back (`tests/layers.rs` checks): `allocator` holds
 //! the [`Allocator`] and its everyday methods and imports what they need (`steps`, `sharing`,
-//! `external`, `table`, ...); `engine`, `work`, `settings` and `export` add its other methods from above; nothing
-//! below names `Allocator`.
+//! `external`, `table`, ...); `engine`, `work`, `settings` and `export` add its other methods
+//! from above; nothing below names `Allocator`.
 
 pub mod driver;
 pub mod options;
@@ -51,6 +52,7 @@ mod export;
 mod external;
 mod guard;
 pub mod packed;
+mod pinned;
 mod prepare;
 mod reserve;
 mod settings;

@@ -10,7 +10,7 @@
 //! A pause never waits for that pinning: it takes a buffer being pinned as it stands (the
 //! thread looks between steps whether its buffer was taken, and stops), and a request still
 //! queued as an empty reservation. The steps not pinned yet are copied as pageable memory
-//! (`backup.rs`), and once the transition's copies are done it hands the buffer back as a
+//! (`pinned.rs`), and once the transition's copies are done it hands the buffer back as a
 //! finish job ([`Preparer::finish`]): the thread pins the rest in place, step by step, after
 //! any queued request, so later pauses and resumes copy at pinned speed. Freeing the allocation
 //! or releasing the backup cancels it.
@@ -40,8 +40,9 @@ use std::thread::JoinHandle;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::backup::{HostBuffer, PinJob, PinnedBuffer, Staging, Step};
+use crate::backup::HostBuffer;
 use crate::driver::{Context, Driver, DriverError};
+use crate::pinned::{PinJob, PinnedBuffer, Staging, Step};
 use crate::reserve::{Reserve, ReserveFigures};
 
 /// One buffer to prepare.
@@ -94,7 +95,7 @@ struct State {
 
 /// Bytes of backups to prepare from which the staging buffers pay for the pinned memory they
 /// keep (32 MiB): a first pause that comes before 1 GiB of backups is pinned copies it at about
-/// twice the driver's pageable speed through them (`backup.rs`, [`Staging`]).
+/// twice the driver's pageable speed through them (`pinned.rs`, [`Staging`]).
 const STAGING_FROM: u64 = 1 << 30;
 
 pub(crate) struct Preparer {

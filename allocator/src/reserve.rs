@@ -36,8 +36,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::backup::{Lender, PinJob, PinnedBuffer, Step};
 use crate::driver::{Context, Driver, DriverError};
+use crate::pinned::{Lender, PinJob, PinnedBuffer, Step};
 use crate::units::human_bytes;
 
 /// The unit backups are carved in: the VMM granularity, and a huge page.

@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::backup::{Backup, BackupKind, HostBuffer, PinJob, PinnedBuffer};
+use crate::backup::{Backup, BackupKind, HostBuffer};
 use crate::device::Device;
 use crate::disk::DiskFile;
 use crate::driver::sys::{CUmemAccessDesc, CUmemAllocationProp};
@@ -37,6 +37,7 @@ use crate::driver::{Driver, DriverError, Event, Handle};
 use crate::error::{Error, Result};
 use crate::options::Pack;
 use crate::packed::{self, Batches, Kernels, Layout};
+use crate::pinned::{PinJob, PinnedBuffer};
 use crate::prepare::Preparer;
 use crate::private_dir::Dir;
 use crate::types::Policy;

@@ -193,7 +193,7 @@ entry_points!(
 /// The kinds of driver call [`Driver::calls`] counts: the VMM calls whose number decides what a
 /// pause or resume costs (each one's cost is per call, not per byte), the copies, and the
 /// calls that pin host memory (slow, and they hold up every other driver call of the process
-/// while they run: see `backup.rs`). Named as the fake driver's counts are.
+/// while they run: see `pinned.rs`). Named as the fake driver's counts are.
 pub const CALL_KINDS: [&str; 16] = [
     "create",
     "map",
