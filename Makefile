@@ -168,6 +168,10 @@ lint: lint-rust lint-python
 lint-rust:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+	# The code's own docs, private items included (read with --document-private-items): every
+	# link names an item that exists. Links from public docs to private items are fine there.
+	RUSTDOCFLAGS="-D warnings -A rustdoc::private_intra_doc_links" \
+		$(CARGO) doc --no-deps --workspace --document-private-items
 
 # Python: ruff (ruff.toml), mypy --strict on the package, and stubtest of the package's types (its
 # annotated sources, and the hand-written _memsaver.pyi of the compiled extension) against the

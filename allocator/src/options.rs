@@ -130,7 +130,7 @@ crate::declare_options! {
         /// others (not /tmp, not a shared 0777 directory), and its last component must not be a
         /// symbolic link: otherwise pausing a disk-backed allocation fails, naming the
         /// directory, its owner and mode. Opened once and held; files are
-        /// memsaver-<pidns>-<pid>-<start>-<nonce>-<n>.bin, mode 0600, checked (size, xxh3) on
+        /// `memsaver-<pidns>-<pid>-<start>-<nonce>-<n>.bin`, mode 0600, checked (size, xxh3) on
         /// resume, removed at free and at exit, and those of dead processes by the next process
         /// that opens the directory (docs/security.md). Pausing a disk-backed allocation
         /// without a directory is refused. Also memsaver.set_disk_dir

@@ -1,5 +1,5 @@
 //! The driver's own VMM functions that NCCL looked up, stored for the wrappers to call: one
-//! list ([`slots!`] below) names each entry point, the signature it has and the CUDA version
+//! list (`slots!` below) names each entry point, the signature it has and the CUDA version
 //! from which the driver hands out that signature. `procaddr` stores the driver's function when
 //! it answers NCCL's lookup ([`store`]) and hands out the wrapper of its [`Slot`] (`vmm`,
 //! `sharing`); the wrappers call the driver's function through the accessor of the same name.

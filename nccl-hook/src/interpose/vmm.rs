@@ -319,7 +319,7 @@ thread_local! {
 /// NCCL retained the driver's handle `h` at `addr`: when that is memsaver memory (a tensor of
 /// some tag that NCCL registers), records it and returns the virtual handle to give NCCL, so
 /// that its export hands out a token that makes the peers' imports follow the tag
-/// ([`mem_export`]). `None`: not memsaver memory (NCCL keeps the driver's handle).
+/// ([`mem_export`](super::sharing::mem_export)). `None`: not memsaver memory (NCCL keeps the driver's handle).
 fn retained_tagged(h: CUmemGenericAllocationHandle, addr: u64) -> Option<u64> {
     let a = memsaver_allocator::global_if_started()?;
     let (asked_base, asked) = RANGE_ASKED.get();
