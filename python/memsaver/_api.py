@@ -93,7 +93,10 @@ def disable() -> Iterator[None]:
             pool = _torch.private_pool(torch, device)
             with _torch.scope(torch, pool, device):
                 yield
-            del pool  # torch frees the pool's unused segments when the pool goes
+            # torch frees the pool's unused segments when the pool goes (its cache emptied:
+            # with the pause guard's routing lifted, which torch counts as a capture underway).
+            with _torch.routing_lifted():
+                del pool
     finally:
         _memsaver.region_exit()
 

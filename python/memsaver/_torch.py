@@ -33,6 +33,10 @@ makes sure no pool holding paused memory serves an allocation:
   resume. The fresh pool is released at the resume; its tensors stay valid, and torch frees its
   segments once they are all free. torch gives a thread's own pool (``use_mem_pool``: regions,
   ``disable()``) and graph captures precedence over this routing, so they keep their pools.
+  torch counts the routing as a graph capture underway, and emptying a cache while one is
+  underway fails its internal assert (``captures_underway.empty()``): ``torch.cuda.empty_cache()``
+  and the release of a ``MemPool`` (``disable()``'s) lift the routing for their call
+  (``routing_lifted``).
 * torch's cuBLAS workspaces (one per stream, kept from the stream's first matmul, from the pool
   in use then: in whole-process mode, the process tag's memory) are dropped before a pause of
   the process tag, and made again by the next matmul.
@@ -332,12 +336,53 @@ def _before_pause(tags: list[str]) -> str | None:
             f"(torch._C._cuda_beginAllocateToPool), so its cached blocks of the process tag "
             f"'{tag}' would be handed out while paused: use PyTorch 2.5 or later"
         )
+    _guard_empty_cache(torch)
     for device in sorted(devices - _side_pools.keys()):
         with torch.cuda.device(device):
             pool = torch.cuda.MemPool()
         begin(device, pool.id)
         _side_pools[device] = pool
     return None
+
+
+@contextlib.contextmanager
+def routing_lifted() -> Iterator[None]:
+    """The pause guard's routing (``_side_pools``) lifted for the block, and put back after it.
+    torch counts a routing as a graph capture underway, and emptying a cache while one is
+    underway fails an internal assert that aborts the process: wrap the one call that empties a
+    cache (``torch.cuda.empty_cache()``, the release of a ``MemPool``). An allocation that
+    another thread makes during that call may come from the default pool."""
+    routed = list(_side_pools.items())
+    if not routed:
+        yield
+        return
+    torch_c = sys.modules["torch"]._C
+    for device, pool in routed:
+        torch_c._cuda_endAllocateToPool(device, pool.id)
+    try:
+        yield
+    finally:
+        for device, pool in routed:
+            torch_c._cuda_beginAllocateToPool(device, pool.id)
+
+
+def _guard_empty_cache(torch: Any) -> None:
+    """Makes ``torch.cuda.empty_cache()`` (verl and others call it right after a pause) lift the
+    routing for its call (``routing_lifted``); once per process."""
+    original = torch.cuda.empty_cache
+    if getattr(original, "__memsaver__", False):
+        return
+
+    @functools.wraps(original)
+    def empty_cache() -> None:
+        with routing_lifted():
+            original()
+
+    empty_cache.__memsaver__ = True  # type: ignore[attr-defined]
+    torch.cuda.empty_cache = empty_cache
+    memory = getattr(torch.cuda, "memory", None)
+    if memory is not None and getattr(memory, "empty_cache", None) is original:
+        memory.empty_cache = empty_cache
 
 
 def _after_transition() -> None:

@@ -11,7 +11,8 @@ Each scenario runs in its own process:
   barrier and all-reduce (a one-rank group), matmuls on the two streams whose cuBLAS
   workspaces torch made before the pause. None may land in paused memory, every kernel must
   run, and after ``resume("actor")`` the old tensors hold their contents and the new ones
-  theirs; twice. A third cycle is paused by another process
+  theirs; twice. Meanwhile ``torch.cuda.empty_cache()`` and a ``disable()`` block run. A third
+  cycle is paused by another process
   (``memsaver pause --pid``, a control request).
 * ``whole_process_unguarded``: the same first steps with the package's pause guard replaced by
   one that does nothing; the check passes if the process fails (illegal address) or a new
@@ -154,6 +155,21 @@ def scenario_whole_process(unguarded=False):
         if cycle == 0:
             del doomed  # its block goes back to torch's cache, inside paused memory
         new = work_while_paused(torch, env, "actor", memsaver)
+        if not unguarded:
+            # Emptying torch's cache while paused (verl does, right after a pause), and a
+            # disable() block, whose pool is released at its end: torch fails an internal
+            # assert if a cache is emptied while the guard's routing is active.
+            torch.cuda.empty_cache()
+            with memsaver.disable():
+                d = torch.full((64 * MIB,), 7, dtype=torch.uint8, device="cuda")
+                check(int(d.sum()) == 7 * 64 * MIB, "a tensor of a disable() block while paused")
+                del d
+            new["after_empty_cache"] = torch.ones(256, 256, device="cuda") @ torch.ones(
+                256, 256, device="cuda"
+            )
+            check_outside(memsaver, "actor", {"after_empty_cache": new["after_empty_cache"]},
+                          "after empty_cache while paused")
+            print("while paused: empty_cache and disable() ok", flush=True)
         torch.cuda.synchronize()
         memsaver.resume("actor")
         check(int(x.sum()) == 3 * 256 * MIB, f"cycle {cycle}: x lost its contents")

@@ -20,13 +20,42 @@ class FakeTorch(types.ModuleType):
     options) / ("captured",) around a graph capture, ("synchronize",), and ("share_cuda",
     data pointer) when a storage reaches torch's own ``_share_cuda_``, ("route", pool id,
     device) / ("unroute", pool id, device) when every allocation of a device is routed to a pool
-    and back, and ("clear_workspaces",), in order."""
+    and back, ("clear_workspaces",) and ("empty_cache",), in order.
+
+    As torch's caching allocator, it counts each routing (``use_mem_pool``, a routed device)
+    as a capture underway, and emptying a cache while one is underway fails its internal assert:
+    ``cuda.empty_cache()`` raises torch's ``RuntimeError``, and a ``MemPool`` released then
+    records ("assert", "captures_underway.empty()") where torch would abort the process."""
 
     def __init__(self) -> None:
         super().__init__("torch")
         calls: list[tuple[Any, ...]] = []
         self.calls = calls
         count = [0]
+        # torch's captures_underway: every routing active now.
+        underway: list[Any] = []
+        self.underway = underway
+
+        def released(name: str) -> None:
+            if underway:
+                calls.append(("assert", "captures_underway.empty()"))
+            calls.append(("freed", name))
+
+        def empty_cache() -> None:
+            if underway:
+                raise RuntimeError(
+                    "captures_underway.empty() INTERNAL ASSERT FAILED at "
+                    '"/pytorch/c10/cuda/CUDACachingAllocator.cpp"'
+                )
+            calls.append(("empty_cache",))
+
+        def route(device: Any, pool: Any) -> None:
+            underway.append((tuple(pool), device))
+            calls.append(("route", pool, device))
+
+        def unroute(device: Any, pool: Any) -> None:
+            underway.remove((tuple(pool), device))
+            calls.append(("unroute", pool, device))
 
         class MemPool:
             def __init__(self, allocator: Any = None) -> None:
@@ -34,14 +63,16 @@ class FakeTorch(types.ModuleType):
                 self.name = f"pool{count[0]}"
                 self.id = (count[0], 0)
                 calls.append(("pool", self.name, allocator))
-                weakref.finalize(self, calls.append, ("freed", self.name))
+                weakref.finalize(self, released, self.name)
 
         @contextlib.contextmanager
         def use_mem_pool(pool: MemPool, device: Any = None) -> Iterator[None]:
             calls.append(("enter", pool.name, device))
+            underway.append((pool.id, "this thread"))
             try:
                 yield
             finally:
+                underway.remove((pool.id, "this thread"))
                 calls.append(("exit", pool.name))
 
         class CUDAPluggableAllocator:
@@ -85,8 +116,8 @@ class FakeTorch(types.ModuleType):
                 return self._untyped_storage._share_cuda_(*args, **kwargs)
 
         self._C = types.SimpleNamespace(
-            _cuda_beginAllocateToPool=lambda device, pool: calls.append(("route", pool, device)),
-            _cuda_endAllocateToPool=lambda device, pool: calls.append(("unroute", pool, device)),
+            _cuda_beginAllocateToPool=route,
+            _cuda_endAllocateToPool=unroute,
             _cuda_clearCublasWorkspaces=lambda: calls.append(("clear_workspaces",)),
         )
         self.UntypedStorage = UntypedStorage
@@ -100,5 +131,8 @@ class FakeTorch(types.ModuleType):
             device=lambda d: contextlib.nullcontext(),
             MemPool=MemPool,
             use_mem_pool=use_mem_pool,
-            memory=types.SimpleNamespace(CUDAPluggableAllocator=CUDAPluggableAllocator),
+            empty_cache=empty_cache,
+            memory=types.SimpleNamespace(
+                CUDAPluggableAllocator=CUDAPluggableAllocator, empty_cache=empty_cache
+            ),
         )

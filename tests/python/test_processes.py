@@ -524,6 +524,46 @@ def test_whole_process_pause_routes_torch_to_a_fresh_pool_until_resume(child_env
     assert out["resumed"] == [["unroute", [1, 0], 0], ["freed", "pool1"]]
 
 
+WHOLE_PROCESS_EMPTY_WHILE_PAUSED = UNDER_FAKE_TORCH + r"""
+assert malloc()[0] == 0
+memsaver.pause("proc")
+del torch.calls[:]
+torch.cuda.empty_cache()  # verl calls it right after a pause
+out = {"empty_cache": list(torch.calls), "underway": [list(u) for u in torch.underway]}
+del torch.calls[:]
+with memsaver.disable():
+    pass
+out["disable"] = list(torch.calls)
+memsaver.resume("proc")
+del torch.calls[:]
+torch.cuda.empty_cache()
+out["after"] = list(torch.calls)
+print(json.dumps(out))
+"""
+
+
+def test_emptying_torchs_cache_while_the_process_tag_is_paused(child_env):
+    """Whole-process mode: while the process tag is paused, the pause guard routes torch's
+    allocations to a pool, which torch counts as a graph capture underway; torch fails an
+    internal assert (and aborts the process, from a MemPool's destructor) when a cache is
+    emptied then. `torch.cuda.empty_cache()` and the release of disable()'s pool lift the
+    routing for their call and put it back. The stand-in fails as torch does (the real one:
+    torch_memory_saver's test_training_engine in tests/gpu/tms_suite.sh)."""
+    env = dict(child_env, LD_PRELOAD=memsaver.preload_path(), MEMSAVER_HOOK_MODE="preload",
+               MEMSAVER_PROCESS_TAG="proc", PYTHONPATH=os.path.dirname(__file__))
+    r = run_python(WHOLE_PROCESS_EMPTY_WHILE_PAUSED, env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    route = [[1, 0], 0]
+    assert out["empty_cache"] == [["unroute", *route], ["empty_cache"], ["route", *route]]
+    assert out["underway"] == [[[1, 0], 0]], "still routed after the call"
+    assert out["disable"] == [
+        ["pool", "pool2", None], ["enter", "pool2", 0], ["exit", "pool2"],
+        ["unroute", *route], ["freed", "pool2"], ["route", *route],
+    ], "no assert: the pool is released with the routing lifted"
+    assert out["after"] == [["empty_cache"]], "resumed: nothing routed, nothing to lift"
+
+
 WHOLE_PROCESS_DISABLE = UNDER_FAKE_TORCH + r"""
 out = {"outside": malloc()[0]}
 with memsaver.disable():
