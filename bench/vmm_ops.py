@@ -48,6 +48,15 @@ def ck(name, r):
         raise SystemExit(f"{name} failed: {s.value.decode() if s.value else r}")
 
 
+def use_device(ordinal=0):
+    """Initialises the driver and makes device `ordinal`'s primary context current."""
+    ck("init", cuda.cuInit(0))
+    dev, ctx = C.c_int(), C.c_void_p()
+    ck("device", cuda.cuDeviceGet(C.byref(dev), ordinal))
+    ck("ctx", cuda.cuDevicePrimaryCtxRetain(C.byref(ctx), dev))
+    ck("set ctx", cuda.cuCtxSetCurrent(ctx))
+
+
 def timed(samples, f, *args):
     t = time.perf_counter_ns()
     r = f(*args)
@@ -145,14 +154,9 @@ def main():
     ap.add_argument("--n", type=int, default=1000)
     ap.add_argument("--size-mib", type=float, default=2)
     a = ap.parse_args()
-    ck("init", cuda.cuInit(0))
+    use_device(0)
     count = C.c_int()
     ck("count", cuda.cuDeviceGetCount(C.byref(count)))
-    dev = C.c_int()
-    ck("device", cuda.cuDeviceGet(C.byref(dev), 0))
-    ctx = C.c_void_p()
-    ck("ctx", cuda.cuDevicePrimaryCtxRetain(C.byref(ctx), dev))
-    ck("set ctx", cuda.cuCtxSetCurrent(ctx))
     size = int(a.size_mib * MIB)
     print(f"{a.n} allocations of {a.size_mib} MiB, {count.value} device(s); "
           "median us per call (total ms per cycle)")

@@ -19,7 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from vmm_ops import MIB, Access, Location, Prop, ck, cuda  # noqa: E402
+from vmm_ops import MIB, Access, Location, Prop, ck, cuda, use_device  # noqa: E402
 
 
 def reserve(size, addr=0):
@@ -56,11 +56,7 @@ def main():
     ap.add_argument("--size-mib", type=int, default=64)
     ap.add_argument("--cycles", type=int, default=5)
     args = ap.parse_args()
-    ck("init", cuda.cuInit(0))
-    dev, ctx = C.c_int(), C.c_void_p()
-    ck("device", cuda.cuDeviceGet(C.byref(dev), 0))
-    ck("retain", cuda.cuDevicePrimaryCtxRetain(C.byref(ctx), dev))
-    ck("set ctx", cuda.cuCtxSetCurrent(ctx))
+    use_device(0)
     prop = Prop(type=1, requestedHandleTypes=0, location=Location(1, 0))
     access = Access(Location(1, 0), 3)
     size = args.size_mib * MIB

@@ -23,7 +23,8 @@ import sys
 import time
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from vmm_ops import MIB, Access, Location, Prop, ck, cuda  # noqa: E402
+from vmm_ops import MIB, Access, Location, Prop, ck, cuda, use_device  # noqa: E402
+from vmm_runs import reserve  # noqa: E402
 
 
 def build(base, n, size, prop, access):
@@ -72,19 +73,13 @@ def main():
     ap.add_argument("--k", type=int, default=64)
     ap.add_argument("--cycles", type=int, default=3)
     args = ap.parse_args()
-    ck("init", cuda.cuInit(0))
-    dev, ctx = C.c_int(), C.c_void_p()
-    ck("device", cuda.cuDeviceGet(C.byref(dev), 0))
-    ck("context", cuda.cuDevicePrimaryCtxRetain(C.byref(ctx), dev))
-    ck("set context", cuda.cuCtxSetCurrent(ctx))
+    use_device(0)
     # POSIX-fd handles, as NCCL makes them for its peers.
     prop = Prop(type=1, requestedHandleTypes=1, location=Location(1, 0))
     access = Access(Location(1, 0), 3)
     size = args.size_mib * MIB
-    base = C.c_uint64()
-    ck("reserve", cuda.cuMemAddressReserve(C.byref(base), C.c_size_t(args.n * size),
-                                           C.c_size_t(0), C.c_uint64(0), C.c_uint64(0)))
-    base = base.value
+    r, base = reserve(args.n * size)
+    ck("reserve", r)
     ways = [("per-mapping", 1), (f"spans-of-{args.k}", args.k), ("one-span", args.n)]
     times = {name: [] for name, _ in ways}
     for cycle in range(args.cycles):
