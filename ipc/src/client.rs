@@ -84,10 +84,10 @@ pub fn connect(group: i64, owner: &Identity) -> Result<UnixStream> {
 /// One reply of an owner, with the fd that came with it.
 pub type Answered = (Reply, Option<OwnedFd>);
 
-/// Sends `request` (at most [`MAX_BUFFERS`](crate::protocol::MAX_BUFFERS) buffers) to `owner` and reads `n` replies, all by
-/// one deadline: the owner's own `wait` for buffers still being restored, and [`IO_TIMEOUT`].
-/// An owner too busy to admit the request ([`server::BUSY`]) is asked again, with backoff,
-/// until that deadline.
+/// Sends `request` (at most [`MAX_BUFFERS`](crate::protocol::MAX_BUFFERS) buffers) to `owner` and
+/// reads `n` replies, all by one deadline: the owner's own `wait` for buffers still being restored,
+/// and [`IO_TIMEOUT`]. An owner too busy to admit the request ([`server::BUSY`]) is asked again,
+/// with backoff, until that deadline.
 pub fn exchange(
     group: i64,
     owner: &Identity,

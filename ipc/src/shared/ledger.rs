@@ -16,27 +16,27 @@
 //! deadline (`MEMSAVER_IPC_TIMEOUT_MS`) and then returns what is still behind; the couriers
 //! carry on until each importer converges or exits.
 //!
-//! [`Delivery::Collective`]: nobody carries anything; every importer releases its imports in
-//! its own pause and says so ([`Request::Released`](crate::protocol::Request::Released)), and opens the next generation at its
-//! resume. The owner's pause marks what it released ([`paused`]) and waits until the ledger
-//! says every importer that maps a generation of it has released it, is gone or said its own
-//! pause failed ([`wait_released`]); its resume starts the next generation ([`resumed`]). Each
-//! pause and resume raises the owner's epoch ([`crate::epoch`]), which lets an importer that
-//! did not follow see it for itself.
+//! [`Delivery::Collective`]: nobody carries anything; every importer releases its imports in its
+//! own pause and says so ([`Request::Released`](crate::protocol::Request::Released)), and opens the
+//! next generation at its resume. The owner's pause marks what it released ([`paused`]) and waits
+//! until the ledger says every importer that maps a generation of it has released it, is gone or
+//! said its own pause failed ([`wait_released`]); its resume starts the next generation
+//! ([`resumed`]). Each pause and resume raises the owner's epoch ([`crate::epoch`]), which lets an
+//! importer that did not follow see it for itself.
 //!
-//! **Tombstones.** When the memory of a [`Delivery::Collective`] export is freed (its layer's
-//! NCCL destroyed a communicator, say) while importers still hold imports of it, mapped or
-//! released by a pause, the ledger keeps a [`Tomb`] of its id and key with those importers. An
-//! open that names it is answered [`Reply::Gone`]: the importer drops that import and maps the
-//! owner's other buffers, where otherwise its whole request would be refused, as a request
-//! naming an id or key the owner never gave out still is (no right to name it). A tombstone
-//! lasts while one of its importers could still name it: each one leaves it when it closes its
-//! import ([`Share::Close`](crate::protocol::Share::Close): its own NCCL freed it) or exits, and the last one to leave takes it
-//! away. At most [`MAX_TOMBS`] are kept: beyond that the oldest goes (logged), and its
-//! importers' opens of it are refused as before (their resumes fail naming the owner until
-//! their NCCL frees the import). [`Delivery::Courier`] exports need none: couriers carry only
-//! the exports there are, so importers never open again what the owner freed, and a first open
-//! of a freed allocation is refused.
+//! **Tombstones.** When the memory of a [`Delivery::Collective`] export is freed (its layer's NCCL
+//! destroyed a communicator, say) while importers still hold imports of it, mapped or released by a
+//! pause, the ledger keeps a [`Tomb`] of its id and key with those importers. An open that names it
+//! is answered [`Reply::Gone`]: the importer drops that import and maps the owner's other buffers,
+//! where otherwise its whole request would be refused, as a request naming an id or key the owner
+//! never gave out still is (no right to name it). A tombstone lasts while one of its importers
+//! could still name it: each one leaves it when it closes its import
+//! ([`Share::Close`](crate::protocol::Share::Close): its own NCCL freed it) or exits, and the last
+//! one to leave takes it away. At most [`MAX_TOMBS`] are kept: beyond that the oldest goes
+//! (logged), and its importers' opens of it are refused as before (their resumes fail naming the
+//! owner until their NCCL frees the import). [`Delivery::Courier`] exports need none: couriers
+//! carry only the exports there are, so importers never open again what the owner freed, and a
+//! first open of a freed allocation is refused.
 //!
 //! At most [`MAX_COURIERS`] courier threads run in the process, only while some importer is
 //! behind. Each importer behind has an [`Errand`]: queued (for a free courier, in turn, not
@@ -68,18 +68,20 @@ use crate::server::{Connection, WRITE_TIMEOUT};
 /// own ids (an export is named by its delivery and its id) and its own requests on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Delivery {
-    /// The owner's couriers bring every importer to the owner's state ([`Share::Release`](crate::protocol::Share::Release),
-    /// [`Share::Rebuild`](crate::protocol::Share::Rebuild)), and the owner's pause and resume wait for them: the allocator's
-    /// allocations (given as CUDA IPC handles, or as tokens to layers that map them
-    /// themselves), opened and closed with [`Request::Shared`](crate::protocol::Request::Shared), answered [`Reply::Shared`]. The
-    /// ids are the allocator's.
+    /// The owner's couriers bring every importer to the owner's state
+    /// ([`Share::Release`](crate::protocol::Share::Release),
+    /// [`Share::Rebuild`](crate::protocol::Share::Rebuild)), and the owner's pause and resume wait
+    /// for them: the allocator's allocations (given as CUDA IPC handles, or as tokens to layers
+    /// that map them themselves), opened and closed with
+    /// [`Request::Shared`](crate::protocol::Request::Shared), answered [`Reply::Shared`]. The ids
+    /// are the allocator's.
     Courier,
-    /// Importers release their imports in their own pause, which every process of the group
-    /// makes, and tell the owner ([`Request::Released`](crate::protocol::Request::Released)); at their resume they open the next
-    /// generation ([`Request::Import`](crate::protocol::Request::Import), answered [`Reply::Export`]). The owner's pause waits
-    /// until every importer that maps a generation of it has released or is gone
-    /// ([`wait_released`]). A layer's own buffers, served through
-    /// [`crate::server::Service::Buffers`]; the ids are the layer's.
+    /// Importers release their imports in their own pause, which every process of the group makes,
+    /// and tell the owner ([`Request::Released`](crate::protocol::Request::Released)); at their
+    /// resume they open the next generation ([`Request::Import`](crate::protocol::Request::Import),
+    /// answered [`Reply::Export`]). The owner's pause waits until every importer that maps a
+    /// generation of it has released or is gone ([`wait_released`]). A layer's own buffers, served
+    /// through [`crate::server::Service::Buffers`]; the ids are the layer's.
     Collective,
 }
 
@@ -123,13 +125,13 @@ pub(super) struct Export {
     pub(super) generation: u64,
     pub(super) memory: Memory,
     pub(super) importers: BTreeMap<Identity, Importer>,
-    /// The current generation's memory, exported once ([`Allocations::export_kept`](super::serve::Allocations::export_kept)): the
-    /// driver takes about 1.5 ms to export a 1 GiB handle the first time and tens of
-    /// microseconds after, so the fd is made when the handle is given and copies of it are
-    /// handed out (for at most [`MAX_KEPT_FDS`] exports at a time). An exported fd keeps the
-    /// memory alive: it is dropped before a pause releases the memory and when the allocation
-    /// is freed. Only a [`Delivery::Courier`] export keeps one (its pause marks it paused
-    /// before the release).
+    /// The current generation's memory, exported once
+    /// ([`Allocations::export_kept`](super::serve::Allocations::export_kept)): the driver takes
+    /// about 1.5 ms to export a 1 GiB handle the first time and tens of microseconds after, so the
+    /// fd is made when the handle is given and copies of it are handed out (for at most
+    /// [`MAX_KEPT_FDS`] exports at a time). An exported fd keeps the memory alive: it is dropped
+    /// before a pause releases the memory and when the allocation is freed. Only a
+    /// [`Delivery::Courier`] export keeps one (its pause marks it paused before the release).
     pub(super) fd: Option<ExportedMemory>,
 }
 
@@ -233,9 +235,10 @@ pub(super) struct Ledger {
     /// next open, a retry that may come before the owner's own, waits for the owner's next
     /// resume as usual). Cleared when a resume starts.
     pub(super) resume_failed: Option<(String, BTreeSet<Identity>)>,
-    /// Importers of collective exports whose own pause failed, leaving imports mapped, with
-    /// their error ([`Request::PauseFailed`](crate::protocol::Request::PauseFailed)): a pause stops waiting for them and names them
-    /// with it, once. Forgotten then, or at the importer's next notice or open (it went on).
+    /// Importers of collective exports whose own pause failed, leaving imports mapped, with their
+    /// error ([`Request::PauseFailed`](crate::protocol::Request::PauseFailed)): a pause stops
+    /// waiting for them and names them with it, once. Forgotten then, or at the importer's next
+    /// notice or open (it went on).
     pub(super) pause_failed: BTreeMap<Identity, String>,
 }
 
@@ -780,7 +783,8 @@ pub fn wait_released(
 }
 
 /// The owner's answer to `from`'s word that its own pause failed, leaving imports of
-/// [`Delivery::Collective`] exports mapped ([`Request::PauseFailed`](crate::protocol::Request::PauseFailed)).
+/// [`Delivery::Collective`] exports mapped
+/// ([`Request::PauseFailed`](crate::protocol::Request::PauseFailed)).
 pub fn serve_pause_failed(conn: &Connection, from: &Identity, message: String) {
     LEDGER.lock().pause_failed.insert(*from, message);
     SETTLED.notify_all();

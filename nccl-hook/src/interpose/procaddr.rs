@@ -141,7 +141,8 @@ unsafe extern "C" fn get_proc_address_v1<const NCCL: bool>(
 }
 
 /// Our wrapper of the VMM entry point `name` (resolved for CUDA `version`), once the driver's
-/// `real` is stored for it ([`real::store`](crate::interpose::real::store)); `None` for entry points we do not wrap.
+/// `real` is stored for it ([`real::store`](crate::interpose::real::store)); `None` for entry
+/// points we do not wrap.
 fn wrap(name: &[u8], version: i32, real: *mut c_void) -> Option<*mut c_void> {
     use crate::interpose::real::{self, Slot};
     use crate::interpose::{sharing, vmm};

@@ -1,13 +1,13 @@
 //! Exports and imports between processes (`memsaver_ipc`): tokens instead of fds.
 //!
-//! When NCCL exports one of its buffers as a POSIX fd, [`crate::interpose::sharing`]'s wrapper hands it
-//! a token naming the buffer ([`for_buffer`]) instead of the driver's fd; the importer's memsaver
-//! recognises the token ([`read`]) and trades it with the owner for the real fd ([`import`]), so
-//! the owner learns who imports what (`memsaver_ipc::token`, [`crate::tag::exports`]). Memsaver
-//! memory that NCCL registers gets a token naming the allocation ([`for_allocation`]), opened
-//! through `memsaver_ipc::shared` ([`open_registered`]), so its imports follow the allocation's
-//! tag. An export that could not get a token falls back to a plain fd and is recorded
-//! ([`fallback_reason`]).
+//! When NCCL exports one of its buffers as a POSIX fd, [`crate::interpose::sharing`]'s wrapper
+//! hands it a token naming the buffer ([`for_buffer`]) instead of the driver's fd; the importer's
+//! memsaver recognises the token ([`read`]) and trades it with the owner for the real fd
+//! ([`import`]), so the owner learns who imports what (`memsaver_ipc::token`,
+//! [`crate::tag::exports`]). Memsaver memory that NCCL registers gets a token naming the allocation
+//! ([`for_allocation`]), opened through `memsaver_ipc::shared` ([`open_registered`]), so its
+//! imports follow the allocation's tag. An export that could not get a token falls back to a plain
+//! fd and is recorded ([`fallback_reason`]).
 //!
 //! This module makes and reads the tokens and talks to the owners; the driver calls, and
 //! NCCL's out-pointers, stay in `sharing`. It imports the registry and the options, never the

@@ -316,10 +316,11 @@ thread_local! {
     static RANGE_ASKED: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
 }
 
-/// NCCL retained the driver's handle `h` at `addr`: when that is memsaver memory (a tensor of
-/// some tag that NCCL registers), records it and returns the virtual handle to give NCCL, so
-/// that its export hands out a token that makes the peers' imports follow the tag
-/// ([`mem_export`](super::sharing::mem_export)). `None`: not memsaver memory (NCCL keeps the driver's handle).
+/// NCCL retained the driver's handle `h` at `addr`: when that is memsaver memory (a tensor of some
+/// tag that NCCL registers), records it and returns the virtual handle to give NCCL, so that its
+/// export hands out a token that makes the peers' imports follow the tag
+/// ([`mem_export`](super::sharing::mem_export)). `None`: not memsaver memory (NCCL keeps the
+/// driver's handle).
 fn retained_tagged(h: CUmemGenericAllocationHandle, addr: u64) -> Option<u64> {
     let a = memsaver_allocator::global_if_started()?;
     let (asked_base, asked) = RANGE_ASKED.get();

@@ -136,10 +136,10 @@ pub(crate) struct Registry {
     /// Ranges reserved for owners' layouts, one per block of an owner's addresses
     /// ([`MIRROR_BLOCK`]): (owner, block) -> base.
     pub mirrors: HashMap<(u32, u64), CUdeviceptr>,
-    /// Address space memsaver reserved for NCCL's own buffers ([`OWN_ARENA`](layout::OWN_ARENA) each), and the
-    /// parts of it not handed out, by start: NCCL's buffers are carved from it lowest address
-    /// first, so that the buffers NCCL allocates one after another are adjacent and a resume
-    /// can back them with one run, whatever else the process maps meanwhile.
+    /// Address space memsaver reserved for NCCL's own buffers ([`OWN_ARENA`](layout::OWN_ARENA)
+    /// each), and the parts of it not handed out, by start: NCCL's buffers are carved from it
+    /// lowest address first, so that the buffers NCCL allocates one after another are adjacent and
+    /// a resume can back them with one run, whatever else the process maps meanwhile.
     pub own_free: BTreeMap<CUdeviceptr, u64>,
     /// Ranges of memsaver's reservations handed to NCCL as its reservations: NCCL's own
     /// buffers' (from the own arenas) and its imports' (in the owners' layouts).
@@ -151,14 +151,14 @@ pub(crate) struct Registry {
     pub multicast_objects: u64,
 }
 
-/// Guards the registry. Held by NCCL's wrapped calls (one call each, bookkeeping and their
-/// driver call; a reservation NCCL asks for may reserve memsaver's address space for NCCL's
-/// buffers or for an owner's layout, 64 GiB of addresses, under it), by the `nccl` pause for its whole local step (so NCCL cannot map or unmap
-/// memory while it is being paused), by resume per batch of handles (handed over fairly
-/// between batches so the peer server can answer), by the peer server per batch of answers,
-/// and by `stats`; never while waiting for a peer. Under it only the allocator's `devices`
-/// (the copy stream) is taken; never `GRAPHS`, and never the start of the allocator (which
-/// takes `external`, a lock before this one).
+/// Guards the registry. Held by NCCL's wrapped calls (one call each, bookkeeping and their driver
+/// call; a reservation NCCL asks for may reserve memsaver's address space for NCCL's buffers or for
+/// an owner's layout, 64 GiB of addresses, under it), by the `nccl` pause for its whole local step
+/// (so NCCL cannot map or unmap memory while it is being paused), by resume per batch of handles
+/// (handed over fairly between batches so the peer server can answer), by the peer server per batch
+/// of answers, and by `stats`; never while waiting for a peer. Under it only the allocator's
+/// `devices` (the copy stream) is taken; never `GRAPHS`, and never the start of the allocator
+/// (which takes `external`, a lock before this one).
 static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
 
 /// Held while an import of a peer's registered buffer is being made (from the owner's answer

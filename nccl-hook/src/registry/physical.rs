@@ -177,8 +177,9 @@ pub(crate) struct Physical {
     pub backup_len: u64,
     /// For [`Kind::Tagged`] and [`Kind::Registered`]: what the registration made of it.
     pub registration: Option<Registration>,
-    /// Own memory that a resume backed with a [`Run`](super::Run) it shares with its neighbours: the
-    /// run's base (a key of [`Registry::runs`](super::Registry::runs)). Set exactly while resident in the run.
+    /// Own memory that a resume backed with a [`Run`](super::Run) it shares with its neighbours:
+    /// the run's base (a key of [`Registry::runs`](super::Registry::runs)). Set exactly while
+    /// resident in the run.
     pub run: Option<CUdeviceptr>,
 }
 

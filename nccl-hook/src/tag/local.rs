@@ -7,11 +7,12 @@
 //! stack limit NCCL made the driver raise is [`crate::interpose::graphs`]'.
 //!
 //! What is backed up: the `nccl` tag's policy (`MEMSAVER_NCCL_BACKUP`, pinned by default).
-//! `headers` backs up only the first [`HEADER_BYTES`](crate::options::HEADER_BYTES) of the buffers NCCL shares with peers:
-//! NCCL lays those out as a 4 KiB control block (`ncclSendMem`/`ncclRecvMem`: head and tail
-//! step counters, FIFOs) followed by the LL/LL128/Simple staging buffers, whose contents live
-//! only within one collective. Resume zeroes what follows the headers ([`Steps::zero`](memsaver_allocator::steps::Steps::zero)), as
-//! NCCL's zeroed allocation left it: fresh memory may hold bytes that pass for a flag.
+//! `headers` backs up only the first [`HEADER_BYTES`](crate::options::HEADER_BYTES) of the buffers
+//! NCCL shares with peers: NCCL lays those out as a 4 KiB control block
+//! (`ncclSendMem`/`ncclRecvMem`: head and tail step counters, FIFOs) followed by the
+//! LL/LL128/Simple staging buffers, whose contents live only within one collective. Resume zeroes
+//! what follows the headers ([`Steps::zero`](memsaver_allocator::steps::Steps::zero)), as NCCL's
+//! zeroed allocation left it: fresh memory may hold bytes that pass for a flag.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

@@ -3,12 +3,12 @@
 //! the resume asks owners for the new generation of its imports ([`crate::tag::provider`]).
 //!
 //! NCCL shares a P2P buffer by exporting its handle as a POSIX fd, sending the fd over its own Unix
-//! socket and importing it in the peer. The export wrapper ([`crate::interpose::sharing`]) hands NCCL a
-//! token instead (`memsaver_ipc::token`, naming the buffer by its virtual handle); the importer's
-//! wrapper trades it for the real fd with the owner; the owner serves it from its registry
-//! ([`crate::tag::exports`]). So the owner knows every importer of each buffer, and every importer
-//! knows the owner and buffer behind each import. Who may talk to whom, and what enforces it, is
-//! docs/security.md.
+//! socket and importing it in the peer. The export wrapper ([`crate::interpose::sharing`]) hands
+//! NCCL a token instead (`memsaver_ipc::token`, naming the buffer by its virtual handle); the
+//! importer's wrapper trades it for the real fd with the owner; the owner serves it from its
+//! registry ([`crate::tag::exports`]). So the owner knows every importer of each buffer, and every
+//! importer knows the owner and buffer behind each import. Who may talk to whom, and what enforces
+//! it, is docs/security.md.
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;

@@ -3,9 +3,9 @@
 //! this process imported and mapped follows the owner's tag.
 //!
 //! The owner's NCCL retains the handle of the tensor's memory and exports it; memsaver hands NCCL a
-//! token naming the allocation (`crate::interpose::sharing`), and this process's import trades it for
-//! the fd through `memsaver_ipc::shared`, so the owner tracks this process as an importer like any
-//! CUDA IPC receiver. The mapping is NCCL's, recorded in the registry
+//! token naming the allocation (`crate::interpose::sharing`), and this process's import trades it
+//! for the fd through `memsaver_ipc::shared`, so the owner tracks this process as an importer like
+//! any CUDA IPC receiver. The mapping is NCCL's, recorded in the registry
 //! ([`registry::Kind::Registered`]). When the owner pauses the tag, its release request comes here
 //! ([`Holder::release`]): the mapping is unmapped and the imported handle released, the addresses
 //! stay reserved and recorded, and the owner's memory is really freed. When it resumes,
@@ -67,6 +67,10 @@ fn retained(reg: &Registry, ids: &[u64], paused: bool) -> Vec<(u64, u64)> {
     vhs
 }
 
+/// The context of an error that left NCCL's own mapping of a registered buffer of this process
+/// without the resumed memory.
+const NOT_REMAPPED: &str = "NCCL's own mapping of a registered buffer could not be mapped again";
+
 impl Aliases for Retained {
     fn release(&self, ids: &[u64]) -> memsaver_ipc::Result<()> {
         let a = memsaver_allocator::global()?;
@@ -116,7 +120,7 @@ impl Aliases for Retained {
             // A handle of the allocation's new memory, NCCL's to hold as it held the old one.
             let r = device(a, &reg, &ranges, vh)
                 .map_err(|source| IpcError::Hold {
-                    what: "NCCL's own mapping of a registered buffer could not be mapped again",
+                    what: NOT_REMAPPED,
                     source,
                 })
                 .and_then(|dev| {
@@ -125,8 +129,7 @@ impl Aliases for Retained {
                     })?;
                     map_fd(d, &steps, &dev, &mem.fd, &places(rs, None)).map_err(|source| {
                         IpcError::Hold {
-                            what: "NCCL's own mapping of a registered buffer could not be \
-                                   mapped again",
+                            what: NOT_REMAPPED,
                             source,
                         }
                     })
