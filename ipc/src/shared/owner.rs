@@ -157,10 +157,13 @@ pub(super) fn with_aliases(
 ) -> Result<()> {
     let mut errors: Vec<Error> = ALIASES.iter().filter_map(|a| step(*a).err()).collect();
     errors.extend(peers().err());
-    match errors.len() {
-        0 => Ok(()),
-        1 => Err(errors.pop().expect("one")),
-        _ => Err(Error::Several(errors)),
+    match errors.pop() {
+        None => Ok(()),
+        Some(only) if errors.is_empty() => Err(only),
+        Some(last) => {
+            errors.push(last);
+            Err(Error::Several(errors))
+        }
     }
 }
 
