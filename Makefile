@@ -209,6 +209,7 @@ gpu-dist: build fake-cuda python
 	rm -rf .dist && mkdir -p .dist
 	cp target/release/libmemsaver.so target/wheels/memsaver-*.whl .dist/
 	cp -r tests/gpu .dist/
+	mkdir -p .dist/fake-nccl && cp target/fake-nccl/libnccl.so.2 .dist/fake-nccl/
 
 # What tests/gpu/vllm_allocator.py needs on a GPU machine that has torch but not vLLM and no
 # network, under .dist/vllm (carry .dist): vLLM's Python files from the wheel installed for

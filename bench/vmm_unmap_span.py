@@ -8,11 +8,13 @@ carved side by side in one reservation. This maps N such handles adjacently in o
   per-mapping   cuMemUnmap of each mapping, then cuMemRelease of its handle (what a pause does)
   spans-of-K    one cuMemUnmap per K adjacent mappings, then a cuMemRelease per handle
   one-span      one cuMemUnmap over all N mappings, then a cuMemRelease per handle
+  threads-T     cuMemUnmap of each mapping, then the cuMemReleases split between T threads
+                (whether the driver frees memory of one context in parallel)
 
 After each way the range is mapped again and checked with a memset and a copy back, so a
 spanning unmap that left something mapped (or unmapped too much) fails the run.
 
-Usage: python3 bench/vmm_unmap_span.py [--n 2576] [--size-mib 2] [--k 64] [--cycles 3]
+Usage: python3 bench/vmm_unmap_span.py [--n 2576] [--size-mib 2] [--k 64] [--threads 4] [--cycles 3]
 Talks to libcuda.so.1 with ctypes (no torch). Prints ms per way (median of the cycles) and
 µs per handle. Exits non-zero if a driver call fails, naming it.
 """
@@ -20,6 +22,7 @@ import argparse
 import ctypes as C
 import statistics
 import sys
+import threading
 import time
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -53,17 +56,36 @@ def check(base, n, size, value):
             raise SystemExit(f"mapping {i}: read {b.value}, wrote {value}")
 
 
-def take_down(base, hs, size, span):
-    """Unmaps in spans of `span` mappings (1: each alone), then releases every handle; ms."""
+def take_down(base, hs, size, span, threads=1):
+    """Unmaps in spans of `span` mappings (1: each alone), then releases every handle, from
+    `threads` threads (each its share, the context current on each); ms."""
     t = time.perf_counter()
     n = len(hs)
     for i in range(0, n, span):
         m = min(span, n - i)
         ck(f"unmap of {m} mapping(s)",
            cuda.cuMemUnmap(C.c_uint64(base + i * size), C.c_size_t(m * size)))
-    for h in hs:
-        ck("release", cuda.cuMemRelease(h))
-    return (time.perf_counter() - t) * 1e3
+    if threads == 1:
+        for h in hs:
+            ck("release", cuda.cuMemRelease(h))
+        return (time.perf_counter() - t) * 1e3
+    ctx = C.c_void_p()
+    ck("ctx", cuda.cuCtxGetCurrent(C.byref(ctx)))
+    codes = []
+
+    def release(share):
+        # ctypes lets go of the GIL around each call: the releases overlap if the driver lets them.
+        cuda.cuCtxSetCurrent(ctx)
+        codes.extend(cuda.cuMemRelease(h) for h in share)
+
+    workers = [threading.Thread(target=release, args=(hs[i::threads],)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    ms = (time.perf_counter() - t) * 1e3
+    ck("release (threads)", next((c for c in codes if c != 0), 0))
+    return ms
 
 
 def main():
@@ -71,6 +93,7 @@ def main():
     ap.add_argument("--n", type=int, default=2576)
     ap.add_argument("--size-mib", type=int, default=2)
     ap.add_argument("--k", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--cycles", type=int, default=3)
     args = ap.parse_args()
     use_device(0)
@@ -80,17 +103,18 @@ def main():
     size = args.size_mib * MIB
     r, base = reserve(args.n * size)
     ck("reserve", r)
-    ways = [("per-mapping", 1), (f"spans-of-{args.k}", args.k), ("one-span", args.n)]
-    times = {name: [] for name, _ in ways}
+    ways = [("per-mapping", 1, 1), (f"spans-of-{args.k}", args.k, 1), ("one-span", args.n, 1),
+            (f"threads-{args.threads}", 1, args.threads)]
+    times = {name: [] for name, _, _ in ways}
     for cycle in range(args.cycles):
-        for v, (name, span) in enumerate(ways):
+        for v, (name, span, threads) in enumerate(ways):
             hs = build(base, args.n, size, prop, access)
-            check(base, args.n, size, (cycle * 3 + v) % 251 + 1)
-            times[name].append(take_down(base, hs, size, span))
+            check(base, args.n, size, (cycle * 4 + v) % 251 + 1)
+            times[name].append(take_down(base, hs, size, span, threads))
     print(f"{args.n} handles of {args.size_mib} MiB side by side in one reservation, "
           f"median of {args.cycles} cycles")
     print(f"{'way':<16} {'ms':>9} {'µs/handle':>10}")
-    for name, _ in ways:
+    for name, _, _ in ways:
         ms = statistics.median(times[name])
         print(f"{name:<16} {ms:9.2f} {ms * 1e3 / args.n:10.1f}")
     ck("free", cuda.cuMemAddressFree(C.c_uint64(base), C.c_size_t(args.n * size)))

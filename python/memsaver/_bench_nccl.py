@@ -19,11 +19,14 @@ collectives are checked after every resume.
   bytes NCCL says it can suspend (``ncclCommMemStats``) stand for what memsaver owns, and driver
   calls are not counted (``null``).
 - ``--fake``: the fake CUDA driver and the fake NCCL of a checkout (``tests/fake-nccl``), no
-  torch: each communicator is laid out as NCCL lays it out (2 private buffers of 2 MiB, then per
-  peer a buffer of ``--mib`` exported to that peer, sent over a Unix socket and imported there,
-  and a private buffer of 2 MiB); the "collectives" are every peer's pattern read through the
-  imports, and the private buffers' own contents. Those hold what NCCL's do: a few KiB of
-  structures in each 2 MiB granule, zeros elsewhere.
+  torch: each communicator is laid out as NCCL lays it out (``--buffers`` private buffers of 2
+  MiB, then per peer a buffer of ``--mib`` exported to that peer, sent over a Unix socket and
+  imported there, and a private buffer of 2 MiB); the "collectives" are every peer's pattern
+  read through the imports, and the private buffers' own contents. Those hold what NCCL's do: a
+  few KiB of structures in each 2 MiB granule, zeros elsewhere.
+- ``--fake-nccl``: the same fake NCCL on this machine's CUDA driver, every rank on GPU 0: the
+  driver's real costs for NCCL's pattern of buffers (``--buffers 320`` makes the 322 buffers per
+  communicator real NCCL makes at 2 ranks) where one GPU is all there is.
 """
 
 from __future__ import annotations
@@ -70,7 +73,9 @@ class Options:
     cycles: int = 5
     mib: int = 4
     timeout: float = 300.0
+    buffers: int = 2
     fake: bool = False
+    fake_nccl: bool = False
     native: bool = False
 
 
@@ -94,11 +99,15 @@ def options(flags: dict[str, Any]) -> Options:
     o = dataclasses.replace(o, **values)
     if o.ranks < 2:
         raise UsageError(f"--ranks {o.ranks}: NCCL's communicators need 2 or more ranks (peers to share buffers with)")
-    for name in ("comms", "cycles", "mib"):
+    for name in ("comms", "cycles", "mib", "buffers"):
         if getattr(o, name) < 1:
             raise UsageError(f"--{name} {getattr(o, name)}: give 1 or more")
-    if o.fake and o.comms > MAX_FDS:
-        raise UsageError(f"--comms {o.comms}: --fake sends each peer its buffers in one message, at most {MAX_FDS}")
+    if o.fake and o.fake_nccl:
+        raise UsageError("--fake and --fake-nccl: give one (the fake NCCL on the fake driver, or on this machine's)")
+    if (o.fake or o.fake_nccl) and o.comms > MAX_FDS:
+        raise UsageError(
+            f"--comms {o.comms}: the fake NCCL sends each peer its buffers in one message, at most {MAX_FDS}"
+        )
     if o.timeout <= 0:
         raise UsageError(f"--timeout {o.timeout}: give a positive number of seconds")
     return o
@@ -129,8 +138,8 @@ def _is_fake_driver(path: str) -> bool:
 
 def _fake_libraries() -> tuple[str, str]:
     """(the fake driver, the fake NCCL): MEMSAVER_FAKE_CUDA_LIB, else MEMSAVER_CUDA_LIB when it
-    names a fake driver, else the one shipped in this package; MEMSAVER_FAKE_NCCL_LIB, else
-    target/fake-nccl/libnccl.so.2 beside a fake driver of a checkout or under this directory."""
+    names a fake driver, else the one shipped in this package; the fake NCCL as
+    :func:`_fake_nccl_library` finds it."""
     from ._core import BUNDLED_LIBRARY
 
     named = os.environ.get("MEMSAVER_CUDA_LIB", "")
@@ -138,22 +147,27 @@ def _fake_libraries() -> tuple[str, str]:
     cuda = os.environ.get("MEMSAVER_FAKE_CUDA_LIB") or (named if named and _is_fake_driver(named) else bundled)
     if not _is_fake_driver(cuda):
         raise BenchError(f"{cuda} is not memsaver's fake CUDA driver (name one with MEMSAVER_FAKE_CUDA_LIB)")
+    return cuda, _fake_nccl_library(os.path.dirname(cuda))
+
+
+def _fake_nccl_library(cuda_dir: str | None) -> str:
+    """The fake NCCL: MEMSAVER_FAKE_NCCL_LIB, else target/fake-nccl/libnccl.so.2 beside a fake
+    driver of a checkout (in ``cuda_dir``) or under this directory."""
     env = os.environ.get("MEMSAVER_FAKE_NCCL_LIB")
     if env:
         if not os.path.isfile(env):
             raise BenchError(f"MEMSAVER_FAKE_NCCL_LIB={env}: no such file (build it with `make fake-cuda`)")
-        return cuda, env
-    candidates = [
-        os.path.normpath(os.path.join(os.path.dirname(cuda), "..", "fake-nccl", "libnccl.so.2")),
-        os.path.abspath(os.path.join("target", "fake-nccl", "libnccl.so.2")),
-    ]
+        return env
+    candidates = [os.path.abspath(os.path.join("target", "fake-nccl", "libnccl.so.2"))]
+    if cuda_dir:
+        candidates.insert(0, os.path.normpath(os.path.join(cuda_dir, "..", "fake-nccl", "libnccl.so.2")))
     for c in candidates:
         if os.path.isfile(c):
-            return cuda, c
+            return c
     raise BenchError(
-        "--fake needs the fake NCCL (tests/fake-nccl), which is not shipped in the package: run "
-        "`make fake-cuda` in a memsaver checkout and set MEMSAVER_FAKE_NCCL_LIB=<checkout>/target/"
-        f"fake-nccl/libnccl.so.2 (looked at: {', '.join(candidates)})"
+        "the fake NCCL (tests/fake-nccl) is not shipped in the package: run `make fake-cuda` in a "
+        "memsaver checkout and set MEMSAVER_FAKE_NCCL_LIB=<checkout>/target/fake-nccl/libnccl.so.2 "
+        f"(looked at: {', '.join(candidates)})"
     )
 
 
@@ -203,7 +217,7 @@ def _free_port() -> int:
 def _parent(o: Options) -> int:
     from . import _launch
 
-    if o.native and o.fake:
+    if o.native and (o.fake or o.fake_nccl):
         raise UsageError("--native measures NCCL's own ncclCommSuspend/ncclCommResume, which the fake NCCL lacks")
     env = dict(os.environ)
     if not o.native:  # native: NCCL alone, memsaver not loaded in the ranks
@@ -222,6 +236,10 @@ def _parent(o: Options) -> int:
             # One fresh fake machine for the ranks, and a runtime directory of their own (no
             # other job's processes in their group).
             env.update(MEMSAVER_CUDA_LIB=cuda, FAKE_CUDA_DIR=state, MEMSAVER_RUNTIME_DIR=runtime)
+        elif o.fake_nccl:
+            config["nccl"] = _fake_nccl_library(None)
+            state = ""
+            env.pop("MEMSAVER_CUDA_LIB", None)  # this machine's driver
         else:
             _check_gpus(o)
             state = ""
@@ -515,7 +533,8 @@ def _shared_bytes_kept() -> int:
 def _fake_workload(rank: int, o: Options, cfg: dict[str, Any], barrier: FileBarrier) -> Workload:
     import memsaver
 
-    cuda_path = os.environ["MEMSAVER_CUDA_LIB"]
+    # --fake: the fake driver the parent named; --fake-nccl: this machine's.
+    cuda_path = os.environ["MEMSAVER_CUDA_LIB"] if o.fake else "libcuda.so.1"
     cuda_b = cuda_path.encode()
     cuda = ctypes.CDLL(cuda_path)
     ctx = ctypes.c_void_p()
@@ -526,7 +545,22 @@ def _fake_workload(rank: int, o: Options, cfg: dict[str, Any], barrier: FileBarr
         ("cuCtxPushCurrent", cuda.cuCtxPushCurrent_v2(ctx)),
     ):
         if rc != 0:
-            raise BenchError(f"{what} failed on the fake driver {cuda_path} (CUDA error {rc})")
+            raise BenchError(f"{what} failed on the CUDA driver {cuda_path} (CUDA error {rc})")
+    cuda.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
+    cuda.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+
+    def put(ptr: int, data: bytes) -> None:
+        rc = cuda.cuMemcpyHtoD_v2(ptr, data, len(data))
+        if rc != 0:
+            raise BenchError(f"writing {len(data)} bytes at {ptr:#x} failed (CUDA error {rc})")
+
+    def get(ptr: int, n: int) -> bytes:
+        out = ctypes.create_string_buffer(n)
+        rc = cuda.cuMemcpyDtoH_v2(out, ptr, n)
+        if rc != 0:
+            raise BenchError(f"reading {n} bytes at {ptr:#x} failed (CUDA error {rc})")
+        return out.raw
+
     nccl = ctypes.CDLL(cfg["nccl"])
     ptr = ctypes.POINTER(FakeNcclAlloc)
     nccl.fake_nccl_alloc.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ptr]
@@ -547,19 +581,21 @@ def _fake_workload(rank: int, o: Options, cfg: dict[str, Any], barrier: FileBarr
     private: list[FakeNcclAlloc] = []
     exported: dict[int, list[FakeNcclAlloc]] = {p: [] for p in peers}  # per peer, by communicator
     for _ in range(o.comms):
-        if nccl.fake_nccl_comm_init(cuda_b, o.ranks) != 0:
+        # "NCCL's kernel" and its stack are the fake driver's (a real driver has no such call).
+        if o.fake and nccl.fake_nccl_comm_init(cuda_b, o.ranks) != 0:
             raise BenchError("the fake NCCL could not set up a communicator")
-        private += [alloc(2 * MIB, False) for _ in range(2)]
+        private += [alloc(2 * MIB, False) for _ in range(o.buffers)]
         for p in peers:
             exported[p].append(alloc(o.mib * MIB, True))
             private.append(alloc(2 * MIB, False))
     for i, a in enumerate(private):
-        ctypes.memmove(a.ptr, _private(f"private/{rank}/{i}", a.size), a.size)
+        put(a.ptr, _private(f"private/{rank}/{i}", a.size))
     for p in peers:
         for c, a in enumerate(exported[p]):
-            ctypes.memmove(a.ptr, _pattern(f"shared/{rank}->{p}/{c}", a.size), a.size)
+            put(a.ptr, _pattern(f"shared/{rank}->{p}/{c}", a.size))
     imports = _exchange(rank, o, cfg["dir"], exported, nccl, cuda_b, barrier)
-    expected = {i: _private(f"private/{rank}/{i}", a.size) for i, a in enumerate(private)}
+    # Digests, not copies: at 16 communicators of 320 buffers a rank holds 10 GiB of them.
+    expected = {i: hashlib.sha256(_private(f"private/{rank}/{i}", a.size)).digest() for i, a in enumerate(private)}
     kept = _shared_bytes_kept()
 
     def check(step: int) -> None:
@@ -570,10 +606,10 @@ def _fake_workload(rank: int, o: Options, cfg: dict[str, Any], barrier: FileBarr
                 raise BenchError(f"communicator {c}: ncclAllReduce failed after {when}")
         for (p, c), a in imports.items():  # the all-to-all: every peer's buffer, read here
             n = min(a.size, kept)
-            if ctypes.string_at(a.ptr, n) != _pattern(f"shared/{p}->{rank}/{c}", a.size)[:n]:
+            if get(a.ptr, n) != _pattern(f"shared/{p}->{rank}/{c}", a.size)[:n]:
                 raise BenchError(f"communicator {c}: the buffer rank {p} shares is wrong after {when}")
         for i, a in enumerate(private):
-            if ctypes.string_at(a.ptr, a.size) != expected[i]:
+            if hashlib.sha256(get(a.ptr, a.size)).digest() != expected[i]:
                 raise BenchError(f"private buffer {i} ({a.size} bytes at {a.ptr:#x}) changed after {when}")
 
     return Workload(check, lambda: memsaver.device_memory(0)[0], barrier, True, _memsaver_switch)
@@ -684,12 +720,13 @@ def _rank(cfg: dict[str, Any]) -> None:
                 f"memsaver is not preloaded here (hook mode {memsaver.hook_mode()}): NCCL would not be hooked"
             )
     barrier = FileBarrier(cfg["dir"], rank, o.ranks, time.monotonic() + o.timeout)
-    w = _fake_workload(rank, o, cfg, barrier) if o.fake else _gpu_workload(rank, o, barrier)
+    fake_nccl = o.fake or o.fake_nccl
+    w = _fake_workload(rank, o, cfg, barrier) if fake_nccl else _gpu_workload(rank, o, barrier)
     w.check(0)
     report = _cycles(rank, o, w)
     barrier()
     print(LINE + json.dumps(report), flush=True)
-    if not o.fake:
+    if not fake_nccl:
         import torch.distributed as dist
 
         dist.destroy_process_group()

@@ -23,7 +23,11 @@ Facts (as measured on an H100, driver 580.159):
    NCCL freed inside a run only once the run is unmapped);
 11. eight reservations of 64 GiB of addresses, aligned to 1 GiB, are given (an importer of NCCL
    buffers reserves one per block of an owner's addresses, to lay its imports out as the owner
-   does), and an allocation maps anywhere inside one.
+   does), and an allocation maps anywhere inside one;
+12. part of a mapping does not take cuMemSetAccess: CUDA_ERROR_INVALID_VALUE (1), before and
+   after the whole mapping was granted access (measured on an H200, driver 580.159.04,
+   2026-11-29): memory that backs several buffers with one allocation must be granted access
+   whole, never buffer by buffer.
 
 Usage: python3 tests/gpu/vmm_rules.py
 Talks to libcuda.so.1 with ctypes (no torch; MEMSAVER_CUDA_LIB names another library, such as
@@ -270,6 +274,23 @@ def fact_11(g):
         free(p, block)
 
 
+def fact_12(g):
+    """An 8-granule mapping: access to granule 1 alone, then to the whole, then to granule 2."""
+    base = reserve(8 * g)
+    h = create(8 * g)
+    ck("cuMemMap", map_(base, 8 * g, h))
+    before = access(base + g, g)
+    ck("cuMemSetAccess of the whole", access(base, 8 * g))
+    after = access(base + 2 * g, g)
+    ck("cuMemsetD8", touch(base, 8 * g))
+    report(12, before != 0 and after != 0,
+           f"cuMemSetAccess of one granule of a mapping: {name(before)} before the whole was "
+           f"granted, {name(after)} after (the fake driver answers CUDA_ERROR_INVALID_VALUE (1))")
+    ck("cuMemUnmap", unmap(base, 8 * g))
+    release(h)
+    free(base, 8 * g)
+
+
 def main():
     ck("cuInit", cuda.cuInit(0))
     dev, ctx = C.c_int(), C.c_void_p()
@@ -281,7 +302,7 @@ def main():
     ck("cuMemGetAllocationGranularity",
        cuda.cuMemGetAllocationGranularity(C.byref(g), C.byref(PROP), 0))
     print(f"device 0, CUDA driver API {version.value}, granularity {g.value >> 20} MiB")
-    for check in (facts_1_to_3, fact_4, fact_5, fact_6, fact_7_to_10, fact_11):
+    for check in (facts_1_to_3, fact_4, fact_5, fact_6, fact_7_to_10, fact_11, fact_12):
         check(g.value)
     if failed:
         print(f"FAIL: facts {', '.join(map(str, sorted(failed)))} do not hold here")

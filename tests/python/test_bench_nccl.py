@@ -69,6 +69,22 @@ def test_pause_calls_and_bytes_do_not_grow_with_communicators(bench_env):
         assert four[0] <= one[0] + 16 * MIB and four[0] < 4 * (128 << 10), copied
 
 
+def test_more_buffers_per_communicator_copy_more_and_call_the_driver_as_often(bench_env):
+    # --buffers lays out NCCL's count of private buffers: each holds a few KiB, so a pause
+    # copies more blocks, in the same runs (the same calls), and every byte still comes back.
+    got = {}
+    for buffers in (2, 10):
+        r = bench(bench_env, "--ranks", "2", "--cycles", "2", "--buffers", str(buffers))
+        assert r.returncode == 0, r.stdout + r.stderr
+        got[buffers] = {g["rank"]: (g["calls_per_pause"], g["bytes_copied_per_pause"]) for g in lines(r)}
+    for rank in (0, 1):
+        (calls2, bytes2), (calls10, bytes10) = got[2][rank], got[10][rank]
+        assert calls10 == calls2, got
+        # 8 more buffers, each with its live bytes in two 4 KiB blocks, each block copied with
+        # its 4-byte index entry (the packed layout, allocator/src/packed.rs).
+        assert bytes10 - bytes2 == 8 * 2 * (4096 + 4), got
+
+
 def test_every_byte_comes_back_with_cpu_and_the_headers_with_the_default(bench_env):
     # The ranks read every byte of each peer's shared buffers after each resume with `cpu`, and
     # their first 64 KiB with `headers` (the default): what NCCL keeps across collectives. Fresh
@@ -111,13 +127,18 @@ def test_help_and_the_missing_fake_nccl(bench_env):
     r = subprocess.run([sys.executable, "-m", "memsaver", "bench", "nccl", "--help"],
                        env=bench_env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    for flag in ("--ranks", "--comms", "--fake", "--cycles", "--mib", "--native", "--timeout"):
+    for flag in ("--ranks", "--comms", "--fake", "--fake-nccl", "--buffers", "--cycles", "--mib", "--native",
+                 "--timeout"):
         assert flag in r.stdout, r.stdout
     env = dict(bench_env, MEMSAVER_FAKE_NCCL_LIB="/nonexistent/libnccl.so.2")
     r = bench(env)
     assert r.returncode == 1 and "make fake-cuda" in r.stderr, r.stderr
     r = bench(bench_env, "--native")
     assert r.returncode == 2 and "--native" in r.stderr and "fake NCCL lacks" in r.stderr, r.stderr
+    r = bench(bench_env, "--fake-nccl")
+    assert r.returncode == 2 and "--fake and --fake-nccl: give one" in r.stderr, r.stderr
+    r = bench(bench_env, "--buffers", "0")
+    assert r.returncode == 2 and "--buffers 0: give 1 or more" in r.stderr, r.stderr
 
 
 def test_the_nccl_version_code_is_read_as_nccl_writes_it():

@@ -552,6 +552,15 @@ pub fn set_access(
     };
     let mut st = STATE.write();
     let starts = st.covering(ptr, size).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    // Whole mappings only, as on the real driver (an H200, driver 580.159.04: part of one
+    // mapping is CUDA_ERROR_INVALID_VALUE, before and after the whole was granted).
+    let whole = starts.first() == Some(&ptr)
+        && starts
+            .last()
+            .is_some_and(|last| last + st.mappings[last].size == ptr + size);
+    if !whole {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
     // SAFETY: the range is fully covered by our file mappings (checked above); mprotect
     // changes only their protection.
     if unsafe { libc::mprotect(ptr as *mut c_void, size as usize, prot) } != 0 {

@@ -128,11 +128,23 @@ pub const COMMANDS: &[Command] = &[
                     "MiB of each collective's tensor (GPU), of each buffer shared with a peer \
                      (--fake)",
                 ),
+                value(
+                    "--buffers",
+                    "B",
+                    "2",
+                    "private 2 MiB buffers per communicator before the shared ones (--fake, \
+                     --fake-nccl; NCCL makes about 320 at 2 ranks)",
+                ),
                 value("--timeout", "S", "300", "seconds each rank may take in all"),
                 switch(
                     "--fake",
                     "the fake CUDA driver and fake NCCL (no GPU, no torch; the fake NCCL comes \
                      from a checkout: make fake-cuda)",
+                ),
+                switch(
+                    "--fake-nccl",
+                    "the fake NCCL on this machine's CUDA driver, every rank on GPU 0 (no torch; \
+                     NCCL's pattern of buffers where there is one GPU)",
                 ),
                 switch(
                     "--native",
