@@ -40,6 +40,9 @@
 //! * **run**: one physical allocation a resume makes behind several adjacent NCCL buffers, and
 //!   an importer's one mapping of a peer's whole run: the driver's cost is per physical
 //!   allocation, not per byte (docs/nccl.md, "Runs").
+//! * **chunk**: a run made ahead, from which NCCL's small buffers are carved as NCCL creates
+//!   them (`MEMSAVER_NCCL_CHUNK_MB`), so that even the first pause releases one allocation per
+//!   chunk, not one per buffer.
 //! * **ledger**: an owner's record of everything it exported, which generation of each every
 //!   importer holds, and its tombstones (memsaver-ipc's `shared/ledger.rs`).
 //! * **courier**: an owner's thread that brings one importer of its shared allocations to the

@@ -53,6 +53,17 @@ memsaver_allocator::declare_options! {
                /// buffers (the variable is in MiB; 0 turns runs off).
                pub nccl_merge_limit: u64 = |mb| mb as u64 * (1 << 20);
 
+        /// NCCL's small buffers (device memory of at most a sixteenth of this size) are carved
+        /// when NCCL creates them from physical allocations of this size made ahead (chunks),
+        /// so that even the first pause of nccl releases one allocation per chunk, not one per
+        /// buffer, and each peer maps a chunk whole. A multiple of the device's allocation
+        /// granularity (2 MiB on H100 and H200); capped by MEMSAVER_NCCL_MERGE_MB. 0 (the
+        /// default): each buffer has its own allocation until the first resume
+        NCCL_CHUNK_MB = "MEMSAVER_NCCL_CHUNK_MB", int(0, 1024, "MiB"), default "0", Library
+            => /// Bytes: the size of the chunks NCCL's small buffers are carved from at
+               /// their creation (the variable is in MiB; 0 turns chunks off).
+               pub nccl_chunk: u64 = |mb| mb as u64 * (1 << 20);
+
         /// 1: keep only the first 64 KiB of NCCL's shared buffers (headers) also on an NCCL
         /// newer than the last version whose buffer layouts were checked (docs/nccl.md); by
         /// default such an NCCL's buffers are backed up whole, and the log says why once
@@ -105,6 +116,7 @@ mod tests {
         assert_eq!(o.nccl_backup, NcclBackup::Headers);
         assert!(o.nccl_tokens);
         assert_eq!(o.nccl_merge_limit, 64 << 30);
+        assert_eq!(o.nccl_chunk, 0);
         assert!(o.errors.is_empty());
         assert!(o.check().is_ok());
     }
@@ -116,12 +128,14 @@ mod tests {
             ("MEMSAVER_NCCL_BACKUP", "cpu"),
             ("MEMSAVER_NCCL_TOKENS", "0"),
             ("MEMSAVER_NCCL_MERGE_MB", "0"),
+            ("MEMSAVER_NCCL_CHUNK_MB", "64"),
         ]);
         assert!(o.errors.is_empty(), "{:?}", o.errors);
         assert_eq!(o.nccl_timeout, Duration::from_millis(250));
         assert_eq!(o.nccl_backup, NcclBackup::Cpu);
         assert!(!o.nccl_tokens);
         assert_eq!(o.nccl_merge_limit, 0);
+        assert_eq!(o.nccl_chunk, 64 << 20);
         // Blank is unset.
         assert!(opts(&[("MEMSAVER_NCCL_TOKENS", " ")]).nccl_tokens);
         assert_eq!(

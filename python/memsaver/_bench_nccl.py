@@ -443,6 +443,7 @@ def _cycles(rank: int, o: Options, w: Workload) -> dict[str, Any]:
     pause_ms: list[float] = []
     resume_ms: list[float] = []
     calls: tuple[int | None, int | None] = (None, None)
+    first_calls: int | None = None
     copied: tuple[int | None, int | None] = (None, None)
     freed_pct = 0.0
     for k in range(1, o.cycles + 1):
@@ -467,6 +468,8 @@ def _cycles(rank: int, o: Options, w: Workload) -> dict[str, Any]:
         c3 = snap()
         if s.calls:
             calls = (_vmm_calls(c0, c1), _vmm_calls(c2, c3))
+            if k == 1:
+                first_calls = calls[0]
         if s.copied:
             copied = s.copied()
         w.barrier()  # every rank has resumed
@@ -480,6 +483,7 @@ def _cycles(rank: int, o: Options, w: Workload) -> dict[str, Any]:
         "resume_ms": [round(t, 3) for t in resume_ms],
         "calls_per_pause": calls[0],
         "calls_per_resume": calls[1],
+        "calls_first_pause": first_calls,
         "bytes_copied_per_pause": copied[0],
         "bytes_copied_per_resume": copied[1],
         "freed_pct": freed_pct,

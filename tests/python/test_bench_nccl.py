@@ -12,7 +12,7 @@ import pytest
 
 FIELDS = {
     "rank", "ranks", "comms", "mode", "pause_ms", "resume_ms", "calls_per_pause", "calls_per_resume",
-    "bytes_copied_per_pause", "bytes_copied_per_resume", "freed_pct",
+    "calls_first_pause", "bytes_copied_per_pause", "bytes_copied_per_resume", "freed_pct",
 }
 MIB = 1 << 20
 
@@ -83,6 +83,26 @@ def test_more_buffers_per_communicator_copy_more_and_call_the_driver_as_often(be
         # 8 more buffers, each with its live bytes in two 4 KiB blocks, each block copied with
         # its 4-byte index entry (the packed layout, allocator/src/packed.rs).
         assert bytes10 - bytes2 == 8 * 2 * (4096 + 4), got
+
+
+def test_chunks_make_the_first_pause_release_per_chunk_not_per_buffer(bench_env):
+    # MEMSAVER_NCCL_CHUNK_MB carves NCCL's buffers from physical allocations made ahead, and a
+    # peer's first import maps a chunk whole: the first pause then releases one allocation per
+    # chunk, own and imported, as later pauses release one per run; without chunks it releases
+    # each buffer. Every byte still comes back (cpu backup, junk in fresh memory).
+    env = dict(bench_env, MEMSAVER_NCCL_BACKUP="cpu", FAKE_CUDA_FRESH="junk")
+    got = {}
+    for chunk in ("0", "64"):
+        r = bench(dict(env, MEMSAVER_NCCL_CHUNK_MB=chunk), "--ranks", "3", "--comms", "3", "--buffers", "10",
+                  "--cycles", "2")
+        assert r.returncode == 0, chunk + r.stdout + r.stderr
+        got[chunk] = [(g["calls_first_pause"], g["calls_per_pause"]) for g in lines(r)]
+    for (plain, steady), (chunked, chunked_steady) in zip(got["0"], got["64"], strict=True):
+        assert chunked_steady == steady, got
+        # 42 buffers of its own and 6 imports each: an unmap and a release apiece without chunks.
+        assert plain == 2 * (42 + 6), got
+        # Two chunks of its own and at most two of each peer's.
+        assert chunked <= 2 * (2 + 2 * 2) and chunked <= 2 * steady, got
 
 
 def test_every_byte_comes_back_with_cpu_and_the_headers_with_the_default(bench_env):

@@ -40,9 +40,6 @@ pub(super) unsafe extern "C" fn mem_export(
     let Some(h) = p.real() else {
         return paused_use("cuMemExportToShareableHandle", p);
     };
-    if p.run.is_some() {
-        return in_run("cuMemExportToShareableHandle");
-    }
     if let Some(Registration::Retained { at, .. }) = p.registration {
         drop(reg);
         return answered(|| export_tagged(shareable, h, at, handle_type, flags, f));
@@ -61,6 +58,11 @@ pub(super) unsafe extern "C" fn mem_export(
             prepare_header(handle, device, size);
         }
         return CUDA_SUCCESS;
+    }
+    // A buffer in a run goes to peers through a token only: its owner serves the run, which
+    // the importer maps whole ([`crate::interpose::vmm`]); the driver's fd would be the run's.
+    if p.run.is_some() {
+        return in_run("cuMemExportToShareableHandle");
     }
     // SAFETY: the caller's arguments with the driver's handle.
     let r = unsafe { f(shareable, h, handle_type, flags) };

@@ -12,7 +12,7 @@ use std::ffi::{c_ulonglong, c_void};
 
 use crate::interpose::{real, tokens};
 use crate::options::{self, NcclBackup};
-use crate::registry::{self, Gone, Kind, Mapping, Physical, Registration};
+use crate::registry::{self, Carved, Gone, Kind, Mapping, Physical, Real, Registration, Run};
 use memsaver_allocator::driver::Handle;
 use memsaver_allocator::driver::sys::*;
 use memsaver_allocator::options::Pack;
@@ -148,61 +148,83 @@ fn collect(reg: &mut registry::Registry, vh: u64) -> Option<Gone> {
 fn release_real(gone: Option<Gone>) {
     let Some(gone) = gone else { return };
     tokens::import_gone(gone.physical());
-    let handle = match gone {
-        Gone::Member(_) => None,
-        Gone::Handle(p) => p.real(),
-        Gone::Run { base, run, .. } => {
-            if let Some(unmap) = real::UNMAP() {
-                // SAFETY: the run's mapping; NCCL has let go of every buffer in it.
-                let r = unsafe { unmap(base, run.size as usize) };
-                if r != CUDA_SUCCESS {
-                    tracing::warn!(code = r, "cuMemUnmap of a run of NCCL's buffers failed");
-                }
-            }
-            let drivers: Vec<(u64, u64)> = {
-                let mut reg = registry::lock();
-                let dead = run
-                    .dead
-                    .into_iter()
-                    .filter(|(ptr, _)| !reg.free_range(*ptr));
-                dead.chain(run.around).collect()
-            };
-            if let Some(free) = real::FREE() {
-                for (ptr, size) in drivers {
-                    // SAFETY: a reservation NCCL freed while the run covered it.
-                    let r = unsafe { free(ptr, size as usize) };
-                    if r != CUDA_SUCCESS {
-                        tracing::warn!(code = r, "cuMemAddressFree of NCCL's freed range failed");
-                    }
-                }
-            }
-            Some(run.real)
-        }
-    };
-    if let (Some(h), Some(release)) = (handle, real::RELEASE()) {
-        // SAFETY: a driver handle memsaver held on NCCL's behalf; released once, here.
-        let r = unsafe { release(h) };
-        if r != CUDA_SUCCESS {
-            tracing::warn!(code = r, "cuMemRelease of an NCCL handle failed");
-        }
+    match gone {
+        Gone::Member(_) => {}
+        Gone::Handle(p) => release_handle(p.real()),
+        Gone::Run { base, run, .. } => take_down_run(base, run),
     }
 }
 
-/// NCCL asked for `what` on one of its buffers that a resume placed in a run: the driver's
-/// handle behind it is the run's, which cannot be mapped, exported or bound in part.
+/// Releases a driver handle memsaver held on NCCL's behalf: through the function NCCL looked up,
+/// or memsaver's own driver where NCCL has not looked it up yet.
+fn release_handle(h: Option<Real>) {
+    let Some(h) = h else { return };
+    let r = match real::RELEASE() {
+        // SAFETY: a driver handle memsaver held on NCCL's behalf; released once, here.
+        Some(release) => unsafe { release(h) },
+        None => match memsaver_allocator::global_if_started() {
+            Some(a) => a
+                .driver()
+                .release(Handle(h))
+                .map_or(CUDA_ERROR_UNKNOWN, |()| CUDA_SUCCESS),
+            None => CUDA_ERROR_NOT_INITIALIZED,
+        },
+    };
+    if r != CUDA_SUCCESS {
+        tracing::warn!(code = r, "cuMemRelease of an NCCL handle failed");
+    }
+}
+
+/// Unmaps a run (out of the registry) that no buffer uses any more, frees the reservations
+/// NCCL freed inside it and those memsaver made around it, gives its spare space back, and
+/// releases its driver handle. Call with the registry unlocked.
+fn take_down_run(base: CUdeviceptr, run: Run) {
+    if let Some(unmap) = real::UNMAP() {
+        // SAFETY: the run's mapping; NCCL has let go of every buffer in it.
+        let r = unsafe { unmap(base, run.size as usize) };
+        if r != CUDA_SUCCESS {
+            tracing::warn!(code = r, "cuMemUnmap of a run of NCCL's buffers failed");
+        }
+    }
+    let drivers: Vec<(u64, u64)> = {
+        let mut reg = registry::lock();
+        reg.run_unmapped(base, &run);
+        let dead = run
+            .dead
+            .into_iter()
+            .filter(|(ptr, _)| !reg.free_range(*ptr));
+        dead.chain(run.around).collect()
+    };
+    if let Some(free) = real::FREE() {
+        for (ptr, size) in drivers {
+            // SAFETY: a reservation NCCL freed while the run covered it.
+            let r = unsafe { free(ptr, size as usize) };
+            if r != CUDA_SUCCESS {
+                tracing::warn!(code = r, "cuMemAddressFree of NCCL's freed range failed");
+            }
+        }
+    }
+    release_handle(Some(run.real));
+}
+
+/// NCCL asked for `what` on one of its buffers that memsaver backs in a run (from a resume, or
+/// carved from a chunk at its creation): the driver's handle behind it is the run's, which
+/// cannot be mapped, exported or bound in part.
 pub(super) fn in_run(what: &str) -> CUresult {
     tracing::error!(
-        "NCCL called {what} on a buffer that memsaver's resume backed together with its \
-         neighbours (one physical allocation for several buffers), which the driver cannot \
-         hand out in part; set MEMSAVER_NCCL_MERGE_MB=0 so that every NCCL buffer keeps its own"
+        "NCCL called {what} on a buffer that memsaver backs together with its neighbours (one \
+         physical allocation for several buffers), which the driver cannot hand out in part; \
+         set MEMSAVER_NCCL_CHUNK_MB=0 and MEMSAVER_NCCL_MERGE_MB=0 so that every NCCL buffer \
+         keeps its own"
     );
     CUDA_ERROR_NOT_SUPPORTED
 }
 
 thread_local! {
-    /// The size of the device memory NCCL created last on this thread, until its next
-    /// `cuMemAddressReserve`: NCCL creates, then reserves, maps and grants access.
-    static CREATED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// The size of the device memory NCCL created last on this thread, and its virtual handle
+    /// when it was carved from a chunk (else 0), until its next `cuMemAddressReserve`: NCCL
+    /// creates, then reserves, maps and grants access.
+    static CREATED: std::cell::Cell<(usize, u64)> = const { std::cell::Cell::new((0, 0)) };
     /// The peer's buffer NCCL imported last on this thread, until its next
     /// `cuMemAddressReserve`: (owner, its address there, its length). NCCL imports, then
     /// reserves, maps and grants access.
@@ -218,6 +240,17 @@ pub(super) unsafe extern "C" fn mem_create(
     let Some(f) = real::CREATE() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
+    if !handle.is_null() && !prop.is_null() && !crate::interpose::appmem::in_application_alloc() {
+        // SAFETY: valid input per cuMemCreate's contract.
+        let p = unsafe { *prop };
+        let mut vh = None;
+        quietly(|| vh = create_in_chunk(size as u64, &p, f));
+        if let Some(vh) = vh {
+            // SAFETY: the caller's out-pointer.
+            unsafe { *handle = vh };
+            return CUDA_SUCCESS;
+        }
+    }
     // SAFETY: forwarding the caller's arguments.
     let r = unsafe { f(handle, size, prop, flags) };
     // The application's own memory from libnccl's `ncclMemAlloc` (no tag applies): not NCCL's,
@@ -247,11 +280,104 @@ pub(super) unsafe extern "C" fn mem_create(
         // SAFETY: the caller's out-pointer.
         unsafe { *handle = vh };
         if kind == Kind::Device {
-            CREATED.set(size);
+            CREATED.set((size, 0));
             prepare_backup(vh, prop.location.id, size);
         }
     });
     r
+}
+
+/// NCCL's new buffer of `size` bytes, carved from a chunk ([`registry::Registry::carve_in_chunk`])
+/// when chunks are on (`MEMSAVER_NCCL_CHUNK_MB`) and it may join one: device memory of at most
+/// a sixteenth of a chunk, exportable as a POSIX fd or not at all, in a process that can serve
+/// its peers tokens (a buffer of a chunk is exported only through one: the driver's fd would
+/// be the chunk's). `create` makes a chunk's memory. Its virtual handle, or `None`: the caller
+/// creates it alone.
+fn create_in_chunk(size: u64, prop: &CUmemAllocationProp, create: fns::cuMemCreate) -> Option<u64> {
+    let o = options::get();
+    let chunk = o.nccl_chunk.min(o.nccl_merge_limit);
+    let eligible = size > 0
+        && size <= chunk / 16
+        && prop.location.type_ == CU_MEM_LOCATION_TYPE_DEVICE
+        && prop.requestedHandleTypes & !CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR == 0;
+    if !eligible || !tokens::enabled() || memsaver_ipc::server::ensure_server().is_err() {
+        return None;
+    }
+    let map = real::MAP()?;
+    let make = |base: CUdeviceptr, len: u64| {
+        let mut h = 0;
+        // SAFETY: a valid out-pointer and the properties NCCL asked for.
+        if unsafe { create(&mut h, len as usize, prop, 0) } != CUDA_SUCCESS {
+            return None;
+        }
+        // SAFETY: `base` is memsaver's own space, nothing mapped there.
+        if unsafe { map(base, len as usize, 0, h, 0) } != CUDA_SUCCESS {
+            release_handle(Some(h));
+            return None;
+        }
+        Some(h)
+    };
+    let mut reg = registry::lock();
+    let (base, at) = reg.carve_in_chunk(size, prop, chunk, reserve_space, make)?;
+    let mut p = Physical::created(reg.runs[&base].real, size, *prop, Kind::Device);
+    p.run = Some(base);
+    p.carved = Some(Carved {
+        at,
+        reserved: false,
+    });
+    let vh = reg.insert(p);
+    drop(reg);
+    CREATED.set((size as usize, vh));
+    prepare_backup(vh, prop.location.id, size as usize);
+    Some(vh)
+}
+
+/// Address space for memsaver's ranges, reserved from the driver for the process's life.
+fn reserve_space(size: u64, align: u64) -> Option<CUdeviceptr> {
+    let f = real::RESERVE()?;
+    let mut p = 0;
+    // SAFETY: a valid out-pointer.
+    let r = unsafe { f(&mut p, size as usize, align as usize, 0, 0) };
+    (r == CUDA_SUCCESS).then_some(p)
+}
+
+/// NCCL reserves the range for its buffer `vh`, carved from a chunk: the carved range when it
+/// has the alignment NCCL asks, else the buffer leaves the chunk for memory of its own (its
+/// carved range goes with the run) and `None` says to reserve as for any buffer. An error
+/// when that memory cannot be made.
+fn reserve_carved(vh: u64, align: u64) -> Result<Option<CUdeviceptr>, CUresult> {
+    let mut reg = registry::lock();
+    let Some(p) = reg.physicals.get_mut(&vh) else {
+        return Ok(None);
+    };
+    let (Some(c), Some(base)) = (p.carved.filter(|c| !c.reserved), p.run) else {
+        return Ok(None);
+    };
+    if align <= 1 || c.at.is_multiple_of(align) {
+        p.carved = Some(Carved {
+            at: c.at,
+            reserved: true,
+        });
+        return Ok(Some(c.at));
+    }
+    let create = real::CREATE().ok_or(CUDA_ERROR_NOT_INITIALIZED)?;
+    let mut h = 0;
+    // SAFETY: a valid out-pointer and the buffer's own properties.
+    let r = unsafe { create(&mut h, p.size as usize, &p.prop, 0) };
+    if r != CUDA_SUCCESS {
+        return Err(r);
+    }
+    let size = p.size;
+    p.rebacked(h).map_err(|_| CUDA_ERROR_UNKNOWN)?;
+    let run = reg.runs.get_mut(&base).expect("the buffer's run");
+    run.dead.push((c.at, size));
+    run.live -= 1;
+    if run.live == 0 {
+        let run = reg.runs.remove(&base).expect("seen above");
+        drop(reg);
+        take_down_run(base, run);
+    }
+    Ok(None)
 }
 
 pub(super) unsafe extern "C" fn mem_release(handle: CUmemGenericAllocationHandle) -> CUresult {
@@ -351,19 +477,28 @@ pub(super) unsafe extern "C" fn mem_map(
     let Some(h) = p.real() else {
         return paused_use("cuMemMap", p);
     };
+    if let Some(c) = p.carved {
+        // Carved from a chunk, whose mapping covers it already: only the record is made.
+        if (c.at, size as u64, offset) != (ptr, p.size, 0) {
+            return in_run("cuMemMap");
+        }
+        p.carved = None;
+        let access = Vec::new();
+        reg.mappings.insert(
+            ptr,
+            Mapping {
+                size: size as u64,
+                vh: handle,
+                access,
+            },
+        );
+        return CUDA_SUCCESS;
+    }
     if p.run.is_some() {
         return in_run("cuMemMap");
     }
     if p.kind == Kind::Imported && p.served.1 != 0 && p.served != (0, size as u64) {
-        // The owner served it inside memory it shares between adjacent buffers, which maps
-        // only whole: a first import of a buffer that joined a run (its token was made before
-        // and imported after the owner's resume).
-        tracing::error!(
-            "memsaver: NCCL imports a buffer that its owner backs together with its neighbours \
-             since a resume; set MEMSAVER_NCCL_MERGE_MB=0 in the owner so that every NCCL buffer \
-             keeps its own memory"
-        );
-        return CUDA_ERROR_NOT_SUPPORTED;
+        return answered(|| map_import_in_run(&mut reg, handle, ptr, size as u64, flags, f));
     }
     // SAFETY: the caller's arguments with the driver's handle behind the virtual one.
     let r = unsafe { f(ptr, size, offset, h, flags) };
@@ -383,6 +518,70 @@ pub(super) unsafe extern "C" fn mem_map(
     r
 }
 
+/// NCCL maps its import `vh` of a peer's buffer that the owner backs together with its
+/// neighbours (a chunk, or a run of a resume: `Physical::served`), which maps only whole: the
+/// first import of that memory here maps it whole at the buffer's offset before `ptr`, where
+/// this process lays out its imports of that owner as the owner lays out its buffers
+/// ([`registry::MIRROR_BLOCK`]), as a resume maps it (`crate::tag::peer`); later imports of
+/// the same memory and generation join that mapping and give their own driver handle back.
+fn map_import_in_run(
+    reg: &mut registry::Registry,
+    vh: u64,
+    ptr: CUdeviceptr,
+    size: u64,
+    flags: c_ulonglong,
+    map: fns::cuMemMap,
+) -> CUresult {
+    let p = &reg.physicals[&vh];
+    let (offset, len) = p.served;
+    let (Some(source), Some(generation), Some(h)) = (p.source, p.mapped_generation(), p.real())
+    else {
+        return in_run("cuMemMap");
+    };
+    let source = Some((source.owner, generation));
+    let base = ptr.wrapping_sub(offset);
+    let record = |reg: &mut registry::Registry, real: Option<Real>| {
+        let p = reg.physicals.get_mut(&vh).expect("seen above");
+        let old = real.map(|r| p.joined(r));
+        p.run = Some(base);
+        p.size = p.size.max(size);
+        let access = Vec::new();
+        reg.mappings.insert(ptr, Mapping { size, vh, access });
+        old
+    };
+    if let Some(run) = reg.runs.get_mut(&base)
+        && (run.size, run.source) == (len, source)
+    {
+        run.live += 1;
+        let real = run.real;
+        match record(reg, Some(real)) {
+            Some(Ok(old)) => release_handle(Some(old)),
+            _ => return CUDA_ERROR_UNKNOWN,
+        }
+        return CUDA_SUCCESS;
+    }
+    if offset + size > len || !reg.in_mirror(base, len) {
+        tracing::error!(
+            "memsaver: NCCL imports a buffer that its owner backs together with its neighbours, \
+             and maps it elsewhere than where memsaver lays out that owner's buffers; set \
+             MEMSAVER_NCCL_CHUNK_MB=0 and MEMSAVER_NCCL_MERGE_MB=0 in the owner so that every \
+             NCCL buffer keeps its own memory"
+        );
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    // SAFETY: the run's whole memory at its place in this process's copy of the owner's
+    // layout, reserved by memsaver (checked above).
+    let r = unsafe { map(base, len as usize, 0, h, flags) };
+    if r != CUDA_SUCCESS {
+        return r;
+    }
+    let mut run = Run::new(len, h, 1);
+    run.source = source;
+    reg.runs.insert(base, run);
+    record(reg, None);
+    CUDA_SUCCESS
+}
+
 pub(super) unsafe extern "C" fn mem_set_access(
     ptr: CUdeviceptr,
     size: usize,
@@ -392,6 +591,14 @@ pub(super) unsafe extern "C" fn mem_set_access(
     let Some(f) = real::SET_ACCESS() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
+    if !desc.is_null() && count > 0 {
+        // SAFETY: `desc` holds `count` entries per cuMemSetAccess's contract.
+        let access = unsafe { std::slice::from_raw_parts(desc, count) };
+        let mut reg = registry::lock();
+        if let Some(r) = grant_to_run(&mut reg, ptr, size as u64, access, f) {
+            return r;
+        }
+    }
     // SAFETY: forwarded unchanged.
     let r = unsafe { f(ptr, size, desc, count) };
     if r == CUDA_SUCCESS && !desc.is_null() {
@@ -406,6 +613,40 @@ pub(super) unsafe extern "C" fn mem_set_access(
         });
     }
     r
+}
+
+/// NCCL grants `access` to its buffer at `[ptr, ptr + size)` inside a run, whose mapping takes
+/// access only whole: each location not granted to the run yet is granted over all of it (the
+/// run's buffers are NCCL's alike, and NCCL grants each of them the same locations), and the
+/// buffer's mapping records what NCCL asked, for the resume. `None` when no run holds the
+/// range (the caller forwards the call).
+fn grant_to_run(
+    reg: &mut registry::Registry,
+    ptr: CUdeviceptr,
+    size: u64,
+    access: &[CUmemAccessDesc],
+    set_access: fns::cuMemSetAccess,
+) -> Option<CUresult> {
+    let (&base, run) = reg.runs.range_mut(..=ptr).next_back()?;
+    if ptr + size > base + run.size {
+        return None;
+    }
+    for d in access {
+        if run.access.contains(d) {
+            continue;
+        }
+        // SAFETY: the run's whole mapping, one descriptor NCCL passed.
+        let r = unsafe { set_access(base, run.size as usize, d, 1) };
+        if r != CUDA_SUCCESS {
+            return Some(r);
+        }
+        run.access.retain(|a| a.location != d.location);
+        run.access.push(*d);
+    }
+    for (_, m) in reg.mappings.range_mut(ptr..ptr + size) {
+        m.access = access.to_vec();
+    }
+    Some(CUDA_SUCCESS)
 }
 
 pub(super) unsafe extern "C" fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
@@ -456,7 +697,19 @@ pub(super) unsafe extern "C" fn mem_reserve(
         return CUDA_ERROR_NOT_INITIALIZED;
     };
     let asked_anywhere = addr == 0 && flags == 0 && !ptr.is_null();
-    let own = CREATED.replace(0) == size && size > 0 && asked_anywhere;
+    let (created, carved) = CREATED.replace((0, 0));
+    let own = created == size && size > 0 && asked_anywhere;
+    if own && carved != 0 {
+        match reserve_carved(carved, align as u64) {
+            Ok(Some(at)) => {
+                // SAFETY: the caller's out-pointer.
+                unsafe { *ptr = at };
+                return CUDA_SUCCESS;
+            }
+            Ok(None) => {}
+            Err(r) => return r,
+        }
+    }
     let import = PLACE
         .take()
         .filter(|p| p.2 == size as u64 && asked_anywhere);
@@ -464,17 +717,12 @@ pub(super) unsafe extern "C" fn mem_reserve(
         // SAFETY: forwarded unchanged.
         return unsafe { f(ptr, size, align, addr, flags) };
     }
-    // Address space for memsaver's ranges: reserved for the process's life.
-    let reserve = |size: u64, align: u64| {
-        let mut p = 0;
-        // SAFETY: a valid out-pointer.
-        let r = unsafe { f(&mut p, size as usize, align as usize, 0, 0) };
-        (r == CUDA_SUCCESS).then_some(p)
-    };
     let mut reg = registry::lock();
     let at = match import {
-        Some((owner, place, len)) => reg.place_import(owner, place, len, align as u64, reserve),
-        None => reg.carve_own(size as u64, align as u64, reserve),
+        Some((owner, place, len)) => {
+            reg.place_import(owner, place, len, align as u64, reserve_space)
+        }
+        None => reg.carve_own(size as u64, align as u64, reserve_space),
     };
     drop(reg);
     if let Some(at) = at {

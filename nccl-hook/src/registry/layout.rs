@@ -4,9 +4,9 @@
 //! from the start of their block as in the owner (so that an importer maps an owner's run
 //! whole). Methods of [`Registry`], under its lock.
 
-use memsaver_allocator::driver::sys::CUdeviceptr;
+use memsaver_allocator::driver::sys::{CUdeviceptr, CUmemAllocationProp};
 
-use super::Registry;
+use super::{Real, Registry, Run};
 
 /// Address space reserved at once for NCCL's own buffers ([`Registry::carve_own`]).
 pub(crate) const OWN_ARENA: u64 = 64 << 30;
@@ -77,6 +77,19 @@ impl Registry {
         align: u64,
         reserve: impl FnOnce(u64, u64) -> Option<CUdeviceptr>,
     ) -> Option<CUdeviceptr> {
+        let at = self.take_own(len, align, reserve)?;
+        self.handed.insert(at, Handed { len, own: true });
+        Some(at)
+    }
+
+    /// Takes `len` bytes aligned to `align` from the own arenas ([`Registry::carve_own`]),
+    /// without handing them to NCCL.
+    fn take_own(
+        &mut self,
+        len: u64,
+        align: u64,
+        reserve: impl FnOnce(u64, u64) -> Option<CUdeviceptr>,
+    ) -> Option<CUdeviceptr> {
         let align = align.max(1);
         let fits = |(start, free): (&CUdeviceptr, &u64)| {
             let at = start.next_multiple_of(align);
@@ -99,8 +112,22 @@ impl Registry {
         if start + free > at + len {
             self.own_free.insert(at + len, start + free - (at + len));
         }
-        self.handed.insert(at, Handed { len, own: true });
         Some(at)
+    }
+
+    /// Gives `[start, start + len)` back to the own arenas, merged with its free neighbours.
+    fn give_back(&mut self, start: CUdeviceptr, len: u64) {
+        let (mut start, mut len) = (start, len);
+        if let Some((&s, &l)) = self.own_free.range(..start).next_back()
+            && s + l == start
+        {
+            self.own_free.remove(&s);
+            (start, len) = (s, l + len);
+        }
+        if let Some(next) = self.own_free.remove(&(start + len)) {
+            len += next;
+        }
+        self.own_free.insert(start, len);
     }
 
     /// NCCL freed its reservation at `ptr` (or a run that covered it went): `true` when the
@@ -111,19 +138,66 @@ impl Registry {
             return false;
         };
         if h.own {
-            let (mut start, mut len) = (ptr, h.len);
-            if let Some((&s, &l)) = self.own_free.range(..start).next_back()
-                && s + l == start
-            {
-                self.own_free.remove(&s);
-                (start, len) = (s, l + len);
-            }
-            if let Some(next) = self.own_free.remove(&(start + len)) {
-                len += next;
-            }
-            self.own_free.insert(start, len);
+            self.give_back(ptr, h.len);
         }
         true
+    }
+
+    /// An address for NCCL's new own buffer of `len` bytes with properties `prop`, carved at
+    /// its creation from the chunk open for those properties: the chunk's next free space, or
+    /// a new chunk of `chunk` bytes (at least `len`) taken from the own arenas, aligned to its
+    /// size rounded up to a power of two (so that it never crosses a block of
+    /// [`MIRROR_BLOCK`]), whose memory `make(base, size)` creates and maps, returning the
+    /// driver's handle. The buffer is handed out and counted live in the chunk's run. Returns
+    /// (the chunk's base, the buffer's address), or `None` when no chunk can be made (the
+    /// caller creates the buffer alone).
+    pub fn carve_in_chunk(
+        &mut self,
+        len: u64,
+        prop: &CUmemAllocationProp,
+        chunk: u64,
+        reserve: impl FnOnce(u64, u64) -> Option<CUdeviceptr>,
+        make: impl FnOnce(CUdeviceptr, u64) -> Option<Real>,
+    ) -> Option<(CUdeviceptr, CUdeviceptr)> {
+        let open = self
+            .open_chunks
+            .iter()
+            .find(|(p, _)| p == prop)
+            .map(|c| c.1);
+        if let Some(base) = open
+            && let Some(run) = self.runs.get_mut(&base)
+            && let Some((at, free)) = run.spare
+            && free >= len
+        {
+            run.spare = (free > len).then_some((at + len, free - len));
+            run.live += 1;
+            self.handed.insert(at, Handed { len, own: true });
+            return Some((base, at));
+        }
+        let size = chunk.max(len);
+        let base = self.take_own(size, size.next_power_of_two(), reserve)?;
+        let Some(real) = make(base, size) else {
+            self.give_back(base, size);
+            return None;
+        };
+        // The open one is full: no buffer is carved from it any more (its spare stays with it
+        // while it is mapped).
+        self.open_chunks.retain(|(p, _)| p != prop);
+        let mut run = Run::new(size, real, 1);
+        run.spare = (size > len).then_some((base + len, size - len));
+        self.runs.insert(base, run);
+        self.open_chunks.push((*prop, base));
+        self.handed.insert(base, Handed { len, own: true });
+        Some((base, base))
+    }
+
+    /// The run at `base` (`run`, out of `runs`) is unmapped: no buffer is carved from it any
+    /// more, and the space it never handed out is free again.
+    pub fn run_unmapped(&mut self, base: CUdeviceptr, run: &Run) {
+        self.open_chunks.retain(|c| c.1 != base);
+        if let Some((at, len)) = run.spare {
+            self.give_back(at, len);
+        }
     }
 
     /// Whether `[ptr, ptr + size)` lies inside one range reserved for an owner's layout.
@@ -188,6 +262,73 @@ mod tests {
             Some(a),
             "a and b are one free range"
         );
+    }
+
+    /// Buffers of one set of properties are carved side by side from their chunk; one that
+    /// does not fit opens the next chunk (the first one's rest stays with it while it is
+    /// mapped); other properties get a chunk of their own; a chunk that cannot be made gives
+    /// its space back; an unmapped chunk's rest is free again.
+    #[test]
+    fn buffers_are_carved_from_chunks_made_ahead_one_per_set_of_properties() {
+        let mut reg = Registry::default();
+        let reserve = |_: u64, _: u64| Some(0x1000_0000_0000);
+        let (m, chunk) = (2 << 20, 8 << 20);
+        let dev = |id| CUmemAllocationProp {
+            location: memsaver_allocator::driver::sys::CUmemLocation {
+                type_: memsaver_allocator::driver::sys::CU_MEM_LOCATION_TYPE_DEVICE,
+                id,
+            },
+            ..Default::default()
+        };
+        let made = std::cell::RefCell::new(Vec::new());
+        let make = |base: u64, size: u64| {
+            made.borrow_mut().push((base, size));
+            Some(made.borrow().len() as Real)
+        };
+        let (base, a) = reg
+            .carve_in_chunk(m, &dev(0), chunk, reserve, make)
+            .unwrap();
+        let (_, b) = reg
+            .carve_in_chunk(2 * m, &dev(0), chunk, reserve, make)
+            .unwrap();
+        assert_eq!(
+            (a, b),
+            (base, base + m),
+            "side by side from the chunk's start"
+        );
+        assert!(
+            base.is_multiple_of(chunk),
+            "aligned to its size: never across a block"
+        );
+        assert_eq!(*made.borrow(), vec![(base, chunk)]);
+        assert_eq!(
+            (reg.runs[&base].live, reg.runs[&base].spare),
+            (2, Some((b + 2 * m, m)))
+        );
+        // Another device's buffer: a chunk of its own, carved after the first.
+        let (other, _) = reg
+            .carve_in_chunk(m, &dev(1), chunk, reserve, make)
+            .unwrap();
+        assert!(other >= base + chunk);
+        // Does not fit in the first chunk's rest: the next chunk; the rest stays reserved.
+        let (next, c) = reg
+            .carve_in_chunk(2 * m, &dev(0), chunk, reserve, make)
+            .unwrap();
+        assert_eq!((c, made.borrow().len()), (next, 3));
+        assert_eq!(reg.runs[&base].spare, Some((b + 2 * m, m)));
+        assert!(
+            !reg.own_free.contains_key(&(b + 2 * m)),
+            "mapped: not handed out"
+        );
+        // Once unmapped, the chunk's rest is free again.
+        let run = reg.runs.remove(&base).unwrap();
+        reg.run_unmapped(base, &run);
+        assert_eq!(reg.own_free.get(&(b + 2 * m)), Some(&m));
+        // A chunk that cannot be made: its space goes back, the caller creates the buffer alone.
+        let free_before = reg.own_free.clone();
+        let full = reg.carve_in_chunk(8 * m, &dev(0), chunk, reserve, |_, _| None);
+        assert_eq!(full, None);
+        assert_eq!(reg.own_free, free_before);
     }
 
     #[test]

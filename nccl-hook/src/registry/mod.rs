@@ -47,10 +47,12 @@ pub(crate) type Range = (CUdeviceptr, u64, Vec<CUmemAccessDesc>);
 /// ([`Registry::run_places`]).
 pub(crate) type RunPlaces = HashMap<u64, CUdeviceptr>;
 
-/// One physical allocation a resume mapped across adjacent own buffers of NCCL's (one
-/// `cuMemCreate`, `cuMemMap` and `cuMemSetAccess` instead of one per buffer: the driver's cost
-/// is per physical allocation). It lives until the next pause or until NCCL has freed all its
-/// buffers; a buffer NCCL frees before that keeps its address range reserved and its bytes
+/// One physical allocation mapped across adjacent buffers of NCCL's (one `cuMemCreate`,
+/// `cuMemMap` and `cuMemSetAccess` instead of one per buffer: the driver's cost is per
+/// physical allocation): made by a resume for own buffers, made ahead for own buffers as a
+/// chunk they are carved from at their creation ([`Registry::carve_in_chunk`]), or an owner's
+/// run that an importer maps whole. It lives until the next pause or until NCCL has freed all
+/// its buffers; a buffer NCCL frees before that keeps its address range reserved and its bytes
 /// held (`dead`), since part of a mapping cannot be unmapped.
 pub(crate) struct Run {
     pub size: u64,
@@ -63,6 +65,31 @@ pub(crate) struct Run {
     /// memsaver reserved around them so that the run maps whole; freed with the driver once
     /// the run is unmapped.
     pub around: Vec<(CUdeviceptr, u64)>,
+    /// For a chunk: the space at its end no buffer was carved from yet (address, bytes),
+    /// given back to the own arenas once the run is unmapped.
+    pub spare: Option<(CUdeviceptr, u64)>,
+    /// The access granted over the whole run in answer to NCCL's `cuMemSetAccess` of its
+    /// buffers (the driver grants access only to whole mappings).
+    pub access: Vec<CUmemAccessDesc>,
+    /// For a run of imports mapped at their first import: the owner and the generation it
+    /// served, which further imports of that run join.
+    pub source: Option<(u32, u64)>,
+}
+
+impl Run {
+    /// A run of `live` buffers over `size` bytes of the driver's handle `real`.
+    pub fn new(size: u64, real: Real, live: usize) -> Self {
+        Run {
+            size,
+            real,
+            live,
+            dead: Vec::new(),
+            around: Vec::new(),
+            spare: None,
+            access: Vec::new(),
+            source: None,
+        }
+    }
 }
 
 /// An exported buffer that NCCL freed while it was in a resident [`Run`] whose other buffers
@@ -147,6 +174,8 @@ pub(crate) struct Registry {
     /// Exported buffers NCCL freed inside runs, whose exports stay until their importers
     /// let go of the run ([`Retired`]), by virtual handle.
     pub retired: HashMap<u64, Retired>,
+    /// The chunk new buffers of each set of properties are carved from (a key of `runs`).
+    pub open_chunks: Vec<(CUmemAllocationProp, CUdeviceptr)>,
     next: u64,
     pub multicast_objects: u64,
 }
@@ -264,6 +293,10 @@ impl Registry {
             return Some(Gone::Member(p));
         };
         run.live = run.live.saturating_sub(1);
+        // Carved and never reserved by NCCL: its range goes with the run.
+        if let Some(c) = p.carved.filter(|c| !c.reserved) {
+            run.dead.push((c.at, p.size));
+        }
         if run.live > 0 {
             if p.exported && p.kind == Kind::Device {
                 let r = Retired {
@@ -446,13 +479,7 @@ mod tests {
                 reg.insert(p)
             })
             .collect();
-        let run = Run {
-            size: vhs.len() as u64 * (2 << 20),
-            real: 7,
-            live: vhs.len(),
-            dead: Vec::new(),
-            around: Vec::new(),
-        };
+        let run = Run::new(vhs.len() as u64 * (2 << 20), 7, vhs.len());
         reg.runs.insert(base, run);
         vhs
     }

@@ -177,10 +177,23 @@ pub(crate) struct Physical {
     pub backup_len: u64,
     /// For [`Kind::Tagged`] and [`Kind::Registered`]: what the registration made of it.
     pub registration: Option<Registration>,
-    /// Own memory that a resume backed with a [`Run`](super::Run) it shares with its neighbours:
-    /// the run's base (a key of [`Registry::runs`](super::Registry::runs)). Set exactly while
-    /// resident in the run.
+    /// Memory backed by a [`Run`](super::Run) it shares with its neighbours: the run's base (a
+    /// key of [`Registry::runs`](super::Registry::runs)). Set exactly while resident (own) or
+    /// mapped (an import) in the run: own memory from a resume, or from its creation in a
+    /// chunk; an import whose owner serves such memory.
     pub run: Option<CUdeviceptr>,
+    /// Own memory carved in a chunk at its creation, until NCCL maps it there.
+    pub carved: Option<Carved>,
+}
+
+/// Where NCCL's new buffer lies in the chunk it was carved from
+/// ([`Registry::carve_in_chunk`](super::Registry::carve_in_chunk)), until NCCL maps it there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Carved {
+    pub at: CUdeviceptr,
+    /// NCCL's `cuMemAddressReserve` returned it: the range is NCCL's to free. Until then it is
+    /// memsaver's, and goes with the run if NCCL never reserves it.
+    pub reserved: bool,
 }
 
 /// Where an import comes from.
@@ -218,6 +231,7 @@ impl Physical {
             backup_len: 0,
             registration: None,
             run: None,
+            carved: None,
         }
     }
 
@@ -312,6 +326,32 @@ impl Physical {
             }
             State::Kept(..) => Ok(()),
             _ => Err(self.bad("keep")),
+        }
+    }
+
+    /// `Resident` in a chunk → `Resident` in memory of its own (`real`): NCCL could not use
+    /// the place carved for it.
+    pub fn rebacked(&mut self, real: Real) -> Result<(), BadTransition> {
+        match self.state {
+            State::Resident(_) => {
+                self.state = State::Resident(real);
+                self.run = None;
+                self.carved = None;
+                Ok(())
+            }
+            _ => Err(self.bad("rebacked")),
+        }
+    }
+
+    /// `Mapped(g)` → `Mapped(g)` through `real`: an import that joins the mapping of the run
+    /// its owner serves it in. Returns the driver's handle it had, for the caller to release.
+    pub fn joined(&mut self, real: Real) -> Result<Real, BadTransition> {
+        match self.state {
+            State::Mapped(old, g) => {
+                self.state = State::Mapped(real, g);
+                Ok(old)
+            }
+            _ => Err(self.bad("joined")),
         }
     }
 

@@ -616,16 +616,11 @@ fn map_run(
         let _ = d.release(h);
         free_reserved(d, &around);
     })?;
-    reg.runs.insert(
-        base,
-        registry::Run {
-            size,
-            real: h.0,
-            live: members.len(),
-            dead: Vec::new(),
-            around,
-        },
-    );
+    let owner = reg.physicals[&first].source.map(|s| s.owner);
+    let mut run = registry::Run::new(size, h.0, members.len());
+    run.around = around;
+    run.source = owner.map(|o| (o, generation));
+    reg.runs.insert(base, run);
     for f in members {
         let p = reg.physicals.get_mut(&f.vh).expect("checked by the caller");
         p.remapped(h.0, generation)?;

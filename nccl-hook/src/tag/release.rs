@@ -170,6 +170,7 @@ fn release_run(
     let run = reg.runs.remove(&base).expect("seen above");
     steps.release(Handle(run.real), base);
     free_dead(reg, &run.dead);
+    reg.run_unmapped(base, &run);
     reg.run_released(base);
     let in_run: Vec<u64> = reg
         .physicals
@@ -180,6 +181,8 @@ fn release_run(
     let mut pieces: HashMap<u64, Piece> = members.into_iter().collect();
     for vh in in_run {
         let p = reg.physicals.get_mut(&vh).expect("listed above");
+        // Carved from the chunk and not mapped yet: a place NCCL never reserved is memsaver's.
+        let unreserved = p.carved.take().filter(|c| !c.reserved);
         p.release()?;
         out.allocations += 1;
         out.bytes += p.size;
@@ -187,6 +190,9 @@ fn release_run(
         if let Some(piece) = pieces.remove(&vh) {
             p.backup_len = piece.len as u64;
             p.backup = piece.backup;
+        }
+        if let Some(c) = unreserved {
+            reg.free_range(c.at);
         }
     }
     Ok(())

@@ -152,14 +152,8 @@ fn restore(
         let base = pieces[0].ptr;
         if unit.len() > 1 {
             let size = unit.iter().map(|vh| reg.physicals[vh].size).sum();
-            let run = registry::Run {
-                size,
-                real: h.0,
-                live: unit.len(),
-                dead: Vec::new(),
-                around: Vec::new(),
-            };
-            reg.runs.insert(base, run);
+            reg.runs
+                .insert(base, registry::Run::new(size, h.0, unit.len()));
         }
         for (vh, piece) in unit.iter().zip(pieces) {
             let p = reg.physicals.get_mut(vh).expect("listed by the caller");

@@ -294,10 +294,22 @@ fn part_of_a_mapping_does_not_take_access() {
     let base = reserve(4 * G, 0);
     let h = create(4 * G);
     assert_eq!(map(base, 4 * G, 0, h), CUDA_SUCCESS);
-    assert_eq!(access(base + G as u64, G), CUDA_ERROR_INVALID_VALUE, "before the whole");
+    assert_eq!(
+        access(base + G as u64, G),
+        CUDA_ERROR_INVALID_VALUE,
+        "before the whole"
+    );
     assert_eq!(access(base, 4 * G), CUDA_SUCCESS);
-    assert_eq!(access(base + 2 * G as u64, G), CUDA_ERROR_INVALID_VALUE, "after");
-    assert_eq!(access(base, 3 * G), CUDA_ERROR_INVALID_VALUE, "all but its end");
+    assert_eq!(
+        access(base + 2 * G as u64, G),
+        CUDA_ERROR_INVALID_VALUE,
+        "after"
+    );
+    assert_eq!(
+        access(base, 3 * G),
+        CUDA_ERROR_INVALID_VALUE,
+        "all but its end"
+    );
     assert_eq!(memset(base, 4 * G), CUDA_SUCCESS, "the whole was granted");
     assert_eq!(unmap(base, 4 * G), CUDA_SUCCESS);
     release(h);

@@ -163,8 +163,13 @@ fn freeing_every_buffer_of_a_run_gives_its_memory_back_at_once() {
 }
 
 #[test]
-fn a_buffer_inside_a_run_cannot_be_exported_and_the_merge_limit_turns_runs_off() {
+fn a_buffer_inside_a_run_is_exported_through_a_token_only_and_the_merge_limit_turns_runs_off() {
+    // A token: its importers are served the run and map it whole.
     let (_dirs, mut job) = one_rank_with_a_run(74, 2, &[]);
+    job.all_ok("pexport 0");
+    job.all_ok("pcheck 5");
+    // A plain fd would be the whole run's.
+    let (_dirs, mut job) = one_rank_with_a_run(76, 2, &[("MEMSAVER_NCCL_TOKENS", "0")]);
     assert_eq!(
         job.one(0, "pexport 0"),
         "err 801",
@@ -236,6 +241,75 @@ fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_ba
         (2, 2, 0),
         "{c:?}"
     );
+    assert_eq!(job.used(), before, "nothing held");
+    for r in 0..2 {
+        let s = job.nccl_stats(r);
+        assert_eq!(
+            (s["runs"].as_u64(), s["mappings"].as_u64()),
+            (Some(0), Some(0)),
+            "rank {r}"
+        );
+    }
+}
+
+/// With chunks (`MEMSAVER_NCCL_CHUNK_MB`), NCCL's buffers are carved from one physical
+/// allocation per rank as NCCL creates them, and each rank's first import of its peer's chunk
+/// maps it whole: the first pause already takes one unmap and release per chunk (own and
+/// imported), not one per buffer; every byte comes back (fresh memory holds junk), NCCL still
+/// sees its own buffers, and its free path gives everything back.
+#[test]
+fn buffers_carved_from_a_chunk_at_creation_pause_at_the_first_time_in_one_release() {
+    let dirs = Dirs::new();
+    let env = [
+        ("MEMSAVER_NCCL_CHUNK_MB", "64"),
+        ("FAKE_CUDA_FRESH", "junk"),
+    ];
+    let mut job = Job::start_with(2, 79, &dirs.fake, &dirs.rt, 10_000, &env);
+    let before = job.used();
+    job.all_ok("alloc 4");
+    job.all_ok("shared 2 4");
+    job.all_ok("private 3 2");
+    job.all_ok("exchange");
+    job.write_all(1);
+    job.all_ok("pwrite 3");
+    let allocated = job.used();
+    assert_eq!(
+        allocated - before,
+        2 * 64 * MIB,
+        "one chunk per rank, made ahead"
+    );
+    let c = calls(&mut job);
+    assert_eq!(
+        (c["create"], c["map"], c["set_access"], c["import"]),
+        (1, 2, 2, 3),
+        "rank 0 made its chunk and mapped it (its own and the peer's run granted once each); \
+         both imports of the peer's chunk map it once: {c:?}"
+    );
+    for r in 0..2 {
+        let s = job.nccl_stats(r);
+        assert_eq!(
+            s["runs"], 2,
+            "rank {r}: its chunk and its import of the peer's: {s}"
+        );
+        assert_eq!(
+            (s["owned_handles"].as_u64(), s["imported_handles"].as_u64()),
+            (Some(6), Some(3)),
+            "rank {r}: NCCL sees its buffers"
+        );
+    }
+    job.all_ok("pause");
+    assert_eq!(job.used(), before, "both ranks' chunks are free");
+    let c = calls(&mut job);
+    assert_eq!(
+        (c["unmap"], c["release"]),
+        (2, 2),
+        "the first pause: one unmap and release for the chunk and one for the import: {c:?}"
+    );
+    job.all_ok("resume");
+    job.check_all_seeded(1);
+    job.all_ok("pcheck 3");
+    // NCCL's free path: every run goes back once its last buffer is freed.
+    job.all_ok("free");
     assert_eq!(job.used(), before, "nothing held");
     for r in 0..2 {
         let s = job.nccl_stats(r);
