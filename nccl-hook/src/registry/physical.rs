@@ -96,6 +96,9 @@ impl Keep {
 /// import:  Mapped(g) ──release──► Released(g) ──remapped(g')──► Mapped(g')
 ///                                       │
 ///                                       └──orphaned──► Orphaned(g) (the owner freed it)
+/// chunk:   Resident (in a chunk) ──rebacked──► Resident (memory of its own: NCCL reserved
+///          its range elsewhere); an import joining its run's mapping: Mapped(g) ──joined──►
+///          Mapped(g) (through the run's handle)
 /// ```
 ///
 /// A pause holds the registry lock for its whole local step, so no handle is ever seen half

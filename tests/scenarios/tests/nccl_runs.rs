@@ -44,6 +44,20 @@ fn one_rank_with_a_run(group: u32, n: u64, env: &[(&str, &str)]) -> (Dirs, Job) 
     (dirs, job)
 }
 
+/// After NCCL's free path, both ranks hold nothing: the device's memory is what it was
+/// (`before`), and no run or mapping is left.
+fn nothing_held(job: &mut Job, before: u64) {
+    assert_eq!(job.used(), before, "nothing held");
+    for r in 0..2 {
+        let s = job.nccl_stats(r);
+        assert_eq!(
+            (s["runs"].as_u64(), s["mappings"].as_u64()),
+            (Some(0), Some(0)),
+            "rank {r}"
+        );
+    }
+}
+
 #[test]
 fn private_buffers_resume_as_one_run_and_keep_their_contents() {
     let dirs = Dirs::new();
@@ -241,15 +255,7 @@ fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_ba
         (2, 2, 0),
         "{c:?}"
     );
-    assert_eq!(job.used(), before, "nothing held");
-    for r in 0..2 {
-        let s = job.nccl_stats(r);
-        assert_eq!(
-            (s["runs"].as_u64(), s["mappings"].as_u64()),
-            (Some(0), Some(0)),
-            "rank {r}"
-        );
-    }
+    nothing_held(&mut job, before);
 }
 
 /// With chunks (`MEMSAVER_NCCL_CHUNK_MB`), NCCL's buffers are carved from one physical
@@ -310,15 +316,7 @@ fn buffers_carved_from_a_chunk_at_creation_pause_at_the_first_time_in_one_releas
     job.all_ok("pcheck 3");
     // NCCL's free path: every run goes back once its last buffer is freed.
     job.all_ok("free");
-    assert_eq!(job.used(), before, "nothing held");
-    for r in 0..2 {
-        let s = job.nccl_stats(r);
-        assert_eq!(
-            (s["runs"].as_u64(), s["mappings"].as_u64()),
-            (Some(0), Some(0)),
-            "rank {r}"
-        );
-    }
+    nothing_held(&mut job, before);
 }
 
 /// A buffer given to a NIC after it joined a run (NCCL's network transport connecting after a
