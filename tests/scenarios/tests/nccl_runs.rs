@@ -44,6 +44,18 @@ fn one_rank_with_a_run(group: u32, n: u64, env: &[(&str, &str)]) -> (Dirs, Job) 
     (dirs, job)
 }
 
+/// Each of two ranks allocates one shared buffer of 4 MiB and two more (which the other rank
+/// imports) and three private ones of 2 MiB; they trade and import each other's, and write
+/// their buffers (seed 1) and private buffers (seed 3).
+fn two_ranks_sharing(job: &mut Job) {
+    job.all_ok("alloc 4");
+    job.all_ok("shared 2 4");
+    job.all_ok("private 3 2");
+    job.all_ok("exchange");
+    job.write_all(1);
+    job.all_ok("pwrite 3");
+}
+
 /// After NCCL's free path, both ranks hold nothing: the device's memory is what it was
 /// (`before`), and no run or mapping is left.
 fn nothing_held(job: &mut Job, before: u64) {
@@ -210,12 +222,7 @@ fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_ba
     let dirs = Dirs::new();
     let mut job = Job::start(2, 76, &dirs.fake, &dirs.rt, 10_000);
     let before = job.used();
-    job.all_ok("alloc 4");
-    job.all_ok("shared 2 4");
-    job.all_ok("private 3 2");
-    job.all_ok("exchange");
-    job.write_all(1);
-    job.all_ok("pwrite 3");
+    two_ranks_sharing(&mut job);
     let allocated = job.used();
     assert_eq!(allocated - before, 2 * (12 + 6) * MIB);
     job.all_ok("pause");
@@ -272,12 +279,7 @@ fn buffers_carved_from_a_chunk_at_creation_pause_at_the_first_time_in_one_releas
     ];
     let mut job = Job::start_with(2, 79, &dirs.fake, &dirs.rt, 10_000, &env);
     let before = job.used();
-    job.all_ok("alloc 4");
-    job.all_ok("shared 2 4");
-    job.all_ok("private 3 2");
-    job.all_ok("exchange");
-    job.write_all(1);
-    job.all_ok("pwrite 3");
+    two_ranks_sharing(&mut job);
     let allocated = job.used();
     assert_eq!(
         allocated - before,
