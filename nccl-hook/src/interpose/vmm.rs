@@ -369,11 +369,19 @@ fn reserve_carved(vh: u64, align: u64) -> Result<Option<CUdeviceptr>, CUresult> 
     }
     let size = p.size;
     p.rebacked(h).map_err(|_| CUDA_ERROR_UNKNOWN)?;
-    let run = reg.runs.get_mut(&base).expect("the buffer's run");
+    // Called from NCCL's wrapped call: a broken record is logged, never a panic.
+    let Some(run) = reg.runs.get_mut(&base) else {
+        tracing::error!(
+            base,
+            "internal: an NCCL buffer names a run memsaver has no record of"
+        );
+        return Ok(None);
+    };
     run.dead.push((c.at, size));
-    run.live -= 1;
-    if run.live == 0 {
-        let run = reg.runs.remove(&base).expect("seen above");
+    run.live = run.live.saturating_sub(1);
+    if run.live == 0
+        && let Some(run) = reg.runs.remove(&base)
+    {
         drop(reg);
         take_down_run(base, run);
     }
@@ -628,7 +636,7 @@ fn grant_to_run(
     set_access: fns::cuMemSetAccess,
 ) -> Option<CUresult> {
     let (&base, run) = reg.runs.range_mut(..=ptr).next_back()?;
-    if ptr + size > base + run.size {
+    if ptr.saturating_add(size) > base + run.size {
         return None;
     }
     for d in access {
