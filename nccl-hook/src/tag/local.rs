@@ -14,14 +14,14 @@
 //! what follows the headers ([`Steps::zero`](memsaver_allocator::steps::Steps::zero)), as NCCL's
 //! zeroed allocation left it: fresh memory may hold bytes that pass for a flag.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use memsaver_allocator::Policy;
 use memsaver_allocator::steps::Place;
 use memsaver_ipc::protocol::Buffer;
 
-use crate::registry::{self, Kind, Range, Registry, TAG};
+use crate::registry::{self, Kind, Range, Ranges, Registry, TAG};
 
 /// How much of NCCL's memory pause copies to host memory (`MEMSAVER_NCCL_BACKUP`).
 pub(crate) use crate::options::NcclBackup as Backup;
@@ -58,7 +58,7 @@ pub(crate) fn places(rs: &[Range]) -> Vec<Place<'_>> {
 
 /// The device whose context handles `vh` here: for an import, the device NCCL granted access
 /// to (the owner's device may not even be visible in this process); else its location.
-pub(crate) fn device_of(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>, vh: u64) -> i32 {
+pub(crate) fn device_of(reg: &Registry, ranges: &Ranges, vh: u64) -> i32 {
     let p = &reg.physicals[&vh];
     if matches!(p.kind, Kind::Imported | Kind::Registered)
         && let Some(d) = ranges
@@ -78,7 +78,7 @@ pub(crate) fn device_of(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>, vh: u
 /// `vhs` grouped by the device whose context handles them, in handle order.
 pub(crate) fn by_device(
     reg: &Registry,
-    ranges: &HashMap<u64, Vec<Range>>,
+    ranges: &Ranges,
     vhs: impl IntoIterator<Item = u64>,
 ) -> BTreeMap<i32, Vec<u64>> {
     let mut out = BTreeMap::<i32, Vec<u64>>::new();

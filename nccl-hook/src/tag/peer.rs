@@ -578,7 +578,7 @@ fn map_run(
     a: &'static Allocator,
     steps: &memsaver_allocator::steps::Steps<'_>,
     reg: &mut registry::Registry,
-    ranges: &std::collections::HashMap<u64, Vec<registry::Range>>,
+    ranges: &registry::Ranges,
     base: u64,
     size: u64,
     generation: u64,

@@ -33,7 +33,7 @@ use memsaver_ipc::identity::Identity;
 use memsaver_ipc::protocol::Buffer;
 use memsaver_ipc::shared::{self, ALIASES, Aliases, HOLDERS, Holder, ImportStats};
 
-use crate::registry::{self, Kind, Range, Registration, Registry, State};
+use crate::registry::{self, Kind, Range, Ranges, Registration, Registry, State};
 use crate::tag::local::device_of;
 
 /// The imports of peers' memsaver memory that NCCL registered.
@@ -225,7 +225,7 @@ fn release_one(
 fn device(
     a: &Allocator,
     reg: &Registry,
-    ranges: &std::collections::HashMap<u64, Vec<Range>>,
+    ranges: &Ranges,
     vh: u64,
 ) -> memsaver_allocator::Result<std::sync::Arc<Device>> {
     a.device(device_of(reg, ranges, vh))

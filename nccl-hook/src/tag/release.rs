@@ -12,7 +12,7 @@ use memsaver_allocator::steps::{Op, Piece, Place, Steps, external_key};
 use memsaver_allocator::{Allocator, Device, Result};
 
 use crate::options::HEADER_BYTES;
-use crate::registry::{self, Kind, Range, Registry};
+use crate::registry::{self, Kind, Ranges, Registry};
 use crate::tag::local::{Backup, Holding, Notices, by_device, incomplete, places, tag};
 
 /// Bytes of `p` that pause backs up.
@@ -29,7 +29,7 @@ fn backup_len(backup: Backup, p: &registry::Physical) -> u64 {
 /// Resident, mapped handles pause may release: (own device memory, imports). A run is
 /// released whole or not at all: if one of its buffers must stay (given to a NIC, say), all
 /// stay.
-fn releasable(reg: &Registry, ranges: &HashMap<u64, Vec<Range>>) -> (Vec<u64>, Vec<u64>) {
+fn releasable(reg: &Registry, ranges: &Ranges) -> (Vec<u64>, Vec<u64>) {
     let staying = reg.runs_that_stay();
     let (mut own, mut imports) = (Vec::new(), Vec::new());
     for (vh, p) in &reg.physicals {
@@ -113,7 +113,7 @@ fn release_one(
     steps: &Steps<'_>,
     dev: &Device,
     reg: &mut Registry,
-    ranges: &HashMap<u64, Vec<Range>>,
+    ranges: &Ranges,
     vh: u64,
     out: &mut Released,
 ) -> Result<()> {

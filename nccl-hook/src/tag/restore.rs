@@ -2,14 +2,14 @@
 //! again at the same addresses, a run of adjacent buffers as one physical allocation
 //! ([`units`]), exported buffers first, and its backups put back.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use memsaver_allocator::driver::Handle;
 use memsaver_allocator::steps::{Memory, Op, Piece, Place, Steps, external_key, is_out_of_memory};
 use memsaver_allocator::{Allocator, Backup as HostBackup, Error, Result};
 
-use crate::registry::{self, Range, Registry, TAG};
+use crate::registry::{self, Ranges, Registry, TAG};
 use crate::tag::local::{Backup, by_device, incomplete, places, tag};
 use crate::tag::release::forget_retired;
 
@@ -207,12 +207,7 @@ fn restore(
 /// and bytes, not on buffers or communicators (NCCL allocates its private and shared buffers
 /// in turn, per communicator and peer). Importers are this process's NCCL peers: processes of
 /// its group given a token of that run's buffers (docs/security.md).
-fn units(
-    reg: &Registry,
-    ranges: &HashMap<u64, Vec<Range>>,
-    vhs: Vec<u64>,
-    limit: u64,
-) -> Vec<Vec<u64>> {
+fn units(reg: &Registry, ranges: &Ranges, vhs: Vec<u64>, limit: u64) -> Vec<Vec<u64>> {
     // (address, size) of a buffer that may join a run: mapped once, whole.
     let whole = |vh: &u64| -> Option<(u64, u64)> {
         let p = &reg.physicals[vh];
@@ -222,7 +217,7 @@ fn units(
         }
     };
     let mut vhs = vhs;
-    vhs.sort_by_key(|vh| ranges.get(vh).and_then(|rs| rs.first()).map_or(0, |r| r.0));
+    vhs.sort_by_cached_key(|vh| ranges.get(vh).and_then(|rs| rs.first()).map_or(0, |r| r.0));
     let mut out: Vec<Vec<u64>> = Vec::new();
     let mut span: Option<(u64, u64)> = None; // the current run's (start, end)
     // Why buffers did not join the one before them, for the log.
