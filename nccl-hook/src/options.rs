@@ -57,9 +57,11 @@ memsaver_allocator::declare_options! {
         /// when NCCL creates them from physical allocations of this size made ahead (chunks),
         /// so that even the first pause of nccl releases one allocation per chunk, not one per
         /// buffer, and each peer maps a chunk whole. A multiple of the device's allocation
-        /// granularity (2 MiB on H100 and H200); capped by MEMSAVER_NCCL_MERGE_MB; not with
-        /// NVLS (a carved buffer cannot be bound to a multicast object). 0 (the default):
-        /// each buffer has its own allocation until the first resume
+        /// granularity (2 MiB on H100 and H200), at least 32 MiB for NCCL's 2 MiB buffers to be
+        /// carved; capped by MEMSAVER_NCCL_MERGE_MB; not with NVLS (a carved buffer cannot be
+        /// bound to a multicast object). A chunk the driver cannot make (out of memory, a size
+        /// it refuses) turns chunks off for the process, with a warning. 0 (the default): each
+        /// buffer has its own allocation until the first resume
         NCCL_CHUNK_MB = "MEMSAVER_NCCL_CHUNK_MB", int(0, 1024, "MiB"), default "0", Library
             => /// Bytes: the size of the chunks NCCL's small buffers are carved from at
                /// their creation (the variable is in MiB; 0 turns chunks off).

@@ -300,25 +300,40 @@ fn create_in_chunk(size: u64, prop: &CUmemAllocationProp, create: fns::cuMemCrea
         && size <= chunk / 16
         && prop.location.type_ == CU_MEM_LOCATION_TYPE_DEVICE
         && prop.requestedHandleTypes & !CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR == 0;
-    if !eligible || !tokens::enabled() || memsaver_ipc::server::ensure_server().is_err() {
+    if !eligible
+        || CHUNKS_FAILED.load(std::sync::atomic::Ordering::Relaxed)
+        || !tokens::enabled()
+        || memsaver_ipc::server::ensure_server().is_err()
+    {
         return None;
     }
     let map = real::MAP()?;
+    let failed = std::cell::Cell::new(None);
     let make = |base: CUdeviceptr, len: u64| {
         let mut h = 0;
         // SAFETY: a valid out-pointer and the properties NCCL asked for.
-        if unsafe { create(&mut h, len as usize, prop, 0) } != CUDA_SUCCESS {
+        let r = unsafe { create(&mut h, len as usize, prop, 0) };
+        if r != CUDA_SUCCESS {
+            failed.set(Some(("cuMemCreate", r)));
             return None;
         }
         // SAFETY: `base` is memsaver's own space, nothing mapped there.
-        if unsafe { map(base, len as usize, 0, h, 0) } != CUDA_SUCCESS {
+        let r = unsafe { map(base, len as usize, 0, h, 0) };
+        if r != CUDA_SUCCESS {
+            failed.set(Some(("cuMemMap", r)));
             release_handle(Some(h));
             return None;
         }
         Some(h)
     };
     let mut reg = registry::lock();
-    let (base, at) = reg.carve_in_chunk(size, prop, chunk, reserve_space, make)?;
+    let carved = reg.carve_in_chunk(size, prop, chunk, reserve_space, make);
+    if let Some((call, code)) = failed.get() {
+        drop(reg);
+        chunks_failed(call, code, chunk);
+        return None;
+    }
+    let (base, at) = carved?;
     let mut p = Physical::created(reg.runs[&base].real, size, *prop, Kind::Device);
     p.run = Some(base);
     p.carved = Some(Carved {
@@ -330,6 +345,25 @@ fn create_in_chunk(size: u64, prop: &CUmemAllocationProp, create: fns::cuMemCrea
     CREATED.set((size as usize, vh));
     prepare_backup(vh, prop.location.id, size as usize);
     Some(vh)
+}
+
+/// Set once making a chunk failed: NCCL's buffers are then made alone for the rest of the
+/// process, instead of each small buffer trying (and failing) to make a chunk again.
+static CHUNKS_FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Making a chunk of `chunk` bytes failed in the driver's `call` with `code`: chunks are off
+/// from now on (said once; the buffer that asked is made alone, as every later one).
+fn chunks_failed(call: &str, code: CUresult, chunk: u64) {
+    if !CHUNKS_FAILED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            code,
+            "memsaver: making a chunk of {} MiB for NCCL's buffers failed ({call}: CUDA error \
+             {code}); NCCL's buffers get memory of their own from now on. Out of memory: set \
+             MEMSAVER_NCCL_CHUNK_MB lower or to 0; CUDA_ERROR_INVALID_VALUE: make it a multiple \
+             of the device's allocation granularity (2 MiB on H100 and H200)",
+            chunk >> 20
+        );
+    }
 }
 
 /// Address space for memsaver's ranges, reserved from the driver for the process's life.
@@ -368,7 +402,10 @@ fn reserve_carved(vh: u64, align: u64) -> Result<Option<CUdeviceptr>, CUresult> 
         return Err(r);
     }
     let size = p.size;
-    p.rebacked(h).map_err(|_| CUDA_ERROR_UNKNOWN)?;
+    if p.rebacked(h).is_err() {
+        release_handle(Some(h));
+        return Err(CUDA_ERROR_UNKNOWN);
+    }
     // Called from NCCL's wrapped call: a broken record is logged, never a panic.
     let Some(run) = reg.runs.get_mut(&base) else {
         tracing::error!(

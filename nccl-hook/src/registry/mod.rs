@@ -382,8 +382,11 @@ impl Registry {
 
     /// The live run whose mapping covers any of `[ptr, ptr + size)`.
     pub fn run_over(&mut self, ptr: CUdeviceptr, size: u64) -> Option<&mut Run> {
-        let (base, run) = self.runs.range_mut(..ptr + size).next_back()?;
-        (*base + run.size > ptr).then_some(run)
+        let (base, run) = self
+            .runs
+            .range_mut(..ptr.saturating_add(size))
+            .next_back()?;
+        (base.saturating_add(run.size) > ptr).then_some(run)
     }
 }
 

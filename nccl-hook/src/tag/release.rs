@@ -186,11 +186,12 @@ fn release_run(
         p.release()?;
         out.allocations += 1;
         out.bytes += p.size;
-        // A buffer NCCL unmapped but still holds has no piece: nothing of it to keep.
-        if let Some(piece) = pieces.remove(&vh) {
-            p.backup_len = piece.len as u64;
-            p.backup = piece.backup;
-        }
+        // A buffer NCCL holds but does not map (carved and not mapped yet, or unmapped and
+        // not released yet) has no piece: nothing of it is kept, and the backup an earlier
+        // pause left is dropped (the resume gives it fresh memory only).
+        let piece = pieces.remove(&vh);
+        p.backup_len = piece.as_ref().map_or(0, |piece| piece.len as u64);
+        p.backup = piece.and_then(|piece| piece.backup);
         if let Some(c) = unreserved {
             reg.free_range(c.at);
         }

@@ -91,10 +91,15 @@ fn restore(
                 access: Some(&rs[0].2),
             }]
         };
+        // A buffer NCCL holds but does not map (created and not mapped yet, or unmapped and
+        // not released yet: a pause released it with its run) gets fresh memory and nothing
+        // else: no backup was taken of it, and NCCL maps it before using it.
+        let unmapped = pl.is_empty();
         // Buffers backed up in part (`headers`) get zeros behind what comes back, as NCCL's
         // zeroed allocations had, and packed ones zeros where their blocks held nothing: one
         // fill over the unit, queued before its restores.
-        let partial = backup != Backup::Discard
+        let partial = !unmapped
+            && backup != Backup::Discard
             && unit.iter().zip(&pieces).any(|(vh, piece)| {
                 let p = &reg.physicals[vh];
                 p.backup_len < p.size || matches!(piece.backup, Some(HostBackup::Packed(..)))
@@ -110,8 +115,12 @@ fn restore(
                 } else {
                     Ok(())
                 };
-                let copied =
-                    filled.and_then(|()| pieces.iter().try_for_each(|piece| steps.copy_in(piece)));
+                let copied = filled.and_then(|()| {
+                    pieces
+                        .iter()
+                        .filter(|_| !unmapped)
+                        .try_for_each(|piece| steps.copy_in(piece))
+                });
                 total.queue_time += t1.elapsed();
                 match copied {
                     Ok(()) => Ok(h),
@@ -119,7 +128,7 @@ fn restore(
                         let _ = steps.finish(&dev);
                         // SAFETY: mapped just above; the stream was synchronised.
                         let _ = unsafe { steps.unmap(&dev, &pl) };
-                        steps.release(h, pl[0].ptr);
+                        steps.release(h, pl.first().map_or(0, |p| p.ptr));
                         Err(e)
                     }
                 }

@@ -81,9 +81,11 @@ unsafe fn open(cuda_lib: *const c_char) -> Result<Driver, c_int> {
 }
 
 /// Allocates `size` bytes on device 0 like NCCL's cuMem path, exporting a POSIX fd of it when
-/// `export` is nonzero (as NCCL does for buffers peers map). `export == 2` allocates host
-/// memory (`HOST_NUMA`, mapped for device 0) instead, as NCCL's shared-memory transport does.
-/// Returns 0 or an error code.
+/// `export` is 1 (as NCCL does for buffers peers map). `export == 2` allocates host memory
+/// (`HOST_NUMA`, mapped for device 0) instead, exported too, as NCCL's shared-memory transport
+/// does.
+/// `export == 3` only creates the device memory (NCCL between its `cuMemCreate` and its
+/// `cuMemMap`): `out.ptr` stays 0 until [`fake_nccl_map`]. Returns 0 or an error code.
 ///
 /// # Safety
 /// `cuda_lib` is NUL-terminated; `out` is a valid out-pointer.
@@ -94,8 +96,9 @@ pub unsafe extern "C" fn fake_nccl_alloc(
     export: c_int,
     out: *mut FakeNcclAlloc,
 ) -> c_int {
+    let (fd, host, mapped) = (matches!(export, 1 | 2), export == 2, export != 3);
     // SAFETY: per this function's contract.
-    match unsafe { alloc(cuda_lib, size, export != 0, export == 2) } {
+    match unsafe { alloc(cuda_lib, size, fd, host, mapped) } {
         Ok(a) => {
             // SAFETY: valid out-pointer.
             unsafe { *out = a };
@@ -112,6 +115,7 @@ unsafe fn alloc(
     size: usize,
     export_fd: bool,
     host: bool,
+    mapped: bool,
 ) -> Result<FakeNcclAlloc, c_int> {
     // SAFETY: per the caller's contract.
     let d = unsafe { open(cuda_lib) }?;
@@ -122,10 +126,11 @@ unsafe fn alloc(
         let retain: fns::cuDevicePrimaryCtxRetain = d.get(c"cuDevicePrimaryCtxRetain")?;
         let push: fns::cuCtxPushCurrent_v2 = d.get(c"cuCtxPushCurrent")?;
         let create: fns::cuMemCreate = d.get(c"cuMemCreate")?;
-        let reserve: fns::cuMemAddressReserve = d.get(c"cuMemAddressReserve")?;
-        let map: fns::cuMemMap = d.get(c"cuMemMap")?;
-        let access: fns::cuMemSetAccess = d.get(c"cuMemSetAccess")?;
         let export: fns::cuMemExportToShareableHandle = d.get(c"cuMemExportToShareableHandle")?;
+        // NCCL looks every driver function up at its start, before its first allocation.
+        let _: fns::cuMemAddressReserve = d.get(c"cuMemAddressReserve")?;
+        let _: fns::cuMemMap = d.get(c"cuMemMap")?;
+        let _: fns::cuMemSetAccess = d.get(c"cuMemSetAccess")?;
 
         ok(init(0))?;
         let mut ctx = std::ptr::null_mut();
@@ -151,17 +156,10 @@ unsafe fn alloc(
             ..Default::default()
         };
         ok(create(&mut a.handle, size, &prop, 0))?;
-        ok(reserve(&mut a.ptr, size, 0, 0, 0))?;
-        ok(map(a.ptr, size, 0, a.handle, 0))?;
-        let desc = CUmemAccessDesc {
-            location: CUmemLocation {
-                type_: CU_MEM_LOCATION_TYPE_DEVICE,
-                id: 0,
-            },
-            flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        ok(access(a.ptr, size, &desc, 1))?;
         a.exported_fd = -1;
+        if mapped {
+            place(&d, &mut a)?;
+        }
         if export_fd {
             let fd = (&mut a.exported_fd as *mut c_int).cast();
             ok(export(
@@ -173,6 +171,44 @@ unsafe fn alloc(
         }
         Ok(a)
     }
+}
+
+/// Reserves a range for the memory `a` holds, maps it there and grants device 0 access, as
+/// NCCL does after its `cuMemCreate`.
+///
+/// # Safety
+/// `a.handle` is a live handle of `a.size` bytes, not mapped.
+unsafe fn place(d: &Driver, a: &mut FakeNcclAlloc) -> Result<(), c_int> {
+    // SAFETY: each `get` names the CUDA signature of its function; every pointer passed to
+    // the driver points to a live local.
+    unsafe {
+        let reserve: fns::cuMemAddressReserve = d.get(c"cuMemAddressReserve")?;
+        let map: fns::cuMemMap = d.get(c"cuMemMap")?;
+        let access: fns::cuMemSetAccess = d.get(c"cuMemSetAccess")?;
+        ok(reserve(&mut a.ptr, a.size, 0, 0, 0))?;
+        ok(map(a.ptr, a.size, 0, a.handle, 0))?;
+        let desc = CUmemAccessDesc {
+            location: CUmemLocation {
+                type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                id: 0,
+            },
+            flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        ok(access(a.ptr, a.size, &desc, 1))
+    }
+}
+
+/// Maps the memory of `a` (from `fake_nccl_alloc` with `export == 3`): reserves, maps and
+/// grants device 0 access, setting `a.ptr`. Returns 0 or an error code.
+///
+/// # Safety
+/// `cuda_lib` is NUL-terminated; `a` came from `fake_nccl_alloc` with `export == 3` and was not
+/// mapped yet.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_nccl_map(cuda_lib: *const c_char, a: *mut FakeNcclAlloc) -> c_int {
+    // SAFETY: per this function's contract.
+    let r = unsafe { open(cuda_lib).and_then(|d| place(&d, &mut *a)) };
+    r.err().unwrap_or(0)
 }
 
 /// Imports a peer's buffer from `fd` like NCCL's P2P setup (import, close the fd, reserve,

@@ -321,6 +321,77 @@ fn buffers_carved_from_a_chunk_at_creation_pause_at_the_first_time_in_one_releas
     nothing_held(&mut job, before);
 }
 
+/// A buffer NCCL has created but not mapped yet when a pause comes (NCCL between its
+/// `cuMemCreate` and its `cuMemMap`, on another thread) is carved from its chunk, so the pause
+/// releases it with the chunk. The resume gives it fresh memory of its own, not mapped, and
+/// NCCL maps it afterwards; the buffers of the chunk that NCCL mapped keep their contents.
+/// (The resume indexed the unmapped buffer's places and panicked.)
+#[test]
+fn a_buffer_created_and_not_mapped_yet_when_its_chunk_pauses_is_mapped_after_the_resume() {
+    let dirs = Dirs::new();
+    let env = [
+        ("MEMSAVER_NCCL_CHUNK_MB", "64"),
+        ("FAKE_CUDA_FRESH", "junk"),
+    ];
+    let mut job = Job::start_with(1, 81, &dirs.fake, &dirs.rt, 10_000, &env);
+    job.all_ok("private 2 2");
+    let carved = job.used();
+    job.all_ok("hold 2");
+    job.all_ok("pwrite 3");
+    assert_eq!(
+        job.used(),
+        carved,
+        "the held buffer is carved from the same chunk"
+    );
+    job.all_ok("pause");
+    let floor = job.used();
+    assert_eq!(carved - floor, 64 * MIB, "the chunk is released whole");
+    job.all_ok("resume");
+    assert_eq!(
+        job.used() - floor,
+        3 * 2 * MIB,
+        "the two mapped buffers as one run, the held one alone"
+    );
+    job.all_ok("pcheck 3");
+    job.all_ok("mapheld");
+    job.all_ok("pwrite 4");
+    job.all_ok("pause");
+    job.all_ok("resume");
+    job.all_ok("pcheck 4");
+    job.all_ok("free");
+    assert_eq!(job.used(), floor, "nothing held");
+    let s = stats(&mut job);
+    assert_eq!(
+        (s["runs"].as_u64(), s["mappings"].as_u64()),
+        (Some(0), Some(0)),
+        "{s}"
+    );
+}
+
+/// A chunk the driver cannot make (out of memory here; a size it refuses alike) leaves
+/// NCCL's buffers their own memory, and turns chunks off for the process: the next small
+/// buffer does not try again (a chunk of 64 MiB would then be made).
+#[test]
+fn a_chunk_the_driver_cannot_make_turns_chunks_off_and_buffers_are_made_alone() {
+    let dirs = Dirs::new();
+    let env = [("MEMSAVER_NCCL_CHUNK_MB", "64")];
+    let mut job = Job::start_with(1, 82, &dirs.fake, &dirs.rt, 10_000, &env);
+    let before = job.used();
+    job.all_ok("failcreate 1");
+    job.all_ok("private 3 2");
+    let s = stats(&mut job);
+    assert_eq!(
+        (s["runs"].as_u64(), s["owned_handles"].as_u64()),
+        (Some(0), Some(3)),
+        "no chunk; three buffers of their own: {s}"
+    );
+    assert!(job.used() - before < 64 * MIB, "no chunk made");
+    job.all_ok("pwrite 2");
+    job.all_ok("pause");
+    job.all_ok("resume");
+    job.all_ok("pcheck 2");
+}
+
 /// A buffer given to a NIC after it joined a run (NCCL's network transport connecting after a
 /// resume) must stay resident, and with it the whole run: the next pause keeps the run, its
 /// peers still pause and resume, and a peer that asks for the buffers of that run again is

@@ -89,6 +89,7 @@ type LastError = unsafe extern "C" fn() -> *const c_char;
 type Export = unsafe extern "C" fn(*const c_char, *const FakeNcclAlloc) -> c_int;
 /// `fake_nccl_give_to_nic`: 0 or the driver's error code.
 type GiveToNic = unsafe extern "C" fn(*const c_char, u64, usize) -> c_int;
+type MapHeld = unsafe extern "C" fn(*const c_char, *mut FakeNcclAlloc) -> c_int;
 
 /// The pattern seed of private buffer `a` for `pwrite`/`pcheck SEED`: its own for each buffer.
 fn private_seed(seed: u64, a: &FakeNcclAlloc) -> u64 {
@@ -106,6 +107,7 @@ struct Rank {
     free: Free,
     export: Export,
     give_to_nic: GiveToNic,
+    map_held: MapHeld,
     pause: TagCall,
     resume: TagCall,
     last_error: LastError,
@@ -119,6 +121,8 @@ struct Rank {
     /// Buffers of `comms` exported to one peer each: (the peer, the buffer).
     peered: Vec<(usize, FakeNcclAlloc)>,
     extra_imports: Vec<FakeNcclAlloc>,
+    /// Buffers of `hold`: created, not mapped yet (NCCL between its create and its map).
+    held: Vec<FakeNcclAlloc>,
     counts: CallCounts,
     /// The fake driver's test controls: the Nth call of a kind from now fails.
     fail_reserve: extern "C" fn(u32) -> i32,
@@ -209,6 +213,31 @@ impl Rank {
                     } else {
                         self.private.push(Some(a));
                     }
+                }
+                Ok(String::new())
+            }
+            Some("hold") => {
+                // `hold MIB`: device memory created, not mapped (NCCL between its cuMemCreate
+                // and its cuMemMap); `mapheld` maps it and makes it a private buffer.
+                let mut a = FakeNcclAlloc::default();
+                // SAFETY: per the fake NCCL's contract.
+                let rc = unsafe {
+                    (self.alloc)(self.cuda.as_ptr(), (num(1)? << 20) as usize, 3, &mut a)
+                };
+                if rc != 0 {
+                    return Err(format!("alloc {rc}"));
+                }
+                self.held.push(a);
+                Ok(String::new())
+            }
+            Some("mapheld") => {
+                for mut a in std::mem::take(&mut self.held) {
+                    // SAFETY: created by `hold`, not mapped yet.
+                    let rc = unsafe { (self.map_held)(self.cuda.as_ptr(), &mut a) };
+                    if rc != 0 {
+                        return Err(format!("map {rc}"));
+                    }
+                    self.private.push(Some(a));
                 }
                 Ok(String::new())
             }
@@ -842,6 +871,7 @@ fn main() {
         free: sym(hn, c"fake_nccl_free"),
         export: sym(hn, c"fake_nccl_export"),
         give_to_nic: sym(hn, c"fake_nccl_give_to_nic"),
+        map_held: sym(hn, c"fake_nccl_map"),
         pause: sym(libc::RTLD_DEFAULT, c"memsaver_pause"),
         resume: sym(libc::RTLD_DEFAULT, c"memsaver_resume"),
         last_error: sym(libc::RTLD_DEFAULT, c"memsaver_last_error"),
@@ -852,6 +882,7 @@ fn main() {
         shared: Vec::new(),
         peered: Vec::new(),
         extra_imports: Vec::new(),
+        held: Vec::new(),
         counts: sym(hc, c"fakecuda_call_counts"),
         fail_reserve: sym(hc, c"fakecuda_fail_reserve_at"),
         fail_create: sym(hc, c"fakecuda_fail_create_at"),
