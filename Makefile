@@ -53,7 +53,7 @@ demo: build fake-cuda python
 	MEMSAVER_CUDA_LIB=$$lib $(VENV)/bin/memsaver demo && \
 	MEMSAVER_CUDA_LIB=$$lib $(VENV)/bin/memsaver demo docs/examples/verl_grpo.yaml -o target/demo
 
-# Everything CI runs. Each run gets its own fake-driver state directory, so concurrent runs
+# The tests CI runs (CI also runs `make lint` and `make test-install`: .ci/run). Each run gets its own fake-driver state directory, so concurrent runs
 # and other users of the fake driver do not see each other's memory. A test that cannot run on
 # this machine (not root, no compiler, no Chromium) says so (Rust: a "SKIPPED <test>: <why>"
 # line; pytest: its skip summary); MEMSAVER_REQUIRE_ALL_TESTS=1, set by CI, makes each such
@@ -198,8 +198,8 @@ abi:
 	WRITE_ABI_FILES=1 $(CARGO) test --release -p memsaver-shim --test abi_files
 
 # docs/options.md, generated from the option lists of every layer (allocator/src/options.rs,
-# nccl-hook/src/options.rs, torch-shim/src/options.rs: the registry; a test of torch-shim fails
-# when they differ).
+# ipc/src/options.rs, nccl-hook/src/options.rs, torch-shim/src/options.rs: the registry; a test
+# of torch-shim fails when they differ).
 options-doc:
 	WRITE_OPTIONS_DOC=1 $(CARGO) test --release -q -p memsaver-shim --lib \
 		options::tests::docs_options_md_is_generated_from_the_table

@@ -8,7 +8,7 @@
 //! tags:                      # every tag the stages name, with its policy
 //!   weights: {backup: cpu}
 //!   kv_cache: {backup: discard}  # discard, cpu, mmap or disk
-//!   nccl: {}                 # NCCL's own memory (always backed up)
+//!   nccl: {}                 # NCCL's own memory (backup: MEMSAVER_NCCL_BACKUP)
 //! stages:
 //!   wake:
 //!     - resume: [nccl, weights]

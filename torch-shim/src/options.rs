@@ -62,7 +62,7 @@ pub mod testing {
             /// the fake driver the `memsaver` command (demo, bench) falls back to when there is
             /// no GPU (`make test` sets it)
             FAKE_CUDA_LIB = "MEMSAVER_FAKE_CUDA_LIB", path,
-                unset "target/<profile>/../fake-cuda/libcuda.so.1", Testing;
+                unset "_fake/libcuda.so.1 beside libmemsaver.so (the wheel's), else target/fake-cuda/libcuda.so.1", Testing;
             /// the fake NCCL (tests/fake-nccl, not in the wheel) that `memsaver bench nccl
             /// --fake` and the tests load (`make test` sets it)
             FAKE_NCCL_LIB = "MEMSAVER_FAKE_NCCL_LIB", path,
@@ -111,7 +111,7 @@ pub fn validate_all() -> Vec<String> {
 const DOC_HEAD: &str = "\
 # Options
 
-<!-- Generated from the option list of each layer (allocator/src/options.rs, nccl-hook/src/options.rs, torch-shim/src/options.rs) by `make options-doc` (`memsaver options --markdown`); edit the lists there, not this file. -->
+<!-- Generated from the option list of each layer (allocator/src/options.rs, ipc/src/options.rs, nccl-hook/src/options.rs, torch-shim/src/options.rs) by `make options-doc` (`memsaver options` prints the same); edit the lists there, not this file. -->
 
 Every option is an environment variable. libmemsaver.so (the allocator, the NCCL hook and the C
 ABI) reads its options once, on first use; the Python package reads its own when it needs them.
