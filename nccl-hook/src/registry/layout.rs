@@ -101,6 +101,7 @@ impl Registry {
                 let size = OWN_ARENA.max(len.next_multiple_of(1 << 30));
                 let base = reserve(size, (1 << 30).max(align))?;
                 self.own_free.insert(base, size);
+                self.own_arenas.insert(base);
                 (base, size, base.next_multiple_of(align))
             }
         };
@@ -115,16 +116,20 @@ impl Registry {
         Some(at)
     }
 
-    /// Gives `[start, start + len)` back to the own arenas, merged with its free neighbours.
+    /// Gives `[start, start + len)` back to the own arenas, merged with its free neighbours in
+    /// the same arena (two arenas the driver placed side by side stay apart).
     fn give_back(&mut self, start: CUdeviceptr, len: u64) {
         let (mut start, mut len) = (start, len);
-        if let Some((&s, &l)) = self.own_free.range(..start).next_back()
+        if !self.own_arenas.contains(&start)
+            && let Some((&s, &l)) = self.own_free.range(..start).next_back()
             && s + l == start
         {
             self.own_free.remove(&s);
             (start, len) = (s, l + len);
         }
-        if let Some(next) = self.own_free.remove(&(start + len)) {
+        if !self.own_arenas.contains(&(start + len))
+            && let Some(next) = self.own_free.remove(&(start + len))
+        {
             len += next;
         }
         self.own_free.insert(start, len);
@@ -242,6 +247,33 @@ mod tests {
         assert_eq!((arenas.get(), big), (2, 2 * 0x1000_0000_0000));
         // No address space to be had: the caller asks the driver.
         assert_eq!(reg.carve_own(OWN_ARENA, m, |_, _| None), None);
+    }
+
+    /// Two arenas the driver placed side by side: space freed at the start of the second does
+    /// not merge with the free end of the first, so no buffer is carved across both (the
+    /// driver maps a range only inside one reservation).
+    #[test]
+    fn free_space_does_not_merge_across_arenas_side_by_side() {
+        let mut reg = Registry::default();
+        let x = 0x1000_0000_0000;
+        let arenas = std::cell::Cell::new(0u64);
+        let reserve = |size: u64, _| {
+            let at = x + arenas.get();
+            arenas.set(arenas.get() + size);
+            Some(at)
+        };
+        let m = 2 << 20;
+        assert_eq!(reg.carve_own(OWN_ARENA - m, m, reserve), Some(x));
+        // The first arena's last m is free; 2m do not fit there: the second arena, adjacent.
+        let second = reg.carve_own(2 * m, m, reserve).unwrap();
+        assert_eq!(second, x + OWN_ARENA);
+        assert!(reg.free_range(second));
+        let at = reg.carve_own(2 * m, m, |_, _| None).unwrap();
+        assert!(
+            at >= x + OWN_ARENA || at + 2 * m <= x + OWN_ARENA,
+            "carved across the two arenas at {at:#x}"
+        );
+        assert_eq!(reg.carve_own(m, m, |_, _| None), Some(x + OWN_ARENA - m));
     }
 
     /// Freeing a range whose lower neighbour is free makes one free range of both (the test

@@ -199,6 +199,9 @@ pub(crate) struct Registry {
     /// lowest address first, so that the buffers NCCL allocates one after another are adjacent and
     /// a resume can back them with one run, whatever else the process maps meanwhile.
     pub own_free: BTreeMap<CUdeviceptr, u64>,
+    /// Where each own arena starts: free space is never merged across the start of one, as
+    /// the driver maps a range only inside one reservation.
+    pub own_arenas: std::collections::BTreeSet<CUdeviceptr>,
     /// Ranges of memsaver's reservations handed to NCCL as its reservations: NCCL's own
     /// buffers' (from the own arenas) and its imports' (in the owners' layouts).
     pub handed: BTreeMap<CUdeviceptr, Handed>,
