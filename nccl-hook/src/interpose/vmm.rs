@@ -129,11 +129,15 @@ fn forget_backup(vh: u64) {
 /// retired instead: its importers map the whole run ([`registry::Retired`]).
 fn collect(reg: &mut registry::Registry, vh: u64) -> Option<Gone> {
     use memsaver_ipc::shared::{Delivery, forget};
-    let gone = reg.collect(vh);
-    if let Some(Gone::Run { retired, .. }) = &gone {
-        for id in retired {
+    let mut gone = reg.collect(vh);
+    if let Some(Gone::Run {
+        base, run, retired, ..
+    }) = &mut gone
+    {
+        for id in retired.iter() {
             forget(Delivery::Collective, *id);
         }
+        unmap_run(reg, *base, run);
     }
     if gone.as_ref().is_some_and(|g| g.physical().exported) && !reg.retired.contains_key(&vh) {
         forget(Delivery::Collective, vh);
@@ -151,7 +155,7 @@ fn release_real(gone: Option<Gone>) {
     match gone {
         Gone::Member(_) => {}
         Gone::Handle(p) => release_handle(p.real()),
-        Gone::Run { base, run, .. } => take_down_run(base, run),
+        Gone::Run { run, .. } => take_down_run(run),
     }
 }
 
@@ -175,10 +179,11 @@ fn release_handle(h: Option<Real>) {
     }
 }
 
-/// Unmaps a run (out of the registry) that no buffer uses any more, frees the reservations
-/// NCCL freed inside it and those memsaver made around it, gives its spare space back, and
-/// releases its driver handle. Call with the registry unlocked.
-fn take_down_run(base: CUdeviceptr, run: Run) {
+/// Unmaps a run that no buffer uses any more, just taken out of the registry `reg` (whose
+/// lock the caller holds from then until now, so that no range of the run is handed out again
+/// while it is still mapped), gives its spare space and the reservations of memsaver's that
+/// NCCL freed inside it back; `run.dead` keeps the driver's, for [`take_down_run`].
+fn unmap_run(reg: &mut registry::Registry, base: CUdeviceptr, run: &mut Run) {
     if let Some(unmap) = real::UNMAP() {
         // SAFETY: the run's mapping; NCCL has let go of every buffer in it.
         let r = unsafe { unmap(base, run.size as usize) };
@@ -186,17 +191,16 @@ fn take_down_run(base: CUdeviceptr, run: Run) {
             tracing::warn!(code = r, "cuMemUnmap of a run of NCCL's buffers failed");
         }
     }
-    let drivers: Vec<(u64, u64)> = {
-        let mut reg = registry::lock();
-        reg.run_unmapped(base, &run);
-        let dead = run
-            .dead
-            .into_iter()
-            .filter(|(ptr, _)| !reg.free_range(*ptr));
-        dead.chain(run.around).collect()
-    };
+    reg.run_unmapped(base, run);
+    run.dead.retain(|(ptr, _)| !reg.free_range(*ptr));
+}
+
+/// After [`unmap_run`], with the registry unlocked: frees the reservations of the driver's
+/// that NCCL freed inside the run and those memsaver made around it, and releases the run's
+/// driver handle.
+fn take_down_run(run: Run) {
     if let Some(free) = real::FREE() {
-        for (ptr, size) in drivers {
+        for (ptr, size) in run.dead.into_iter().chain(run.around) {
             // SAFETY: a reservation NCCL freed while the run covered it.
             let r = unsafe { free(ptr, size as usize) };
             if r != CUDA_SUCCESS {
@@ -417,10 +421,11 @@ fn reserve_carved(vh: u64, align: u64) -> Result<Option<CUdeviceptr>, CUresult> 
     run.dead.push((c.at, size));
     run.live = run.live.saturating_sub(1);
     if run.live == 0
-        && let Some(run) = reg.runs.remove(&base)
+        && let Some(mut run) = reg.runs.remove(&base)
     {
+        unmap_run(&mut reg, base, &mut run);
         drop(reg);
-        take_down_run(base, run);
+        take_down_run(run);
     }
     Ok(None)
 }
