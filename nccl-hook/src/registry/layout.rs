@@ -77,22 +77,29 @@ impl Registry {
         align: u64,
         reserve: impl FnOnce(u64, u64) -> Option<CUdeviceptr>,
     ) -> Option<CUdeviceptr> {
-        let at = self.take_own(len, align, reserve)?;
+        let at = self.take_own(len, align, false, reserve)?;
         self.handed.insert(at, Handed { len, own: true });
         Some(at)
     }
 
     /// Takes `len` bytes aligned to `align` from the own arenas ([`Registry::carve_own`]),
-    /// without handing them to NCCL.
+    /// without handing them to NCCL. For a `chunk`, only space of its arena that no chunk had
+    /// before (above the arena's chunk floor, which it then raises).
     fn take_own(
         &mut self,
         len: u64,
         align: u64,
+        chunk: bool,
         reserve: impl FnOnce(u64, u64) -> Option<CUdeviceptr>,
     ) -> Option<CUdeviceptr> {
         let align = align.max(1);
+        let arenas = &self.own_arenas;
+        let floor = |start: CUdeviceptr| match arenas.range(..=start).next_back() {
+            Some((_, &floor)) if chunk => floor.max(start),
+            _ => start,
+        };
         let fits = |(start, free): (&CUdeviceptr, &u64)| {
-            let at = start.next_multiple_of(align);
+            let at = floor(*start).next_multiple_of(align);
             (at + len <= start + free).then_some((*start, *free, at))
         };
         let found = match self.own_free.iter().find_map(fits) {
@@ -101,11 +108,14 @@ impl Registry {
                 let size = OWN_ARENA.max(len.next_multiple_of(1 << 30));
                 let base = reserve(size, (1 << 30).max(align))?;
                 self.own_free.insert(base, size);
-                self.own_arenas.insert(base);
+                self.own_arenas.insert(base, base);
                 (base, size, base.next_multiple_of(align))
             }
         };
         let (start, free, at) = found;
+        if chunk && let Some((_, floor)) = self.own_arenas.range_mut(..=start).next_back() {
+            *floor = at + len;
+        }
         self.own_free.remove(&start);
         if at > start {
             self.own_free.insert(start, at - start);
@@ -120,14 +130,14 @@ impl Registry {
     /// the same arena (two arenas the driver placed side by side stay apart).
     fn give_back(&mut self, start: CUdeviceptr, len: u64) {
         let (mut start, mut len) = (start, len);
-        if !self.own_arenas.contains(&start)
+        if !self.own_arenas.contains_key(&start)
             && let Some((&s, &l)) = self.own_free.range(..start).next_back()
             && s + l == start
         {
             self.own_free.remove(&s);
             (start, len) = (s, l + len);
         }
-        if !self.own_arenas.contains(&(start + len))
+        if !self.own_arenas.contains_key(&(start + len))
             && let Some(next) = self.own_free.remove(&(start + len))
         {
             len += next;
@@ -180,7 +190,11 @@ impl Registry {
             return Some((base, at));
         }
         let size = chunk.max(len);
-        let base = self.take_own(size, size.next_power_of_two(), reserve)?;
+        // Never where a chunk was before: a peer may still map a chunk whose buffers were all
+        // freed here (its NCCL has not freed its imports yet), and a new chunk at that address
+        // would look to it like the old one, whose mapping its imports of the new one would
+        // then join.
+        let base = self.take_own(size, size.next_power_of_two(), true, reserve)?;
         let Some(real) = make(base, size) else {
             self.give_back(base, size);
             return None;
@@ -361,6 +375,26 @@ mod tests {
         let full = reg.carve_in_chunk(8 * m, &dev(0), chunk, reserve, |_, _| None);
         assert_eq!(full, None);
         assert_eq!(reg.own_free, free_before);
+        // Every buffer of the first chunk freed: its space is free again, for NCCL's buffers
+        // alone, but a new chunk never goes where a chunk was (a peer may still map the old
+        // one there).
+        for at in [a, b] {
+            reg.free_range(at);
+        }
+        let opened: Vec<u64> = reg.open_chunks.iter().map(|c| c.1).collect();
+        reg.open_chunks.clear();
+        let (again, _) = reg
+            .carve_in_chunk(m, &dev(0), chunk, reserve, make)
+            .unwrap();
+        assert!(
+            ![base, other, next].contains(&again) && !opened.contains(&again),
+            "a new chunk at {again:#x}, where one was"
+        );
+        assert_eq!(
+            reg.carve_own(chunk, m, reserve),
+            Some(base),
+            "alone: the lowest free"
+        );
     }
 
     #[test]

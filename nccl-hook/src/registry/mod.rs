@@ -199,9 +199,11 @@ pub(crate) struct Registry {
     /// lowest address first, so that the buffers NCCL allocates one after another are adjacent and
     /// a resume can back them with one run, whatever else the process maps meanwhile.
     pub own_free: BTreeMap<CUdeviceptr, u64>,
-    /// Where each own arena starts: free space is never merged across the start of one, as
-    /// the driver maps a range only inside one reservation.
-    pub own_arenas: std::collections::BTreeSet<CUdeviceptr>,
+    /// Where each own arena starts (free space is never merged across the start of one, as
+    /// the driver maps a range only inside one reservation), and its chunk floor: where the
+    /// last chunk made in it ends, above which the next chunk goes (never at an address a
+    /// chunk had before, [`Registry::carve_in_chunk`]).
+    pub own_arenas: BTreeMap<CUdeviceptr, CUdeviceptr>,
     /// Ranges of memsaver's reservations handed to NCCL as its reservations: NCCL's own
     /// buffers' (from the own arenas) and its imports' (in the owners' layouts).
     pub handed: BTreeMap<CUdeviceptr, Handed>,

@@ -392,6 +392,38 @@ fn a_chunk_the_driver_cannot_make_turns_chunks_off_and_buffers_are_made_alone() 
     job.all_ok("pcheck 2");
 }
 
+/// An owner frees every buffer of a chunk while a peer still holds its imports of them (the
+/// communicator destroyed on the owner first), then makes new buffers: their chunk may lie at
+/// the same address, and a new buffer that the peer imports where it imported nothing of the
+/// old chunk must be mapped from the new chunk, not joined to the peer's mapping of the old
+/// one (which would read and write memory the owner freed).
+#[test]
+fn an_import_of_a_new_chunk_at_an_old_chunks_address_does_not_join_the_old_mapping() {
+    let dirs = Dirs::new();
+    let env = [("MEMSAVER_NCCL_CHUNK_MB", "64")];
+    let mut job = Job::start_with(2, 83, &dirs.fake, &dirs.rt, 10_000, &env);
+    two_ranks_sharing(&mut job);
+    // Rank 1 lets go of everything (its imports of rank 0's chunk too); rank 0 keeps its
+    // imports of rank 1's old chunk.
+    job.ok(&[1], "free");
+    // Rank 1's new buffers, past where rank 0 imported anything of the old chunk; rank 0's
+    // buffers exported again (the exchange sends each rank's own and shared buffers).
+    job.ok(&[1], "private 9 2");
+    job.ok(&[1], "alloc 4");
+    job.ok(&[0], "ofree");
+    job.ok(&[0], "sfree 0");
+    job.ok(&[0], "sfree 1");
+    job.ok(&[0], "alloc 4");
+    job.ok(&[0], "write 1");
+    job.all_ok("exchange");
+    job.ok(&[1], "write 9");
+    job.ok(&[0], "check 1 9");
+    job.ok(&[1], "check 0 1");
+    job.all_ok("pause");
+    job.all_ok("resume");
+    job.ok(&[0], "check 1 9");
+}
+
 /// A buffer given to a NIC after it joined a run (NCCL's network transport connecting after a
 /// resume) must stay resident, and with it the whole run: the next pause keeps the run, its
 /// peers still pause and resume, and a peer that asks for the buffers of that run again is

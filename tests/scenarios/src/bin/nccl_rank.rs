@@ -786,6 +786,9 @@ impl Rank {
                 recvmsg::<UnixAddr>(s.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::empty())
                     .map_err(|e| e.to_string())?;
             let len = msg.bytes;
+            if len < 4 {
+                return Err("a peer closed the exchange without sending its buffers".into());
+            }
             let mut fds = Vec::new();
             for c in msg.cmsgs().map_err(|e| e.to_string())? {
                 if let ControlMessageOwned::ScmRights(f) = c {
