@@ -638,8 +638,10 @@ pub(super) mod tests {
     #[test]
     fn every_transition_the_state_does_not_allow_is_refused_and_changes_nothing() {
         type Transition = fn(&mut Physical) -> Result<(), BadTransition>;
-        let transitions: [(&str, Transition); 9] = [
+        let transitions: [(&str, Transition); 11] = [
             ("keep", |p| p.keep(Keep::ExportedRaw)),
+            ("rebacked", |p| p.rebacked(1)),
+            ("joined", |p| p.joined(1).map(|_| ())),
             ("release", |p| p.release().map(|_| ())),
             ("claim", Physical::claim),
             ("unclaim", Physical::unclaim),
@@ -663,6 +665,8 @@ pub(super) mod tests {
         // The allowed (state, transition) pairs; everything else must be refused.
         let allowed = [
             (State::Resident(7), "keep"),
+            (State::Resident(7), "rebacked"),
+            (State::Mapped(7, 1), "joined"),
             (State::Kept(7, Keep::Host), "keep"),
             (State::Resident(7), "release"),
             (State::Mapped(7, 1), "release"),
