@@ -254,6 +254,8 @@ def nccl_stats() -> dict[str, int | bool | str | dict[str, object] | None]:
     and why (``None`` when none did). ``runs``: physical allocations a resume made for several
     adjacent buffers each (see docs/nccl.md), and ``freed_held_bytes``: buffers NCCL freed inside
     one, whose memory goes back to the device with the run at the next pause.
+    ``chunk_spare_bytes``: memory chunks (``MEMSAVER_NCCL_CHUNK_MB``) hold ahead of NCCL, not
+    carved into buffers yet.
     ``bytes_copied_per_pause`` and ``bytes_copied_per_resume``: what the last pause copied to
     backups and the last resume back (only the blocks that hold something, where packed:
     ``MEMSAVER_PACK``).

@@ -425,10 +425,14 @@ pub struct NcclStats {
     /// Multicast (NVLS) objects created; they stay.
     pub multicast_objects: u64,
     pub mappings: u64,
-    /// Physical allocations a resume made for several adjacent buffers each, and the bytes of
-    /// buffers NCCL freed inside them, held until the next pause or until the run is unused.
+    /// Physical allocations a resume made for several adjacent buffers each (or chunks, made
+    /// ahead for NCCL's small buffers), and the bytes of buffers NCCL freed inside them, held
+    /// until the next pause or until the run is unused.
     pub runs: u64,
     pub freed_held_bytes: u64,
+    /// Bytes of chunks no buffer was carved from yet: the memory chunks commit ahead of NCCL
+    /// (`MEMSAVER_NCCL_CHUNK_MB`), not counted in `owned_bytes`.
+    pub chunk_spare_bytes: u64,
     /// Bytes the last pause copied to backups, and the last resume back from them (only the
     /// blocks that hold something, where packed: `MEMSAVER_PACK`).
     pub bytes_copied_per_pause: u64,
@@ -499,6 +503,12 @@ pub(crate) fn stats(hooked: bool, cumem_disabled: bool, paused: bool) -> NcclSta
     s.mappings = r.mappings.len() as u64;
     s.runs = r.runs.len() as u64;
     s.freed_held_bytes = r.runs.values().flat_map(|r| &r.dead).map(|d| d.1).sum();
+    s.chunk_spare_bytes = r
+        .runs
+        .values()
+        .filter_map(|r| r.spare)
+        .map(|(_, n)| n)
+        .sum();
     s
 }
 

@@ -286,6 +286,12 @@ fn buffers_carved_from_a_chunk_at_creation_pause_at_the_first_time_in_one_releas
         2 * 64 * MIB,
         "one chunk per rank, made ahead"
     );
+    let s = job.nccl_stats(0);
+    assert_eq!(
+        s["chunk_spare_bytes"].as_u64(),
+        Some(64 * MIB - s["owned_bytes"].as_u64().unwrap()),
+        "what the chunk holds ahead of NCCL: {s}"
+    );
     let c = calls(&mut job);
     assert_eq!(
         (c["create"], c["map"], c["set_access"], c["import"]),
