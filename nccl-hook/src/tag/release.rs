@@ -51,6 +51,29 @@ fn releasable(reg: &Registry, ranges: &Ranges) -> (Vec<u64>, Vec<u64>) {
     (own, imports)
 }
 
+/// Own runs NCCL maps none of the buffers of (a chunk whose buffers NCCL has made and not
+/// mapped yet), by device: a pause releases them whole too, as it does the runs of the
+/// buffers it releases. Runs with a buffer that must stay are kept (see [`releasable`]).
+fn unmapped_runs(reg: &Registry, ranges: &Ranges) -> BTreeMap<i32, Vec<u64>> {
+    let mut mapped = std::collections::HashSet::new();
+    let mut own: BTreeMap<u64, i32> = BTreeMap::new();
+    for (vh, p) in &reg.physicals {
+        let Some(base) = p.run else { continue };
+        if ranges.contains_key(vh) || p.kind != Kind::Device || p.pausable().is_err() {
+            mapped.insert(base);
+        } else {
+            own.insert(base, p.prop.location.id);
+        }
+    }
+    let mut out: BTreeMap<i32, Vec<u64>> = BTreeMap::new();
+    for (base, dev) in own {
+        if !mapped.contains(&base) && reg.runs.contains_key(&base) {
+            out.entry(dev).or_default().push(base);
+        }
+    }
+    out
+}
+
 /// What pause step 1 did.
 #[derive(Default)]
 pub(crate) struct Released {
@@ -277,9 +300,14 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
     let (own, imports) = releasable(&reg, &ranges);
     let own = by_device(&reg, &ranges, own);
     let imports = by_device(&reg, &ranges, imports);
+    let unmapped = unmapped_runs(&reg, &ranges);
     let mut out = Released::default();
-    let devices: std::collections::BTreeSet<i32> =
-        own.keys().chain(imports.keys()).copied().collect();
+    let devices: std::collections::BTreeSet<i32> = own
+        .keys()
+        .chain(imports.keys())
+        .chain(unmapped.keys())
+        .copied()
+        .collect();
     out.devices = devices.iter().copied().collect();
     let largest_disk = own
         .values()
@@ -344,7 +372,12 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
         out.queue_time += t.elapsed();
         let t = Instant::now();
         // Runs are released whole, each once the copies of all its buffers are done.
-        let mut runs: BTreeMap<u64, Vec<(u64, Piece)>> = BTreeMap::new();
+        let mut runs: BTreeMap<u64, Vec<(u64, Piece)>> = unmapped
+            .get(&dev)
+            .into_iter()
+            .flatten()
+            .map(|base| (*base, Vec::new()))
+            .collect();
         let mut singles = Vec::with_capacity(pieces.len());
         for (vh, piece) in pieces {
             match reg.physicals[&vh].run {

@@ -368,6 +368,30 @@ fn a_buffer_created_and_not_mapped_yet_when_its_chunk_pauses_is_mapped_after_the
     nothing_held(&mut job, floor);
 }
 
+/// A chunk none of whose buffers NCCL has mapped yet (its only buffer made on one thread when
+/// a pause comes on another) is released by the pause like any other: the memory it holds
+/// goes back to the device, and the buffer comes back as fresh memory NCCL then maps.
+#[test]
+fn a_chunk_whose_buffers_are_all_unmapped_is_released_by_a_pause() {
+    let dirs = Dirs::new();
+    let env = [("MEMSAVER_NCCL_CHUNK_MB", "64")];
+    let mut job = Job::start_with(1, 84, &dirs.fake, &dirs.rt, 10_000, &env);
+    let before = job.used();
+    job.all_ok("hold 2");
+    assert_eq!(job.used() - before, 64 * MIB, "a chunk made for it");
+    job.all_ok("pause");
+    assert_eq!(job.used(), before, "the chunk is released");
+    job.all_ok("resume");
+    assert_eq!(job.used() - before, 2 * MIB, "the buffer alone, fresh");
+    job.all_ok("mapheld");
+    job.all_ok("pwrite 6");
+    job.all_ok("pause");
+    job.all_ok("resume");
+    job.all_ok("pcheck 6");
+    job.all_ok("free");
+    nothing_held(&mut job, before);
+}
+
 /// A chunk the driver cannot make (out of memory here; a size it refuses alike) leaves
 /// NCCL's buffers their own memory, and turns chunks off for the process: the next small
 /// buffer does not try again (a chunk of 64 MiB would then be made).
