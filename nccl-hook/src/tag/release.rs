@@ -53,22 +53,26 @@ fn releasable(reg: &Registry, ranges: &Ranges) -> (Vec<u64>, Vec<u64>) {
 
 /// Own runs NCCL maps none of the buffers of (a chunk whose buffers NCCL has made and not
 /// mapped yet), by device: a pause releases them whole too, as it does the runs of the
-/// buffers it releases. Runs with a buffer that must stay are kept (see [`releasable`]).
-fn unmapped_runs(reg: &Registry, ranges: &Ranges) -> BTreeMap<i32, Vec<u64>> {
-    let mut mapped = std::collections::HashSet::new();
-    let mut own: BTreeMap<u64, i32> = BTreeMap::new();
-    for (vh, p) in &reg.physicals {
-        let Some(base) = p.run else { continue };
-        if ranges.contains_key(vh) || p.kind != Kind::Device || p.pausable().is_err() {
-            mapped.insert(base);
-        } else {
-            own.insert(base, p.prop.location.id);
-        }
-    }
+/// buffers it releases. Runs with a buffer that must stay are kept (see [`releasable`]). Costs
+/// a lookup per run; only such a run's buffers are looked for.
+fn unmapped_runs(reg: &Registry) -> BTreeMap<i32, Vec<u64>> {
     let mut out: BTreeMap<i32, Vec<u64>> = BTreeMap::new();
-    for (base, dev) in own {
-        if !mapped.contains(&base) && reg.runs.contains_key(&base) {
-            out.entry(dev).or_default().push(base);
+    for (&base, run) in &reg.runs {
+        // Runs of imports name their owner; a mapping of NCCL's in the run: released with it.
+        if run.source.is_some() || reg.mappings.range(base..base + run.size).next().is_some() {
+            continue;
+        }
+        let members: Vec<&registry::Physical> = reg
+            .physicals
+            .values()
+            .filter(|p| p.run == Some(base))
+            .collect();
+        if let Some(first) = members.first()
+            && members
+                .iter()
+                .all(|p| p.kind == Kind::Device && p.pausable().is_ok())
+        {
+            out.entry(first.prop.location.id).or_default().push(base);
         }
     }
     out
@@ -300,7 +304,7 @@ pub(crate) fn release_local(a: &'static Allocator, backup: Backup) -> Result<Rel
     let (own, imports) = releasable(&reg, &ranges);
     let own = by_device(&reg, &ranges, own);
     let imports = by_device(&reg, &ranges, imports);
-    let unmapped = unmapped_runs(&reg, &ranges);
+    let unmapped = unmapped_runs(&reg);
     let mut out = Released::default();
     let devices: std::collections::BTreeSet<i32> = own
         .keys()
