@@ -44,6 +44,18 @@ fn one_rank_with_a_run(group: u32, n: u64, env: &[(&str, &str)]) -> (Dirs, Job) 
     (dirs, job)
 }
 
+/// A job of `world` ranks whose NCCL buffers are carved from chunks of 64 MiB
+/// (`MEMSAVER_NCCL_CHUNK_MB`); fresh memory holds junk.
+fn job_with_chunks(world: usize, group: u32) -> (Dirs, Job) {
+    let dirs = Dirs::new();
+    let env = [
+        ("MEMSAVER_NCCL_CHUNK_MB", "64"),
+        ("FAKE_CUDA_FRESH", "junk"),
+    ];
+    let job = Job::start_with(world, group, &dirs.fake, &dirs.rt, 10_000, &env);
+    (dirs, job)
+}
+
 /// Each of two ranks allocates one shared buffer of 4 MiB and two more (which the other rank
 /// imports) and three private ones of 2 MiB; they trade and import each other's, and write
 /// their buffers (seed 1) and private buffers (seed 3).
@@ -272,12 +284,7 @@ fn an_importer_maps_its_owners_run_whole_and_nccls_free_path_gives_everything_ba
 /// sees its own buffers, and its free path gives everything back.
 #[test]
 fn buffers_carved_from_a_chunk_at_creation_pause_at_the_first_time_in_one_release() {
-    let dirs = Dirs::new();
-    let env = [
-        ("MEMSAVER_NCCL_CHUNK_MB", "64"),
-        ("FAKE_CUDA_FRESH", "junk"),
-    ];
-    let mut job = Job::start_with(2, 79, &dirs.fake, &dirs.rt, 10_000, &env);
+    let (_dirs, mut job) = job_with_chunks(2, 79);
     let before = job.used();
     two_ranks_sharing(&mut job);
     let allocated = job.used();
@@ -334,12 +341,7 @@ fn buffers_carved_from_a_chunk_at_creation_pause_at_the_first_time_in_one_releas
 /// (The resume indexed the unmapped buffer's places and panicked.)
 #[test]
 fn a_buffer_created_and_not_mapped_yet_when_its_chunk_pauses_is_mapped_after_the_resume() {
-    let dirs = Dirs::new();
-    let env = [
-        ("MEMSAVER_NCCL_CHUNK_MB", "64"),
-        ("FAKE_CUDA_FRESH", "junk"),
-    ];
-    let mut job = Job::start_with(1, 81, &dirs.fake, &dirs.rt, 10_000, &env);
+    let (_dirs, mut job) = job_with_chunks(1, 81);
     job.all_ok("private 2 2");
     let carved = job.used();
     job.all_ok("hold 2");
@@ -373,9 +375,7 @@ fn a_buffer_created_and_not_mapped_yet_when_its_chunk_pauses_is_mapped_after_the
 /// goes back to the device, and the buffer comes back as fresh memory NCCL then maps.
 #[test]
 fn a_chunk_whose_buffers_are_all_unmapped_is_released_by_a_pause() {
-    let dirs = Dirs::new();
-    let env = [("MEMSAVER_NCCL_CHUNK_MB", "64")];
-    let mut job = Job::start_with(1, 84, &dirs.fake, &dirs.rt, 10_000, &env);
+    let (_dirs, mut job) = job_with_chunks(1, 84);
     let before = job.used();
     job.all_ok("hold 2");
     assert_eq!(job.used() - before, 64 * MIB, "a chunk made for it");
@@ -397,9 +397,7 @@ fn a_chunk_whose_buffers_are_all_unmapped_is_released_by_a_pause() {
 /// buffer does not try again (a chunk of 64 MiB would then be made).
 #[test]
 fn a_chunk_the_driver_cannot_make_turns_chunks_off_and_buffers_are_made_alone() {
-    let dirs = Dirs::new();
-    let env = [("MEMSAVER_NCCL_CHUNK_MB", "64")];
-    let mut job = Job::start_with(1, 82, &dirs.fake, &dirs.rt, 10_000, &env);
+    let (_dirs, mut job) = job_with_chunks(1, 82);
     let before = job.used();
     job.all_ok("failcreate 1");
     job.all_ok("private 3 2");
@@ -423,9 +421,7 @@ fn a_chunk_the_driver_cannot_make_turns_chunks_off_and_buffers_are_made_alone() 
 /// one (which would read and write memory the owner freed).
 #[test]
 fn an_import_of_a_new_chunk_at_an_old_chunks_address_does_not_join_the_old_mapping() {
-    let dirs = Dirs::new();
-    let env = [("MEMSAVER_NCCL_CHUNK_MB", "64")];
-    let mut job = Job::start_with(2, 83, &dirs.fake, &dirs.rt, 10_000, &env);
+    let (_dirs, mut job) = job_with_chunks(2, 83);
     two_ranks_sharing(&mut job);
     // Rank 1 lets go of everything (its imports of rank 0's chunk too); rank 0 keeps its
     // imports of rank 1's old chunk.
